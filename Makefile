@@ -1,0 +1,28 @@
+# The two commands a newcomer needs are `make demo` and `make test`; both create the
+# virtual environment (.venv) when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test test-all lint demo bench-tree clean
+
+setup:
+	VENV=$(VENV) bash scripts/bootstrap.sh
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+demo: setup
+	$(VENV)/bin/hicache demo
+
+bench-tree: setup
+	$(PY) benchmarks/bench_tree.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The controller: host pool, LMDB tier, page index, transfers and the sidecar server."""

@@ -1,0 +1,1 @@
+"""Tree components: FULL, SWA and MAMBA, one module each."""

@@ -1,0 +1,113 @@
+"""Engine-side cache configuration: page size, window, device pool sizes and policies."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+from hicache.layout import ModelLayout
+from hicache.types import ConfigError
+
+
+class WritePolicy(enum.Enum):
+    """When device pages are backed up to the controller's host tier."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class PrefetchPolicy(enum.Enum):
+    """How long a load-back waits for pages still being read from disk."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+class EvictionPolicyKind(enum.Enum):
+    """Which device-tier leaf goes first when FULL tokens must be freed."""
+
+    LRU = "lru"
+    LEARNED = "learned"
+
+
+def _enum_field(enum_cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in enum_cls)
+        raise ConfigError(f"{name}={value!r} is not one of: {choices}") from None
+
+
+@dataclass
+class CacheConfig:
+    """What the engine-side cache needs to know; every size has its unit in its name.
+
+    ``full_slots`` and ``swa_slots`` are token slots (rounded down to whole pages);
+    ``mamba_slots`` are state slots. ``swa_slots`` defaults to ``full_slots``.
+    """
+
+    page_size: int = 16
+    sliding_window: int | None = None
+    full_slots: int = 16384
+    swa_slots: int | None = None
+    mamba_slots: int = 64
+    device: str = "cpu"
+    shared_memory: bool = False
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_through_threshold_hits: int = 2
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_timeout_s: float = 0.5
+    load_timeout_s: float = 10.0
+    eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
+    eviction_sample_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.write_policy = _enum_field(WritePolicy, self.write_policy, "write_policy")
+        self.prefetch_policy = _enum_field(PrefetchPolicy, self.prefetch_policy, "prefetch_policy")
+        self.eviction_policy = _enum_field(
+            EvictionPolicyKind, self.eviction_policy, "eviction_policy"
+        )
+        if self.swa_slots is None:
+            self.swa_slots = self.full_slots
+        self.validate()
+
+    def validate(self, layout: ModelLayout | None = None) -> None:
+        """Raise ConfigError naming the first bad value; with a layout, check both agree."""
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.full_slots < self.page_size:
+            raise ConfigError(
+                f"full_slots={self.full_slots} holds less than one page of {self.page_size} tokens"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.mamba_slots < 0:
+            raise ConfigError(f"mamba_slots must be >= 0, got {self.mamba_slots}")
+        if self.write_through_threshold_hits < 1:
+            raise ConfigError("write_through_threshold_hits must be >= 1")
+        for name in ("prefetch_timeout_s", "load_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.eviction_sample_size < 1:
+            raise ConfigError("eviction_sample_size must be >= 1")
+        if layout is None:
+            return
+        if layout.has_swa:
+            if self.sliding_window is None:
+                raise ConfigError("the layout has sliding-window layers: set sliding_window")
+            if self.swa_slots < self.page_size:
+                raise ConfigError(f"swa_slots={self.swa_slots} holds less than one page")
+        if layout.has_mamba and self.mamba_slots < 2:
+            raise ConfigError(
+                "the layout has Mamba layers: mamba_slots must be >= 2 (a request's state and "
+                "one cached state)"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,75 @@
+"""Token keys and the stable page hash chain.
+
+Tokens are held as little-endian int64 bytes, so that comparing a node's key with a
+query is one ``memcmp`` and cutting a page out of it is a slice. Storage keys chain:
+
+    h_0 = H(layout fingerprint ‖ extra_key)
+    h_i = H(h_{i-1} ‖ tokens of page i)
+
+with blake2b-128, so that equal prefixes under the same layout and namespace get equal
+hashes in every process, on every machine, across restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+TOKEN_BYTES = 8
+HASH_BYTES = 16
+_TOKEN_DTYPE = np.dtype("<i8")
+
+TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def token_array(tokens: TokenInput) -> np.ndarray:
+    """``tokens`` as a 1-D little-endian int64 array (no copy when it already is one)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+def token_bytes(tokens: TokenInput) -> bytes:
+    """The key bytes of ``tokens``."""
+    return token_array(tokens).tobytes()
+
+
+def bytes_to_tokens(key: bytes) -> np.ndarray:
+    return np.frombuffer(key, dtype=_TOKEN_DTYPE)
+
+
+def _h(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+
+
+def namespace_hash(fingerprint: bytes, extra_key: str | None) -> bytes:
+    """``h_0``: the seed of every chain in one (layout, namespace)."""
+    ns = b"" if extra_key is None else b"\x01" + extra_key.encode("utf-8")
+    return _h(b"hicache-ns|" + fingerprint + b"|" + ns)
+
+
+def chain_page_hashes(prev_hash: bytes, key: bytes, page_size: int) -> list[bytes]:
+    """Hashes of the whole pages of ``key`` (token bytes), chained from ``prev_hash``.
+
+    A tail shorter than a page gets no hash.
+    """
+    step = page_size * TOKEN_BYTES
+    out: list[bytes] = []
+    h = prev_hash
+    for off in range(0, len(key) - step + 1, step):
+        h = _h(h + key[off : off + step])
+        out.append(h)
+    return out
+
+
+def page_hashes(
+    tokens: TokenInput, fingerprint: bytes, page_size: int, extra_key: str | None = None
+) -> list[bytes]:
+    """The hash chain of every whole page of ``tokens`` in namespace ``extra_key``."""
+    return chain_page_hashes(namespace_hash(fingerprint, extra_key), token_bytes(tokens), page_size)

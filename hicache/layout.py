@@ -1,0 +1,215 @@
+"""The model's cache-relevant shape: which layers keep which kind of state, and its size."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hicache.types import ComponentType, ConfigError
+
+
+class LayerKind(enum.Enum):
+    FULL = "full"
+    SWA = "swa"
+    MAMBA = "mamba"
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stable name of a dtype, as used in fingerprints and on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dtype {name!r}; use one of {', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Which layers keep which state, and the shape of that state per token or per slot.
+
+    * full-attention and sliding-window layers keep K and V of shape
+      ``[num_kv_heads, head_dim]`` per token;
+    * Mamba layers keep a conv state ``[conv_dim, conv_kernel - 1]`` and an SSM state of
+      shape ``ssm_state_shape`` per state slot, in ``state_dtype``.
+    """
+
+    layer_kinds: tuple[LayerKind, ...]
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    conv_dim: int = 0
+    conv_kernel: int = 0
+    ssm_state_shape: tuple[int, ...] = ()
+    state_dtype: torch.dtype = torch.float32
+    model_id: str = "model"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        kinds = tuple(LayerKind(k) if not isinstance(k, LayerKind) else k for k in self.layer_kinds)
+        object.__setattr__(self, "layer_kinds", kinds)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "state_dtype", parse_dtype(self.state_dtype))
+        object.__setattr__(self, "ssm_state_shape", tuple(int(s) for s in self.ssm_state_shape))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first inconsistent field."""
+        if not self.layer_kinds:
+            raise ConfigError("layout has no layers; give layer_kinds, e.g. ('full', 'mamba')")
+        if LayerKind.FULL not in self.layer_kinds:
+            raise ConfigError(
+                "layout needs at least one full-attention layer: FULL KV is the backbone of "
+                "the cache tree"
+            )
+        if self.has_attention and (self.num_kv_heads <= 0 or self.head_dim <= 0):
+            raise ConfigError(
+                f"attention layers need num_kv_heads > 0 and head_dim > 0, got "
+                f"{self.num_kv_heads} and {self.head_dim}"
+            )
+        if self.has_mamba:
+            if self.conv_dim <= 0 or self.conv_kernel < 2:
+                raise ConfigError(
+                    f"Mamba layers need conv_dim > 0 and conv_kernel >= 2, got "
+                    f"{self.conv_dim} and {self.conv_kernel}"
+                )
+            if not self.ssm_state_shape or any(s <= 0 for s in self.ssm_state_shape):
+                raise ConfigError(
+                    f"Mamba layers need a positive ssm_state_shape, got {self.ssm_state_shape}"
+                )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+
+    # -- derived -------------------------------------------------------------------------
+
+    def layers_of(self, kind: LayerKind) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k is kind)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return self.layers_of(LayerKind.FULL)
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return self.layers_of(LayerKind.SWA)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return self.layers_of(LayerKind.MAMBA)
+
+    @property
+    def has_attention(self) -> bool:
+        return bool(self.full_layers or self.swa_layers)
+
+    @property
+    def has_swa(self) -> bool:
+        return bool(self.swa_layers)
+
+    @property
+    def has_mamba(self) -> bool:
+        return bool(self.mamba_layers)
+
+    @property
+    def components(self) -> tuple[ComponentType, ...]:
+        """The tree components this layout needs, FULL first."""
+        out = [ComponentType.FULL]
+        if self.has_swa:
+            out.append(ComponentType.SWA)
+        if self.has_mamba:
+            out.append(ComponentType.MAMBA)
+        return tuple(out)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def kv_bytes_per_token(self, kind: LayerKind) -> int:
+        """Bytes of K and V of one token across all layers of ``kind``."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return per_layer * len(self.layers_of(kind))
+
+    @property
+    def conv_state_bytes(self) -> int:
+        return math.prod(self.conv_state_shape) * self.state_dtype.itemsize
+
+    @property
+    def ssm_state_bytes(self) -> int:
+        return math.prod(self.ssm_state_shape) * self.state_dtype.itemsize
+
+    @property
+    def mamba_state_bytes(self) -> int:
+        """Bytes of one state slot (conv + SSM) across all Mamba layers."""
+        return (self.conv_state_bytes + self.ssm_state_bytes) * len(self.mamba_layers)
+
+    def page_bytes(self, component: ComponentType, page_size: int) -> int:
+        """Bytes of one page of ``component`` in the page-first host layout."""
+        if component is ComponentType.FULL:
+            return self.kv_bytes_per_token(LayerKind.FULL) * page_size
+        if component is ComponentType.SWA:
+            return self.kv_bytes_per_token(LayerKind.SWA) * page_size
+        return self.mamba_state_bytes
+
+    # -- identity ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """A msgpack/JSON-safe description, the inverse of :meth:`from_dict`."""
+        d = dataclasses.asdict(self)
+        d["layer_kinds"] = [k.value for k in self.layer_kinds]
+        d["dtype"] = dtype_name(self.dtype)
+        d["state_dtype"] = dtype_name(self.state_dtype)
+        d["ssm_state_shape"] = list(self.ssm_state_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelLayout:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown layout field(s) {sorted(unknown)}")
+        d = dict(d)
+        d["layer_kinds"] = tuple(LayerKind(k) for k in d["layer_kinds"])
+        d["ssm_state_shape"] = tuple(d.get("ssm_state_shape", ()))
+        return cls(**d)
+
+    def fingerprint(self, page_size: int) -> bytes:
+        """A 16-byte digest of everything that makes cached bytes of this layout usable.
+
+        It seeds every page hash chain, so caches of different layouts never share keys.
+        """
+        parts = [
+            "hicache-layout-v1",
+            self.model_id,
+            ",".join(k.value for k in self.layer_kinds),
+            str(self.num_kv_heads),
+            str(self.head_dim),
+            dtype_name(self.dtype),
+            str(self.conv_dim),
+            str(self.conv_kernel),
+            "x".join(map(str, self.ssm_state_shape)),
+            dtype_name(self.state_dtype),
+            str(self.tp_rank),
+            str(self.tp_size),
+            str(page_size),
+        ]
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=16).digest()

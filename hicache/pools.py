@@ -1,0 +1,299 @@
+"""Device pools: KV for full-attention and sliding-window layers, and Mamba state slots.
+
+Every pool is also its own page-granular allocator: a free list of pages with O(1)
+alloc/free per page, and a state byte per page so that a double free, or a free of a page
+that was never handed out, raises instead of corrupting the pool.
+
+Token slot ``s`` lives in page ``s // page_size``; a page's slots are contiguous. The KV
+storage of a pool is one tensor ``[2, layers, slots, kv_heads, head_dim]`` (K then V), so
+``k_layer(i)`` / ``v_layer(i)`` are ``[slots, heads, head_dim]`` views and the whole pool
+can be registered with a sidecar as one buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from hicache.config import CacheConfig
+from hicache.layout import LayerKind, ModelLayout, dtype_name
+from hicache.types import PoolExhaustedError, SlotStateError
+
+_FREE = 0
+_ALLOCATED = 1
+
+
+@dataclass(frozen=True)
+class SharedTensorInfo:
+    """How another process maps a pool tensor that lives in named shared memory."""
+
+    shm_name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"shm_name": self.shm_name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+class _TensorFactory:
+    """Allocates pool tensors on a device, or on the CPU in named shared memory."""
+
+    def __init__(self, device: str, shared: bool) -> None:
+        self.device = torch.device(device)
+        self.shared = shared and self.device.type == "cpu"
+        self.segments: list[shared_memory.SharedMemory] = []
+
+    def zeros(
+        self, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, SharedTensorInfo | None]:
+        if not self.shared:
+            return torch.zeros(shape, dtype=dtype, device=self.device), None
+        nbytes = max(1, math.prod(shape) * dtype.itemsize)
+        seg = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.segments.append(seg)
+        flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
+        flat.zero_()
+        tensor = flat.view(dtype).view(shape)
+        return tensor, SharedTensorInfo(seg.name, dtype_name(dtype), tuple(shape))
+
+
+class PageAllocator:
+    """A free list of ``num_pages`` pages of ``page_size`` slots each."""
+
+    def __init__(self, num_pages: int, page_size: int, name: str) -> None:
+        self.name = name
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._state = np.zeros(num_pages, dtype=np.uint8)
+        # A stack of free page ids: pops come from the end, pushes go to the end.
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = num_pages
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Total slots in the pool."""
+        return self.num_pages * self.page_size
+
+    def available(self) -> int:
+        """Free slots (tokens for KV pools, states for the Mamba pool)."""
+        return self._top * self.page_size
+
+    def available_pages(self) -> int:
+        return self._top
+
+    def allocated_pages(self) -> np.ndarray:
+        """Ids of all pages currently handed out (for leak checks)."""
+        return np.flatnonzero(self._state == _ALLOCATED)
+
+    def is_allocated(self, pages: np.ndarray) -> bool:
+        return bool(np.all(self._state[pages] == _ALLOCATED))
+
+    # -- alloc / free --------------------------------------------------------------------
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """Hand out ``n`` pages; raises PoolExhaustedError (changing nothing) if too few."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self._top:
+            raise PoolExhaustedError(
+                f"{self.name} pool: {n} pages requested, {self._top} free of {self.num_pages}"
+            )
+        self._top -= n
+        pages = self._free[self._top : self._top + n].copy()
+        self._state[pages] = _ALLOCATED
+        return pages
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Return pages to the pool; raises SlotStateError (changing nothing) on a bad page."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            return
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise SlotStateError(f"{self.name} pool: page id out of range in free")
+        if np.any(self._state[pages] != _ALLOCATED):
+            bad = pages[self._state[pages] != _ALLOCATED][:8].tolist()
+            raise SlotStateError(f"{self.name} pool: free of pages not allocated: {bad}")
+        if np.unique(pages).size != pages.size:
+            raise SlotStateError(f"{self.name} pool: the same page freed twice in one call")
+        self._state[pages] = _FREE
+        self._free[self._top : self._top + pages.size] = pages
+        self._top += pages.size
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
+        """All slots of the given pages, page by page."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if self.page_size == 1:
+            return pages.copy()
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+
+    def alloc_slots(self, num_tokens: int) -> np.ndarray:
+        """Slots for ``num_tokens`` tokens, in whole pages (the last page may be part-used).
+
+        Returns exactly ``num_tokens`` slots; the unused rest of the last page stays with
+        the caller until it frees that page.
+        """
+        pages = self.alloc_pages(-(-num_tokens // self.page_size))
+        return self.pages_to_slots(pages)[:num_tokens]
+
+    def slots_to_pages(self, slots: np.ndarray) -> np.ndarray:
+        """The distinct pages touched by ``slots``, in first-seen order."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if self.page_size == 1:
+            return slots.copy()
+        pages = slots // self.page_size
+        _, first = np.unique(pages, return_index=True)
+        return pages[np.sort(first)]
+
+    def free_slots(self, slots: np.ndarray) -> None:
+        """Free every page that ``slots`` touch (a part-used page is freed whole)."""
+        self.free_pages(self.slots_to_pages(slots))
+
+    def check_whole_pages(self, slots: np.ndarray) -> bool:
+        """True when ``slots`` are whole pages, each page's slots in order."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size % self.page_size:
+            return False
+        if self.page_size == 1 or slots.size == 0:
+            return True
+        rows = slots.reshape(-1, self.page_size)
+        return bool(
+            np.all(rows % self.page_size == np.arange(self.page_size))
+            and np.all(rows // self.page_size == rows[:, :1] // self.page_size)
+        )
+
+
+class KVPool(PageAllocator):
+    """K and V of one layer kind (full attention or sliding window), all its layers."""
+
+    def __init__(
+        self,
+        kind: LayerKind,
+        layout: ModelLayout,
+        num_slots: int,
+        page_size: int,
+        factory: _TensorFactory,
+    ) -> None:
+        super().__init__(num_slots // page_size, page_size, kind.value)
+        self.kind = kind
+        self.layers = layout.layers_of(kind)
+        shape = (2, len(self.layers), self.capacity, layout.num_kv_heads, layout.head_dim)
+        self.buffer, self.shared_info = factory.zeros(shape, layout.dtype)
+
+    def k_layer(self, i: int) -> torch.Tensor:
+        """K of the i-th layer of this kind, ``[slots, heads, head_dim]``."""
+        return self.buffer[0, i]
+
+    def v_layer(self, i: int) -> torch.Tensor:
+        return self.buffer[1, i]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class MambaPool(PageAllocator):
+    """Conv and SSM state slots of all Mamba layers (a page is one state slot)."""
+
+    def __init__(self, layout: ModelLayout, num_slots: int, factory: _TensorFactory) -> None:
+        super().__init__(num_slots, 1, "mamba")
+        n_layers = len(layout.mamba_layers)
+        self.conv, conv_info = factory.zeros(
+            (n_layers, num_slots, *layout.conv_state_shape), layout.state_dtype
+        )
+        self.ssm, ssm_info = factory.zeros(
+            (n_layers, num_slots, *layout.ssm_state_shape), layout.state_dtype
+        )
+        self.shared_info = (conv_info, ssm_info) if conv_info is not None else None
+
+    def alloc_state(self) -> int:
+        """One state slot; raises PoolExhaustedError when none is free."""
+        return int(self.alloc_pages(1)[0])
+
+    def free_state(self, slot: int) -> None:
+        self.free_pages(np.array([slot], dtype=np.int64))
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy the conv and SSM state of ``src_slot`` into ``dst_slot`` (all layers)."""
+        self.conv[:, dst_slot].copy_(self.conv[:, src_slot])
+        self.ssm[:, dst_slot].copy_(self.ssm[:, src_slot])
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.conv.numel() * self.conv.element_size()
+            + self.ssm.numel() * self.ssm.element_size()
+        )
+
+
+class DevicePools:
+    """The engine's device memory for the cache: FULL KV, SWA KV and Mamba state pools."""
+
+    def __init__(
+        self,
+        layout: ModelLayout,
+        config: CacheConfig,
+        full: KVPool,
+        swa: KVPool | None,
+        mamba: MambaPool | None,
+        factory: _TensorFactory,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.full = full
+        self.swa = swa
+        self.mamba = mamba
+        self._factory = factory
+
+    @classmethod
+    def allocate(cls, layout: ModelLayout, config: CacheConfig) -> DevicePools:
+        """Allocate every pool the layout needs on ``config.device``.
+
+        With ``config.shared_memory`` on a CPU device, the tensors live in named shared
+        memory so that a sidecar process can map them (see :meth:`shared_tensors`).
+        """
+        config.validate(layout)
+        factory = _TensorFactory(config.device, config.shared_memory)
+        ps = config.page_size
+        full = KVPool(LayerKind.FULL, layout, config.full_slots, ps, factory)
+        swa = (
+            KVPool(LayerKind.SWA, layout, config.swa_slots, ps, factory) if layout.has_swa else None
+        )
+        mamba = MambaPool(layout, config.mamba_slots, factory) if layout.has_mamba else None
+        return cls(layout, config, full, swa, mamba, factory)
+
+    def all(self) -> list[PageAllocator]:
+        return [p for p in (self.full, self.swa, self.mamba) if p is not None]
+
+    def free_counts(self) -> dict[str, int]:
+        """Free slots per pool, keyed by pool name: the numbers a leak check compares."""
+        return {p.name: p.available() for p in self.all()}
+
+    def shared_tensors(self) -> dict[str, dict]:
+        """Names, dtypes and shapes of the shared-memory pool tensors (CPU sharing only)."""
+        out: dict[str, dict] = {}
+        if self.full.shared_info is not None:
+            out["full"] = self.full.shared_info.to_dict()
+        if self.swa is not None and self.swa.shared_info is not None:
+            out["swa"] = self.swa.shared_info.to_dict()
+        if self.mamba is not None and self.mamba.shared_info is not None:
+            out["mamba_conv"] = self.mamba.shared_info[0].to_dict()
+            out["mamba_ssm"] = self.mamba.shared_info[1].to_dict()
+        return out
+
+    def close(self) -> None:
+        """Release shared-memory segments (the tensors must not be used afterwards)."""
+        for seg in self._factory.segments:
+            try:
+                seg.close()
+                seg.unlink()
+            except (FileNotFoundError, BufferError):
+                pass
+        self._factory.segments.clear()

@@ -1,0 +1,1 @@
+"""Triton copy kernels with torch reference versions (imported as hicache.kernels)."""

@@ -1,0 +1,115 @@
+"""Device pools and their page allocators."""
+
+import numpy as np
+import pytest
+import torch
+
+from hicache import CacheConfig, ConfigError, DevicePools, ModelLayout
+from hicache.pools import PageAllocator
+from hicache.types import PoolExhaustedError, SlotStateError
+
+
+def hybrid_layout() -> ModelLayout:
+    return ModelLayout(
+        ("full", "swa", "mamba", "full"),
+        num_kv_heads=2,
+        head_dim=8,
+        conv_dim=6,
+        conv_kernel=4,
+        ssm_state_shape=(2, 3, 4),
+    )
+
+
+def test_alloc_free_round_trip_restores_counts():
+    alloc = PageAllocator(num_pages=8, page_size=4, name="full")
+    pages = alloc.alloc_pages(3)
+    assert alloc.available() == 5 * 4
+    assert alloc.is_allocated(pages)
+    alloc.free_pages(pages)
+    assert alloc.available() == 32
+    assert alloc.allocated_pages().size == 0
+
+
+def test_double_free_and_foreign_free_raise_and_change_nothing():
+    alloc = PageAllocator(num_pages=4, page_size=2, name="full")
+    pages = alloc.alloc_pages(2)
+    alloc.free_pages(pages[:1])
+    with pytest.raises(SlotStateError):
+        alloc.free_pages(pages)  # pages[0] is already free
+    assert alloc.available_pages() == 3
+    with pytest.raises(SlotStateError):
+        alloc.free_pages(np.array([pages[1], pages[1]]))
+    with pytest.raises(SlotStateError):
+        alloc.free_pages(np.array([99]))
+    assert alloc.available_pages() == 3
+
+
+def test_exhaustion_raises_without_allocating():
+    alloc = PageAllocator(num_pages=2, page_size=16, name="full")
+    with pytest.raises(PoolExhaustedError):
+        alloc.alloc_pages(3)
+    assert alloc.available_pages() == 2
+
+
+def test_alloc_slots_is_page_granular():
+    alloc = PageAllocator(num_pages=8, page_size=4, name="full")
+    slots = alloc.alloc_slots(6)
+    assert slots.size == 6
+    assert alloc.available_pages() == 6
+    assert alloc.check_whole_pages(slots[:4])
+    alloc.free_slots(slots)  # frees the part-used second page too
+    assert alloc.available_pages() == 8
+
+
+def test_pools_for_hybrid_layout_have_the_right_shapes():
+    layout = hybrid_layout()
+    cfg = CacheConfig(page_size=4, sliding_window=8, full_slots=64, swa_slots=32, mamba_slots=5)
+    pools = DevicePools.allocate(layout, cfg)
+    assert pools.full.buffer.shape == (2, 2, 64, 2, 8)
+    assert pools.swa.buffer.shape == (2, 1, 32, 2, 8)
+    assert pools.mamba.conv.shape == (1, 5, 6, 3)
+    assert pools.mamba.ssm.shape == (1, 5, 2, 3, 4)
+    assert pools.free_counts() == {"full": 64, "swa": 32, "mamba": 5}
+    a, b = pools.mamba.alloc_state(), pools.mamba.alloc_state()
+    pools.mamba.conv[:, a] = 3.0
+    pools.mamba.copy_state(a, b)
+    assert torch.equal(pools.mamba.conv[:, b], pools.mamba.conv[:, a])
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="sliding_window"):
+        DevicePools.allocate(hybrid_layout(), CacheConfig(page_size=4, full_slots=64))
+    with pytest.raises(ConfigError, match="page_size"):
+        CacheConfig(page_size=0)
+    with pytest.raises(ConfigError, match="write_policy"):
+        CacheConfig(write_policy="sometimes")
+    with pytest.raises(ConfigError, match="full-attention"):
+        ModelLayout(("mamba",), conv_dim=4, conv_kernel=4, ssm_state_shape=(4,))
+
+
+def test_shared_memory_pools_are_visible_by_name():
+    from multiprocessing import shared_memory
+
+    layout = hybrid_layout()
+    cfg = CacheConfig(
+        page_size=4, sliding_window=8, full_slots=16, mamba_slots=2, shared_memory=True
+    )
+    pools = DevicePools.allocate(layout, cfg)
+    try:
+        pools.full.buffer[0, 0, 3] = 1.5
+        info = pools.shared_tensors()["full"]
+        seg = shared_memory.SharedMemory(name=info["shm_name"])
+        view = torch.frombuffer(seg.buf, dtype=torch.bfloat16).view(info["shape"])
+        assert view[0, 0, 3].eq(1.5).all()
+        del view
+        seg.close()
+    finally:
+        pools.close()
+
+
+def test_layout_fingerprint_separates_layouts():
+    a = hybrid_layout()
+    b = ModelLayout.from_dict({**a.to_dict(), "head_dim": 16})
+    assert a.fingerprint(16) != b.fingerprint(16)
+    assert a.fingerprint(16) != a.fingerprint(64)
+    assert ModelLayout.from_dict(a.to_dict()).fingerprint(16) == a.fingerprint(16)
