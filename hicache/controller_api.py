@@ -1,0 +1,163 @@
+"""The CacheController protocol: what the engine-side cache asks of the host and disk tiers.
+
+The same protocol is implemented in-process (``hicache.controller.LocalController``) and
+over ZeroMQ (``hicache.controller.client.SidecarController``). Pages are addressed by
+their chained page hash (see :mod:`hicache.keys`) and component; device memory is
+addressed by page id in a KV pool, or state slot in the Mamba pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from hicache.types import ComponentType, HicacheError
+
+if TYPE_CHECKING:
+    from hicache.layout import ModelLayout
+    from hicache.pools import DevicePools
+
+
+class Presence(enum.IntEnum):
+    """Where a page is, as answered by a lookup (the fastest tier holding it)."""
+
+    ABSENT = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """One page of one component in the host and disk tiers."""
+
+    component: ComponentType
+    page_hash: bytes
+
+    def storage_key(self) -> bytes:
+        """The LMDB key: page hash followed by the component tag byte."""
+        return self.page_hash + bytes((int(self.component),))
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """A page to move between a device pool and the controller.
+
+    ``device_index`` is a page id of the FULL or SWA pool, or a Mamba state slot.
+    ``parent_hash`` is the previous hash in the chain (``h_0`` for a first page); the
+    controller uses it to evict chains from the tail.
+    """
+
+    component: ComponentType
+    page_hash: bytes
+    parent_hash: bytes
+    device_index: int
+
+    @property
+    def key(self) -> PageKey:
+        return PageKey(self.component, self.page_hash)
+
+
+@dataclass
+class LookupResult:
+    """Per component, the presence of each page of the asked chain (``Presence`` values)."""
+
+    presence: dict[ComponentType, np.ndarray]
+
+    def leading(self, component: ComponentType, max_tier: Presence = Presence.DISK) -> int:
+        """How many leading pages of ``component`` are present at ``max_tier`` or faster."""
+        p = self.presence[component]
+        ok = (p != Presence.ABSENT) & (p <= max_tier)
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else int(p.size)
+
+
+@dataclass
+class PinReceipt:
+    """Pages pinned against eviction until unpinned or ``deadline`` (monotonic seconds)."""
+
+    pin_id: int
+    keys: list[PageKey]
+    deadline: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TransferHandle(Protocol):
+    """An asynchronous copy. ``done()`` never blocks; ``wait`` blocks up to ``timeout_s``."""
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True when the transfer finished successfully; False on failure or timeout."""
+        ...
+
+
+class CompletedTransfer:
+    """A transfer that finished before it was returned."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.ok
+
+
+class ControllerError(HicacheError):
+    """The controller could not do what was asked; the caller treats it as a miss."""
+
+
+class LoadQuotaExceeded(ControllerError):
+    """A load-back would exceed its quota of device memory or in-flight bytes."""
+
+
+@runtime_checkable
+class CacheController(Protocol):
+    """Host and disk tiers, shared by the engine workers of a node."""
+
+    def register(self, layout: ModelLayout, page_size: int, pools: DevicePools) -> None:
+        """Make the engine's device pools addressable; refuses a mismatched layout."""
+        ...
+
+    def lookup(
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+    ) -> LookupResult:
+        """Where each page of the chain ``page_hashes`` is, per component. Never blocks on
+        disk reads; never raises for a missing page."""
+        ...
+
+    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
+        """Copy device pages to the host tier (and on to disk by policy).
+
+        ``ready_event`` (a CUDA event) is waited on before the device pages are read. The
+        caller keeps the device pages allocated and unchanged until the handle is done.
+        Pages the controller already holds are not copied again.
+        """
+        ...
+
+    def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        """Pin pages for a load; None when any of them is absent (nothing pinned then)."""
+        ...
+
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
+        """Copy pinned pages (reading disk into host first where needed) into the device
+        slots of ``refs``. True when every byte arrived; False (or an exception) leaves the
+        device slots' contents undefined and the caller frees them."""
+        ...
+
+    def unpin(self, pin: PinReceipt) -> None:
+        """Release a pin; unpinning twice or after expiry is harmless."""
+        ...
+
+    def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
+        """Start reading disk pages into the host tier."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
