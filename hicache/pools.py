@@ -251,6 +251,7 @@ class DevicePools:
         self.swa = swa
         self.mamba = mamba
         self._factory = factory
+        self.full_to_swa = np.full(full.num_pages, -1, dtype=np.int64)
 
     @classmethod
     def allocate(cls, layout: ModelLayout, config: CacheConfig) -> DevicePools:
@@ -268,6 +269,58 @@ class DevicePools:
         )
         mamba = MambaPool(layout, config.mamba_slots, factory) if layout.has_mamba else None
         return cls(layout, config, full, swa, mamba, factory)
+
+    # -- FULL pages and the SWA pages that go with them ---------------------------------
+    #
+    # Every FULL page may have one SWA page: ``full_to_swa[p]`` (-1 when it has none, i.e.
+    # the sliding-window KV of those tokens was never written or has been freed). So an
+    # engine and the tree address SWA KV through FULL slots and never keep a second index.
+
+    def alloc_kv_pages(self, n: int) -> np.ndarray:
+        """``n`` FULL pages, each with a fresh SWA page when the layout has SWA layers.
+
+        All or nothing: raises PoolExhaustedError with both pools unchanged.
+        """
+        pages = self.full.alloc_pages(n)
+        if self.swa is not None:
+            try:
+                self.full_to_swa[pages] = self.swa.alloc_pages(n)
+            except Exception:
+                self.full.free_pages(pages)
+                raise
+        return pages
+
+    def alloc_swa_for(self, full_pages: np.ndarray) -> None:
+        """Give each of ``full_pages`` (which must have none) a fresh SWA page."""
+        full_pages = np.asarray(full_pages, dtype=np.int64)
+        if self.swa is None or full_pages.size == 0:
+            return
+        if np.any(self.full_to_swa[full_pages] >= 0):
+            raise SlotStateError("alloc_swa_for: a FULL page already has an SWA page")
+        self.full_to_swa[full_pages] = self.swa.alloc_pages(full_pages.size)
+
+    def free_swa_of(self, full_pages: np.ndarray) -> int:
+        """Free the SWA pages of ``full_pages`` (those that have one); returns slots freed."""
+        if self.swa is None:
+            return 0
+        full_pages = np.asarray(full_pages, dtype=np.int64)
+        swa = self.full_to_swa[full_pages]
+        swa = swa[swa >= 0]
+        self.swa.free_pages(swa)
+        self.full_to_swa[full_pages] = -1
+        return int(swa.size) * self.swa.page_size
+
+    def free_kv_pages(self, full_pages: np.ndarray) -> None:
+        """Free FULL pages together with their SWA pages."""
+        self.free_swa_of(full_pages)
+        self.full.free_pages(full_pages)
+
+    def swa_slots_of(self, full_slots: np.ndarray) -> np.ndarray:
+        """The SWA slot of each FULL slot (-1 where its page has no SWA page)."""
+        full_slots = np.asarray(full_slots, dtype=np.int64)
+        ps = self.full.page_size
+        swa_pages = self.full_to_swa[full_slots // ps]
+        return np.where(swa_pages >= 0, swa_pages * ps + full_slots % ps, -1)
 
     def all(self) -> list[PageAllocator]:
         return [p for p in (self.full, self.swa, self.mamba) if p is not None]

@@ -113,3 +113,24 @@ def test_layout_fingerprint_separates_layouts():
     assert a.fingerprint(16) != b.fingerprint(16)
     assert a.fingerprint(16) != a.fingerprint(64)
     assert ModelLayout.from_dict(a.to_dict()).fingerprint(16) == a.fingerprint(16)
+
+
+def test_swa_pages_follow_full_pages():
+    layout = hybrid_layout()
+    cfg = CacheConfig(page_size=4, sliding_window=8, full_slots=32, swa_slots=12, mamba_slots=2)
+    pools = DevicePools.allocate(layout, cfg)
+    pages = pools.alloc_kv_pages(3)
+    assert pools.free_counts() == {"full": 20, "swa": 0, "mamba": 2}
+    # No SWA page left: the FULL allocation is rolled back too.
+    with pytest.raises(PoolExhaustedError):
+        pools.alloc_kv_pages(1)
+    assert pools.full.available() == 20
+    slots = pools.full.pages_to_slots(pages)
+    swa = pools.swa_slots_of(slots)
+    assert (swa >= 0).all() and np.unique(swa).size == swa.size
+    assert pools.free_swa_of(pages[:2]) == 8
+    assert (pools.swa_slots_of(slots[:8]) == -1).all()
+    assert (pools.swa_slots_of(slots[8:]) == swa[8:]).all()
+    pools.alloc_swa_for(pages[:1])
+    pools.free_kv_pages(pages)
+    assert pools.free_counts() == {"full": 32, "swa": 12, "mamba": 2}
