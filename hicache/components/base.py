@@ -1,0 +1,147 @@
+"""The TreeComponent protocol: what each kind of cached state answers for the tree.
+
+The tree never asks which component it holds; it asks each component the same questions:
+does a match may end here, what does a lock cover, what happens on a split, what does an
+eviction free, what does a backup or a load-back move.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.controller_api import PageKey, PageRef
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.config import CacheConfig
+    from hicache.pools import DevicePools
+    from hicache.request import Request
+    from hicache.tree import ComponentData, RadixTree, TreeNode
+
+# A predicate over (index into the match path, candidate end in tokens).
+MatchCheck = Callable[[int, int], bool]
+
+
+@dataclass
+class LoadPlan:
+    """One load-back: bring the prefix ending at ``end_node`` to the device.
+
+    ``base_node`` is the deepest node whose FULL the caller already holds on the device
+    (locked); ``nodes`` are the nodes below it down to ``end_node``. Each component keeps
+    its own part of the plan in ``parts`` (by component index).
+    """
+
+    base_node: TreeNode
+    nodes: list[TreeNode]
+    end_node: TreeNode
+    parts: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.end_node.end
+
+
+@dataclass
+class LoadPrep:
+    """What one component allocated for a load: the pages to fill, and its own record."""
+
+    refs: list[PageRef]
+    allocated: Any = None
+
+
+class TreeComponent(ABC):
+    """One kind of cached state; one instance per cache, index ``idx`` into ``node.data``."""
+
+    ctype: ComponentType
+    #: Eviction priority on internal nodes: evicting a component also evicts every
+    #: component of equal or lower priority on that node.
+    priority: int
+    #: Only device leaves may lose this component (FULL); others can go from any node.
+    leaf_only: bool = False
+
+    def __init__(self, idx: int, tree: RadixTree, pools: DevicePools, config: CacheConfig) -> None:
+        self.idx = idx
+        self.tree = tree
+        self.pools = pools
+        self.config = config
+        self.page_size = config.page_size
+
+    # -- values --------------------------------------------------------------------------
+
+    @abstractmethod
+    def size(self, value: Any) -> int:
+        """Device amount held by ``value`` (tokens, or states for MAMBA)."""
+
+    @abstractmethod
+    def free(self, node: TreeNode, value: Any) -> int:
+        """Return ``value`` (just taken off ``node``) to its pool; returns the amount."""
+
+    @abstractmethod
+    def owned_pages(self, node: TreeNode, value: Any) -> np.ndarray:
+        """Pool page ids (or state slots) that ``value`` owns, for leak checks."""
+
+    @abstractmethod
+    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
+        """A node is cut after ``k_tokens``: move the prefix part of ``child`` (the old
+        node, keeping the suffix) into the fresh ``parent`` (value, locks, backed flag)."""
+
+    # -- match and locks -----------------------------------------------------------------
+
+    def match_check(self, path: Sequence[TreeNode]) -> MatchCheck | None:
+        """A predicate saying whether a match may end at a position on ``path`` (whose
+        nodes all hold FULL on the device); None when every position is fine."""
+        return None
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> Any:
+        """Lock what a user of the prefix ending at ``node`` needs; returns the receipt part."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode, part: Any) -> None:
+        """Undo exactly what ``lock`` took (``part`` is what it returned)."""
+
+    # -- tiers ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def backup_refs(self, node: TreeNode) -> list[PageRef]:
+        """Pages of ``node`` to copy to the controller (empty when it holds none)."""
+
+    def page_refs(self, node: TreeNode, device_indices: Sequence[int]) -> list[PageRef]:
+        """One PageRef of this component per page of ``node``, chained by page hash."""
+        hashes = self.tree.node_hashes(node)
+        parents = [self.tree.parent_hash(node), *hashes[:-1]]
+        return [
+            PageRef(self.ctype, h, p, int(d))
+            for h, p, d in zip(hashes, parents, device_indices, strict=True)
+        ]
+
+    def load_cut(self, end: int) -> int | None:
+        """A token position where nodes on a load path must be cut (None: nowhere)."""
+        return None
+
+    @abstractmethod
+    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
+        """Record in ``plan.parts`` what this component must load; return the page keys."""
+
+    @abstractmethod
+    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
+        """Allocate the device slots the load needs. Raises PoolExhaustedError having
+        allocated nothing when the pool is full."""
+
+    @abstractmethod
+    def finalize_load_back(
+        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
+    ) -> None:
+        """On success install what was loaded; on failure free what ``prepare`` allocated
+        and leave the request as it was (a slot it held before the call is kept)."""
+
+    def data(self, node: TreeNode) -> ComponentData:
+        return node.data[self.idx]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(idx={self.idx})"

@@ -1,0 +1,107 @@
+"""MAMBA: recurrent state. One fixed-size state, valid exactly at the node's end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.components.base import LoadPlan, LoadPrep, MatchCheck, TreeComponent
+from hicache.controller_api import PageKey, PageRef
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.request import Request
+    from hicache.tree import ComponentData, TreeNode
+
+
+class MambaComponent(TreeComponent):
+    """Value: a Mamba pool state slot holding the state after the node's last token."""
+
+    ctype = ComponentType.MAMBA
+    priority = 0
+
+    def size(self, value: int) -> int:
+        return 1
+
+    def free(self, node: TreeNode, value: int) -> int:
+        self.pools.mamba.free_state(value)
+        return 1
+
+    def owned_pages(self, node: TreeNode, value: int) -> np.ndarray:
+        return np.array([value], dtype=np.int64)
+
+    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
+        # The state belongs to the end of the span, which stays with the child.
+        parent.value = None
+        parent.lock_ref = 0
+        parent.backed = False
+
+    def match_check(self, path: Sequence[TreeNode]) -> MatchCheck:
+        idx = self.idx
+
+        def check(i: int, end: int) -> bool:
+            node = path[i]
+            return end == node.end and node.data[idx].value is not None
+
+        return check
+
+    def lock(self, node: TreeNode) -> bool:
+        if node.parent is None or node.data[self.idx].value is None:
+            return False
+        self.tree.inc_lock(node, self)
+        return True
+
+    def unlock(self, node: TreeNode, part: bool) -> None:
+        if part:
+            self.tree.dec_lock(node, self)
+
+    def state_ref(self, node: TreeNode, slot: int) -> PageRef:
+        """The state at ``node``'s end is stored under the hash of its last page."""
+        hashes = self.tree.node_hashes(node)
+        parent = hashes[-2] if len(hashes) > 1 else self.tree.parent_hash(node)
+        return PageRef(self.ctype, hashes[-1], parent, slot)
+
+    def backup_refs(self, node: TreeNode) -> list[PageRef]:
+        value = node.data[self.idx].value
+        return [] if value is None else [self.state_ref(node, value)]
+
+    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
+        node = plan.end_node
+        on_device = node.data[self.idx].value is not None
+        plan.parts[self.idx] = on_device
+        if on_device:
+            return []
+        return [PageKey(self.ctype, self.tree.node_hashes(node)[-1])]
+
+    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
+        node = plan.end_node
+        slot = self.pools.mamba.alloc_state()
+        if plan.parts[self.idx]:
+            # The state is on the device already: the request gets its own copy.
+            self.pools.mamba.copy_state(node.data[self.idx].value, slot)
+            return LoadPrep([], slot)
+        return LoadPrep([self.state_ref(node, slot)], slot)
+
+    def finalize_load_back(
+        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
+    ) -> None:
+        slot: int = prep.allocated
+        if not ok:
+            self.pools.mamba.free_state(slot)
+            return
+        if req is not None:
+            if req.mamba_slot is not None:
+                self.pools.mamba.free_state(req.mamba_slot)
+            req.mamba_slot = slot
+            return
+        node = plan.end_node
+        if node.data[self.idx].value is None and node.data[0].value is not None:
+            self.tree.set_value(node, self, slot)
+            node.data[self.idx].backed = True
+        else:
+            self.pools.mamba.free_state(slot)
+
+    def state_of(self, node: TreeNode) -> Any:
+        return node.data[self.idx].value

@@ -1,0 +1,131 @@
+"""SWA: sliding-window KV. Only the last ``sliding_window`` tokens before a match end matter.
+
+Value: the SWA page of each FULL page of the node (``pools.full_to_swa`` holds the same
+mapping, which is how engines address SWA KV). A node without it is an SWA tombstone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.components.base import LoadPlan, LoadPrep, MatchCheck, TreeComponent
+from hicache.controller_api import PageKey, PageRef
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.request import Request
+    from hicache.tree import ComponentData, TreeNode
+
+
+class SWAComponent(TreeComponent):
+    ctype = ComponentType.SWA
+    priority = 1
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.window = int(self.config.sliding_window)
+
+    def size(self, value: np.ndarray) -> int:
+        return int(value.size) * self.page_size
+
+    def _full_pages(self, node: TreeNode) -> np.ndarray:
+        full = node.data[0].value
+        return full[:: self.page_size] // self.page_size
+
+    def free(self, node: TreeNode, value: np.ndarray) -> int:
+        full_pages = self._full_pages(node)
+        assert np.array_equal(self.pools.full_to_swa[full_pages], value), "SWA mapping drifted"
+        return self.pools.free_swa_of(full_pages)
+
+    def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:
+        return value
+
+    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
+        if child.value is not None:
+            k = k_tokens // self.page_size
+            parent.value, child.value = child.value[:k], child.value[k:]
+        parent.lock_ref = child.lock_ref
+        parent.backed = child.backed
+
+    def match_check(self, path: Sequence[TreeNode]) -> MatchCheck:
+        """A match ending at ``end`` in ``path[i]`` needs SWA on every token of
+        ``[end - window, end)``: no tombstone may end after ``end - window``."""
+        gap_before = []
+        gap_end = 0
+        for node in path:
+            gap_before.append(gap_end)
+            if node.data[self.idx].value is None:
+                gap_end = node.end
+        window = self.window
+        idx = self.idx
+
+        def check(i: int, end: int) -> bool:
+            return path[i].data[idx].value is not None and max(0, end - window) >= gap_before[i]
+
+        return check
+
+    def lock(self, node: TreeNode) -> int:
+        """Lock the nodes covering the window that ends at ``node``; returns the boundary:
+        the locked nodes are exactly those between it and ``node``."""
+        covered = 0
+        while node.parent is not None:
+            if node.data[self.idx].value is None:
+                return node.end
+            self.tree.inc_lock(node, self)
+            covered += node.num_tokens
+            if covered >= self.window:
+                return node.start
+            node = node.parent
+        return 0
+
+    def unlock(self, node: TreeNode, boundary: int) -> None:
+        while node.parent is not None and node.start >= boundary:
+            self.tree.dec_lock(node, self)
+            node = node.parent
+
+    def backup_refs(self, node: TreeNode) -> list[PageRef]:
+        value = node.data[self.idx].value
+        return [] if value is None else self.page_refs(node, value.tolist())
+
+    def window_start(self, end: int) -> int:
+        """First token position (page aligned) of the window ending at ``end``."""
+        start = max(0, end - self.window)
+        return start - start % self.page_size
+
+    def load_cut(self, end: int) -> int | None:
+        return self.window_start(end)
+
+    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
+        start = self.window_start(plan.end)
+        need = [n for n in plan.nodes if n.start >= start and n.data[self.idx].value is None]
+        plan.parts[self.idx] = need
+        return [PageKey(self.ctype, h) for n in need for h in self.tree.node_hashes(n)]
+
+    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
+        need = plan.parts[self.idx]
+        pages = self.pools.swa.alloc_pages(sum(n.num_tokens for n in need) // self.page_size)
+        refs: list[PageRef] = []
+        off = 0
+        for n in need:
+            k = n.num_tokens // self.page_size
+            refs += self.page_refs(n, pages[off : off + k].tolist())
+            off += k
+        return LoadPrep(refs, pages)
+
+    def finalize_load_back(
+        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
+    ) -> None:
+        if not ok:
+            self.pools.swa.free_pages(prep.allocated)
+            return
+        off = 0
+        for n in plan.parts[self.idx]:
+            k = n.num_tokens // self.page_size
+            swa_pages = prep.allocated[off : off + k]
+            self.pools.full_to_swa[self._full_pages(n)] = swa_pages
+            self.tree.set_value(n, self, swa_pages)
+            n.data[self.idx].backed = True
+            off += k

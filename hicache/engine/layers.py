@@ -1,0 +1,225 @@
+"""The reference model's mixers: attention over pooled KV, and a Mamba2-style conv + SSM.
+
+Both work on a *group*: ``B`` requests that each bring ``n`` new tokens, as tensors
+``[B, n, ...]``. Every operation is per token and batch-invariant (see
+:mod:`hicache.engine.exact`), so a token's bits depend neither on ``B`` nor on ``n``.
+
+Attention reads every key and value back from the pool, including those of the tokens it
+has just written, so a prefix computed now and a prefix loaded from the cache are read
+through the same rounding to the pool's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hicache.engine import exact
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One attention layer; projections are ``[d_in, d_out]``."""
+
+    norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MambaWeights:
+    """One Mamba2-style layer (one group of B and C shared by all heads).
+
+    ``w_in`` projects to ``[z (d_inner) | xBC (conv_dim) | dt (heads)]``; ``a`` holds the
+    (negative) per-head decay rates.
+    """
+
+    norm: torch.Tensor
+    w_in: torch.Tensor
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor
+    dt_bias: torch.Tensor
+    a: torch.Tensor
+    d_skip: torch.Tensor
+    gate_norm: torch.Tensor
+    w_out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KeyAddressing:
+    """Where one layer kind writes and reads K/V for a group.
+
+    ``write_slots`` ``[B*n]``: pool slots of the new tokens, in group order.
+    ``key_slots`` ``[B, R, Lk]``: slots of the keys; ``R`` is 1 when all of a request's
+    queries share one key list (full attention) or ``n`` when each query has its own
+    (sliding window). Key index ``j`` is an absolute position (full attention) or the
+    offset inside the query's window (sliding window): either way it means the same
+    thing for a query in every chunking, which is what makes the fixed-order sums over
+    it chunking-invariant.
+    ``key_mask`` ``[B, n, Lk]``: which keys each query attends to.
+    """
+
+    write_slots: torch.Tensor
+    key_slots: torch.Tensor
+    key_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding with a table computed once per model."""
+
+    cos: torch.Tensor  # [max_positions, head_dim // 2]
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, head_dim: int, max_positions: int, theta: float, device: torch.device) -> Rope:
+        half = head_dim // 2
+        inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq
+        return cls(
+            cos=angles.cos().to(torch.float32).to(device),
+            sin=angles.sin().to(torch.float32).to(device),
+        )
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, n, heads..., head_dim]`` by the angles of ``positions [B, n]``."""
+        extra = x.dim() - 3
+        cos = self.cos[positions].view(*positions.shape, *([1] * extra), -1)
+        sin = self.sin[positions].view(*positions.shape, *([1] * extra), -1)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention(
+    x: torch.Tensor,
+    weights: AttentionWeights,
+    kv_buffer: torch.Tensor,
+    layer: int,
+    keys: KeyAddressing,
+    positions: torch.Tensor,
+    rope: Rope,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Attention of the group's tokens; writes their K/V into ``kv_buffer[:, layer]``.
+
+    ``x`` is the normalised input ``[B, n, d_model]``; returns ``[B, n, d_model]``.
+    """
+    batch, n, _ = x.shape
+    group = weights.wq.shape[1] // (num_kv_heads * head_dim)
+    q = exact.linear(x, weights.wq).view(batch, n, num_kv_heads, group, head_dim)
+    k = exact.linear(x, weights.wk).view(batch, n, num_kv_heads, head_dim)
+    v = exact.linear(x, weights.wv).view(batch, n, num_kv_heads, head_dim)
+    q = rope.apply(q, positions) * (head_dim**-0.5)
+    k = rope.apply(k, positions)
+
+    k_pool, v_pool = kv_buffer[0, layer], kv_buffer[1, layer]
+    k_pool.index_copy_(0, keys.write_slots, k.reshape(-1, num_kv_heads, head_dim).to(k_pool.dtype))
+    v_pool.index_copy_(0, keys.write_slots, v.reshape(-1, num_kv_heads, head_dim).to(v_pool.dtype))
+    # Read back through the pool's dtype: [B, R, Lk, kv_heads, 1, head_dim].
+    k_all = k_pool[keys.key_slots].to(torch.float32).unsqueeze(-2)
+    v_all = v_pool[keys.key_slots].to(torch.float32).unsqueeze(-2)
+
+    scores = exact.tree_sum(q.unsqueeze(2) * k_all, dim=-1)  # [B, n, Lk, kv_heads, group]
+    mask = keys.key_mask[..., None, None]
+    scores = torch.where(mask, scores, float("-inf"))
+    # max is exact in any order; every query sees at least its own token, so it is finite.
+    row_max = scores.amax(dim=2, keepdim=True)
+    probs = torch.where(mask, exact.exp(scores - row_max), 0.0)
+    denom = exact.tree_sum(probs, dim=2)  # [B, n, kv_heads, group]
+    numer = exact.tree_sum(probs.unsqueeze(-1) * v_all, dim=2)  # [..., head_dim]
+    out = (numer / denom.unsqueeze(-1)).reshape(batch, n, -1)
+    return exact.linear(out, weights.wo)
+
+
+@dataclass
+class MambaStep:
+    """What one Mamba layer produced for a group, besides its output.
+
+    ``conv_windows`` ``[B, K-1+n, conv_dim]``: the conv inputs, the old state first, so
+    the conv state after ``c`` new tokens is rows ``c .. c+K-2``.
+    ``ssm_states`` ``[B, n, heads, head_dim, state]``: the SSM state after each token.
+    """
+
+    conv_windows: torch.Tensor
+    ssm_states: torch.Tensor
+
+    def conv_state_after(self, row: int, c: int) -> torch.Tensor:
+        """The conv state ``[conv_dim, K-1]`` of group row ``row`` after ``c`` new tokens."""
+        k_minus_1 = self.conv_windows.shape[1] - self.ssm_states.shape[1]
+        return self.conv_windows[row, c : c + k_minus_1].transpose(0, 1)
+
+
+def mamba(
+    x: torch.Tensor,
+    weights: MambaWeights,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    layer: int,
+    state_slots: torch.Tensor,
+    dt_range: tuple[float, float],
+    norm_eps: float,
+) -> tuple[torch.Tensor, MambaStep]:
+    """A Mamba2-style layer over the group; reads and updates the states in ``state_slots``.
+
+    ``x`` is the normalised input ``[B, n, d_model]``; returns the output
+    ``[B, n, d_model]`` and the per-token states (for snapshots at page boundaries).
+    """
+    batch, n, _ = x.shape
+    heads, head_dim, state_size = ssm_pool.shape[2:]
+    d_inner = heads * head_dim
+    conv_dim, kernel = weights.conv_weight.shape
+    state_dtype = conv_pool.dtype
+
+    proj = exact.linear(x, weights.w_in)
+    z = proj[..., :d_inner]
+    xbc = proj[..., d_inner : d_inner + conv_dim]
+    dt_raw = proj[..., d_inner + conv_dim :]
+    if state_dtype != torch.float32:
+        # The conv state keeps inputs in the state dtype; round fresh ones the same way so
+        # a resumed sequence reads the same numbers as one computed in a single chunk.
+        xbc = xbc.to(state_dtype).to(torch.float32)
+
+    conv_state = conv_pool[layer, state_slots].to(torch.float32)  # [B, conv_dim, K-1]
+    window = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)  # [B, K-1+n, conv_dim]
+    conv = window[:, 0:n] * weights.conv_weight[:, 0]
+    for tap in range(1, kernel):
+        conv = conv + window[:, tap : tap + n] * weights.conv_weight[:, tap]
+    conv = exact.silu(conv + weights.conv_bias)
+    xs = conv[..., :d_inner].reshape(batch, n, heads, head_dim)
+    b_in = conv[..., d_inner : d_inner + state_size]
+    c_out = conv[..., d_inner + state_size :]
+
+    dt_min, dt_max = dt_range
+    dt = exact.sigmoid(dt_raw + weights.dt_bias) * (dt_max - dt_min) + dt_min  # [B, n, heads]
+    decay = exact.exp(dt * weights.a)
+    update = (dt.unsqueeze(-1) * xs).unsqueeze(-1) * b_in[:, :, None, None, :]
+
+    # The recurrence is sequential per token, so chunking cannot regroup it.
+    h = ssm_pool[layer, state_slots].to(torch.float32)  # [B, heads, head_dim, state]
+    states = []
+    for t in range(n):
+        h = h * decay[:, t, :, None, None]
+        h = h + update[:, t]
+        if state_dtype != torch.float32:
+            h = h.to(state_dtype).to(torch.float32)
+        states.append(h)
+    ssm_states = torch.stack(states, dim=1)  # [B, n, heads, head_dim, state]
+
+    conv_pool[layer, state_slots] = window[:, n:].transpose(1, 2).to(state_dtype)
+    ssm_pool[layer, state_slots] = h.to(state_dtype)
+
+    y = exact.tree_sum(ssm_states * c_out[:, :, None, None, :], dim=-1)
+    y = y + weights.d_skip[:, None] * xs
+    y = y.reshape(batch, n, d_inner) * exact.silu(z)
+    y = exact.rms_norm(y, weights.gate_norm, norm_eps)
+    return exact.linear(y, weights.w_out), MambaStep(window, ssm_states)
+
+
+def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``silu(x W_up) W_down`` on the normalised input."""
+    return exact.linear(exact.silu(exact.linear(x, w_up)), w_down)

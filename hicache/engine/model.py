@@ -1,0 +1,564 @@
+"""The reference engine's model: a tiny hybrid of full-attention, sliding-window and Mamba2 layers.
+
+The model keeps no state of its own: all KV lives in the cache's :class:`DevicePools`
+(FULL KV at a token's FULL slot, SWA KV at ``pools.swa_slots_of`` of it) and all Mamba
+state in the request's state slot. A forward pass takes, per request, the new tokens,
+their positions, the FULL slots of *all* tokens so far and the Mamba slot, and returns
+float32 logits for the new tokens.
+
+Its arithmetic is batch-invariant by construction (:mod:`hicache.engine.exact`): the
+logits of a token are bit-identical whether its sequence was processed in one chunk, in
+page-aligned chunks, token by token, batched with other requests, or resumed from KV and
+state that were computed earlier in another chunking or loaded from the cache. This is
+what lets the engine compare a cached run with a cache-less one bit for bit.
+
+Mamba state at page boundaries: the cache keeps a Mamba state only at page-aligned
+sequence ends, so a scheduler ends prefill chunks on page boundaries and checkpoints
+after each. To checkpoint at page boundaries *inside* a multi-page chunk, ask for
+snapshots there (``SequenceChunk.mamba_snapshot_lengths``); for each boundary in order,
+write its snapshot into the request's slot (:meth:`MambaSnapshot.write_to`), record the
+tokens up to it and checkpoint; the last snapshot (at the chunk end) restores the final
+state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hicache.config import CacheConfig
+from hicache.engine import exact
+from hicache.engine.layers import (
+    AttentionWeights,
+    KeyAddressing,
+    MambaStep,
+    MambaWeights,
+    Rope,
+    attention,
+    mamba,
+    mlp,
+)
+from hicache.layout import LayerKind, ModelLayout
+from hicache.pools import DevicePools
+from hicache.types import ConfigError
+
+DEFAULT_KINDS: tuple[str, ...] = ("full", "swa", "mamba", "full")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's own dimensions; the cache-relevant ones live in :class:`ModelLayout`.
+
+    ``sliding_window`` (tokens) is required when the layout has sliding-window layers and
+    must equal the cache's ``CacheConfig.sliding_window``. ``max_positions`` bounds the
+    sequence length (the rotary table is built for it).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 32
+    q_heads_per_kv_head: int = 2
+    mlp_hidden: int = 64
+    sliding_window: int | None = None
+    max_positions: int = 32768
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    seed: int = 0
+
+    def validate(self, layout: ModelLayout) -> None:
+        """Raise ConfigError naming the first value that does not fit ``layout``."""
+        for name in ("vocab_size", "d_model", "q_heads_per_kv_head", "mlp_hidden"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_positions < 1:
+            raise ConfigError(f"max_positions must be >= 1, got {self.max_positions}")
+        if not 0 < self.dt_min < self.dt_max:
+            raise ConfigError(f"need 0 < dt_min < dt_max, got {self.dt_min}, {self.dt_max}")
+        if layout.has_swa and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(
+                "the layout has sliding-window layers: set ModelConfig.sliding_window (tokens)"
+            )
+        if layout.has_attention and layout.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {layout.head_dim}")
+        if layout.has_mamba:
+            mamba_dims(layout)
+
+
+def mamba_dims(layout: ModelLayout) -> tuple[int, int, int]:
+    """``(heads, head_dim, state_size)`` of the layout's Mamba2 layers.
+
+    The SSM state is ``[heads, head_dim, state_size]`` and the conv runs over
+    ``x, B, C``, so ``conv_dim == heads * head_dim + 2 * state_size``.
+    """
+    shape = layout.ssm_state_shape
+    if len(shape) != 3:
+        raise ConfigError(
+            f"the reference model needs ssm_state_shape (heads, head_dim, state_size), got {shape}"
+        )
+    heads, head_dim, state_size = shape
+    if layout.conv_dim != heads * head_dim + 2 * state_size:
+        raise ConfigError(
+            f"conv_dim must be heads*head_dim + 2*state_size = "
+            f"{heads * head_dim + 2 * state_size} for ssm_state_shape {shape}, "
+            f"got {layout.conv_dim}"
+        )
+    return heads, head_dim, state_size
+
+
+def tiny_hybrid_layout(
+    kinds: Sequence[str | LayerKind] = DEFAULT_KINDS,
+    *,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    ssm_heads: int = 4,
+    ssm_head_dim: int = 8,
+    ssm_state_size: int = 8,
+    conv_kernel: int = 4,
+    dtype: torch.dtype | str = torch.bfloat16,
+    state_dtype: torch.dtype | str = torch.float32,
+    model_id: str = "hicache-tiny-hybrid",
+) -> ModelLayout:
+    """A small layout of the given layer kinds, consistent with the reference model."""
+    has_mamba = any(LayerKind(k) is LayerKind.MAMBA for k in kinds)
+    return ModelLayout(
+        tuple(kinds),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        conv_dim=ssm_heads * ssm_head_dim + 2 * ssm_state_size if has_mamba else 0,
+        conv_kernel=conv_kernel if has_mamba else 0,
+        ssm_state_shape=(ssm_heads, ssm_head_dim, ssm_state_size) if has_mamba else (),
+        state_dtype=state_dtype,
+        model_id=model_id,
+    )
+
+
+@dataclass(frozen=True)
+class TinyHybrid:
+    """A consistent layout, model config and cache config for tests and the demo."""
+
+    layout: ModelLayout
+    model_config: ModelConfig
+    cache_config: CacheConfig
+
+    def build(self) -> tuple[HybridModel, DevicePools]:
+        """A fresh model and freshly allocated (zeroed) pools."""
+        model = HybridModel(self.layout, self.model_config, device=self.cache_config.device)
+        return model, DevicePools.allocate(self.layout, self.cache_config)
+
+
+def tiny_hybrid(
+    kinds: Sequence[str | LayerKind] = DEFAULT_KINDS,
+    *,
+    page_size: int = 16,
+    sliding_window: int = 48,
+    full_slots: int = 8192,
+    mamba_slots: int = 64,
+    seed: int = 0,
+    **layout_overrides: object,
+) -> TinyHybrid:
+    """The default tiny hybrid: layout, model config and a CPU cache config that agree."""
+    layout = tiny_hybrid_layout(kinds, **layout_overrides)  # type: ignore[arg-type]
+    window = sliding_window if layout.has_swa else None
+    model_config = ModelConfig(sliding_window=window, seed=seed)
+    cache_config = CacheConfig(
+        page_size=page_size,
+        sliding_window=window,
+        full_slots=full_slots,
+        mamba_slots=mamba_slots if layout.has_mamba else 0,
+        seed=seed,
+    )
+    return TinyHybrid(layout, model_config, cache_config)
+
+
+@dataclass
+class MambaSnapshot:
+    """The Mamba state of all Mamba layers at one sequence length.
+
+    ``conv`` ``[mamba_layers, conv_dim, K-1]`` and ``ssm`` ``[mamba_layers, *ssm_state]``,
+    in the layout's state dtype: exactly the bytes the state slot held at that length.
+    """
+
+    length: int
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def write_to(self, pools: DevicePools, slot: int) -> None:
+        """Overwrite state slot ``slot`` with this snapshot."""
+        if pools.mamba is None:
+            raise ConfigError("these pools have no Mamba pool to write a snapshot into")
+        pools.mamba.conv[:, slot] = self.conv
+        pools.mamba.ssm[:, slot] = self.ssm
+
+
+@dataclass
+class SequenceChunk:
+    """The new tokens of one request for one forward pass.
+
+    ``kv_slots`` are the FULL slots of *all* the request's tokens so far, the new ones
+    last (their K/V is written there); ``positions`` must be ``len(kv_slots) - n ...
+    len(kv_slots) - 1``. ``mamba_slot`` is the request's state slot (required exactly
+    when the layout has Mamba layers); it holds the state at the start of the chunk and
+    is left holding the state at its end. ``mamba_snapshot_lengths``: sequence lengths in
+    ``(start, end]`` at which to return a copy of the Mamba state.
+    """
+
+    token_ids: torch.Tensor | Sequence[int]
+    positions: torch.Tensor | Sequence[int]
+    kv_slots: np.ndarray | torch.Tensor | Sequence[int]
+    mamba_slot: int | None = None
+    mamba_snapshot_lengths: Sequence[int] = ()
+
+
+@dataclass
+class ChunkOutput:
+    """Float32 logits ``[n, vocab]`` of the chunk's tokens, and the requested snapshots."""
+
+    logits: torch.Tensor
+    mamba_snapshots: dict[int, MambaSnapshot] = field(default_factory=dict)
+
+
+@dataclass
+class _Checked:
+    """A validated chunk: tokens and slots as int64 tensors on the model's device."""
+
+    tokens: torch.Tensor
+    start: int
+    full_slots: torch.Tensor
+    swa_slots: torch.Tensor | None  # SWA slots of positions max(0, start-W+1) .. end-1
+    swa_first: int
+    mamba_slot: int | None
+    snapshot_lengths: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.full_slots.numel()
+
+
+@dataclass(frozen=True)
+class _Layer:
+    kind: LayerKind
+    index_in_kind: int
+    mixer: AttentionWeights | MambaWeights
+    mlp_norm: torch.Tensor
+    mlp_up: torch.Tensor
+    mlp_down: torch.Tensor
+
+
+class HybridModel:
+    """A tiny hybrid model with random weights from ``config.seed``; state lives in pools.
+
+    Two models built from equal layouts and configs have bit-identical weights, in any
+    process on the same torch build.
+    """
+
+    def __init__(
+        self, layout: ModelLayout, config: ModelConfig | None = None, device: str = "cpu"
+    ) -> None:
+        config = config or ModelConfig()
+        config.validate(layout)
+        self.layout = layout
+        self.config = config
+        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(config.seed)
+        d = config.d_model
+
+        def dense(d_in: int, d_out: int) -> torch.Tensor:
+            w = torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in)
+            return w.to(self.device)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=self.device)
+
+        self.embedding = torch.randn(config.vocab_size, d, generator=gen).to(self.device)
+        layers = []
+        counters = dict.fromkeys(LayerKind, 0)
+        for kind in layout.layer_kinds:
+            mixer: AttentionWeights | MambaWeights
+            if kind is LayerKind.MAMBA:
+                mixer = self._mamba_weights(gen, dense, ones)
+            else:
+                q_dim = layout.num_kv_heads * config.q_heads_per_kv_head * layout.head_dim
+                kv_dim = layout.num_kv_heads * layout.head_dim
+                mixer = AttentionWeights(
+                    norm=ones(d),
+                    wq=dense(d, q_dim),
+                    wk=dense(d, kv_dim),
+                    wv=dense(d, kv_dim),
+                    wo=dense(q_dim, d),
+                )
+            layers.append(
+                _Layer(
+                    kind=kind,
+                    index_in_kind=counters[kind],
+                    mixer=mixer,
+                    mlp_norm=ones(d),
+                    mlp_up=dense(d, config.mlp_hidden),
+                    mlp_down=dense(config.mlp_hidden, d),
+                )
+            )
+            counters[kind] += 1
+        self.layers: tuple[_Layer, ...] = tuple(layers)
+        self.final_norm = ones(d)
+        self.lm_head = dense(d, config.vocab_size)
+        self.rope = Rope.build(
+            max(layout.head_dim, 2), config.max_positions, config.rope_theta, self.device
+        )
+
+    def _mamba_weights(
+        self,
+        gen: torch.Generator,
+        dense: Callable[[int, int], torch.Tensor],
+        ones: Callable[[int], torch.Tensor],
+    ) -> MambaWeights:
+        heads, head_dim, _ = mamba_dims(self.layout)
+        d_inner = heads * head_dim
+        conv_dim, kernel = self.layout.conv_dim, self.layout.conv_kernel
+        # Decay rates in [-16, -1]: with dt in [dt_min, dt_max] the state forgets slowly.
+        a = -(1.0 + 15.0 * torch.rand(heads, generator=gen))
+        return MambaWeights(
+            norm=ones(self.config.d_model),
+            w_in=dense(self.config.d_model, d_inner + conv_dim + heads),
+            conv_weight=(torch.randn(conv_dim, kernel, generator=gen) / math.sqrt(kernel)).to(
+                self.device
+            ),
+            conv_bias=(0.1 * torch.randn(conv_dim, generator=gen)).to(self.device),
+            dt_bias=torch.randn(heads, generator=gen).to(self.device),
+            a=a.to(self.device),
+            d_skip=ones(heads),
+            gate_norm=ones(d_inner),
+            w_out=dense(d_inner, self.config.d_model),
+        )
+
+    # -- public API ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        pools: DevicePools,
+        token_ids: torch.Tensor | Sequence[int],
+        positions: torch.Tensor | Sequence[int],
+        kv_slots: np.ndarray | torch.Tensor | Sequence[int],
+        mamba_slot: int | None = None,
+    ) -> torch.Tensor:
+        """Run one request's new tokens; returns their float32 logits ``[n, vocab]``.
+
+        Writes the tokens' K/V at their slots (the last ``n`` of ``kv_slots``) and
+        advances the state in ``mamba_slot``. See :class:`SequenceChunk` for the rules.
+        """
+        chunk = SequenceChunk(token_ids, positions, kv_slots, mamba_slot)
+        return self.forward_batch(pools, [chunk])[0].logits
+
+    def forward_batch(
+        self, pools: DevicePools, chunks: Sequence[SequenceChunk]
+    ) -> list[ChunkOutput]:
+        """Run several requests' chunks (e.g. one decode token each); one output per chunk.
+
+        Chunks with the same number of new tokens run together, vectorised; a request's
+        results are bit-identical to running it alone. The chunks must belong to distinct
+        requests (distinct new slots and Mamba slots).
+        """
+        self._check_pools(pools)
+        checked = [self._check_chunk(pools, c) for c in chunks]
+        if self.layout.has_mamba:
+            slots = [c.mamba_slot for c in checked]
+            if len(set(slots)) != len(slots):
+                raise ValueError(
+                    "two chunks in one batch share a Mamba slot; batch distinct requests only"
+                )
+        outputs: list[ChunkOutput | None] = [None] * len(checked)
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(checked):
+            by_length.setdefault(c.tokens.numel(), []).append(i)
+        for members in by_length.values():
+            group = [checked[i] for i in members]
+            for i, out in zip(members, self._forward_group(pools, group)):
+                outputs[i] = out
+        return outputs  # type: ignore[return-value]
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _check_pools(self, pools: DevicePools) -> None:
+        if pools.layout != self.layout:
+            raise ConfigError(
+                "the pools were allocated for another layout than the model's; allocate them "
+                "with DevicePools.allocate(model.layout, config)"
+            )
+        if self.layout.has_swa and pools.config.sliding_window != self.config.sliding_window:
+            raise ConfigError(
+                f"the cache's sliding_window ({pools.config.sliding_window}) differs from the "
+                f"model's ({self.config.sliding_window}); set both to the same number of tokens"
+            )
+
+    def _check_chunk(self, pools: DevicePools, chunk: SequenceChunk) -> _Checked:
+        tokens = torch.as_tensor(chunk.token_ids, dtype=torch.int64).reshape(-1)
+        full_slots = torch.as_tensor(np.asarray(chunk.kv_slots, dtype=np.int64)).reshape(-1)
+        n, end = tokens.numel(), full_slots.numel()
+        if n == 0:
+            raise ValueError("a chunk needs at least one new token")
+        if n > end:
+            raise ValueError(
+                f"kv_slots holds {end} slots but the chunk has {n} new tokens; pass the slots "
+                "of all tokens so far, the new ones last"
+            )
+        start = end - n
+        positions = torch.as_tensor(chunk.positions, dtype=torch.int64).reshape(-1)
+        if not torch.equal(positions, torch.arange(start, end)):
+            raise ValueError(
+                f"positions must be {start}..{end - 1} (the new tokens follow the {start} "
+                f"tokens whose slots come first in kv_slots), got {positions.tolist()[:8]}..."
+            )
+        if end > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {end} exceeds max_positions={self.config.max_positions}"
+            )
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        if int(full_slots.min()) < 0 or int(full_slots.max()) >= pools.full.capacity:
+            raise ValueError(f"kv_slots must be in [0, {pools.full.capacity})")
+
+        swa_slots, swa_first = None, 0
+        if self.layout.has_swa:
+            window = self.config.sliding_window
+            assert window is not None
+            swa_first = max(0, start - window + 1)
+            swa = pools.swa_slots_of(full_slots[swa_first:].numpy())
+            if np.any(swa < 0):
+                bad = swa_first + int(np.flatnonzero(swa < 0)[0])
+                raise ValueError(
+                    f"token {bad} is inside the sliding window of this chunk but its SWA page "
+                    "was freed or never allocated; only tokens before position "
+                    f"{swa_first} may lose their SWA pages"
+                )
+            swa_slots = torch.as_tensor(swa)
+
+        mamba_slot = chunk.mamba_slot
+        if self.layout.has_mamba:
+            assert pools.mamba is not None
+            if mamba_slot is None or not 0 <= mamba_slot < pools.mamba.capacity:
+                raise ValueError(
+                    f"the layout has Mamba layers: pass the request's state slot in "
+                    f"[0, {pools.mamba.capacity}), got {mamba_slot}"
+                )
+        elif mamba_slot is not None:
+            raise ValueError("the layout has no Mamba layers; pass mamba_slot=None")
+        lengths = tuple(sorted(set(int(x) for x in chunk.mamba_snapshot_lengths)))
+        if lengths and not self.layout.has_mamba:
+            raise ValueError("mamba_snapshot_lengths given but the layout has no Mamba layers")
+        if lengths and not (start < lengths[0] and lengths[-1] <= end):
+            raise ValueError(
+                f"mamba_snapshot_lengths must lie in ({start}, {end}], got {list(lengths)}"
+            )
+        return _Checked(
+            tokens.to(self.device),
+            start,
+            full_slots.to(self.device),
+            None if swa_slots is None else swa_slots.to(self.device),
+            swa_first,
+            mamba_slot,
+            lengths,
+        )
+
+    # -- the forward pass ----------------------------------------------------------------
+
+    def _forward_group(self, pools: DevicePools, group: list[_Checked]) -> list[ChunkOutput]:
+        tokens = torch.stack([c.tokens for c in group])  # [B, n]
+        positions = torch.stack([torch.arange(c.start, c.end, device=self.device) for c in group])
+        full_keys = self._full_addressing(group, positions) if self.layout.full_layers else None
+        swa_keys = self._swa_addressing(group, positions) if self.layout.has_swa else None
+        state_slots = (
+            torch.tensor([c.mamba_slot for c in group], device=self.device)
+            if self.layout.has_mamba
+            else None
+        )
+        mamba_steps: list[MambaStep] = []
+
+        hidden = self.embedding[tokens]  # [B, n, d_model]
+        for layer in self.layers:
+            x = exact.rms_norm(hidden, layer.mixer.norm, self.config.norm_eps)
+            if layer.kind is LayerKind.MAMBA:
+                assert pools.mamba is not None and state_slots is not None
+                out, step = mamba(
+                    x,
+                    layer.mixer,  # type: ignore[arg-type]
+                    pools.mamba.conv,
+                    pools.mamba.ssm,
+                    layer.index_in_kind,
+                    state_slots,
+                    (self.config.dt_min, self.config.dt_max),
+                    self.config.norm_eps,
+                )
+                mamba_steps.append(step)
+            else:
+                is_full = layer.kind is LayerKind.FULL
+                pool = pools.full if is_full else pools.swa
+                keys = full_keys if is_full else swa_keys
+                assert pool is not None and keys is not None
+                out = attention(
+                    x,
+                    layer.mixer,  # type: ignore[arg-type]
+                    pool.buffer,
+                    layer.index_in_kind,
+                    keys,
+                    positions,
+                    self.rope,
+                    self.layout.num_kv_heads,
+                    self.layout.head_dim,
+                )
+            hidden = hidden + out
+            x = exact.rms_norm(hidden, layer.mlp_norm, self.config.norm_eps)
+            hidden = hidden + mlp(x, layer.mlp_up, layer.mlp_down)
+
+        hidden = exact.rms_norm(hidden, self.final_norm, self.config.norm_eps)
+        logits = exact.linear(hidden, self.lm_head)  # [B, n, vocab]
+        return [
+            ChunkOutput(logits[row], self._snapshots(c, row, mamba_steps))
+            for row, c in enumerate(group)
+        ]
+
+    def _full_addressing(self, group: list[_Checked], positions: torch.Tensor) -> KeyAddressing:
+        """Keys at absolute positions ``0 .. max end - 1``, shared by a request's queries."""
+        longest = max(c.end for c in group)
+        key_slots = torch.stack(
+            [
+                # Pad with a valid slot; padded keys are masked for every query.
+                torch.cat([c.full_slots, c.full_slots[:1].expand(longest - c.end)])
+                for c in group
+            ]
+        ).unsqueeze(1)  # [B, 1, Lk]
+        key_pos = torch.arange(longest, device=self.device)
+        mask = key_pos <= positions.unsqueeze(-1)  # [B, n, Lk]
+        write = torch.cat([c.full_slots[c.start :] for c in group])
+        return KeyAddressing(write, key_slots, mask)
+
+    def _swa_addressing(self, group: list[_Checked], positions: torch.Tensor) -> KeyAddressing:
+        """Per query, the ``window`` keys ending at it; key index = offset in the window."""
+        window = self.config.sliding_window
+        assert window is not None
+        offsets = torch.arange(window, device=self.device)
+        key_pos = positions.unsqueeze(-1) - (window - 1) + offsets  # [B, n, W]
+        mask = key_pos >= 0
+        rows = []
+        for row, c in enumerate(group):
+            assert c.swa_slots is not None
+            local = (key_pos[row] - c.swa_first).clamp(min=0)
+            rows.append(c.swa_slots[local])
+        key_slots = torch.stack(rows)  # [B, n, W]
+        write = torch.cat([c.swa_slots[c.start - c.swa_first :] for c in group])  # type: ignore[index]
+        return KeyAddressing(write, key_slots, mask)
+
+    def _snapshots(
+        self, chunk: _Checked, row: int, steps: list[MambaStep]
+    ) -> dict[int, MambaSnapshot]:
+        dtype = self.layout.state_dtype
+        out = {}
+        for length in chunk.snapshot_lengths:
+            c = length - chunk.start
+            conv = torch.stack([s.conv_state_after(row, c) for s in steps]).to(dtype)
+            ssm = torch.stack([s.ssm_states[row, c - 1] for s in steps]).to(dtype)
+            out[length] = MambaSnapshot(length, conv.clone(), ssm.clone())
+        return out

@@ -1,0 +1,137 @@
+"""Small records the cache hands out: requests, match, evict and lock results."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hicache.keys import TokenInput, token_array
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.tree import TreeNode
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_receipt_ids = itertools.count(1)
+
+
+@dataclass
+class LockReceipt:
+    """What one ``lock`` took, so that ``unlock`` gives back exactly that.
+
+    ``parts`` holds each component's own record, by component index: FULL locked ``node``
+    to the root; SWA records the token position where its window lock stopped (the
+    boundary), MAMBA whether it locked ``node``'s state.
+    """
+
+    node: TreeNode
+    parts: dict[int, Any] = field(default_factory=dict)
+    receipt_id: int = field(default_factory=lambda: next(_receipt_ids))
+    released: bool = False
+
+
+class Request:
+    """The cache's record of what one engine request holds.
+
+    ``kv_slots`` are the FULL slots of the request's tokens in order: the first
+    ``prefix_len`` belong to the tree (locked by ``lock_receipt``), the rest to the request.
+    ``token_ids`` are the tokens whose KV (and state) the engine has computed.
+    ``mamba_slot`` is the request's own working state; ``mamba_ckpt_slot`` a copy of it
+    taken when ``mamba_ckpt_len`` tokens were computed (always page aligned).
+    """
+
+    def __init__(self, rid: str | int = "", extra_key: str | None = None) -> None:
+        self.rid = rid
+        self.extra_key = extra_key
+        self.token_ids: np.ndarray = _EMPTY
+        self.kv_slots: np.ndarray = _EMPTY
+        self.prefix_len = 0
+        self.last_node: TreeNode | None = None
+        self.lock_receipt: LockReceipt | None = None
+        self.mamba_slot: int | None = None
+        self.mamba_ckpt_slot: int | None = None
+        self.mamba_ckpt_len = 0
+        self.swa_released_upto = 0
+        self.finished = False
+
+    @property
+    def computed_len(self) -> int:
+        return int(self.token_ids.size)
+
+    def append_tokens(self, token_ids: TokenInput) -> None:
+        """Record tokens whose KV (and Mamba state) the engine has just computed."""
+        new = token_array(token_ids)
+        if self.token_ids.size + new.size > self.kv_slots.size:
+            raise ValueError(
+                f"request {self.rid}: {self.token_ids.size + new.size} tokens computed but only "
+                f"{self.kv_slots.size} slots allocated; call cache.alloc_tokens first"
+            )
+        self.token_ids = (
+            np.concatenate([self.token_ids, new]) if self.token_ids.size else new.copy()
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(rid={self.rid!r}, computed={self.computed_len}, slots={self.kv_slots.size}, "
+            f"prefix_len={self.prefix_len}, mamba_slot={self.mamba_slot})"
+        )
+
+
+@dataclass
+class MatchResult:
+    """The outcome of ``match_prefix``.
+
+    ``device_indices`` are the FULL slots of the first ``prefix_len`` tokens, usable now.
+    ``host_hit_len`` tokens after them can be loaded from the host tier, and
+    ``disk_hit_len`` tokens after those from disk; ``load_node`` is where ``load_back``
+    would end (None when there is nothing to load).
+    """
+
+    device_indices: torch.Tensor
+    prefix_len: int
+    last_node: TreeNode
+    host_hit_len: int = 0
+    disk_hit_len: int = 0
+    load_node: TreeNode | None = None
+    mamba_slot: int | None = None
+
+    @property
+    def total_hit_len(self) -> int:
+        return self.prefix_len + self.host_hit_len + self.disk_hit_len
+
+
+@dataclass
+class EvictResult:
+    """What an eviction actually freed on the device: tokens (FULL, SWA) and states."""
+
+    full_tokens: int = 0
+    swa_tokens: int = 0
+    mamba_states: int = 0
+
+    def add(self, component: ComponentType, amount: int) -> None:
+        if component is ComponentType.FULL:
+            self.full_tokens += amount
+        elif component is ComponentType.SWA:
+            self.swa_tokens += amount
+        else:
+            self.mamba_states += amount
+
+    def get(self, component: ComponentType) -> int:
+        return (self.full_tokens, self.swa_tokens, self.mamba_states)[int(component)]
+
+
+@dataclass
+class CacheStats:
+    """Evictable and protected device amounts per component (tokens; states for MAMBA),
+    the tokens cached on the device, and running counters."""
+
+    evictable: dict[ComponentType, int]
+    protected: dict[ComponentType, int]
+    total_tokens: int
+    host_only_tokens: int
+    num_nodes: int
+    counters: dict[str, int]

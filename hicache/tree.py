@@ -1,0 +1,544 @@
+"""The radix tree core: nodes, per-component data, split, locks, eviction and invariants.
+
+Keys are token bytes (see :mod:`hicache.keys`), always whole pages. Every node carries one
+:class:`ComponentData` per component of the layout. The tree keeps, per component, the
+evictable and protected device amounts and an eviction index (the leaf policy for FULL, an
+LRU list for the others), updated at the four places where they can change: a value is set
+or taken, and a lock count crosses zero.
+
+This module imports neither ZeroMQ nor LMDB; it moves no bytes between tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.components.base import TreeComponent
+from hicache.config import CacheConfig
+from hicache.eviction import LeafEvictionPolicy, LRUList
+from hicache.keys import TOKEN_BYTES, chain_page_hashes, namespace_hash
+from hicache.request import EvictResult, LockReceipt
+from hicache.types import ComponentType
+
+_node_ids = itertools.count(1)
+
+
+class ComponentData:
+    """One component's state on one node: device value, lock count, backed flag, LRU links.
+
+    ``backed`` means the controller (host or disk tier) holds this component's pages of
+    the node.
+    """
+
+    __slots__ = ("backed", "in_lru", "lock_ref", "lru_next", "lru_prev", "node", "value")
+
+    def __init__(self, node: TreeNode) -> None:
+        self.node = node
+        self.value: Any = None
+        self.lock_ref = 0
+        self.backed = False
+        self.lru_prev: ComponentData | None = None
+        self.lru_next: ComponentData | None = None
+        self.in_lru = False
+
+
+class TreeNode:
+    """A run of whole pages of tokens below ``parent``, starting at token ``start``."""
+
+    __slots__ = (
+        "children",
+        "data",
+        "device_children",
+        "hashes",
+        "hit_count",
+        "id",
+        "in_policy",
+        "key",
+        "last_access",
+        "parent",
+        "policy_state",
+        "start",
+    )
+
+    def __init__(self, parent: TreeNode | None, key: bytes, start: int, n_components: int) -> None:
+        self.id = next(_node_ids)
+        self.parent = parent
+        self.key = key
+        self.start = start
+        self.children: dict[bytes, TreeNode] = {}
+        self.data = [ComponentData(self) for _ in range(n_components)]
+        self.last_access = 0
+        self.hashes: list[bytes] | None = None
+        self.hit_count = 0
+        self.device_children = 0
+        self.in_policy = False
+        self.policy_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key) // TOKEN_BYTES
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def on_device(self) -> bool:
+        """FULL is on the device (the roots count as on the device)."""
+        return self.parent is None or self.data[0].value is not None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, [{self.start}, {self.end}), device={self.on_device})"
+
+
+class RadixTree:
+    """The unified radix tree over the device pools (no request or controller logic)."""
+
+    def __init__(
+        self,
+        components: Sequence[type[TreeComponent]],
+        config: CacheConfig,
+        pools: Any,
+        fingerprint: bytes,
+        leaf_policy: LeafEvictionPolicy,
+    ) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.page_bytes = config.page_size * TOKEN_BYTES
+        self.pools = pools
+        self.fingerprint = fingerprint
+        self.components: list[TreeComponent] = [
+            cls(i, self, pools, config) for i, cls in enumerate(components)
+        ]
+        self.full = self.components[0]
+        self.by_type = {c.ctype: c for c in self.components}
+        # Freeing order on a node: lowest priority first (aux data is addressed through FULL).
+        self.free_order = sorted(self.components, key=lambda c: c.priority)
+        self.leaf_policy = leaf_policy
+        self.aux_lru = {c.idx: LRUList() for c in self.components if not c.leaf_only}
+        self.evictable = {c.ctype: 0 for c in self.components}
+        self.protected = {c.ctype: 0 for c in self.components}
+        self.roots: dict[str | None, TreeNode] = {}
+        self.clock = 0
+
+    # -- namespaces and structure --------------------------------------------------------
+
+    def namespace_root(self, extra_key: str | None, create: bool = False) -> TreeNode | None:
+        root = self.roots.get(extra_key)
+        if root is None and create:
+            root = TreeNode(None, b"", 0, 0)
+            root.hashes = [namespace_hash(self.fingerprint, extra_key)]
+            root.policy_state = extra_key
+            self.roots[extra_key] = root
+        return root
+
+    def walk(
+        self, node: TreeNode, key: bytes, pos: int = 0
+    ) -> tuple[list[TreeNode], TreeNode | None, int]:
+        """Follow ``key[pos:]`` (``pos`` in bytes) down from ``node``.
+
+        Returns the nodes whose whole key matched, then the next node that matched only
+        partly (or None) and how many whole-page tokens of it matched.
+        """
+        path: list[TreeNode] = []
+        step = self.page_bytes
+        n = len(key)
+        while pos < n:
+            child = node.children.get(key[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            end = pos + len(ck)
+            if end <= n and key[pos:end] == ck:
+                path.append(child)
+                pos = end
+                node = child
+                continue
+            return path, child, self._common_tokens(ck, key, pos)
+        return path, None, 0
+
+    def _common_tokens(self, node_key: bytes, key: bytes, pos: int) -> int:
+        """Whole-page tokens shared by ``node_key`` and ``key[pos:]`` (at least one page)."""
+        count = min(len(node_key), len(key) - pos) // TOKEN_BYTES
+        a = np.frombuffer(node_key, dtype=np.int64, count=count)
+        b = np.frombuffer(key, dtype=np.int64, count=count, offset=pos)
+        diff = np.flatnonzero(a != b)
+        same = int(diff[0]) if diff.size else count
+        return same - same % self.page_size
+
+    def add_child(self, parent: TreeNode, key: bytes) -> TreeNode:
+        """A new node under ``parent`` holding no data yet."""
+        node = TreeNode(parent, key, parent.end, len(self.components))
+        node.last_access = self.clock
+        parent.children[key[: self.page_bytes]] = node
+        self.leaf_policy.on_insert(node)
+        return node
+
+    def split(self, node: TreeNode, k_tokens: int) -> TreeNode:
+        """Cut ``node`` after ``k_tokens``; returns the new parent holding the prefix.
+
+        ``node`` keeps its identity (lock receipts name it) and the suffix.
+        """
+        assert 0 < k_tokens < node.num_tokens and k_tokens % self.page_size == 0
+        parent = node.parent
+        cut = k_tokens * TOKEN_BYTES
+        new = TreeNode(parent, node.key[:cut], node.start, len(self.components))
+        new.last_access = node.last_access
+        new.hit_count = node.hit_count
+        parent.children[node.key[: self.page_bytes]] = new
+        node.key = node.key[cut:]
+        node.start += k_tokens
+        node.parent = new
+        new.children[node.key[: self.page_bytes]] = node
+        if node.hashes is not None:
+            pages = k_tokens // self.page_size
+            new.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
+        for comp in self.components:
+            cd, pcd = node.data[comp.idx], new.data[comp.idx]
+            before = comp.size(cd.value) if cd.value is not None else 0
+            comp.split(pcd, cd, k_tokens)
+            # The amounts move between nodes; only the totals are re-derived here.
+            after = sum(comp.size(x.value) for x in (cd, pcd) if x.value is not None)
+            assert after == before, f"{comp} split changed the device amount"
+            if pcd.value is not None and not comp.leaf_only:
+                lru = self.aux_lru[comp.idx]
+                if pcd.lock_ref == 0:
+                    if cd.in_lru:
+                        lru.insert_before(pcd, cd)
+                    else:
+                        lru.push_back(pcd)
+        if node.on_device:
+            new.device_children = 1
+        self._sync_amounts_after_split(new, node)
+        return new
+
+    def _sync_amounts_after_split(self, new: TreeNode, node: TreeNode) -> None:
+        # Locks of the prefix part equal the suffix's for FULL/SWA and are zero for MAMBA
+        # on the new parent; the evictable/protected split must follow.
+        for comp in self.components:
+            pcd, cd = new.data[comp.idx], node.data[comp.idx]
+            if pcd.value is None:
+                continue
+            if (pcd.lock_ref > 0) == (cd.lock_ref > 0):
+                continue
+            # The prefix part was counted with the suffix's lock state: move it across.
+            amount = comp.size(pcd.value)
+            if pcd.lock_ref == 0:
+                self.protected[comp.ctype] -= amount
+                self.evictable[comp.ctype] += amount
+            else:
+                self.evictable[comp.ctype] -= amount
+                self.protected[comp.ctype] += amount
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    def path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """Nodes from the namespace root's child down to ``node``."""
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def node_hashes(self, node: TreeNode) -> list[bytes]:
+        """The page hashes of ``node`` (computed once, from its parent's last hash)."""
+        if node.hashes is None:
+            parent = node.parent
+            prev = self.node_hashes(parent)[-1] if parent.parent else parent.hashes[0]
+            node.hashes = chain_page_hashes(prev, node.key, self.page_size)
+        return node.hashes
+
+    def parent_hash(self, node: TreeNode) -> bytes:
+        parent = node.parent
+        return self.node_hashes(parent)[-1] if parent.parent else parent.hashes[0]
+
+    # -- values and bookkeeping ----------------------------------------------------------
+
+    def set_value(self, node: TreeNode, comp: TreeComponent, value: Any) -> None:
+        """Give ``node`` a device value for ``comp`` (it must have none)."""
+        cd = node.data[comp.idx]
+        assert cd.value is None, f"{node} already holds {comp}"
+        cd.value = value
+        amount = comp.size(value)
+        if cd.lock_ref == 0:
+            self.evictable[comp.ctype] += amount
+        else:
+            self.protected[comp.ctype] += amount
+        if comp.leaf_only:
+            parent = node.parent
+            if parent.parent is not None:
+                parent.device_children += 1
+                self._refresh_leaf(parent)
+            self._refresh_leaf(node)
+        elif cd.lock_ref == 0:
+            self.aux_lru[comp.idx].push_back(cd)
+
+    def take_value(self, node: TreeNode, comp: TreeComponent) -> Any:
+        """Remove and return ``node``'s device value for ``comp`` (the caller frees it)."""
+        cd = node.data[comp.idx]
+        value = cd.value
+        assert value is not None, f"{node} holds no {comp}"
+        assert cd.lock_ref == 0, f"taking locked {comp} from {node}"
+        cd.value = None
+        self.evictable[comp.ctype] -= comp.size(value)
+        if comp.leaf_only:
+            self._refresh_leaf(node)
+            parent = node.parent
+            if parent.parent is not None:
+                parent.device_children -= 1
+                self._refresh_leaf(parent)
+        else:
+            self.aux_lru[comp.idx].remove(cd)
+        return value
+
+    def _refresh_leaf(self, node: TreeNode) -> None:
+        """Keep ``node``'s membership in the leaf policy equal to "evictable leaf"."""
+        cd = node.data[0]
+        want = cd.value is not None and cd.lock_ref == 0 and node.device_children == 0
+        if want and not node.in_policy:
+            node.in_policy = True
+            self.leaf_policy.add(node)
+        elif not want and node.in_policy:
+            node.in_policy = False
+            self.leaf_policy.remove(node)
+
+    def inc_lock(self, node: TreeNode, comp: TreeComponent) -> None:
+        cd = node.data[comp.idx]
+        assert cd.value is not None, f"locking {comp} on {node}, which holds none"
+        cd.lock_ref += 1
+        if cd.lock_ref == 1:
+            amount = comp.size(cd.value)
+            self.evictable[comp.ctype] -= amount
+            self.protected[comp.ctype] += amount
+            if comp.leaf_only:
+                self._refresh_leaf(node)
+            else:
+                self.aux_lru[comp.idx].remove(cd)
+
+    def dec_lock(self, node: TreeNode, comp: TreeComponent) -> None:
+        cd = node.data[comp.idx]
+        assert cd.lock_ref > 0, f"unlocking {comp} on {node} below zero"
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0:
+            amount = comp.size(cd.value)
+            self.protected[comp.ctype] -= amount
+            self.evictable[comp.ctype] += amount
+            if comp.leaf_only:
+                self._refresh_leaf(node)
+            else:
+                self.aux_lru[comp.idx].push_back(cd)
+
+    def touch(self, nodes: Sequence[TreeNode]) -> None:
+        """Mark ``nodes`` (root to leaf order) as just used."""
+        self.clock += 1
+        now = self.clock
+        for node in nodes:
+            node.last_access = now
+            for comp in self.components:
+                cd = node.data[comp.idx]
+                if cd.in_lru:
+                    self.aux_lru[comp.idx].touch(cd)
+            if node.in_policy:
+                self.leaf_policy.touch(node)
+
+    # -- locks ---------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> LockReceipt:
+        """Protect what a user of the prefix ending at ``node`` needs from eviction.
+
+        FULL from ``node`` to the root, SWA over the window ending at ``node``, MAMBA on
+        ``node`` itself. Returns the receipt that ``unlock`` replays.
+        """
+        if node.parent is None:
+            return LockReceipt(node)
+        return LockReceipt(node, {comp.idx: comp.lock(node) for comp in self.components})
+
+    def unlock(self, receipt: LockReceipt) -> None:
+        """Release exactly what ``lock`` took; a second unlock of a receipt raises."""
+        if receipt.released:
+            raise RuntimeError(f"lock receipt {receipt.receipt_id} released twice")
+        receipt.released = True
+        for comp in self.components:
+            if comp.idx in receipt.parts:
+                comp.unlock(receipt.node, receipt.parts[comp.idx])
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def evict(
+        self, full_tokens: int = 0, swa_tokens: int = 0, mamba_states: int = 0
+    ) -> EvictResult:
+        """Free at least the asked device amounts where possible; returns what was freed.
+
+        FULL comes off least-valuable leaves (whole nodes); SWA and MAMBA come off the least
+        recently used unlocked nodes holding them, cascading to lower priorities there.
+        """
+        want = {
+            ComponentType.FULL: full_tokens,
+            ComponentType.SWA: swa_tokens,
+            ComponentType.MAMBA: mamba_states,
+        }
+        result = EvictResult()
+        for comp in sorted(self.components, key=lambda c: -c.priority):
+            goal = want[comp.ctype]
+            while result.get(comp.ctype) < goal:
+                victim = self._next_victim(comp)
+                if victim is None:
+                    break
+                if comp.leaf_only or self.is_device_leaf(victim):
+                    self.evict_device_leaf(victim, result)
+                else:
+                    self._tombstone(victim, comp, result)
+        return result
+
+    def _next_victim(self, comp: TreeComponent) -> TreeNode | None:
+        if comp.leaf_only:
+            node = self.leaf_policy.pop()
+            if node is not None:
+                node.in_policy = False
+            return node
+        cd = self.aux_lru[comp.idx].pop_front()
+        return None if cd is None else cd.node
+
+    def is_device_leaf(self, node: TreeNode) -> bool:
+        return node.data[0].value is not None and node.device_children == 0
+
+    def _tombstone(self, node: TreeNode, comp: TreeComponent, result: EvictResult) -> None:
+        """Drop ``comp`` and every lower-priority component from internal ``node``."""
+        for other in self.free_order:
+            if other.priority > comp.priority or other.leaf_only:
+                continue
+            if node.data[other.idx].value is not None:
+                value = self.take_value(node, other)
+                result.add(other.ctype, other.free(node, value))
+
+    def has_tombstone(self, node: TreeNode) -> bool:
+        """Some aux component is missing on the device at ``node``."""
+        return any(node.data[c.idx].value is None for c in self.components if not c.leaf_only)
+
+    def evict_device_leaf(self, node: TreeNode, result: EvictResult) -> None:
+        """Free every device value of leaf ``node``, then of ancestors that are left as
+        unlocked leaves with an aux component missing (they can no longer end a match)."""
+        while True:
+            self.before_device_free(node)
+            for comp in self.free_order:
+                if node.data[comp.idx].value is not None:
+                    value = self.take_value(node, comp)
+                    result.add(comp.ctype, comp.free(node, value))
+            parent = node.parent
+            self.after_device_free(node)
+            if (
+                parent.parent is None
+                or not self.is_device_leaf(parent)
+                or parent.data[0].lock_ref > 0
+                or not self.has_tombstone(parent)
+            ):
+                return
+            node = parent
+
+    def before_device_free(self, node: TreeNode) -> None:
+        """Hook: ``node``'s device values are about to be freed (write-back backs up here)."""
+
+    def after_device_free(self, node: TreeNode) -> None:
+        """``node`` holds nothing on the device any more: keep it as a host-only node when
+        the controller holds its FULL pages, else remove it and its host-only subtree."""
+        if not node.data[0].backed:
+            self.remove_subtree(node)
+
+    def remove_subtree(self, node: TreeNode) -> None:
+        """Detach ``node`` (which, with its subtree, holds nothing on the device)."""
+        for sub in self._subtree(node):
+            for comp in self.components:
+                cd = sub.data[comp.idx]
+                assert cd.value is None and cd.lock_ref == 0, f"removing {sub} with device data"
+        parent = node.parent
+        del parent.children[node.key[: self.page_bytes]]
+        node.parent = None
+        if parent.parent is None and not parent.children:
+            self.roots.pop(parent.policy_state, None)
+
+    def _subtree(self, node: TreeNode) -> Iterator[TreeNode]:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def clear(self) -> None:
+        """Forget every node (values must have been freed by the caller)."""
+        self.roots.clear()
+        for lru in self.aux_lru.values():
+            while lru.pop_front() is not None:
+                pass
+        while self.leaf_policy.pop() is not None:
+            pass
+        for comp in self.components:
+            self.evictable[comp.ctype] = 0
+            self.protected[comp.ctype] = 0
+
+    # -- invariants ----------------------------------------------------------------------
+
+    def check_tree_invariants(self) -> None:
+        """Recompute every derived structure of the tree and compare; raises AssertionError."""
+        evictable = {c.ctype: 0 for c in self.components}
+        protected = {c.ctype: 0 for c in self.components}
+        leaves: set[int] = set()
+        lru_members = {idx: set() for idx in self.aux_lru}
+        ps = self.page_size
+        for ns, root in self.roots.items():
+            assert root.parent is None and root.key == b"" and root.policy_state == ns
+            assert root.children, f"empty namespace root {ns!r} kept"
+        for node in self.iter_nodes():
+            parent = node.parent
+            assert node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node}: partial page"
+            assert parent.children.get(node.key[: self.page_bytes]) is node, f"{node}: bad link"
+            assert node.start == (parent.end if parent.parent else 0), f"{node}: bad start"
+            full = node.data[0]
+            if full.value is not None:
+                assert parent.on_device, f"{node}: on device below a node that is not"
+            assert full.lock_ref >= max(
+                (c.data[0].lock_ref for c in node.children.values()), default=0
+            ), f"{node}: FULL lock smaller than a child's"
+            on_dev_children = sum(1 for c in node.children.values() if c.data[0].value is not None)
+            assert node.device_children == on_dev_children, f"{node}: device_children"
+            for comp in self.components:
+                cd = node.data[comp.idx]
+                assert cd.node is node
+                assert cd.lock_ref >= 0, f"{node}: negative lock on {comp}"
+                if cd.value is None:
+                    assert cd.lock_ref == 0, f"{node}: tombstoned {comp} holds a lock"
+                    assert not cd.in_lru
+                    continue
+                if not comp.leaf_only:
+                    assert full.value is not None, f"{node}: {comp} on device without FULL"
+                if cd.backed and not comp.leaf_only:
+                    assert full.backed, f"{node}: {comp} backed without FULL"
+                amount = comp.size(cd.value)
+                (protected if cd.lock_ref else evictable)[comp.ctype] += amount
+                if not comp.leaf_only and cd.lock_ref == 0:
+                    lru_members[comp.idx].add(node.id)
+            if full.value is not None and full.lock_ref == 0 and node.device_children == 0:
+                leaves.add(node.id)
+            assert node.in_policy == (node.id in leaves), f"{node}: leaf policy membership"
+        assert evictable == self.evictable, f"evictable {self.evictable} != {evictable}"
+        assert protected == self.protected, f"protected {self.protected} != {protected}"
+        assert self.leaf_policy.members() == leaves, "leaf policy members differ"
+        for idx, lru in self.aux_lru.items():
+            listed = [cd.node.id for cd in lru]
+            assert len(listed) == len(lru) == len(set(listed)), "LRU list size or duplicates"
+            assert set(listed) == lru_members[idx], "LRU list members differ"
