@@ -2,7 +2,8 @@
 
 Both work on a *group*: ``B`` requests that each bring ``n`` new tokens, as tensors
 ``[B, n, ...]``. Every operation is per token and batch-invariant (see
-:mod:`hicache.engine.exact`), so a token's bits depend neither on ``B`` nor on ``n``.
+:mod:`hicache.engine.exact`): sums are exact, so a token's bits depend neither on ``B``,
+nor on ``n``, nor on how many masked or padded keys sit beside its real ones.
 
 Attention reads every key and value back from the pool, including those of the tokens it
 has just written, so a prefix computed now and a prefix loaded from the cache are read
@@ -16,17 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from hicache.engine import exact
+from hicache.engine.exact import PROBABILITY, QUERY_KEY, SSM_READOUT, SSM_STATE, VALUE
 
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    """One attention layer; projections are ``[d_in, d_out]``."""
+    """One attention layer: a fused Q/K/V projection and the output projection."""
 
-    norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
+    qkv: exact.Linear
+    out: exact.Linear
 
 
 @dataclass(frozen=True)
@@ -37,15 +36,13 @@ class MambaWeights:
     (negative) per-head decay rates.
     """
 
-    norm: torch.Tensor
-    w_in: torch.Tensor
-    conv_weight: torch.Tensor
+    w_in: exact.Linear
+    conv_weight: torch.Tensor  # [conv_dim, K]
     conv_bias: torch.Tensor
     dt_bias: torch.Tensor
     a: torch.Tensor
     d_skip: torch.Tensor
-    gate_norm: torch.Tensor
-    w_out: torch.Tensor
+    w_out: exact.Linear
 
 
 @dataclass(frozen=True)
@@ -53,13 +50,8 @@ class KeyAddressing:
     """Where one layer kind writes and reads K/V for a group.
 
     ``write_slots`` ``[B*n]``: pool slots of the new tokens, in group order.
-    ``key_slots`` ``[B, R, Lk]``: slots of the keys; ``R`` is 1 when all of a request's
-    queries share one key list (full attention) or ``n`` when each query has its own
-    (sliding window). Key index ``j`` is an absolute position (full attention) or the
-    offset inside the query's window (sliding window): either way it means the same
-    thing for a query in every chunking, which is what makes the fixed-order sums over
-    it chunking-invariant.
-    ``key_mask`` ``[B, n, Lk]``: which keys each query attends to.
+    ``key_slots`` ``[B, Lk]``: pool slots of each request's keys (padded with a valid
+    slot). ``key_mask`` ``[B, n, Lk]``: which keys each query attends to.
     """
 
     write_slots: torch.Tensor
@@ -85,10 +77,9 @@ class Rope:
         )
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[B, n, heads..., head_dim]`` by the angles of ``positions [B, n]``."""
-        extra = x.dim() - 3
-        cos = self.cos[positions].view(*positions.shape, *([1] * extra), -1)
-        sin = self.sin[positions].view(*positions.shape, *([1] * extra), -1)
+        """Rotate ``x`` ``[B, n, heads, head_dim]`` by the angles of ``positions [B, n]``."""
+        cos = self.cos[positions].unsqueeze(2)
+        sin = self.sin[positions].unsqueeze(2)
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -110,35 +101,45 @@ def attention(
     ``x`` is the normalised input ``[B, n, d_model]``; returns ``[B, n, d_model]``.
     """
     batch, n, _ = x.shape
-    group = weights.wq.shape[1] // (num_kv_heads * head_dim)
-    q = exact.linear(x, weights.wq).view(batch, n, num_kv_heads, group, head_dim)
-    k = exact.linear(x, weights.wk).view(batch, n, num_kv_heads, head_dim)
-    v = exact.linear(x, weights.wv).view(batch, n, num_kv_heads, head_dim)
+    kv_dim = num_kv_heads * head_dim
+    qkv = weights.qkv(x)
+    q = qkv[..., : -2 * kv_dim].reshape(batch, n, -1, head_dim)
+    k = qkv[..., -2 * kv_dim : -kv_dim].reshape(batch, n, num_kv_heads, head_dim)
+    v = qkv[..., -kv_dim:].reshape(batch, n, num_kv_heads, head_dim)
+    group = q.shape[2] // num_kv_heads
     q = rope.apply(q, positions) * (head_dim**-0.5)
     k = rope.apply(k, positions)
 
     k_pool, v_pool = kv_buffer[0, layer], kv_buffer[1, layer]
     k_pool.index_copy_(0, keys.write_slots, k.reshape(-1, num_kv_heads, head_dim).to(k_pool.dtype))
     v_pool.index_copy_(0, keys.write_slots, v.reshape(-1, num_kv_heads, head_dim).to(v_pool.dtype))
-    # Read back through the pool's dtype: [B, R, Lk, kv_heads, 1, head_dim].
-    k_all = k_pool[keys.key_slots].to(torch.float32).unsqueeze(-2)
-    v_all = v_pool[keys.key_slots].to(torch.float32).unsqueeze(-2)
+    # Read back through the pool's dtype: [B, kv_heads, Lk, head_dim].
+    k_all = k_pool[keys.key_slots].to(torch.float32).transpose(1, 2)
+    v_all = v_pool[keys.key_slots].to(torch.float32).transpose(1, 2)
 
-    scores = exact.tree_sum(q.unsqueeze(2) * k_all, dim=-1)  # [B, n, Lk, kv_heads, group]
-    mask = keys.key_mask[..., None, None]
+    # [B, kv_heads, n * group, head_dim]: a KV head's queries, token-major.
+    q = q.reshape(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
+    q = q.reshape(batch, num_kv_heads, n * group, head_dim)
+    scores = exact.decode(
+        torch.matmul(QUERY_KEY.encode(q), QUERY_KEY.encode(k_all).transpose(2, 3)),
+        QUERY_KEY,
+        QUERY_KEY,
+    )  # [B, kv_heads, n * group, Lk]
+    mask = keys.key_mask.repeat_interleave(group, dim=1).unsqueeze(1)
     scores = torch.where(mask, scores, float("-inf"))
-    # max is exact in any order; every query sees at least its own token, so it is finite.
-    row_max = scores.amax(dim=2, keepdim=True)
-    probs = torch.where(mask, exact.exp(scores - row_max), 0.0)
-    denom = exact.tree_sum(probs, dim=2)  # [B, n, kv_heads, group]
-    numer = exact.tree_sum(probs.unsqueeze(-1) * v_all, dim=2)  # [..., head_dim]
-    out = (numer / denom.unsqueeze(-1)).reshape(batch, n, -1)
-    return exact.linear(out, weights.wo)
+    # Every query sees at least its own token, so the row max is finite.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    probs = PROBABILITY.encode(torch.where(mask, exact.exp(scores - row_max), 0.0))
+    numer = torch.matmul(probs, VALUE.encode(v_all))  # exact, in PROBABILITY*VALUE units
+    denom = probs.sum(dim=-1, keepdim=True)  # exact, in PROBABILITY units
+    out = exact.decode(numer / denom, VALUE)  # one rounding of the exact ratio
+    out = out.reshape(batch, num_kv_heads, n, group * head_dim).transpose(1, 2)
+    return weights.out(out.reshape(batch, n, -1))
 
 
 @dataclass
 class MambaStep:
-    """What one Mamba layer produced for a group, besides its output.
+    """What one Mamba layer computed for a group, kept for state snapshots.
 
     ``conv_windows`` ``[B, K-1+n, conv_dim]``: the conv inputs, the old state first, so
     the conv state after ``c`` new tokens is rows ``c .. c+K-2``.
@@ -175,7 +176,7 @@ def mamba(
     conv_dim, kernel = weights.conv_weight.shape
     state_dtype = conv_pool.dtype
 
-    proj = exact.linear(x, weights.w_in)
+    proj = weights.w_in(x)
     z = proj[..., :d_inner]
     xbc = proj[..., d_inner : d_inner + conv_dim]
     dt_raw = proj[..., d_inner + conv_dim :]
@@ -186,6 +187,7 @@ def mamba(
 
     conv_state = conv_pool[layer, state_slots].to(torch.float32)  # [B, conv_dim, K-1]
     window = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)  # [B, K-1+n, conv_dim]
+    # The causal depthwise conv: a fixed sequence of elementwise multiply-adds per token.
     conv = window[:, 0:n] * weights.conv_weight[:, 0]
     for tap in range(1, kernel):
         conv = conv + window[:, tap : tap + n] * weights.conv_weight[:, tap]
@@ -199,7 +201,7 @@ def mamba(
     decay = exact.exp(dt * weights.a)
     update = (dt.unsqueeze(-1) * xs).unsqueeze(-1) * b_in[:, :, None, None, :]
 
-    # The recurrence is sequential per token, so chunking cannot regroup it.
+    # The recurrence runs token by token, so chunking cannot regroup it.
     h = ssm_pool[layer, state_slots].to(torch.float32)  # [B, heads, head_dim, state]
     states = []
     for t in range(n):
@@ -213,13 +215,15 @@ def mamba(
     conv_pool[layer, state_slots] = window[:, n:].transpose(1, 2).to(state_dtype)
     ssm_pool[layer, state_slots] = h.to(state_dtype)
 
-    y = exact.tree_sum(ssm_states * c_out[:, :, None, None, :], dim=-1)
+    readout = torch.matmul(
+        SSM_STATE.encode(ssm_states), SSM_READOUT.encode(c_out)[:, :, None, :, None]
+    )  # exact: [B, n, heads, head_dim, 1]
+    y = exact.decode(readout.squeeze(-1), SSM_STATE, SSM_READOUT)
     y = y + weights.d_skip[:, None] * xs
     y = y.reshape(batch, n, d_inner) * exact.silu(z)
-    y = exact.rms_norm(y, weights.gate_norm, norm_eps)
-    return exact.linear(y, weights.w_out), MambaStep(window, ssm_states)
+    return weights.w_out(exact.rms_norm(y, norm_eps)), MambaStep(window, ssm_states)
 
 
-def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def mlp(x: torch.Tensor, up: exact.Linear, down: exact.Linear) -> torch.Tensor:
     """``silu(x W_up) W_down`` on the normalised input."""
-    return exact.linear(exact.silu(exact.linear(x, w_up)), w_down)
+    return down(exact.silu(up(x)))

@@ -85,8 +85,37 @@ class ModelConfig:
             )
         if layout.has_attention and layout.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {layout.head_dim}")
+        # Every sum in the model is exact only up to a number of terms (see exact.py).
+        q_dim = layout.num_kv_heads * self.q_heads_per_kv_head * layout.head_dim
+        limits = [
+            ("d_model", self.d_model, exact.max_terms(exact.NORM, exact.NORM)),
+            ("linear input width", max(self.d_model, self.mlp_hidden, q_dim), _LINEAR_LIMIT),
+            ("head_dim", layout.head_dim, exact.max_terms(exact.QUERY_KEY, exact.QUERY_KEY)),
+            (
+                "max_positions",
+                self.max_positions,
+                exact.max_terms(exact.PROBABILITY, exact.VALUE),
+            ),
+        ]
         if layout.has_mamba:
-            mamba_dims(layout)
+            heads, head_dim, state_size = mamba_dims(layout)
+            limits.append(("Mamba heads*head_dim", heads * head_dim, _LINEAR_LIMIT))
+            limits.append(
+                (
+                    "Mamba state size",
+                    state_size,
+                    exact.max_terms(exact.SSM_STATE, exact.SSM_READOUT),
+                )
+            )
+        for what, value, limit in limits:
+            if value > limit:
+                raise ConfigError(
+                    f"{what}={value} exceeds {limit}, the most terms the reference model "
+                    "can sum exactly; use smaller dimensions"
+                )
+
+
+_LINEAR_LIMIT = exact.max_terms(exact.ACTIVATION, exact.WEIGHT)
 
 
 def mamba_dims(layout: ModelLayout) -> tuple[int, int, int]:
@@ -245,16 +274,17 @@ class _Layer:
     kind: LayerKind
     index_in_kind: int
     mixer: AttentionWeights | MambaWeights
-    mlp_norm: torch.Tensor
-    mlp_up: torch.Tensor
-    mlp_down: torch.Tensor
+    mlp_up: exact.Linear
+    mlp_down: exact.Linear
 
 
 class HybridModel:
     """A tiny hybrid model with random weights from ``config.seed``; state lives in pools.
 
-    Two models built from equal layouts and configs have bit-identical weights, in any
-    process on the same torch build.
+    Each layer is ``h += mixer(norm(h)); h += mlp(norm(h))`` with RMS norms without a
+    learned scale; the mixer is attention (rotary, grouped KV heads) or a Mamba2-style
+    conv + SSM. Two models built from equal layouts and configs have bit-identical
+    weights, in any process on the same torch build.
     """
 
     def __init__(
@@ -268,12 +298,10 @@ class HybridModel:
         gen = torch.Generator().manual_seed(config.seed)
         d = config.d_model
 
-        def dense(d_in: int, d_out: int) -> torch.Tensor:
-            w = torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in)
-            return w.to(self.device)
-
-        def ones(n: int) -> torch.Tensor:
-            return torch.ones(n, device=self.device)
+        def dense(d_in: int, d_out: int) -> exact.Linear:
+            return exact.Linear(
+                (torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in)).to(device)
+            )
 
         self.embedding = torch.randn(config.vocab_size, d, generator=gen).to(self.device)
         layers = []
@@ -281,57 +309,45 @@ class HybridModel:
         for kind in layout.layer_kinds:
             mixer: AttentionWeights | MambaWeights
             if kind is LayerKind.MAMBA:
-                mixer = self._mamba_weights(gen, dense, ones)
+                mixer = self._mamba_weights(gen, dense)
             else:
                 q_dim = layout.num_kv_heads * config.q_heads_per_kv_head * layout.head_dim
                 kv_dim = layout.num_kv_heads * layout.head_dim
-                mixer = AttentionWeights(
-                    norm=ones(d),
-                    wq=dense(d, q_dim),
-                    wk=dense(d, kv_dim),
-                    wv=dense(d, kv_dim),
-                    wo=dense(q_dim, d),
-                )
+                mixer = AttentionWeights(qkv=dense(d, q_dim + 2 * kv_dim), out=dense(q_dim, d))
             layers.append(
                 _Layer(
                     kind=kind,
                     index_in_kind=counters[kind],
                     mixer=mixer,
-                    mlp_norm=ones(d),
                     mlp_up=dense(d, config.mlp_hidden),
                     mlp_down=dense(config.mlp_hidden, d),
                 )
             )
             counters[kind] += 1
         self.layers: tuple[_Layer, ...] = tuple(layers)
-        self.final_norm = ones(d)
         self.lm_head = dense(d, config.vocab_size)
         self.rope = Rope.build(
             max(layout.head_dim, 2), config.max_positions, config.rope_theta, self.device
         )
 
     def _mamba_weights(
-        self,
-        gen: torch.Generator,
-        dense: Callable[[int, int], torch.Tensor],
-        ones: Callable[[int], torch.Tensor],
+        self, gen: torch.Generator, dense: Callable[[int, int], exact.Linear]
     ) -> MambaWeights:
         heads, head_dim, _ = mamba_dims(self.layout)
         d_inner = heads * head_dim
         conv_dim, kernel = self.layout.conv_dim, self.layout.conv_kernel
-        # Decay rates in [-16, -1]: with dt in [dt_min, dt_max] the state forgets slowly.
-        a = -(1.0 + 15.0 * torch.rand(heads, generator=gen))
+
+        def tensor(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device)
+
         return MambaWeights(
-            norm=ones(self.config.d_model),
             w_in=dense(self.config.d_model, d_inner + conv_dim + heads),
-            conv_weight=(torch.randn(conv_dim, kernel, generator=gen) / math.sqrt(kernel)).to(
-                self.device
-            ),
-            conv_bias=(0.1 * torch.randn(conv_dim, generator=gen)).to(self.device),
-            dt_bias=torch.randn(heads, generator=gen).to(self.device),
-            a=a.to(self.device),
-            d_skip=ones(heads),
-            gate_norm=ones(d_inner),
+            conv_weight=tensor(torch.randn(conv_dim, kernel, generator=gen) / math.sqrt(kernel)),
+            conv_bias=tensor(0.1 * torch.randn(conv_dim, generator=gen)),
+            dt_bias=tensor(torch.randn(heads, generator=gen)),
+            # Decay rates in [-16, -1]: with dt in [dt_min, dt_max] the state forgets slowly.
+            a=tensor(-(1.0 + 15.0 * torch.rand(heads, generator=gen))),
+            d_skip=tensor(torch.ones(heads)),
             w_out=dense(d_inner, self.config.d_model),
         )
 
@@ -468,8 +484,8 @@ class HybridModel:
     def _forward_group(self, pools: DevicePools, group: list[_Checked]) -> list[ChunkOutput]:
         tokens = torch.stack([c.tokens for c in group])  # [B, n]
         positions = torch.stack([torch.arange(c.start, c.end, device=self.device) for c in group])
-        full_keys = self._full_addressing(group, positions) if self.layout.full_layers else None
-        swa_keys = self._swa_addressing(group, positions) if self.layout.has_swa else None
+        full_keys = self._addressing(group, positions, sliding=False)
+        swa_keys = self._addressing(group, positions, sliding=True) if self.layout.has_swa else None
         state_slots = (
             torch.tensor([c.mamba_slot for c in group], device=self.device)
             if self.layout.has_mamba
@@ -477,9 +493,10 @@ class HybridModel:
         )
         mamba_steps: list[MambaStep] = []
 
+        eps = self.config.norm_eps
         hidden = self.embedding[tokens]  # [B, n, d_model]
         for layer in self.layers:
-            x = exact.rms_norm(hidden, layer.mixer.norm, self.config.norm_eps)
+            x = exact.rms_norm(hidden, eps)
             if layer.kind is LayerKind.MAMBA:
                 assert pools.mamba is not None and state_slots is not None
                 out, step = mamba(
@@ -490,7 +507,7 @@ class HybridModel:
                     layer.index_in_kind,
                     state_slots,
                     (self.config.dt_min, self.config.dt_max),
-                    self.config.norm_eps,
+                    eps,
                 )
                 mamba_steps.append(step)
             else:
@@ -510,45 +527,44 @@ class HybridModel:
                     self.layout.head_dim,
                 )
             hidden = hidden + out
-            x = exact.rms_norm(hidden, layer.mlp_norm, self.config.norm_eps)
-            hidden = hidden + mlp(x, layer.mlp_up, layer.mlp_down)
+            hidden = hidden + mlp(exact.rms_norm(hidden, eps), layer.mlp_up, layer.mlp_down)
 
-        hidden = exact.rms_norm(hidden, self.final_norm, self.config.norm_eps)
-        logits = exact.linear(hidden, self.lm_head)  # [B, n, vocab]
+        logits = self.lm_head(exact.rms_norm(hidden, eps))  # [B, n, vocab]
         return [
             ChunkOutput(logits[row], self._snapshots(c, row, mamba_steps))
             for row, c in enumerate(group)
         ]
 
-    def _full_addressing(self, group: list[_Checked], positions: torch.Tensor) -> KeyAddressing:
-        """Keys at absolute positions ``0 .. max end - 1``, shared by a request's queries."""
-        longest = max(c.end for c in group)
-        key_slots = torch.stack(
-            [
-                # Pad with a valid slot; padded keys are masked for every query.
-                torch.cat([c.full_slots, c.full_slots[:1].expand(longest - c.end)])
-                for c in group
-            ]
-        ).unsqueeze(1)  # [B, 1, Lk]
-        key_pos = torch.arange(longest, device=self.device)
-        mask = key_pos <= positions.unsqueeze(-1)  # [B, n, Lk]
-        write = torch.cat([c.full_slots[c.start :] for c in group])
-        return KeyAddressing(write, key_slots, mask)
+    def _addressing(
+        self, group: list[_Checked], positions: torch.Tensor, sliding: bool
+    ) -> KeyAddressing:
+        """Slots and mask of each request's keys for full-attention or sliding-window layers.
 
-    def _swa_addressing(self, group: list[_Checked], positions: torch.Tensor) -> KeyAddressing:
-        """Per query, the ``window`` keys ending at it; key index = offset in the window."""
-        window = self.config.sliding_window
-        assert window is not None
-        offsets = torch.arange(window, device=self.device)
-        key_pos = positions.unsqueeze(-1) - (window - 1) + offsets  # [B, n, W]
-        mask = key_pos >= 0
-        rows = []
-        for row, c in enumerate(group):
-            assert c.swa_slots is not None
-            local = (key_pos[row] - c.swa_first).clamp(min=0)
-            rows.append(c.swa_slots[local])
-        key_slots = torch.stack(rows)  # [B, n, W]
-        write = torch.cat([c.swa_slots[c.start - c.swa_first :] for c in group])  # type: ignore[index]
+        A request's keys are positions ``0 .. end-1`` (full) or ``max(0, start-W+1) ..
+        end-1`` (sliding window), padded to the group's longest list with masked entries;
+        since every sum is exact, the padding never changes a bit.
+        """
+        window = self.config.sliding_window if sliding else None
+        tables = []
+        for c in group:
+            table = c.swa_slots if sliding else c.full_slots
+            assert table is not None
+            tables.append(table)
+        firsts = torch.tensor([c.swa_first if sliding else 0 for c in group], device=self.device)
+        lengths = torch.tensor([t.numel() for t in tables], device=self.device)
+        longest = int(lengths.max())
+        key_slots = torch.stack(
+            [torch.cat([t, t[:1].expand(longest - t.numel())]) for t in tables]
+        )  # [B, Lk]
+        offsets = torch.arange(longest, device=self.device)
+        key_pos = (firsts[:, None] + offsets)[:, None, :]  # [B, 1, Lk]
+        query_pos = positions.unsqueeze(-1)  # [B, n, 1]
+        mask = (offsets < lengths[:, None])[:, None, :] & (key_pos <= query_pos)
+        if window is not None:
+            mask = mask & (key_pos > query_pos - window)
+        write = torch.cat(
+            [t[c.start - (c.swa_first if sliding else 0) :] for c, t in zip(group, tables)]
+        )
         return KeyAddressing(write, key_slots, mask)
 
     def _snapshots(
