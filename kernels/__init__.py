@@ -1,1 +1,238 @@
-"""Triton copy kernels with torch reference versions (imported as hicache.kernels)."""
+"""Triton copy kernels with torch reference versions (imported as hicache.kernels).
+
+Every function here checks its arguments, then dispatches: on CUDA tensors to the fast
+path (Triton, or the copy engines where measured faster; see
+:mod:`hicache.kernels.tuning`), on CPU tensors to the torch reference. ``backend=``
+overrides the choice; ``Backend.TRITON`` on CPU tensors runs Triton's interpreter, which
+is how the tests compare the Triton kernels with the reference on a machine without a
+GPU. GPU launches run on the current CUDA stream and return without waiting.
+
+Layouts are those of :mod:`hicache.kernels.reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from hicache.kernels import reference
+from hicache.kernels.geometry import (
+    RowCopy,
+    kv_row_copy,
+    mamba_index_pair,
+    scatter_shapes,
+    state_row_copy,
+)
+from hicache.kernels.spec_buffers import (
+    ConvWindowBuffer,
+    ConvWindowLayout,
+    choose_conv_window_layout,
+)
+from hicache.kernels.tuning import (
+    DEFAULT_TUNING,
+    KV_TO_DEVICE_BACKEND,
+    KV_TO_HOST_BACKEND,
+    MAMBA_TO_DEVICE_BACKEND,
+    MAMBA_TO_HOST_BACKEND,
+    Backend,
+    TransferTuning,
+)
+
+__all__ = [
+    "Backend",
+    "ConvWindowBuffer",
+    "ConvWindowLayout",
+    "TransferTuning",
+    "choose_conv_window_layout",
+    "fused_conv_window_scatter_with_mask",
+    "fused_mamba_state_scatter_with_mask",
+    "kv_pages_to_device",
+    "kv_pages_to_host",
+    "mamba_states_to_device",
+    "mamba_states_to_host",
+]
+
+BackendArg = Backend | str | None
+
+
+def _pick(backend: BackendArg, device: torch.device, cuda_default: Backend) -> Backend:
+    if backend is None:
+        return cuda_default if device.type == "cuda" else Backend.TORCH
+    try:
+        chosen = Backend(backend)
+    except ValueError:
+        choices = ", ".join(b.value for b in Backend)
+        raise ValueError(f"backend={backend!r} is not one of: {choices}") from None
+    if chosen is Backend.COPY_ENGINE and device.type != "cuda":
+        raise ValueError("backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'")
+    return chosen
+
+
+def _run_rows(copy: RowCopy, src_items, dst_items, backend: Backend, tuning) -> None:
+    if backend is Backend.TRITON:
+        from hicache.kernels.triton_transfer import copy_rows
+
+        copy_rows(copy, src_items, dst_items, tuning)
+    else:
+        from hicache.kernels.copy_engine import copy_rows_copy_engine
+
+        copy_rows_copy_engine(copy, src_items, dst_items)
+
+
+def kv_pages_to_host(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_pages: torch.Tensor,
+    host_pages: torch.Tensor,
+    page_size: int,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """``host_kv[host_pages[i]] = device page device_pages[i]`` (all layers, K and V).
+
+    ``device_kv`` is ``[2, layers, slots, heads, head_dim]``, ``host_kv`` is
+    ``[host_pages, 2, layers, page_size, heads, head_dim]`` (pinned on a GPU machine).
+    Raises IndexError for a CPU index outside its tensor; on a GPU the host bytes are
+    complete only once the current stream has passed this point.
+    """
+    copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=True)
+    chosen = _pick(backend, device_kv.device, KV_TO_HOST_BACKEND)
+    if chosen is Backend.TORCH:
+        reference.kv_pages_to_host_ref(device_kv, host_kv, device_pages, host_pages, page_size)
+    else:
+        _run_rows(copy, device_pages, host_pages, chosen, tuning)
+
+
+def kv_pages_to_device(
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    host_pages: torch.Tensor,
+    device_pages: torch.Tensor,
+    page_size: int,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """Device page ``device_pages[i]`` = ``host_kv[host_pages[i]]`` (all layers, K and V).
+
+    The inverse of :func:`kv_pages_to_host`; the device slots of other pages are untouched.
+    """
+    copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=False)
+    chosen = _pick(backend, device_kv.device, KV_TO_DEVICE_BACKEND)
+    if chosen is Backend.TORCH:
+        reference.kv_pages_to_device_ref(host_kv, device_kv, host_pages, device_pages, page_size)
+    else:
+        _run_rows(copy, host_pages, device_pages, chosen, tuning)
+
+
+def mamba_states_to_host(
+    conv: torch.Tensor,
+    ssm: torch.Tensor,
+    host_conv: torch.Tensor,
+    host_ssm: torch.Tensor,
+    slots: torch.Tensor,
+    host_pages: torch.Tensor,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """``host_*[host_pages[i]] = state of slot slots[i]`` (conv and SSM, all Mamba layers).
+
+    ``conv [layers, slots, conv_dim, K-1]``, ``ssm [layers, slots, *S]``; the host tensors
+    are ``[host_pages, layers, ...]`` and may be strided views into one buffer per page.
+    """
+    mamba_index_pair(slots, host_pages)
+    conv_copy = state_row_copy("conv", conv, host_conv, slots, host_pages, to_host=True)
+    ssm_copy = state_row_copy("ssm", ssm, host_ssm, slots, host_pages, to_host=True)
+    chosen = _pick(backend, conv.device, MAMBA_TO_HOST_BACKEND)
+    if chosen is Backend.TORCH:
+        reference.mamba_states_to_host_ref(conv, ssm, host_conv, host_ssm, slots, host_pages)
+        return
+    _run_rows(conv_copy, slots, host_pages, chosen, tuning)
+    _run_rows(ssm_copy, slots, host_pages, chosen, tuning)
+
+
+def mamba_states_to_device(
+    host_conv: torch.Tensor,
+    host_ssm: torch.Tensor,
+    conv: torch.Tensor,
+    ssm: torch.Tensor,
+    host_pages: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """State of slot ``slots[i]`` = ``host_*[host_pages[i]]`` (conv and SSM, all layers)."""
+    mamba_index_pair(slots, host_pages)
+    conv_copy = state_row_copy("conv", conv, host_conv, slots, host_pages, to_host=False)
+    ssm_copy = state_row_copy("ssm", ssm, host_ssm, slots, host_pages, to_host=False)
+    chosen = _pick(backend, conv.device, MAMBA_TO_DEVICE_BACKEND)
+    if chosen is Backend.TORCH:
+        reference.mamba_states_to_device_ref(host_conv, host_ssm, conv, ssm, host_pages, slots)
+        return
+    _run_rows(conv_copy, host_pages, slots, chosen, tuning)
+    _run_rows(ssm_copy, host_pages, slots, chosen, tuning)
+
+
+def _pick_scatter(backend: BackendArg, device: torch.device) -> Backend:
+    chosen = _pick(backend, device, Backend.TRITON)
+    if chosen is Backend.COPY_ENGINE:
+        raise ValueError("the scatters have no copy-engine backend; use 'torch' or 'triton'")
+    return chosen
+
+
+def fused_mamba_state_scatter_with_mask(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_indices: torch.Tensor,
+    step_indices: torch.Tensor,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """For each request ``i`` with ``step_indices[i] >= 0``:
+    ``dst[:, dst_indices[i]] = src[:, i, step_indices[i]]``.
+
+    ``dst [layers, slots, *state]``, ``src [layers, requests, draft_tokens, *state]``. A
+    request with step -1, a step ``>= draft_tokens`` or a slot outside ``dst`` is skipped
+    (``dst`` untouched there); when requests share a slot, the last writing one wins. No
+    host sync on a GPU.
+    """
+    scatter_shapes(dst, src, dst_indices, step_indices)
+    if _pick_scatter(backend, dst.device) is Backend.TORCH:
+        reference.fused_mamba_state_scatter_with_mask_ref(dst, src, dst_indices, step_indices)
+        return
+    from hicache.kernels.geometry import inner_contiguous
+    from hicache.kernels.triton_spec import state_scatter
+
+    if not inner_contiguous(dst, 2) or not inner_contiguous(src, 3):
+        raise ValueError(
+            "the Triton state scatter needs each state dense in dst and src; pass "
+            "backend='torch' for other strides"
+        )
+    state_scatter(dst, src, dst_indices, step_indices, tuning)
+
+
+def fused_conv_window_scatter_with_mask(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_indices: torch.Tensor,
+    step_indices: torch.Tensor,
+    *,
+    backend: BackendArg = None,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """The masked scatter for conv windows: same contract as
+    :func:`fused_mamba_state_scatter_with_mask`.
+
+    ``dst [layers, slots, conv_dim, K-1]``; ``src [layers, requests, draft_tokens,
+    conv_dim, K-1]``, dense or :attr:`ConvWindowBuffer.view` of a de-duplicated buffer
+    (both give identical bytes).
+    """
+    scatter_shapes(dst, src, dst_indices, step_indices, state_dims=2)
+    if _pick_scatter(backend, dst.device) is Backend.TORCH:
+        reference.fused_conv_window_scatter_with_mask_ref(dst, src, dst_indices, step_indices)
+        return
+    from hicache.kernels.triton_spec import conv_window_scatter
+
+    conv_window_scatter(dst, src, dst_indices, step_indices, tuning)

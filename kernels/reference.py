@@ -76,3 +76,54 @@ def mamba_states_to_device_ref(
     s = slots.to(conv.device)
     conv[:, s] = host_conv[h].transpose(0, 1).to(conv.device)
     ssm[:, s] = host_ssm[h].transpose(0, 1).to(ssm.device)
+
+
+def scatter_targets_ref(
+    dst_indices: torch.Tensor, step_indices: torch.Tensor, num_slots: int, num_steps: int
+) -> torch.Tensor:
+    """The slot each request writes in a masked scatter, or -1 where it writes nothing.
+
+    A request writes when ``0 <= step < num_steps`` and ``0 <= dst < num_slots``; when
+    several such requests name the same slot, the last one wins (as in a Python loop over
+    the requests), so the result never depends on thread scheduling.
+    """
+    dst = dst_indices.to(torch.int64)
+    step = step_indices.to(dst.device, torch.int64)
+    valid = (step >= 0) & (step < num_steps) & (dst >= 0) & (dst < num_slots)
+    n = dst.numel()
+    order = torch.arange(n, device=dst.device)
+    later_same = (dst[:, None] == dst[None, :]) & valid[None, :] & (order[None, :] > order[:, None])
+    winner = valid & ~later_same.any(dim=1)
+    return torch.where(winner, dst, torch.full_like(dst, -1))
+
+
+def fused_mamba_state_scatter_with_mask_ref(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_indices: torch.Tensor,
+    step_indices: torch.Tensor,
+) -> None:
+    """``dst[:, dst_indices[i]] = src[:, i, step_indices[i]]`` for every request that writes.
+
+    ``dst`` is ``[layers, slots, *state]``, ``src`` is ``[layers, requests, draft_tokens,
+    *state]``. Requests with a negative step, a step past the draft or a slot outside
+    ``dst`` leave ``dst`` untouched; of duplicates, the last writing request wins.
+    """
+    targets = scatter_targets_ref(dst_indices, step_indices, dst.shape[1], src.shape[2])
+    req = torch.nonzero(targets >= 0).squeeze(1)
+    steps = step_indices.to(targets.device, torch.int64)[req]
+    dst[:, targets[req].to(dst.device)] = src[:, req.to(src.device), steps.to(src.device)]
+
+
+def fused_conv_window_scatter_with_mask_ref(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_indices: torch.Tensor,
+    step_indices: torch.Tensor,
+) -> None:
+    """The conv-window scatter: same contract as the Mamba state scatter.
+
+    ``dst`` is ``[layers, slots, conv_dim, K-1]``; ``src`` is ``[layers, requests,
+    draft_tokens, conv_dim, K-1]``, dense or the de-duplicated strided view.
+    """
+    fused_mamba_state_scatter_with_mask_ref(dst, src, dst_indices, step_indices)

@@ -1,0 +1,58 @@
+"""Where a Triton kernel runs: compiled on a CUDA device, interpreted on CPU tensors.
+
+With ``TRITON_INTERPRET=1`` set before triton is imported, ``@triton.jit`` already
+returns interpreted kernels. Without it, CPU tensors still get the interpreter here, so a
+test or a CPU-only deployment never needs the variable; this works because the kernels in
+this package call no ``@triton.jit`` helpers of ``triton.language`` (``tl.sum``,
+``tl.cdiv``, ...), which only the variable turns into interpretable functions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from hicache.kernels.tuning import TransferTuning
+
+
+@functools.cache
+def _interpreted(kernel: Any) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(kernel.fn)
+
+
+def kernel_for(kernel: Any, device: torch.device) -> Any:
+    """``kernel`` as it must be launched for tensors on ``device``."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
+        return kernel
+    return _interpreted(kernel)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_programs(device: torch.device, tuning: TransferTuning) -> int:
+    """The persistent grid bound for a launch on ``device``."""
+    if device.type != "cuda":
+        return tuning.interpreter_programs
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuning.programs_per_sm * _sm_count(index)
+
+
+def require_device_mapped(name: str, host: torch.Tensor, device: torch.device) -> None:
+    """A GPU kernel can address host memory only when it is pinned (or registered)."""
+    if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+        raise ValueError(
+            f"{name} is pageable host memory, which a GPU kernel cannot address; allocate it "
+            f"pinned (tensor.pin_memory() or cudaHostRegister) or pass backend='torch'"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

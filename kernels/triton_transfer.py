@@ -1,0 +1,120 @@
+"""The Triton row-copy kernel behind every KV page and Mamba state transfer.
+
+One launch moves every row of every item (all layers, K and V) straight between the
+device pool and the host pages: on a GPU the host side is pinned memory that the kernel
+reads or writes through its device-mapped address, so no staging buffer exists. The
+grid is persistent (a bounded number of programs loop over the tiles), which keeps a
+load and a backup on two streams resident side by side.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from hicache.kernels.geometry import RowCopy
+from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
+from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    src_items_ptr,
+    dst_items_ptr,
+    num_rows,
+    rows_per_item,
+    rows_b,
+    row_elems,
+    src_item_limit,
+    dst_item_limit,
+    src_item_stride,
+    src_a_stride,
+    src_b_stride,
+    dst_item_stride,
+    dst_a_stride,
+    dst_b_stride,
+    num_tiles,
+    col_tiles,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for tile in tl.range(pid, num_tiles, nprog):
+        row_tile = tile // col_tiles
+        col_tile = tile % col_tiles
+        rows = row_tile * ROWS + tl.arange(0, ROWS)
+        cols = col_tile * COLS + tl.arange(0, COLS)
+        in_rows = rows < num_rows
+        item = rows // rows_per_item
+        within = rows % rows_per_item
+        a = (within // rows_b).to(tl.int64)
+        b = (within % rows_b).to(tl.int64)
+        src_item = tl.load(src_items_ptr + item, mask=in_rows, other=-1).to(tl.int64)
+        dst_item = tl.load(dst_items_ptr + item, mask=in_rows, other=-1).to(tl.int64)
+        # An index outside its tensor skips the row: GPU index tensors are not checked
+        # on the host, and a bad one must never turn into a stray write.
+        row_ok = (src_item >= 0) & (src_item < src_item_limit)
+        row_ok = row_ok & (dst_item >= 0) & (dst_item < dst_item_limit)
+        src_row = src_item * src_item_stride + a * src_a_stride + b * src_b_stride
+        dst_row = dst_item * dst_item_stride + a * dst_a_stride + b * dst_b_stride
+        mask = row_ok[:, None] & (cols < row_elems)[None, :]
+        values = tl.load(src_ptr + src_row[:, None] + cols[None, :], mask=mask)
+        tl.store(dst_ptr + dst_row[:, None] + cols[None, :], values, mask=mask)
+
+
+def copy_rows(
+    copy: RowCopy,
+    src_items,
+    dst_items,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> None:
+    """Copy every row of items ``src_items[i] -> dst_items[i]`` in one launch.
+
+    Runs on the current CUDA stream and returns without waiting; on CPU tensors it runs
+    under Triton's interpreter and has finished on return.
+    """
+    n_items = src_items.numel()
+    if n_items == 0:
+        return
+    src, dst = copy.src.tensor, copy.dst.tensor
+    # The device is the GPU side of the copy; the host side must be device-mapped.
+    device = src.device if src.device.type == "cuda" else dst.device
+    for side_name, side in (("source", src), ("destination", dst)):
+        require_device_mapped(f"the {side_name} tensor", side, device)
+    src_items = src_items.to(device, non_blocking=True)
+    dst_items = dst_items.to(device, non_blocking=True)
+
+    elem_bytes = src.element_size()
+    tile_elems = max(1, tuning.tile_bytes // elem_bytes)
+    cols = min(next_pow2(copy.row_elems), next_pow2(tile_elems))
+    rows = max(1, tile_elems // cols)
+    rows_per_item = copy.rows_a * copy.rows_b
+    num_rows = n_items * rows_per_item
+    col_tiles = -(-copy.row_elems // cols)
+    num_tiles = -(-num_rows // rows) * col_tiles
+    grid = (min(num_tiles, max_programs(device, tuning)),)
+    kernel_for(_copy_rows_kernel, device)[grid](
+        src,
+        dst,
+        src_items,
+        dst_items,
+        num_rows,
+        rows_per_item,
+        copy.rows_b,
+        copy.row_elems,
+        copy.src.num_items,
+        copy.dst.num_items,
+        copy.src.item_stride,
+        copy.src.a_stride,
+        copy.src.b_stride,
+        copy.dst.item_stride,
+        copy.dst.a_stride,
+        copy.dst.b_stride,
+        num_tiles,
+        col_tiles,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=tuning.num_warps,
+    )
