@@ -114,7 +114,7 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         self.counters["host_hit_tokens"] += result.host_hit_len
         self.counters["disk_hit_tokens"] += result.disk_hit_len
         if req is not None:
-            self._attach(req, result)
+            self._attach(req, result, arr)
         return result
 
     def _device_match(
@@ -146,12 +146,12 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             return nodes[0].data[0].value
         return np.concatenate([n.data[0].value for n in nodes])
 
-    def _attach(self, req: Request, result: MatchResult) -> None:
+    def _attach(self, req: Request, result: MatchResult, tokens: np.ndarray) -> None:
         """Give ``req`` the matched device prefix: lock, slots and its own Mamba state."""
         if req.kv_slots.size or req.lock_receipt is not None:
             raise ValueError(f"{req!r} already holds slots; match_prefix needs a fresh request")
         req.kv_slots = result.device_indices.numpy().copy()
-        req.token_ids = _EMPTY
+        req.token_ids = tokens[: result.prefix_len].copy()
         req.prefix_len = result.prefix_len
         req.last_node = result.last_node
         req.lock_receipt = self.lock(result.last_node)
@@ -375,7 +375,7 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         req.prefix_len = end
         req.swa_released_upto = max(req.swa_released_upto, end)
         if old is not None:
-            self.unlock(old)
+            self.unlock(old, touch=False)
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
         """Cache what ``req`` computed (when ``insert``), free everything else it holds
@@ -392,7 +392,9 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
                 self.pools.mamba.free_state(slot)
                 setattr(req, attr, None)
         if req.lock_receipt is not None:
-            self.unlock(req.lock_receipt)
+            # After an insert the path was just touched, deepest last; touching the old
+            # lock end again would make it look more recent than what was inserted.
+            self.unlock(req.lock_receipt, touch=end == req.prefix_len)
         req.lock_receipt = None
         req.kv_slots = _EMPTY
         req.finished = True

@@ -115,6 +115,23 @@ class LRUList:
         cd.in_lru = True
         self._size += 1
 
+    def insert_by_access(self, cd: ComponentData) -> None:
+        """Insert ``cd`` where its node's ``(last_access, start)`` places it: walks back
+        from the most recent end, so it is O(1) for recently used nodes."""
+        key = (cd.node.last_access, cd.node.start)
+        anchor = self._tail
+        while anchor is not None and (anchor.node.last_access, anchor.node.start) > key:
+            anchor = anchor.lru_prev
+        if anchor is None:
+            if self._head is None:
+                self.push_back(cd)
+            else:
+                self.insert_before(cd, self._head)
+        elif anchor.lru_next is None:
+            self.push_back(cd)
+        else:
+            self.insert_before(cd, anchor.lru_next)
+
     def insert_before(self, cd: ComponentData, anchor: ComponentData) -> None:
         """Insert ``cd`` just before member ``anchor`` (slightly less recently used)."""
         prev = anchor.lru_prev

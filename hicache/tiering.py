@@ -85,7 +85,7 @@ class TieringMixin:
             log.warning("backup of %d pages failed: %s", len(refs), exc)
             self.counters["backup_failed"] += 1
             for r in receipts:
-                self.unlock(r)
+                self.unlock(r, touch=False)
             return
         for pair in pairs:
             self._inflight[(pair[0].id, pair[1])] += 1
@@ -114,7 +114,7 @@ class TieringMixin:
             if ok:
                 node.data[idx].backed = True
         for r in pending.receipts:
-            self.unlock(r)
+            self.unlock(r, touch=False)
         self.counters["backup_done" if ok else "backup_failed"] += 1
 
     def after_insert(self: UnifiedRadixCache, touched: list[TreeNode]) -> None:
@@ -383,7 +383,7 @@ class TieringMixin:
             for comp in self.components:
                 if comp.idx in preps:
                     comp.finalize_load_back(plan, req, preps[comp.idx], ok)
-            self.unlock(receipt)
+            self.unlock(receipt, touch=False)
             if pin is not None:
                 try:
                     self.controller.unpin(pin)
@@ -433,6 +433,9 @@ class TieringMixin:
         self: UnifiedRadixCache, req: Request, nodes: list[TreeNode], node: TreeNode
     ) -> None:
         req.kv_slots = np.concatenate([req.kv_slots, self._concat_slots(nodes)])
+        req.token_ids = np.concatenate(
+            [req.token_ids, *(np.frombuffer(n.key, dtype=np.int64) for n in nodes)]
+        )
         old = req.lock_receipt
         req.lock_receipt = self.lock(node)
         req.last_node = node

@@ -287,7 +287,7 @@ class RadixTree:
                 self._refresh_leaf(parent)
             self._refresh_leaf(node)
         elif cd.lock_ref == 0:
-            self.aux_lru[comp.idx].push_back(cd)
+            self.aux_lru[comp.idx].insert_by_access(cd)
 
     def take_value(self, node: TreeNode, comp: TreeComponent) -> Any:
         """Remove and return ``node``'s device value for ``comp`` (the caller frees it)."""
@@ -342,7 +342,7 @@ class RadixTree:
             if comp.leaf_only:
                 self._refresh_leaf(node)
             else:
-                self.aux_lru[comp.idx].push_back(cd)
+                self.aux_lru[comp.idx].insert_by_access(cd)
 
     def touch(self, nodes: Sequence[TreeNode]) -> None:
         """Mark ``nodes`` (root to leaf order) as just used."""
@@ -369,14 +369,20 @@ class RadixTree:
             return LockReceipt(node)
         return LockReceipt(node, {comp.idx: comp.lock(node) for comp in self.components})
 
-    def unlock(self, receipt: LockReceipt) -> None:
-        """Release exactly what ``lock`` took; a second unlock of a receipt raises."""
+    def unlock(self, receipt: LockReceipt, touch: bool = True) -> None:
+        """Release exactly what ``lock`` took; a second unlock of a receipt raises.
+
+        With ``touch`` the path counts as used until now (a request held it); transfers
+        that held it only to copy it pass ``touch=False``.
+        """
         if receipt.released:
             raise RuntimeError(f"lock receipt {receipt.receipt_id} released twice")
         receipt.released = True
         for comp in self.components:
             if comp.idx in receipt.parts:
                 comp.unlock(receipt.node, receipt.parts[comp.idx])
+        if touch and receipt.parts:
+            self.touch(self.path_to_root(receipt.node))
 
     # -- eviction ------------------------------------------------------------------------
 
