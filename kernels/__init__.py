@@ -175,10 +175,9 @@ def mamba_states_to_device(
 
 
 def _pick_scatter(backend: BackendArg, device: torch.device) -> Backend:
-    chosen = _pick(backend, device, Backend.TRITON)
-    if chosen is Backend.COPY_ENGINE:
+    if backend in (Backend.COPY_ENGINE, Backend.COPY_ENGINE.value):
         raise ValueError("the scatters have no copy-engine backend; use 'torch' or 'triton'")
-    return chosen
+    return _pick(backend, device, Backend.TRITON)
 
 
 def fused_mamba_state_scatter_with_mask(
