@@ -94,7 +94,8 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         arr = token_array(tokens)
         n = arr.size - arr.size % self.page_size
         key = arr[:n].tobytes()
-        root = self.namespace_root(extra_key)
+        # With a controller, a namespace this tree has not seen may still hit beyond it.
+        root = self.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
         if root is None or n == 0:
             result = MatchResult(torch.from_numpy(_EMPTY), 0, root or self._null_root)
@@ -110,6 +111,8 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
                 self.on_prefix_hit(prefix_nodes)
             if self.controller is not None and last_node.end < n:
                 self.match_beyond_device(root, key, result, path, partial, k)
+            if not root.children:
+                self.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
         self.counters["host_hit_tokens"] += result.host_hit_len
         self.counters["disk_hit_tokens"] += result.disk_hit_len

@@ -209,9 +209,7 @@ class TieringMixin:
                 handle = self.controller.prefetch(self._disk_keys(lookup, disk_pages, hashes))
                 if policy is PrefetchPolicy.TIMEOUT and handle.wait(self.config.prefetch_timeout_s):
                     again = self.controller.lookup(hashes[:disk_pages], comps)
-                    load_pages = _last_at_most(
-                        self._end_tiers(again, device[:disk_pages], start), Presence.HOST
-                    )
+                    load_pages = _last_at_most(self._end_tiers(again, device, start), Presence.HOST)
         if load_pages:
             result.load_node = self._materialize(
                 last, key, sub_path, sub_partial, sub_k, start + load_pages * ps, lookup

@@ -1,0 +1,229 @@
+"""Load-back through the component hooks: exact on success, and on every failure the
+pools and the request are exactly as before (ARCHITECTURE §4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cache_support import MIXES, MarkerEngine, make_cache
+from fake_controller import FAULTS, FakeController
+
+from hicache import ComponentType, Request
+from hicache.config import PrefetchPolicy, WritePolicy
+
+
+def seq(n: int, base: int = 0) -> np.ndarray:
+    return (np.arange(n, dtype=np.int64) * 13 + base) % 991 + 1
+
+
+def demoted_cache(mix: str, ps: int, window: int = 6, **config):
+    """A cache whose only prefix was backed up and then evicted from the device."""
+    ctrl = FakeController()
+    cache = make_cache(
+        mix, page_size=ps, window=window, full_slots=ps * 64, controller=ctrl, **config
+    )
+    engine = MarkerEngine(cache)
+    tokens = seq(6 * ps)
+    engine.run(tokens)
+    cache.flush_backups()
+    cache.evict(full_tokens=10**6)
+    cache.check_invariants()
+    assert cache.stats().total_tokens == 0 and cache.stats().host_only_tokens == tokens.size
+    return cache, engine, ctrl, tokens
+
+
+def scribble(cache) -> None:
+    """Overwrite every device pool, so that only a real copy can restore markers."""
+    cache.pools.full.buffer.fill_(-7.0)
+    if cache.pools.swa is not None:
+        cache.pools.swa.buffer.fill_(-7.0)
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_host_hit_loads_back_bit_exact(mix, ps):
+    cache, engine, ctrl, tokens = demoted_cache(mix, ps)
+    scribble(cache)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    assert m.prefix_len == 0 and m.host_hit_len == tokens.size and m.load_node is not None
+    assert cache.load_back(m.load_node, req=req)
+    cache.check_invariants()
+    assert req.prefix_len == tokens.size
+    engine.verify_prefix(req, tokens, req.prefix_len)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    # Loaded nodes are device nodes again: the next request hits on the device.
+    again = cache.match_prefix(tokens)
+    if cache.mamba is None:
+        assert again.prefix_len == tokens.size
+    else:
+        # The state went into the request's own slot; the node's state comes back from
+        # the host again (a state load only).
+        assert again.prefix_len + again.host_hit_len == tokens.size
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_failed_load_back_leaves_pools_and_request_as_they_were(fault, mix):
+    ps = 4
+    cache, engine, ctrl, tokens = demoted_cache(mix, ps)
+    # The request holds a device prefix of its own first: a shorter cached sequence.
+    engine.run(tokens[: 2 * ps])
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    assert m.prefix_len == 2 * ps and m.load_node is not None
+    before_free = cache.pools.free_counts()
+    before = (req.kv_slots.copy(), req.prefix_len, req.mamba_slot, req.last_node)
+    state = None
+    if req.mamba_slot is not None:
+        state = cache.pools.mamba.conv[:, req.mamba_slot].clone()
+    ctrl.fault = fault
+    assert cache.load_back(m.load_node, req=req) is False
+    cache.check_invariants()
+    assert cache.pools.free_counts() == before_free
+    assert np.array_equal(req.kv_slots, before[0])
+    assert (req.prefix_len, req.mamba_slot, req.last_node) == before[1:]
+    if state is not None:
+        assert torch.equal(cache.pools.mamba.conv[:, req.mamba_slot], state)
+    engine.verify_prefix(req, tokens, req.prefix_len)
+    assert not ctrl.pins, "a failed load-back left pages pinned"
+    assert cache.counters["load_back_failed"] == 1
+    # The request carries on: it recomputes the rest and finishes without leaking.
+    engine.compute(req, tokens, tokens.size)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    cache.reset()
+    assert cache.pools.free_counts() == {p.name: p.capacity for p in cache.pools.all()}
+
+
+def test_pool_exhaustion_during_prepare_is_a_clean_miss():
+    cache, engine, ctrl, tokens = demoted_cache("full+swa", 4)
+    holders = []
+    while cache.pools.full.available() >= 4:  # fill the pool with live requests
+        r = Request(len(holders))
+        cache.match_prefix(seq(4, base=500 + len(holders)), req=r)
+        cache.alloc_tokens(r, 4)
+        holders.append(r)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    before = cache.pools.free_counts()
+    assert cache.load_back(m.load_node, req=req) is False
+    assert cache.counters["load_back_failed_PoolExhaustedError"] == 1
+    assert cache.pools.free_counts() == before
+    cache.check_invariants()
+    for r in [*holders, req]:
+        cache.cache_finished_req(r, insert=False)
+    cache.check_invariants()
+
+
+def test_quota_caps_the_load():
+    cache, engine, ctrl, tokens = demoted_cache("full", 4)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    assert cache.load_back(m.load_node, req=req, mem_quota=tokens.size - 4) is False
+    assert ctrl.loads == 0
+    assert cache.load_back(m.load_node, req=req, mem_quota=tokens.size) is True
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_write_through_backs_up_a_prefix_from_the_root(mix):
+    ctrl = FakeController()
+    cache = make_cache(mix, page_size=4, full_slots=256, controller=ctrl)
+    engine = MarkerEngine(cache)
+    engine.run(seq(12))
+    engine.run(np.concatenate([seq(12), seq(8, base=3)]))
+    cache.flush_backups()
+    for node in cache.iter_nodes():
+        if node.data[0].backed:
+            assert node.parent.parent is None or node.parent.data[0].backed
+        assert node.data[0].backed
+    cache.check_invariants()
+
+
+def test_write_back_backs_up_exactly_at_eviction():
+    ctrl = FakeController()
+    cache = make_cache(
+        "full+mamba", page_size=4, controller=ctrl, write_policy=WritePolicy.WRITE_BACK
+    )
+    engine = MarkerEngine(cache)
+    tokens = seq(16)
+    engine.run(tokens)
+    assert ctrl.backups == 0 and not ctrl.pages
+    cache.evict(full_tokens=1)
+    assert ctrl.backups == 1
+    assert {k.component for k in ctrl.pages} == {ComponentType.FULL, ComponentType.MAMBA}
+    m = cache.match_prefix(tokens)
+    assert m.host_hit_len == tokens.size
+    cache.check_invariants()
+
+
+def test_selective_write_through_waits_for_hits():
+    ctrl = FakeController()
+    cache = make_cache(
+        "full",
+        page_size=4,
+        controller=ctrl,
+        write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE,
+        write_through_threshold_hits=2,
+    )
+    engine = MarkerEngine(cache)
+    tokens = seq(16)
+    engine.run(tokens)
+    cache.match_prefix(tokens)
+    assert not ctrl.pages
+    cache.match_prefix(tokens)
+    cache.flush_backups()
+    assert len(ctrl.pages) == 4
+    cache.check_invariants()
+
+
+def test_failed_backup_keeps_the_node_unbacked_and_evicts_it_whole():
+    ctrl = FakeController()
+    ctrl.fail_backups = True
+    cache = make_cache("full", page_size=4, controller=ctrl)
+    engine = MarkerEngine(cache)
+    engine.run(seq(16))
+    cache.flush_backups()
+    assert cache.counters["backup_failed"] == 1
+    cache.evict(full_tokens=1)
+    cache.check_invariants()
+    assert cache.stats().num_nodes == 0
+
+
+@pytest.mark.parametrize("policy", list(PrefetchPolicy))
+def test_disk_hits_follow_the_prefetch_policy(policy):
+    cache, engine, ctrl, tokens = demoted_cache("full+mamba", 4, prefetch_policy=policy)
+    ctrl.on_disk = set(ctrl.pages)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    assert m.host_hit_len == 0 and m.disk_hit_len == tokens.size
+    assert ctrl.prefetched or policy is PrefetchPolicy.WAIT_COMPLETE
+    if policy is PrefetchPolicy.BEST_EFFORT:
+        assert m.load_node is None  # nothing on host yet; the prefetch serves next time
+        cache.cache_finished_req(req, insert=False)
+        req = Request("r2")
+        m = cache.match_prefix(tokens, req=req)
+        assert m.host_hit_len == tokens.size
+    assert cache.load_back(m.load_node, req=req)
+    engine.verify_prefix(req, tokens, req.prefix_len)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+
+
+def test_remote_pages_beyond_the_tree_are_found_and_loaded():
+    """Pages another engine backed up (or a previous life of this one) are hits even when
+    this tree has never seen them."""
+    cache, engine, ctrl, tokens = demoted_cache("full+swa+mamba", 4)
+    fresh = make_cache("full+swa+mamba", page_size=4, window=6, full_slots=256, controller=ctrl)
+    eng2 = MarkerEngine(fresh)
+    req = Request("r")
+    m = fresh.match_prefix(tokens, req=req)
+    assert m.host_hit_len == tokens.size
+    assert fresh.load_back(m.load_node, req=req)
+    eng2.verify_prefix(req, tokens, req.prefix_len)
+    fresh.cache_finished_req(req)
+    fresh.check_invariants()
