@@ -1,0 +1,206 @@
+"""Controller configuration: host pool size and split, the LMDB tier, threads and timeouts.
+
+Every size carries its unit in its name; every policy is an enum. ``validate`` raises
+:class:`hicache.types.ConfigError` with a message that names the field, the bad value and
+what to do.
+
+The LMDB map size rule
+----------------------
+LMDB never shrinks its file and never overwrites a live page: a transaction writes new
+pages and frees the old ones only after every reader that may still see them has ended.
+A value larger than a database page goes to a run of contiguous *overflow* pages, and a
+churning cache (pages evicted and replaced by pages of other sizes) fragments the free
+list, so the file grows past the live data. With ``lmdb_map_size_bytes=None`` the map
+is ``2 × disk_budget_bytes + 64 MiB``: room for a full budget of live values, the same
+again for freed-but-not-yet-reusable and fragmented runs, and a fixed margin for the
+B-tree's own pages and small budgets. An explicit map size must be at least
+``1.25 × disk_budget_bytes``; below that the map fills before the budget does and
+every write turns into an evict-and-retry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hicache.types import ComponentType, ConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+_MAP_MARGIN_BYTES = 64 * MIB
+_MIN_MAP_RATIO = 1.25
+
+
+class DiskWritePolicy(enum.Enum):
+    """When a page that reached the host tier is written to the LMDB tier."""
+
+    # Queued to the writer as soon as it lands on host: a clean restart keeps every page
+    # that was ever acknowledged, and a host eviction never waits for the disk.
+    WRITE_THROUGH = "write_through"
+    # Written only when the host tier evicts it: less disk traffic for short-lived
+    # prefixes, but a page lives only in memory until then.
+    WRITE_BACK = "write_back"
+
+
+class HostPinning(enum.Enum):
+    """Whether host pages are page-locked (pinned) for fast, asynchronous DMA."""
+
+    AUTO = "auto"  # pinned when CUDA is available, plain memory otherwise
+    PINNED = "pinned"  # pinned, or an error when it cannot be
+    PAGEABLE = "pageable"  # never pinned
+
+
+def _enum(cls: type[enum.Enum], value: object, name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)
+        raise ConfigError(f"{name}={value!r} is not one of: {choices}") from None
+
+
+@dataclass
+class ControllerConfig:
+    """Sizes, policies, threads and timeouts of one controller (host and disk tiers).
+
+    Host pool split: each component of the layout gets host pages in proportion to its
+    ``host_weight_*`` (a *page count* ratio, not a byte ratio): with the defaults, every
+    FULL page can have an SWA page beside it and one page in four a Mamba state. The
+    bytes are then ``host_pool_bytes`` divided so that those page counts hold.
+    """
+
+    host_pool_bytes: int = 1 * GIB
+    host_weight_full: float = 1.0
+    host_weight_swa: float = 1.0
+    host_weight_mamba: float = 0.25
+    host_pinning: HostPinning = HostPinning.AUTO
+
+    disk_path: str | Path | None = None
+    disk_budget_bytes: int = 16 * GIB
+    lmdb_map_size_bytes: int | None = None
+    disk_write_policy: DiskWritePolicy = DiskWritePolicy.WRITE_THROUGH
+    disk_sync: bool = True
+    disk_verify_on_open: bool = False
+    disk_map_full_retries: int = 3
+
+    writer_batch_pages: int = 64
+    writer_batch_bytes: int = 64 * MIB
+    writer_flush_interval_s: float = 0.002
+    reader_threads: int = 4
+
+    pin_ttl_default_s: float = 30.0
+    pin_ttl_max_s: float = 600.0
+    load_timeout_s: float = 10.0
+    prefetch_timeout_s: float = 5.0
+    close_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        self.host_pinning = _enum(HostPinning, self.host_pinning, "host_pinning")
+        self.disk_write_policy = _enum(DiskWritePolicy, self.disk_write_policy, "disk_write_policy")
+        if self.disk_path is not None:
+            self.disk_path = Path(self.disk_path)
+        self.validate()
+
+    # -- derived -------------------------------------------------------------------------
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_path is not None
+
+    @property
+    def map_size_bytes(self) -> int:
+        """The LMDB map size in force: explicit, or the documented default rule."""
+        if self.lmdb_map_size_bytes is not None:
+            size = self.lmdb_map_size_bytes
+        else:
+            size = 2 * self.disk_budget_bytes + _MAP_MARGIN_BYTES
+        page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        return math.ceil(size / page) * page
+
+    def host_weight(self, component: ComponentType) -> float:
+        return {
+            ComponentType.FULL: self.host_weight_full,
+            ComponentType.SWA: self.host_weight_swa,
+            ComponentType.MAMBA: self.host_weight_mamba,
+        }[component]
+
+    # -- checks --------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad value and what to do about it."""
+        if self.host_pool_bytes <= 0:
+            raise ConfigError(
+                f"host_pool_bytes must be > 0, got {self.host_pool_bytes}; give the host tier "
+                "some memory, e.g. 4 GiB = 4294967296"
+            )
+        for c in ComponentType:
+            w = self.host_weight(c)
+            if not (w >= 0 and math.isfinite(w)):
+                raise ConfigError(f"host_weight_{c.name.lower()} must be a finite number >= 0")
+        if self.host_weight_full <= 0:
+            raise ConfigError("host_weight_full must be > 0: FULL pages are the cache's backbone")
+        if self.disk_enabled:
+            if self.disk_budget_bytes <= 0:
+                raise ConfigError(
+                    f"disk_budget_bytes must be > 0 when disk_path is set, got "
+                    f"{self.disk_budget_bytes}; or set disk_path=None to run without a disk tier"
+                )
+            if (
+                self.lmdb_map_size_bytes is not None
+                and self.lmdb_map_size_bytes < _MIN_MAP_RATIO * self.disk_budget_bytes
+            ):
+                raise ConfigError(
+                    f"lmdb_map_size_bytes={self.lmdb_map_size_bytes} is below "
+                    f"{_MIN_MAP_RATIO} x disk_budget_bytes={self.disk_budget_bytes}: LMDB needs "
+                    "room beyond the live data; raise it or leave it None for the default rule"
+                )
+        positive_ints = ("writer_batch_pages", "writer_batch_bytes", "reader_threads")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.disk_map_full_retries < 0:
+            raise ConfigError("disk_map_full_retries must be >= 0")
+        if self.writer_flush_interval_s < 0:
+            raise ConfigError("writer_flush_interval_s must be >= 0 seconds")
+        for name in (
+            "pin_ttl_default_s",
+            "pin_ttl_max_s",
+            "load_timeout_s",
+            "prefetch_timeout_s",
+            "close_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.pin_ttl_default_s > self.pin_ttl_max_s:
+            raise ConfigError(
+                f"pin_ttl_default_s={self.pin_ttl_default_s} exceeds "
+                f"pin_ttl_max_s={self.pin_ttl_max_s}; lower the default or raise the maximum"
+            )
+
+    # -- (de)serialisation ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON/msgpack-safe description, the inverse of :meth:`from_dict`."""
+        d = dataclasses.asdict(self)
+        d["host_pinning"] = self.host_pinning.value
+        d["disk_write_policy"] = self.disk_write_policy.value
+        d["disk_path"] = None if self.disk_path is None else str(self.disk_path)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ControllerConfig:
+        """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown controller config key(s) {unknown}; known keys: {sorted(known)}"
+            )
+        return cls(**d)

@@ -1,0 +1,135 @@
+"""Host pages being filled: device backups in flight, and waiting for fills of any kind.
+
+A host page is *filling* while a copy into it runs: a backup from a device, or a disk
+read. Each filling entry carries a future (``PageEntry.fill``) that resolves True when
+the page is ready, False when the fill failed (and the page was given back).
+
+Disk reads resolve their futures on the reader threads. Backups on CPU are published in
+the caller's thread as soon as the copy returns; backups on CUDA are queued here with
+the event recorded after their copy, and published (marked ready, queued to the disk
+writer) by whichever caller next polls: any controller call, or a wait on a handle.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Any
+
+from hicache.controller.page_index import HostState, PageEntry
+from hicache.controller.tiers import PageStore
+
+from hicache.controller_api import PageRef
+
+
+class QueuedBackup:
+    """A backup's page plan, and the CUDA events after which its bytes are on host."""
+
+    def __init__(self, plan: list[tuple[PageEntry, PageRef]], events: list[Any], t0: float):
+        self.plan = plan
+        self.events = events
+        self.t0 = t0
+        self.published = False
+
+
+class FillTracker:
+    """Queued CUDA backups of one store, and waits on fills."""
+
+    def __init__(self, store: PageStore) -> None:
+        self._store = store
+        self._queued: list[QueuedBackup] = []
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def begin_locked(self, e: PageEntry, page: int) -> None:
+        """``e`` gets host page ``page``, filling, held until published or aborted."""
+        self._store.index.set_host(e, page, ready=False)
+        self._store.index.acquire(e)
+        e.fill = Future()
+
+    def abort_locked(self, e: PageEntry) -> None:
+        """The copy into ``e``'s host page failed: give the page back."""
+        store = self._store
+        fill, e.fill = e.fill, None
+        store.host[e.component].free(store.index.clear_host(e))
+        store.index.release(e)
+        store.index.discard_if_unused(e)
+        fill.set_result(False)
+
+    def publish_locked(self, backup: QueuedBackup) -> None:
+        """A backup's bytes are on host: mark its pages ready and queue them to disk."""
+        store = self._store
+        backup.published = True
+        nbytes = 0
+        for e, _ in backup.plan:
+            store.index.mark_host_ready(e)
+            store.index.release(e)
+            fill, e.fill = e.fill, None
+            fill.set_result(True)
+            store.write_through_locked(e)
+            nbytes += store.host[e.component].page_bytes
+        n = len(backup.plan)
+        store.counters.add(n, "backup", "stored_pages")
+        store.counters.transfer("device_to_host", n, nbytes, time.perf_counter() - backup.t0)
+
+    def queue_locked(self, backup: QueuedBackup) -> None:
+        self._queued.append(backup)
+
+    def reap(self, block: bool) -> None:
+        """Publish queued backups whose copies finished (all of them when ``block``)."""
+        if not self._queued:
+            return
+        with self._store.lock:
+            queued = list(self._queued)
+        for b in queued:
+            if block:
+                for ev in b.events:
+                    ev.synchronize()
+            elif not all(ev.query() for ev in b.events):
+                continue
+            with self._store.lock:
+                if not b.published:
+                    self.publish_locked(b)
+                    self._queued.remove(b)
+
+    def wait(self, fills: list[Future], deadline: float | None) -> bool | None:
+        """Wait for fills: True all ready, False one failed, None at ``deadline``."""
+        while True:
+            if self._queued:
+                self.reap(block=False)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            step = remaining
+            if self._queued:  # CUDA backups publish only when polled
+                step = 0.001 if remaining is None else min(remaining, 0.001)
+            done, not_done = futures.wait(fills, timeout=step)
+            if not not_done:
+                return all(f.result() for f in done)
+            if remaining is not None and remaining <= 0:
+                return None
+
+    def handle(self, fills: list[Future], ok: bool) -> FillHandle:
+        return FillHandle(self, fills, ok)
+
+    def check_invariants_locked(self) -> None:
+        for b in self._queued:
+            for e, _ in b.plan:
+                assert e.host_state is HostState.FILLING, f"{e}: queued backup not filling"
+
+
+class FillHandle:
+    """A transfer handle over host fills; ``ok`` False when some page was never started."""
+
+    def __init__(self, tracker: FillTracker, fills: list[Future], ok: bool) -> None:
+        self._tracker = tracker
+        self._fills = fills
+        self._ok = ok
+
+    def done(self) -> bool:
+        self._tracker.reap(block=False)
+        return all(f.done() for f in self._fills)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return bool(self._tracker.wait(self._fills, deadline)) and self._ok

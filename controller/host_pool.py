@@ -1,0 +1,231 @@
+"""The host tier's memory: page-granular, page-first, pinned when CUDA is available.
+
+One page of one component is one contiguous run of bytes that covers every layer of that
+component, so a page moves to and from LMDB as a single value, and a batch of pages moves
+to and from the device in one kernel launch. Typed views match
+:mod:`hicache.kernels.reference`:
+
+* FULL / SWA: ``kv(c)`` is ``[pages, 2, layers, page_size, heads, head_dim]`` (K then V);
+* MAMBA: a page is the conv state of every Mamba layer, then the SSM state of every Mamba
+  layer; ``conv()`` is ``[pages, layers, conv_dim, K-1]`` and ``ssm()`` is
+  ``[pages, layers, *ssm_state_shape]``, strided views into the same bytes.
+
+Sizing: component ``c`` gets ``n_c = floor(B * w_c / sum_d(w_d * page_bytes_d))`` pages
+for a budget of ``B`` bytes and weights ``w`` (see :class:`ControllerConfig`), so the
+weights are page-count ratios and the bytes add up to at most ``B``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+from hicache.controller.config import ControllerConfig, HostPinning
+
+from hicache.layout import LayerKind, ModelLayout
+from hicache.types import ComponentType, ConfigError, SlotStateError
+
+log = logging.getLogger(__name__)
+
+
+def _allocate_bytes(num_pages: int, page_bytes: int, pinning: HostPinning) -> torch.Tensor:
+    """``[num_pages, page_bytes]`` uint8, pinned as the policy asks (AUTO falls back)."""
+    want_pin = pinning is HostPinning.PINNED or (
+        pinning is HostPinning.AUTO and torch.cuda.is_available()
+    )
+    if want_pin:
+        try:
+            return torch.empty((num_pages, page_bytes), dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            if pinning is HostPinning.PINNED:
+                raise ConfigError(
+                    f"could not pin {num_pages * page_bytes} bytes of host memory ({exc}); "
+                    "raise the memlock limit (ulimit -l) or set host_pinning='auto'"
+                ) from exc
+            log.warning("host pool: pinning failed (%s); using pageable memory", exc)
+    return torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+
+
+class HostComponentPool:
+    """The host pages of one component, with an O(1) free list."""
+
+    def __init__(
+        self,
+        component: ComponentType,
+        layout: ModelLayout,
+        page_size: int,
+        num_pages: int,
+        pinning: HostPinning,
+    ) -> None:
+        self.component = component
+        self.page_bytes = layout.page_bytes(component, page_size)
+        self.num_pages = num_pages
+        self.buffer = _allocate_bytes(num_pages, self.page_bytes, pinning)
+        self.pinned = bool(self.buffer.is_pinned()) if num_pages else False
+        # The same bytes as numpy rows: LMDB reads and writes go through these.
+        self.rows: np.ndarray = self.buffer.numpy()
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._in_use = np.zeros(num_pages, dtype=bool)
+        self._make_views(layout, page_size)
+
+    def _make_views(self, layout: ModelLayout, page_size: int) -> None:
+        n = self.num_pages
+        if self.component is ComponentType.MAMBA:
+            typed = self.buffer.view(layout.state_dtype)
+            per_page = typed.shape[1]
+            n_layers = len(layout.mamba_layers)
+            conv_shape = layout.conv_state_shape
+            conv_elems = math.prod(conv_shape)
+            ssm_shape = layout.ssm_state_shape
+            ssm_elems = math.prod(ssm_shape)
+            self.conv_view = typed.as_strided(
+                (n, n_layers, *conv_shape),
+                (per_page, conv_elems, *_contiguous_strides(conv_shape)),
+            )
+            self.ssm_view = typed.as_strided(
+                (n, n_layers, *ssm_shape),
+                (per_page, ssm_elems, *_contiguous_strides(ssm_shape)),
+                storage_offset=n_layers * conv_elems,
+            )
+            self.kv_view = None
+        else:
+            kind = LayerKind.FULL if self.component is ComponentType.FULL else LayerKind.SWA
+            n_layers = len(layout.layers_of(kind))
+            self.kv_view = self.buffer.view(layout.dtype).view(
+                n, 2, n_layers, page_size, layout.num_kv_heads, layout.head_dim
+            )
+            self.conv_view = self.ssm_view = None
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def alloc(self) -> int | None:
+        """A free page id, or None when every page is in use."""
+        if not self._free:
+            return None
+        page = self._free.pop()
+        self._in_use[page] = True
+        return page
+
+    def free(self, page: int) -> None:
+        """Return ``page``; raises SlotStateError on a double free or a foreign id."""
+        if not 0 <= page < self.num_pages or not self._in_use[page]:
+            raise SlotStateError(
+                f"host {self.component.name} pool: free of page {page} that is not in use"
+            )
+        self._in_use[page] = False
+        self._free.append(page)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def row(self, page: int) -> np.ndarray:
+        """The bytes of ``page`` as a writable 1-D uint8 array (a view, no copy)."""
+        return self.rows[page]
+
+    def check_invariants(self, owned: set[int]) -> None:
+        """``owned`` (pages the index points at) and the free list partition the pool."""
+        free = self._free
+        assert len(set(free)) == len(free), f"host {self.component.name}: duplicate free page"
+        assert not (set(free) & owned), f"host {self.component.name}: a free page is owned"
+        assert len(free) + len(owned) == self.num_pages, (
+            f"host {self.component.name}: {len(free)} free + {len(owned)} owned != "
+            f"{self.num_pages} pages (a page leaked)"
+        )
+        in_use = set(np.flatnonzero(self._in_use).tolist())
+        assert in_use == owned, f"host {self.component.name}: in-use flags disagree with owners"
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def host_page_counts(
+    layout: ModelLayout, page_size: int, config: ControllerConfig
+) -> dict[ComponentType, int]:
+    """Pages per component for ``config.host_pool_bytes`` (see the module docstring)."""
+    comps = layout.components
+    unit = sum(config.host_weight(c) * layout.page_bytes(c, page_size) for c in comps)
+    counts = {c: int(config.host_pool_bytes * config.host_weight(c) // unit) for c in comps}
+    for c, n in counts.items():
+        if n < 1:
+            need = math.ceil(unit / config.host_weight(c)) if config.host_weight(c) else 0
+            raise ConfigError(
+                f"host_pool_bytes={config.host_pool_bytes} leaves no host page for "
+                f"{c.name} (page of {layout.page_bytes(c, page_size)} bytes); raise "
+                f"host_pool_bytes to at least {need} or host_weight_{c.name.lower()}"
+            )
+    return counts
+
+
+class HostPool:
+    """Host pages of every component of one layout."""
+
+    def __init__(self, layout: ModelLayout, page_size: int, config: ControllerConfig) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        counts = host_page_counts(layout, page_size, config)
+        self.components: dict[ComponentType, HostComponentPool] = {
+            c: HostComponentPool(c, layout, page_size, n, config.host_pinning)
+            for c, n in counts.items()
+        }
+
+    def __getitem__(self, component: ComponentType) -> HostComponentPool:
+        try:
+            return self.components[component]
+        except KeyError:
+            raise ConfigError(
+                f"the layout has no {component.name} component, so there are no host pages for it"
+            ) from None
+
+    def kv(self, component: ComponentType) -> torch.Tensor:
+        """``[pages, 2, layers, page_size, heads, head_dim]`` of FULL or SWA."""
+        view = self[component].kv_view
+        assert view is not None, "kv() is for FULL and SWA"
+        return view
+
+    def conv(self) -> torch.Tensor:
+        """``[pages, mamba_layers, conv_dim, K-1]`` (strided into the page bytes)."""
+        return self[ComponentType.MAMBA].conv_view
+
+    def ssm(self) -> torch.Tensor:
+        """``[pages, mamba_layers, *ssm_state_shape]`` (strided into the page bytes)."""
+        return self[ComponentType.MAMBA].ssm_view
+
+    # -- residency -----------------------------------------------------------------------
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host memory the pool holds (allocated page bytes, whether in use or not)."""
+        return sum(p.num_pages * p.page_bytes for p in self.components.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The part of :attr:`resident_bytes` that is page-locked."""
+        return sum(p.num_pages * p.page_bytes for p in self.components.values() if p.pinned)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pages that hold (or are being filled with) a cached page."""
+        return sum(p.used_pages * p.page_bytes for p in self.components.values())
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "resident_bytes": self.resident_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "used_bytes": self.used_bytes,
+            "capacity_pages": {c.name.lower(): p.num_pages for c, p in self.components.items()},
+            "used_pages": {c.name.lower(): p.used_pages for c, p in self.components.items()},
+            "page_bytes": {c.name.lower(): p.page_bytes for c, p in self.components.items()},
+        }

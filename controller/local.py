@@ -1,0 +1,546 @@
+"""``LocalController``: the host and disk tiers in-process, for one layout, many engines.
+
+Threading model
+---------------
+* **Callers** (engine threads, or the sidecar's request handlers) run every public
+  method. Index work happens under one lock (``self._store.lock``), held only for index and
+  pool bookkeeping, never across a copy or an LMDB call. Device ↔ host copies run in
+  the caller's thread (CPU) or on the transfer engine's CUDA streams.
+* **The LMDB writer thread** commits queued pages in batches; it calls back into the
+  controller (under the lock) to choose disk victims and to record what it committed.
+* **The reader pool** copies disk pages into host pages and publishes them (under the
+  lock); a load or prefetch waits on their futures without holding the lock.
+
+An operation in flight on a page holds it (``PageEntry.busy``): a host page being
+filled, a page queued for the writer, a page being copied to a device. Held pages are
+never evicted, so no copy ever reads or writes a page that changed owner. A pin only
+promises presence between ``pin`` and ``load``; ``load`` holds its pages for the copy.
+
+Engines
+-------
+One controller serves every engine of one layout (the first registration fixes it;
+another fingerprint is refused). Every engine-scoped method takes ``engine_id``
+(default ``"local"``), and :meth:`LocalController.session` returns an object bound to
+one engine that implements :class:`hicache.controller_api.CacheController` exactly; the
+sidecar keeps one session per connected engine and closes it when the engine goes away
+(which releases its pins).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from hicache.controller.config import ControllerConfig
+from hicache.controller.counters import Counters, Failure, component_label
+from hicache.controller.faults import FaultPlan
+from hicache.controller.fills import FillTracker, QueuedBackup
+from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.tiers import PageStore
+from hicache.controller.transfer import EngineBuffers, TransferEngine
+
+from hicache.controller_api import (
+    CompletedTransfer,
+    ControllerError,
+    LookupResult,
+    PageKey,
+    PageRef,
+    PinReceipt,
+    Presence,
+    TransferHandle,
+)
+from hicache.keys import HASH_BYTES
+from hicache.types import ComponentType, LayoutMismatchError
+
+if TYPE_CHECKING:
+    from hicache.layout import ModelLayout
+    from hicache.pools import DevicePools
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENGINE = "local"
+
+
+class ControllerLayoutMismatch(ControllerError, LayoutMismatchError):
+    """An engine registered a layout other than the one the controller serves."""
+
+
+class LocalController:
+    """Host pool + LMDB tier + page index + transfers, behind the CacheController methods."""
+
+    def __init__(
+        self,
+        config: ControllerConfig | None = None,
+        layout: ModelLayout | None = None,
+        page_size: int | None = None,
+    ) -> None:
+        """Without ``layout``, the tiers are built at the first :meth:`register`."""
+        self.config = config or ControllerConfig()
+        self.counters = Counters()
+        self._store = PageStore(self.config, self.counters)
+        self._engines: dict[str, EngineBuffers] = {}
+        self._fills = FillTracker(self._store)
+        self._layout: ModelLayout | None = None
+        self._fingerprint: bytes | None = None
+        self._transfer: TransferEngine | None = None
+        self._closed = False
+        if layout is not None:
+            if page_size is None:
+                raise ControllerError("give page_size together with layout")
+            self._ensure_layout(layout, page_size)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _ensure_layout(self, layout: ModelLayout, page_size: int) -> None:
+        fp = layout.fingerprint(page_size)
+        # Held throughout: a second register waits until the tiers (and the index rebuilt
+        # from LMDB) are complete.
+        with self._store.lock:
+            if self._fingerprint is not None:
+                if fp != self._fingerprint:
+                    raise ControllerLayoutMismatch(
+                        f"layout {layout.model_id!r} (page_size={page_size}, fingerprint "
+                        f"{fp.hex()}) differs from the layout this controller serves "
+                        f"({self._fingerprint.hex()}); run one controller per layout"
+                    )
+                return
+            self._store.open_locked(layout, page_size, fp)
+            self._transfer = TransferEngine(self._store.host)
+            self._layout, self._fingerprint = layout, fp
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """Armed failures for tests (None in production)."""
+        return self._store.faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan | None) -> None:
+        self._store.faults = plan
+
+    def register(
+        self,
+        layout: ModelLayout,
+        page_size: int,
+        pools: DevicePools,
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> None:
+        """Make ``pools`` addressable as ``engine_id``; refuses another layout."""
+        if pools.config.page_size != page_size:
+            raise ControllerError(
+                f"page_size={page_size} but the pools were built with page_size="
+                f"{pools.config.page_size}; pass the pools' own page size"
+            )
+        if pools.layout.fingerprint(page_size) != layout.fingerprint(page_size):
+            raise ControllerLayoutMismatch("the pools were built for another layout")
+        self.register_buffers(layout, page_size, EngineBuffers.from_pools(pools), engine_id)
+
+    def register_buffers(
+        self, layout: ModelLayout, page_size: int, buffers: EngineBuffers, engine_id: str
+    ) -> None:
+        """Like :meth:`register`, for device tensors mapped by the sidecar."""
+        self._check_open()
+        if buffers.page_size != page_size:
+            raise ControllerError(f"buffers have page_size {buffers.page_size}, not {page_size}")
+        self._ensure_layout(layout, page_size)
+        with self._store.lock:
+            self._engines[engine_id] = buffers
+
+    def unregister(self, engine_id: str) -> None:
+        """Forget an engine: finish its queued backups, release its pins."""
+        self._fills.reap(block=True)
+        with self._store.lock:
+            self._engines.pop(engine_id, None)
+            n = self._store.pins.release_engine(engine_id)
+        if n:
+            self.counters.add(n, "pins", "released_with_engine")
+
+    def session(self, engine_id: str) -> EngineSession:
+        """The CacheController protocol bound to one engine of this controller."""
+        return EngineSession(self, engine_id)
+
+    @property
+    def engines(self) -> list[str]:
+        with self._store.lock:
+            return sorted(self._engines)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ControllerError("the controller is closed")
+
+    def _buffers(self, engine_id: str) -> EngineBuffers:
+        try:
+            return self._engines[engine_id]
+        except KeyError:
+            raise ControllerError(
+                f"engine {engine_id!r} is not registered; call register() first"
+            ) from None
+
+    def _check_refs(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> None:
+        comps = self._layout.components if self._layout else ()
+        for ref in refs:
+            if ref.component not in comps:
+                raise ControllerError(f"the layout has no {ref.component.name} component")
+            if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
+                raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
+            cap = buffers.capacity(ref.component)
+            if not 0 <= ref.device_index < cap:
+                raise ControllerError(
+                    f"{ref.component.name} device index {ref.device_index} is outside the "
+                    f"engine's {cap} pages/slots"
+                )
+
+    # -- the protocol --------------------------------------------------------------------
+
+    def lookup(
+        self,
+        page_hashes: Sequence[bytes],
+        components: Sequence[ComponentType],
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> LookupResult:
+        """Presence per component of each page of the chain; only the index is read."""
+        self._check_open()
+        out: dict[ComponentType, np.ndarray] = {}
+        with self._store.lock:
+            for comp in components:
+                tag = bytes((int(comp),))
+                pres = np.zeros(len(page_hashes), dtype=np.int8)
+                for i, h in enumerate(page_hashes):
+                    e = self._store.index.get(h + tag)
+                    if e is None:
+                        continue
+                    if e.host_state is HostState.READY:
+                        pres[i] = Presence.HOST
+                    elif e.disk_state is not DiskState.NONE:
+                        pres[i] = Presence.DISK
+                out[comp] = pres
+        for comp, pres in out.items():
+            label = component_label(comp)
+            self.counters.add(int(np.sum(pres == Presence.HOST)), "lookup", "host", label)
+            self.counters.add(int(np.sum(pres == Presence.DISK)), "lookup", "disk", label)
+            self.counters.add(int(np.sum(pres == Presence.ABSENT)), "lookup", "miss", label)
+        return LookupResult(out)
+
+    def backup(
+        self,
+        refs: Sequence[PageRef],
+        ready_event: Any = None,
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> TransferHandle:
+        """Copy device pages into host pages (queued to disk by policy).
+
+        Pages already held (host or disk) are only touched. The handle's ``wait`` is True
+        when every page of ``refs`` is held afterwards; pages that found no host page
+        (all pinned or busy) are counted under ``failures.host_full``.
+        """
+        self._check_open()
+        buffers = self._buffers(engine_id)
+        self._check_refs(refs, buffers)
+        self._fills.reap(block=False)
+        plan: list[tuple[PageEntry, PageRef]] = []
+        all_held = True
+        with self._store.lock:
+            seen: set[bytes] = set()
+            for ref in refs:
+                skey = ref.key.storage_key()
+                if skey in seen:
+                    continue
+                seen.add(skey)
+                e = self._store.index.get(skey)
+                if e is not None and e.held:
+                    self._store.index.touch(e)
+                    self.counters.inc("backup", "deduped_pages")
+                    continue
+                page = self._store.alloc_host_locked(ref.component)
+                if page is None:
+                    self.counters.fail(Failure.HOST_FULL)
+                    all_held = False
+                    continue
+                if e is None:
+                    e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
+                self._fills.begin_locked(e, page)
+                plan.append((e, ref))
+        if not plan:
+            return CompletedTransfer(all_held)
+        t0 = time.perf_counter()
+        events = []
+        try:
+            for comp, group in _by_component(plan).items():
+                if self._store.fault("copy_to_host"):
+                    raise RuntimeError("injected device-to-host copy failure")
+                events.append(
+                    self._transfer.to_host(
+                        comp,
+                        buffers,
+                        [r.device_index for _, r in group],
+                        [e.host_page for e, _ in group],
+                        ready_event,
+                    )
+                )
+        except Exception as exc:
+            log.error("backup copy failed: %s", exc)
+            self.counters.fail(Failure.COPY_ERROR)
+            with self._store.lock:
+                for e, _ in plan:
+                    self._fills.abort_locked(e)
+            return CompletedTransfer(False)
+        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0)
+        with self._store.lock:
+            if not queued.events:
+                self._fills.publish_locked(queued)
+                return CompletedTransfer(all_held)
+            self._fills.queue_locked(queued)
+        return self._fills.handle([e.fill for e, _ in plan], all_held)
+
+    def pin(
+        self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
+    ) -> PinReceipt | None:
+        """Pin every page of ``keys`` (held on host or disk) for ``ttl_s`` seconds.
+
+        None, with nothing pinned, when any page is absent. ``ttl_s`` defaults to
+        ``pin_ttl_default_s`` and is capped at ``pin_ttl_max_s``.
+        """
+        self._check_open()
+        if self._store.fault("pin"):
+            self.counters.fail(Failure.PIN_FAULT)
+            raise ControllerError("pin failed (injected fault)")
+        ttl = self.config.pin_ttl_default_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ControllerError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+        ttl = min(ttl, self.config.pin_ttl_max_s)
+        with self._store.lock:
+            self._store.expire_pins_locked()
+            entries = []
+            for k in keys:
+                e = self._store.index.get(k.storage_key())
+                if e is None or not e.held:
+                    self.counters.fail(Failure.PIN_ABSENT)
+                    return None
+                entries.append(e)
+            rec = self._store.pins.add(engine_id, entries, time.monotonic() + ttl)
+            for e in entries:
+                self._store.index.touch(e)
+        self.counters.inc("pins", "pinned")
+        return PinReceipt(rec.pin_id, list(keys), rec.deadline, {"engine_id": engine_id})
+
+    def unpin(self, pin: PinReceipt, engine_id: str = DEFAULT_ENGINE) -> None:
+        """Release a pin; harmless when released already or expired."""
+        with self._store.lock:
+            rec = self._store.pins.get(pin.pin_id)
+            if rec is not None and rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
+            self._store.pins.release(pin.pin_id)
+
+    def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
+        """Start reading disk-only pages into host pages; the handle waits for them."""
+        self._check_open()
+        fills: list[Future] = []
+        ok = True
+        with self._store.lock:
+            for k in keys:
+                e = self._store.index.get(k.storage_key())
+                if e is None or not e.held:
+                    ok = False
+                elif e.host_state is HostState.FILLING:
+                    fills.append(e.fill)
+                elif e.host_state is HostState.NONE:
+                    fut = self._store.start_read_locked(e)
+                    ok = ok and fut is not None
+                    if fut is not None:
+                        fills.append(fut)
+        self.counters.add(len(fills), "prefetch", "pages")
+        return self._fills.handle(fills, ok)
+
+    def load(
+        self,
+        refs: Sequence[PageRef],
+        pin: PinReceipt,
+        timeout_s: float | None = None,
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> bool:
+        """Copy pinned pages into the device slots of ``refs`` (disk → host first).
+
+        False when a page is gone, a read fails its checks, the reads outlast
+        ``timeout_s`` (default ``load_timeout_s``) or a copy fails; the device slots are
+        then undefined. Raises ControllerError for a call that can never succeed (an
+        unregistered engine, a page outside the pin, a bad device index).
+        """
+        self._check_open()
+        buffers = self._buffers(engine_id)
+        self._check_refs(refs, buffers)
+        timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        if refs and self._store.fault("evict_before_load"):
+            with self._store.lock:
+                self._store.drop_locked(refs[-1].key)
+        entries: list[PageEntry] = []
+        fills: list[Future] = []
+        with self._store.lock:
+            self._store.expire_pins_locked()
+            rec = self._store.pins.get(pin.pin_id)
+            if rec is None:
+                self.counters.fail(Failure.PIN_EXPIRED)
+                return False
+            if rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
+            for ref in refs:
+                skey = ref.key.storage_key()
+                if skey not in rec.skeys:
+                    raise ControllerError(
+                        f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "
+                        f"{pin.pin_id}; pin every page before loading it"
+                    )
+                e = self._store.index.get(skey)
+                if e is None or not e.held:
+                    self.counters.fail(Failure.PAGE_ABSENT)
+                    return False
+                if e.host_state is HostState.FILLING:
+                    fills.append(e.fill)
+                elif e.host_state is HostState.NONE:
+                    fut = self._store.start_read_locked(e)
+                    if fut is None:
+                        return False
+                    fills.append(fut)
+                entries.append(e)
+        if fills:
+            filled = self._fills.wait(fills, deadline)
+            if filled is None:
+                self.counters.fail(Failure.LOAD_TIMEOUT)
+                return False
+            if not filled:
+                return False  # the read counted its own reason
+        with self._store.lock:
+            for e in entries:
+                if not e.attached or e.host_state is not HostState.READY:
+                    self.counters.fail(Failure.PAGE_ABSENT)
+                    return False
+            for e in entries:
+                self._store.hold_locked(e)
+        return self._copy_to_device(refs, entries, buffers)
+
+    def _copy_to_device(
+        self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
+    ) -> bool:
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            plan = list(zip(entries, refs))
+            for comp, group in _by_component(plan).items():
+                if self._store.fault("copy_to_device"):
+                    raise RuntimeError("injected host-to-device copy failure")
+                self._transfer.to_device(
+                    comp,
+                    buffers,
+                    [e.host_page for e, _ in group],
+                    [r.device_index for _, r in group],
+                )
+            ok = True
+        except Exception as exc:
+            log.error("load copy failed: %s", exc)
+            self.counters.fail(Failure.COPY_ERROR)
+        finally:
+            nbytes = 0
+            with self._store.lock:
+                for e in entries:
+                    nbytes += self._store.host[e.component].page_bytes
+                    self._store.unhold_locked(e)
+                    if ok:
+                        self._store.index.touch(e)
+        if ok:
+            self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
+            self.counters.inc("load", "ok")
+        return ok
+
+    # -- state ---------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued backups are published and queued disk writes committed."""
+        self._fills.reap(block=True)
+        return True if self._store.disk is None else self._store.disk.flush(timeout_s)
+
+    def stats(self, engine_id: str = DEFAULT_ENGINE) -> dict[str, Any]:
+        """Counters and residency as a JSON/msgpack-safe dict (see docs/metrics.md)."""
+        out = self.counters.snapshot()
+        with self._store.lock:
+            out.update(self._store.stats_locked())
+            out["engines"] = len(self._engines)
+            out["kernels"] = None if self._transfer is None else self._transfer.kernels.source
+        return out
+
+    def check_invariants(self, deep: bool = False) -> None:
+        """Recompute the index, pools, pins and holds and compare; AssertionError if off.
+
+        ``deep`` also flushes the writer and compares the index with LMDB's keys; call it
+        only while no other thread uses the controller.
+        """
+        if deep:
+            self._fills.reap(block=True)
+        self._store.check_invariants(deep)
+        with self._store.lock:
+            self._fills.check_invariants_locked()
+
+    def close(self) -> None:
+        """Finish queued copies, drain the writer, close LMDB. Idempotent."""
+        with self._store.lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fills.reap(block=True)
+        if not self._store.close(self.config.close_timeout_s):
+            log.error("controller closed with disk writes still queued")
+        with self._store.lock:
+            self._engines.clear()
+
+
+def _by_component(
+    plan: list[tuple[PageEntry, PageRef]],
+) -> dict[ComponentType, list[tuple[PageEntry, PageRef]]]:
+    out: dict[ComponentType, list[tuple[PageEntry, PageRef]]] = {}
+    for item in plan:
+        out.setdefault(item[1].component, []).append(item)
+    return out
+
+
+class EngineSession:
+    """The CacheController protocol for one engine of a shared :class:`LocalController`.
+
+    ``close`` ends this engine's session (its pins are released); the controller stays.
+    """
+
+    def __init__(self, controller: LocalController, engine_id: str) -> None:
+        self.controller = controller
+        self.engine_id = engine_id
+
+    def register(self, layout: ModelLayout, page_size: int, pools: DevicePools) -> None:
+        self.controller.register(layout, page_size, pools, engine_id=self.engine_id)
+
+    def lookup(
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+    ) -> LookupResult:
+        return self.controller.lookup(page_hashes, components, engine_id=self.engine_id)
+
+    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
+        return self.controller.backup(refs, ready_event, engine_id=self.engine_id)
+
+    def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        return self.controller.pin(keys, ttl_s, engine_id=self.engine_id)
+
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
+        return self.controller.load(refs, pin, timeout_s, engine_id=self.engine_id)
+
+    def unpin(self, pin: PinReceipt) -> None:
+        self.controller.unpin(pin, engine_id=self.engine_id)
+
+    def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
+        return self.controller.prefetch(keys, engine_id=self.engine_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.controller.stats(engine_id=self.engine_id)
+
+    def close(self) -> None:
+        self.controller.unregister(self.engine_id)

@@ -1,0 +1,392 @@
+"""The page index: where each cached page lives, its chain, its pins, and eviction order.
+
+An entry is one page of one component (a :class:`PageKey`). Per tier it is absent,
+in flight (a host page being filled; a disk write queued) or ready. The index is the
+single source of truth for presence; the host pool and LMDB only hold bytes.
+
+Prefix-aware eviction, per tier: a FULL page is evictable there only while none of its
+FULL children (pages whose parent hash is its hash) is present in that tier, so a chain
+is always cut from its tail. SWA and Mamba pages hang off the FULL page of the same
+hash: they are leaves, evictable on their own, and evicting the FULL page evicts them
+(so the FULL page is held while one of them is pinned or busy). Pinned or busy entries
+(being filled, written, read or copied) are never evictable.
+
+Eviction order is least recently used, kept in lazy min-heaps keyed by a logical clock:
+one heap per host component (host pages are pooled per component) and one for the disk
+tier (one byte budget for all components). An entry is pushed when it becomes evictable
+or is touched; a popped item that no longer matches the entry's latest push is stale and
+skipped. Every operation is O(log n); heaps are compacted when stale items outnumber
+live ones, which is amortised O(1).
+
+Every method here is called with the controller's lock held.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from hicache.controller_api import PageKey
+from hicache.types import ComponentType, Tier
+
+_FULL_TAG = bytes((int(ComponentType.FULL),))
+_AUX = (ComponentType.SWA, ComponentType.MAMBA)
+_TIERS = (Tier.HOST, Tier.DISK)
+
+
+class HostState(enum.IntEnum):
+    NONE = 0
+    FILLING = 1  # a host page is reserved; a copy into it is in flight
+    READY = 2
+
+
+class DiskState(enum.IntEnum):
+    NONE = 0
+    PENDING = 1  # queued to the LMDB writer, not committed yet
+    READY = 2  # committed
+
+
+class PageEntry:
+    """One page of one component and everything the controller knows about it."""
+
+    __slots__ = (
+        "attached",
+        "busy",
+        "children",
+        "component",
+        "disk_nbytes",
+        "disk_state",
+        "fill",
+        "heap_key",
+        "host_page",
+        "host_state",
+        "last_access",
+        "page_hash",
+        "parent_hash",
+        "pending_payload",
+        "pins",
+        "skey",
+    )
+
+    def __init__(self, component: ComponentType, page_hash: bytes, parent_hash: bytes) -> None:
+        self.component = component
+        self.page_hash = page_hash
+        self.parent_hash = parent_hash
+        self.skey = page_hash + bytes((int(component),))
+        self.host_page = -1
+        self.host_state = HostState.NONE
+        self.disk_state = DiskState.NONE
+        self.disk_nbytes = 0
+        self.pins = 0
+        self.busy = 0
+        self.last_access = 0
+        # Per tier (indexed by Tier value): FULL children present there, and the
+        # (last_access, seq) of this entry's newest heap item, None when it has none.
+        self.children = [0, 0, 0]
+        self.heap_key: list[tuple[int, int] | None] = [None, None, None]
+        self.attached = False
+        # A future that resolves when an in-flight host fill ends (True: filled).
+        self.fill = None
+        # Write-back: the bytes of a host-evicted page until the writer commits them.
+        self.pending_payload: bytes | None = None
+
+    @property
+    def key(self) -> PageKey:
+        return PageKey(self.component, self.page_hash)
+
+    def present(self, tier: Tier) -> bool:
+        if tier is Tier.HOST:
+            return self.host_state is not HostState.NONE
+        return self.disk_state is not DiskState.NONE
+
+    @property
+    def held(self) -> bool:
+        """Whether the controller can serve this page (from host, or through a disk read)."""
+        return self.host_state is not HostState.NONE or self.disk_state is not DiskState.NONE
+
+    def __repr__(self) -> str:
+        return (
+            f"PageEntry({self.component.name} {self.page_hash.hex()[:8]} "
+            f"host={self.host_state.name}:{self.host_page} disk={self.disk_state.name} "
+            f"pins={self.pins} busy={self.busy})"
+        )
+
+
+class PageIndex:
+    """Entries by storage key, FULL chains, and per-tier prefix-aware LRU heaps."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, PageEntry] = {}
+        # FULL entries by their parent hash: lets a parent created after its children
+        # (a restart, a re-backup of a dropped page) count them.
+        self._children_of: dict[bytes, set[PageEntry]] = {}
+        self._host_heaps: dict[ComponentType, list] = {c: [] for c in ComponentType}
+        self._disk_heap: list = []
+        self._seq = itertools.count(1)
+        self._clock = 0
+        self.disk_live_bytes = 0
+        self.disk_pages = dict.fromkeys(ComponentType, 0)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[PageEntry]:
+        return iter(list(self._entries.values()))
+
+    def get(self, skey: bytes) -> PageEntry | None:
+        return self._entries.get(skey)
+
+    def full_of(self, entry: PageEntry) -> PageEntry | None:
+        """The FULL entry of the same hash (the one an SWA/Mamba page hangs off)."""
+        return self._entries.get(entry.page_hash + _FULL_TAG)
+
+    def aux_in(self, entry: PageEntry, tier: Tier) -> list[PageEntry]:
+        """SWA/Mamba entries of a FULL entry's hash that are present in ``tier``."""
+        out = []
+        for c in _AUX:
+            aux = self._entries.get(entry.page_hash + bytes((int(c),)))
+            if aux is not None and aux.present(tier):
+                out.append(aux)
+        return out
+
+    def evictable(self, entry: PageEntry, tier: Tier) -> bool:
+        """Whether ``entry`` may lose its copy in ``tier`` now (see the module docstring)."""
+        if entry.pins or entry.busy or entry.children[tier]:
+            return False
+        if tier is Tier.HOST:
+            if entry.host_state is not HostState.READY:
+                return False
+        elif entry.disk_state is not DiskState.READY:
+            return False
+        if entry.component is ComponentType.FULL:
+            return not any(a.pins or a.busy for a in self.aux_in(entry, tier))
+        return True
+
+    # -- the logical clock ---------------------------------------------------------------
+
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def touch(self, entry: PageEntry) -> None:
+        """Mark ``entry`` most recently used."""
+        entry.last_access = self.tick()
+        for tier in _TIERS:
+            self._maybe_push(entry, tier)
+
+    # -- entries -------------------------------------------------------------------------
+
+    def create(
+        self, component: ComponentType, page_hash: bytes, parent_hash: bytes, last_access: int = 0
+    ) -> PageEntry:
+        """A new, absent entry (the caller then gives it a tier)."""
+        entry = PageEntry(component, page_hash, parent_hash)
+        assert entry.skey not in self._entries, f"{entry} exists already"
+        entry.attached = True
+        entry.last_access = last_access or self.tick()
+        self._entries[entry.skey] = entry
+        if component is ComponentType.FULL:
+            self._children_of.setdefault(parent_hash, set()).add(entry)
+            kids = self._children_of.get(page_hash, ())
+            for tier in _TIERS:
+                entry.children[tier] = sum(1 for k in kids if k.present(tier))
+        return entry
+
+    def discard_if_unused(self, entry: PageEntry) -> bool:
+        """Drop ``entry`` when it is in no tier and nothing is in flight on it."""
+        if not entry.attached or entry.held or entry.busy:
+            return False
+        del self._entries[entry.skey]
+        entry.attached = False
+        if entry.component is ComponentType.FULL:
+            siblings = self._children_of[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children_of[entry.parent_hash]
+        return True
+
+    # -- tier transitions ----------------------------------------------------------------
+
+    def set_host(self, entry: PageEntry, page: int, ready: bool) -> None:
+        """Give ``entry`` host page ``page``, filled (ready) or being filled."""
+        assert entry.host_state is HostState.NONE, f"{entry} already has a host page"
+        entry.host_page = page
+        entry.host_state = HostState.READY if ready else HostState.FILLING
+        self._presence_changed(entry, Tier.HOST, +1)
+        self._maybe_push(entry, Tier.HOST)
+
+    def mark_host_ready(self, entry: PageEntry) -> None:
+        assert entry.host_state is HostState.FILLING, f"{entry} is not being filled"
+        entry.host_state = HostState.READY
+        self._maybe_push(entry, Tier.HOST)
+
+    def clear_host(self, entry: PageEntry) -> int:
+        """Take the host page away from ``entry``; returns the page id to free."""
+        assert entry.host_state is not HostState.NONE, f"{entry} has no host page"
+        page = entry.host_page
+        entry.host_page = -1
+        entry.host_state = HostState.NONE
+        self._presence_changed(entry, Tier.HOST, -1)
+        return page
+
+    def set_disk(self, entry: PageEntry, state: DiskState, nbytes: int = 0) -> None:
+        """Queue (PENDING) or commit (READY, ``nbytes`` stored) ``entry`` on disk."""
+        assert state is not DiskState.NONE
+        before = entry.disk_state
+        assert before is not DiskState.READY, f"{entry} is on disk already"
+        entry.disk_state = state
+        if state is DiskState.READY:
+            entry.disk_nbytes = nbytes
+            self.disk_live_bytes += nbytes
+            self.disk_pages[entry.component] += 1
+        if before is DiskState.NONE:
+            self._presence_changed(entry, Tier.DISK, +1)
+        self._maybe_push(entry, Tier.DISK)
+
+    def clear_disk(self, entry: PageEntry) -> int:
+        """Forget ``entry``'s disk copy (queued or committed); returns the bytes it held."""
+        assert entry.disk_state is not DiskState.NONE, f"{entry} is not on disk"
+        nbytes = 0
+        if entry.disk_state is DiskState.READY:
+            nbytes = entry.disk_nbytes
+            self.disk_live_bytes -= nbytes
+            self.disk_pages[entry.component] -= 1
+        entry.disk_state = DiskState.NONE
+        entry.disk_nbytes = 0
+        entry.pending_payload = None
+        self._presence_changed(entry, Tier.DISK, -1)
+        return nbytes
+
+    def _presence_changed(self, entry: PageEntry, tier: Tier, delta: int) -> None:
+        if entry.component is ComponentType.FULL:
+            parent = self._entries.get(entry.parent_hash + _FULL_TAG)
+            if parent is not None:
+                parent.children[tier] += delta
+                if parent.children[tier] == 0:
+                    self._maybe_push(parent, tier)
+        else:
+            full = self.full_of(entry)
+            if full is not None:
+                self._maybe_push(full, tier)
+
+    # -- pins and in-flight holds --------------------------------------------------------
+
+    def pin(self, entry: PageEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: PageEntry) -> None:
+        assert entry.pins > 0, f"unpin of {entry} that is not pinned"
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._released(entry)
+
+    def acquire(self, entry: PageEntry) -> None:
+        """Hold ``entry`` against eviction while an operation is in flight on it."""
+        entry.busy += 1
+
+    def release(self, entry: PageEntry) -> None:
+        assert entry.busy > 0, f"release of {entry} that is not held"
+        entry.busy -= 1
+        if entry.busy == 0:
+            self._released(entry)
+
+    def _released(self, entry: PageEntry) -> None:
+        if not entry.attached:
+            return
+        for tier in _TIERS:
+            self._maybe_push(entry, tier)
+        if entry.component is not ComponentType.FULL:
+            full = self.full_of(entry)
+            if full is not None:
+                for tier in _TIERS:
+                    self._maybe_push(full, tier)
+
+    # -- LRU heaps -----------------------------------------------------------------------
+
+    def _heap(self, entry: PageEntry, tier: Tier) -> list:
+        return self._host_heaps[entry.component] if tier is Tier.HOST else self._disk_heap
+
+    def _maybe_push(self, entry: PageEntry, tier: Tier) -> None:
+        if not entry.attached or not self.evictable(entry, tier):
+            return
+        current = entry.heap_key[tier]
+        if current is not None and current[0] == entry.last_access:
+            return  # its newest heap item is still valid
+        seq = next(self._seq)
+        entry.heap_key[tier] = (entry.last_access, seq)
+        heap = self._heap(entry, tier)
+        heapq.heappush(heap, (entry.last_access, seq, entry))
+        if len(heap) > 2 * len(self._entries) + 1024:
+            self._compact(heap, tier)
+
+    @staticmethod
+    def _compact(heap: list, tier: Tier) -> None:
+        live = [it for it in heap if it[2].attached and it[2].heap_key[tier] == it[:2]]
+        heap[:] = live
+        heapq.heapify(heap)
+
+    def pop_victim(self, tier: Tier, component: ComponentType | None = None) -> PageEntry | None:
+        """The least recently used evictable entry of ``tier`` (host: of ``component``).
+
+        The entry leaves the heap; the caller evicts it (if it does not, the next change
+        that makes it evictable pushes it again).
+        """
+        if tier is Tier.HOST:
+            assert component is not None, "host victims are chosen per component"
+            heap = self._host_heaps[component]
+        else:
+            heap = self._disk_heap
+        while heap:
+            _, seq, entry = heapq.heappop(heap)
+            key = entry.heap_key[tier]
+            if not entry.attached or key is None or key[1] != seq:
+                continue  # stale: a newer item (or none) stands for this entry
+            entry.heap_key[tier] = None
+            if self.evictable(entry, tier):
+                return entry
+        return None
+
+    # -- checks --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recompute every derived number and compare; raises AssertionError on a mismatch."""
+        live = 0
+        pages = dict.fromkeys(ComponentType, 0)
+        heap_seqs = {
+            Tier.HOST: {it[1] for h in self._host_heaps.values() for it in h},
+            Tier.DISK: {it[1] for it in self._disk_heap},
+        }
+        for skey, e in self._entries.items():
+            assert e.attached and e.skey == skey, f"{e} filed under the wrong key"
+            assert e.held or e.busy, f"{e} is in no tier yet still indexed"
+            assert e.pins >= 0 and e.busy >= 0, f"{e} has a negative count"
+            assert (e.host_page >= 0) == (e.host_state is not HostState.NONE), f"{e} host page"
+            if e.disk_state is DiskState.READY:
+                live += e.disk_nbytes
+                pages[e.component] += 1
+            if e.component is ComponentType.FULL:
+                assert e in self._children_of.get(e.parent_hash, ()), f"{e} not in its chain"
+                kids = self._children_of.get(e.page_hash, ())
+                for tier in _TIERS:
+                    want = sum(1 for k in kids if k.present(tier))
+                    assert e.children[tier] == want, (
+                        f"{e}: {tier.name} children {e.children[tier]} != {want}"
+                    )
+            else:
+                assert e.children == [0, 0, 0], f"{e}: an SWA/Mamba page has children"
+            for tier in _TIERS:
+                if self.evictable(e, tier):
+                    key = e.heap_key[tier]
+                    assert key is not None and key[0] == e.last_access, (
+                        f"{e} is evictable from {tier.name} but not queued at its last access"
+                    )
+                    assert key[1] in heap_seqs[tier], f"{e}: its {tier.name} heap item is gone"
+        for parent, kids in self._children_of.items():
+            for k in kids:
+                assert k.attached and k.parent_hash == parent, f"{k} in a wrong chain set"
+        assert live == self.disk_live_bytes, f"disk live bytes {self.disk_live_bytes} != {live}"
+        assert pages == self.disk_pages, f"disk pages {self.disk_pages} != {pages}"

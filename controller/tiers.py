@@ -1,0 +1,329 @@
+"""``PageStore``: the host and disk tiers of one layout and the moves between them.
+
+It owns the page index, the pins, the host pool and the LMDB tier, and one lock over
+all of them. It answers: where can this page's bytes be found, which page leaves a full
+tier, and how does a page get from host to disk and back. It knows nothing of engines
+or device memory (that is :class:`hicache.controller.local.LocalController`).
+
+Methods whose name ends in ``_locked`` expect ``store.lock`` held by the caller; the
+others take it themselves. The writer thread calls :meth:`evict_disk` and
+:meth:`on_written`; reader threads run :meth:`read_job`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from hicache.controller.config import ControllerConfig, DiskWritePolicy
+from hicache.controller.counters import Counters, Failure, component_label
+from hicache.controller.faults import FaultPlan
+from hicache.controller.host_pool import HostPool
+from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
+from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
+from hicache.controller.pins import PinTable
+
+from hicache.controller_api import ControllerError, PageKey
+from hicache.layout import ModelLayout
+from hicache.types import ComponentType, Tier
+
+log = logging.getLogger(__name__)
+
+_READ_FAILURES = {
+    ReadStatus.CORRUPT: Failure.CHECKSUM,
+    ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
+    ReadStatus.MISSING: Failure.DISK_MISSING,
+    ReadStatus.ERROR: Failure.DISK_READ_ERROR,
+}
+
+
+class PageStore:
+    """Index, pins, host pool and LMDB tier of one layout, under one lock."""
+
+    def __init__(self, config: ControllerConfig, counters: Counters) -> None:
+        self.config = config
+        self.counters = counters
+        self.faults: FaultPlan | None = None
+        self.lock = threading.RLock()
+        self.index = PageIndex()
+        self.pins = PinTable(self.index)
+        self.host: HostPool | None = None
+        self.disk: LmdbTier | None = None
+        # Device copies in flight per entry (by id): the part of ``busy`` they hold.
+        self.copy_holds: dict[int, int] = {}
+
+    def fault(self, what: str) -> bool:
+        return self.faults is not None and self.faults.take(what)
+
+    # -- opening -------------------------------------------------------------------------
+
+    def open_locked(self, layout: ModelLayout, page_size: int, fingerprint: bytes) -> None:
+        """Allocate the host pool and open LMDB, rebuilding the index from what it holds."""
+        host = HostPool(layout, page_size, self.config)
+        if self.config.disk_enabled:
+            tier = LmdbTier(
+                self.config,
+                fingerprint,
+                {c: layout.page_bytes(c, page_size) for c in layout.components},
+                live_bytes=lambda: self.index.disk_live_bytes,
+                evict=self.evict_disk,
+                on_written=self.on_written,
+            )
+            try:
+                records = tier.scan()
+            except BaseException:
+                tier.close()
+                raise
+            for r in records:  # oldest first, so the LRU order survives the restart
+                e = self.index.get(r.skey) or self.index.create(
+                    r.component, r.page_hash, r.parent_hash
+                )
+                self.index.set_disk(e, DiskState.READY, r.nbytes)
+            self.disk = tier
+            over = self.index.disk_live_bytes - self.config.disk_budget_bytes
+            if over > 0:  # the budget shrank since the last run
+                tier.submit_delete(self.evict_disk(over))
+            tier.fault_hook = self.fault
+            tier.start()
+            log.info("LMDB tier %s: %d pages found", self.config.disk_path, len(records))
+        self.host = host
+
+    # -- holds and pins (lock held) ------------------------------------------------------
+
+    def hold_locked(self, e: PageEntry) -> None:
+        """Hold ``e`` for a device copy."""
+        self.index.acquire(e)
+        self.copy_holds[id(e)] = self.copy_holds.get(id(e), 0) + 1
+
+    def unhold_locked(self, e: PageEntry) -> None:
+        n = self.copy_holds[id(e)] - 1
+        if n:
+            self.copy_holds[id(e)] = n
+        else:
+            del self.copy_holds[id(e)]
+        self.index.release(e)
+
+    def expire_pins_locked(self) -> None:
+        n = self.pins.expire(time.monotonic())
+        if n:
+            self.counters.add(n, "pins", "expired")
+
+    # -- host residency (lock held) ------------------------------------------------------
+
+    def alloc_host_locked(self, component: ComponentType) -> int | None:
+        """A free host page of ``component``, evicting LRU pages as needed; None if stuck."""
+        pool = self.host[component]
+        page = pool.alloc()
+        while page is None:
+            victim = self.index.pop_victim(Tier.HOST, component)
+            if victim is None:
+                return None
+            self._evict_host_locked(victim)
+            page = pool.alloc()
+        return page
+
+    def _evict_host_locked(self, entry: PageEntry) -> None:
+        """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host)."""
+        group = [entry]
+        if entry.component is ComponentType.FULL:
+            group = [*self.index.aux_in(entry, Tier.HOST), entry]
+        for e in group:
+            if (
+                self.disk is not None
+                and self.config.disk_write_policy is DiskWritePolicy.WRITE_BACK
+                and e.disk_state is DiskState.NONE
+            ):
+                # Copied out before the page is reused; served from this copy until committed.
+                payload = self.host[e.component].row(e.host_page).tobytes()
+                self._queue_write_locked(e, payload)
+                e.pending_payload = payload
+            self.host[e.component].free(self.index.clear_host(e))
+            self.counters.inc("evictions", "host", component_label(e.component))
+            self.index.discard_if_unused(e)
+
+    def _queue_write_locked(self, e: PageEntry, payload: Any) -> None:
+        self.index.set_disk(e, DiskState.PENDING)
+        self.index.acquire(e)
+        self.disk.submit_write(WriteJob(e.skey, e.component, e.parent_hash, payload, token=e))
+
+    def write_through_locked(self, e: PageEntry) -> None:
+        """Queue a page that just reached host to the writer, if the policy says so."""
+        if (
+            self.disk is not None
+            and self.config.disk_write_policy is DiskWritePolicy.WRITE_THROUGH
+            and e.disk_state is DiskState.NONE
+        ):
+            # Zero-copy: the writer reads the host page, which the hold keeps in place.
+            self._queue_write_locked(e, self.host[e.component].row(e.host_page))
+
+    def drop_locked(self, key: PageKey) -> None:
+        """Take a page out of every tier now, pinned or not (a page in flight is kept).
+
+        Only fault injection uses it: it stands for a pin that lapsed and an eviction.
+        """
+        e = self.index.get(key.storage_key())
+        if e is None or e.busy:
+            return
+        if e.host_state is not HostState.NONE:
+            self.host[e.component].free(self.index.clear_host(e))
+        if e.disk_state is DiskState.READY:
+            self.index.clear_disk(e)
+            self.disk.submit_delete([e.skey])
+        self.index.discard_if_unused(e)
+
+    # -- disk residency (writer thread) --------------------------------------------------
+
+    def evict_disk(self, nbytes: int) -> list[bytes]:
+        """Drop at least ``nbytes`` of LRU disk pages from the index; their keys to delete."""
+        keys: list[bytes] = []
+        freed = 0
+        with self.lock:
+            while freed < nbytes:
+                victim = self.index.pop_victim(Tier.DISK)
+                if victim is None:
+                    break
+                group = [victim]
+                if victim.component is ComponentType.FULL:
+                    group = [*self.index.aux_in(victim, Tier.DISK), victim]
+                for e in group:
+                    freed += self.index.clear_disk(e)
+                    keys.append(e.skey)
+                    self.counters.inc("evictions", "disk", component_label(e.component))
+                    self.index.discard_if_unused(e)
+        return keys
+
+    def on_written(self, results: list[WriteResult], seconds: float) -> None:
+        """Record a writer batch: committed pages are on disk, rejected ones are not."""
+        ok_bytes = 0
+        with self.lock:
+            for r in results:
+                e: PageEntry = r.job.token
+                if r.ok:
+                    self.index.set_disk(e, DiskState.READY, r.nbytes)
+                    ok_bytes += r.nbytes
+                else:
+                    self.index.clear_disk(e)
+                    reason = Failure.DISK_FULL if r.map_full else Failure.DISK_WRITE_ERROR
+                    self.counters.fail(reason)
+                    log.warning("page %s not stored: %s", e.skey.hex(), r.reason)
+                e.pending_payload = None
+                self.index.release(e)
+                self.index.discard_if_unused(e)
+        n_ok = sum(1 for r in results if r.ok)
+        self.counters.transfer("host_to_disk", n_ok, ok_bytes, seconds)
+
+    # -- disk → host (reader threads) ----------------------------------------------------
+
+    def start_read_locked(self, e: PageEntry) -> Future | None:
+        """Reserve a host page for a disk-only entry and queue its read; None if host full."""
+        page = self.alloc_host_locked(e.component)
+        if page is None:
+            self.counters.fail(Failure.HOST_FULL)
+            return None
+        self.index.set_host(e, page, ready=False)
+        self.index.acquire(e)
+        e.fill = self.disk.submit_read(self.read_job, e, page)
+        return e.fill
+
+    def read_job(self, e: PageEntry, page: int) -> bool:
+        """Fill host ``page`` with ``e``'s stored bytes (reader thread); True when served."""
+        t0 = time.perf_counter()
+        status = ReadStatus.ERROR
+        try:
+            if self.faults is not None and self.faults.disk_read_delay_s:
+                time.sleep(self.faults.disk_read_delay_s)
+            dst = self.host[e.component].row(page)
+            payload = e.pending_payload  # write-back: not committed yet, served from memory
+            if payload is not None:
+                dst[:] = np.frombuffer(payload, np.uint8)
+                status = ReadStatus.OK
+            else:
+                status = self.disk.read_into(e.skey, dst)
+        except Exception:
+            log.exception("disk read of %s failed", e.skey.hex())
+        with self.lock:
+            return self._finish_read_locked(e, status, time.perf_counter() - t0)
+
+    def _finish_read_locked(self, e: PageEntry, status: ReadStatus, seconds: float) -> bool:
+        e.fill = None
+        if status is ReadStatus.OK:
+            self.index.mark_host_ready(e)
+            self.index.release(e)
+            nbytes = self.host[e.component].page_bytes
+            self.counters.transfer("disk_to_host", 1, nbytes, seconds)
+            return True
+        self.host[e.component].free(self.index.clear_host(e))
+        self.index.release(e)
+        self.counters.fail(_READ_FAILURES[status])
+        if status is not ReadStatus.ERROR and e.disk_state is DiskState.READY:
+            # Never served again: forget it, and delete it unless LMDB lost it already.
+            self.index.clear_disk(e)
+            if status is not ReadStatus.MISSING:
+                # While closing the delete is refused; the next open checks the value again.
+                with contextlib.suppress(ControllerError):
+                    self.disk.submit_delete([e.skey])
+            log.warning("disk page %s dropped: %s", e.skey.hex(), status.value)
+        self.index.discard_if_unused(e)
+        return False
+
+    # -- state ---------------------------------------------------------------------------
+
+    def stats_locked(self) -> dict[str, Any]:
+        disk: dict[str, Any] = {"enabled": self.disk is not None}
+        if self.disk is not None:
+            disk.update(self.disk.stats())
+            disk["live_bytes"] = self.index.disk_live_bytes
+            disk["budget_bytes"] = self.config.disk_budget_bytes
+            disk["pages"] = {component_label(c): n for c, n in self.index.disk_pages.items()}
+        return {
+            "entries": len(self.index),
+            "pins_active": len(self.pins),
+            "host": {} if self.host is None else self.host.stats(),
+            "disk": disk,
+        }
+
+    def check_invariants(self, deep: bool = False) -> None:
+        """Index, pins, host pages and in-flight holds agree; with ``deep``, LMDB too.
+
+        ``deep`` flushes the writer first and must run while nothing else uses the store.
+        """
+        if deep and self.disk is not None:
+            self.disk.flush()
+        with self.lock:
+            self.index.check_invariants()
+            self.pins.check_invariants()
+            owned: dict[ComponentType, set[int]] = {c: set() for c in ComponentType}
+            for e in self.index:
+                if e.host_page >= 0:
+                    assert e.host_page not in owned[e.component], f"{e}: host page shared"
+                    owned[e.component].add(e.host_page)
+                want = (
+                    (e.host_state is HostState.FILLING)
+                    + (e.disk_state is DiskState.PENDING)
+                    + self.copy_holds.get(id(e), 0)
+                )
+                assert e.busy == want, f"{e}: busy {e.busy} != {want} operations in flight"
+                assert (e.fill is not None) == (e.host_state is HostState.FILLING), f"{e}: fill"
+                assert e.pending_payload is None or e.disk_state is DiskState.PENDING, f"{e}"
+            if self.host is not None:
+                for c, pool in self.host.components.items():
+                    pool.check_invariants(owned[c])
+            if deep and self.disk is not None:
+                stored = self.disk.stored_keys()
+                ready = {e.skey for e in self.index if e.disk_state is DiskState.READY}
+                queued = {e.skey for e in self.index if e.disk_state is DiskState.PENDING}
+                assert ready <= stored, f"{len(ready - stored)} indexed pages missing in LMDB"
+                extra = stored - ready - queued - self.disk.pending_deletes
+                extra -= self.disk.foreign_keys
+                assert not extra, f"{len(extra)} LMDB values unknown to the index"
+
+    def close(self, timeout_s: float) -> bool:
+        """Drain the writer and close LMDB (call without the lock); True when drained."""
+        if self.disk is None:
+            return True
+        return self.disk.close(timeout_s)
