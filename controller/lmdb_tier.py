@@ -162,6 +162,11 @@ class LmdbTier:
         except lmdb.Error as exc:
             os.close(self._lock_fd)
             raise ControllerError(f"cannot open the LMDB tier at {self.path}: {exc}") from exc
+        self._psize = self.env.stat()["psize"]
+        self._map_pages = config.map_size_bytes // self._psize
+        # Kept free for transactions that delete (see _store): 2% of the map, at least 8
+        # pages, at most a quarter of a tiny map.
+        self._reserve_pages = min(max(8, self._map_pages // 50), self._map_pages // 4)
         self._readers = ThreadPoolExecutor(
             config.reader_threads, thread_name_prefix="hicache-lmdb-reader"
         )
@@ -395,14 +400,15 @@ class LmdbTier:
         if results:
             self._on_written(results, seconds)
 
-    def _make_room(self, incoming: int, extra: int = 0) -> None:
-        """Queue deletions until ``incoming`` more bytes fit ``extra`` below the budget."""
-        over = (
+    def _make_room(self, incoming: int, force: int = 0) -> None:
+        """Queue deletions so that ``incoming`` more bytes fit the budget, and free at
+        least ``force`` bytes whatever the budget says (the map is full before it)."""
+        over = max(
             self._live_bytes()
             + sum(self._foreign.values())
             + incoming
-            + extra
-            - self.config.disk_budget_bytes
+            - self.config.disk_budget_bytes,
+            force,
         )
         while over > 0 and self._foreign:
             skey, n = self._foreign.popitem()
@@ -425,36 +431,85 @@ class LmdbTier:
             self.counters.pages_deleted += len(self._pending_deletes)
             self._pending_deletes.clear()
 
+    def _flush_deletes(self) -> bool:
+        """Commit the queued deletions on their own; True when none is left.
+
+        On a full map a transaction that deletes many keys may not find the pages its
+        copy-on-write needs; one key per transaction needs only a few, and every commit
+        makes earlier freed pages reusable.
+        """
+        try:
+            self._commit([], deletes=True)
+            return True
+        except lmdb.MapFullError:
+            self.counters.map_full_events += 1
+        while self._pending_deletes:
+            try:
+                with self.env.begin(write=True) as txn:
+                    txn.delete(self._pending_deletes[-1])
+            except lmdb.Error:
+                return False
+            self._pending_deletes.pop()
+            self.counters.pages_deleted += 1
+        return True
+
+    def _pages_needed(self, encoded: list[tuple[WriteJob, bytes]]) -> int:
+        """A generous estimate of the map pages a put of ``encoded`` allocates."""
+        psize = self._psize
+        big = sum(-(-(len(v) + 16) // psize) for _, v in encoded if len(v) > psize // 2 - 64)
+        small = sum(len(v) + KEY_BYTES + 16 for _, v in encoded if len(v) <= psize // 2 - 64)
+        depth = self.env.stat()["depth"]
+        # Leaves run about half full; every touched leaf and branch is copied on write.
+        return big + -(-2 * small // psize) + 2 * (depth + 1)
+
+    def _pages_free(self) -> int:
+        """Map pages that puts may still use: all but the B-tree's and the reserve."""
+        st = self.env.stat()
+        used = 2 + st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return self._map_pages - self._reserve_pages - used
+
     def _store(self, encoded: list[tuple[WriteJob, bytes]]) -> list[WriteResult]:
         incoming = sum(len(v) for _, v in encoded)
         self._make_room(incoming)
         ok = [WriteResult(j, True, nbytes=len(v)) for j, v in encoded]
+        # A write transaction needs free pages even to delete (copy on write): puts
+        # leave a reserve of the map untouched, so that an eviction can always commit.
+        short = self._pages_needed(encoded) - self._pages_free()
+        if short > 0:
+            self._make_room(incoming, short * self._psize)
         try:
-            self._commit(encoded, deletes=True)
-            return ok
+            # Freed pages are reusable only after their transaction: delete first.
+            if short <= 0 or self._flush_deletes():
+                self._commit(encoded, deletes=True)
+                return ok
         except lmdb.MapFullError:
             self.counters.map_full_events += 1
         except lmdb.Error as exc:
             return [self._failed(j, exc) for j, _ in encoded]
-        # The map is full although the budget holds: free more than the batch needs, let
-        # the deletions commit on their own (LMDB reuses freed pages only after the
-        # transaction that freed them), then try again.
-        extra = max(incoming, 1)
+        # The map is full although the budget holds (fragmentation, readers holding old
+        # pages): evict what the batch needs (twice as much on every retry), commit the
+        # deletions on their own, then try again. Evicting more is pointless while the
+        # deletions themselves cannot commit.
+        force = max(incoming, self._psize)
         for _ in range(self.config.disk_map_full_retries):
-            self._make_room(incoming, extra)
+            self._make_room(incoming, force)
+            if not self._flush_deletes():
+                break
             try:
-                self._commit([], deletes=True)
                 self._commit(encoded, deletes=False)
                 return ok
             except lmdb.MapFullError:
                 self.counters.map_full_events += 1
-                extra *= 2
+                force *= 2
             except lmdb.Error as exc:
                 return [self._failed(j, exc) for j, _ in encoded]
-        # Still full: store what fits, one page per transaction, and reject the rest.
+        # Still full: store what fits the map outside the reserve, one page per
+        # transaction, and reject the rest.
         results = []
         for job, value in encoded:
             try:
+                if self._pages_needed([(job, value)]) > self._pages_free():
+                    raise lmdb.MapFullError("no room outside the reserve")
                 self._commit([(job, value)], deletes=False)
                 results.append(WriteResult(job, True, nbytes=len(value)))
             except lmdb.Error as exc:

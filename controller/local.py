@@ -54,7 +54,7 @@ from hicache.controller_api import (
     TransferHandle,
 )
 from hicache.keys import HASH_BYTES
-from hicache.types import ComponentType, LayoutMismatchError
+from hicache.types import ComponentType, LayoutMismatchError, Tier
 
 if TYPE_CHECKING:
     from hicache.layout import ModelLayout
@@ -458,6 +458,21 @@ class LocalController:
 
     # -- state ---------------------------------------------------------------------------
 
+    def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:
+        """Which tiers hold each page: HOST once its host copy is ready, DISK once
+        committed to LMDB (a queued write does not count)."""
+        out = []
+        with self._store.lock:
+            for k in keys:
+                e = self._store.index.get(k.storage_key())
+                tiers = set()
+                if e is not None and e.host_state is HostState.READY:
+                    tiers.add(Tier.HOST)
+                if e is not None and e.disk_state is DiskState.READY:
+                    tiers.add(Tier.DISK)
+                out.append(frozenset(tiers))
+        return out
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued backups are published and queued disk writes committed."""
         self._fills.reap(block=True)
@@ -491,6 +506,9 @@ class LocalController:
                 return
             self._closed = True
         self._fills.reap(block=True)
+        with self._store.lock:
+            # Write-back keeps pages in memory only; a clean shutdown must not lose them.
+            self._store.write_back_all_locked()
         if not self._store.close(self.config.close_timeout_s):
             log.error("controller closed with disk writes still queued")
         with self._store.lock:

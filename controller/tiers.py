@@ -161,6 +161,17 @@ class PageStore:
             # Zero-copy: the writer reads the host page, which the hold keeps in place.
             self._queue_write_locked(e, self.host[e.component].row(e.host_page))
 
+    def write_back_all_locked(self) -> int:
+        """Queue every page held only on host to the writer (write-back, at close)."""
+        if self.disk is None or self.config.disk_write_policy is not DiskWritePolicy.WRITE_BACK:
+            return 0
+        n = 0
+        for e in self.index:
+            if e.host_state is HostState.READY and e.disk_state is DiskState.NONE:
+                self._queue_write_locked(e, self.host[e.component].row(e.host_page))
+                n += 1
+        return n
+
     def drop_locked(self, key: PageKey) -> None:
         """Take a page out of every tier now, pinned or not (a page in flight is kept).
 
@@ -200,6 +211,7 @@ class PageStore:
     def on_written(self, results: list[WriteResult], seconds: float) -> None:
         """Record a writer batch: committed pages are on disk, rejected ones are not."""
         ok_bytes = 0
+        failed = [r for r in results if not r.ok]
         with self.lock:
             for r in results:
                 e: PageEntry = r.job.token
@@ -210,12 +222,14 @@ class PageStore:
                     self.index.clear_disk(e)
                     reason = Failure.DISK_FULL if r.map_full else Failure.DISK_WRITE_ERROR
                     self.counters.fail(reason)
-                    log.warning("page %s not stored: %s", e.skey.hex(), r.reason)
                 e.pending_payload = None
                 self.index.release(e)
                 self.index.discard_if_unused(e)
-        n_ok = sum(1 for r in results if r.ok)
-        self.counters.transfer("host_to_disk", n_ok, ok_bytes, seconds)
+        if failed:  # one line per batch, not per page: a full disk must not flood the log
+            log.warning(
+                "%d of %d pages not stored: %s", len(failed), len(results), failed[0].reason
+            )
+        self.counters.transfer("host_to_disk", len(results) - len(failed), ok_bytes, seconds)
 
     # -- disk → host (reader threads) ----------------------------------------------------
 

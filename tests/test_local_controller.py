@@ -1,0 +1,340 @@
+"""LocalController end to end on a real LMDB environment: device → host → disk and back."""
+
+from __future__ import annotations
+
+import lmdb
+import numpy as np
+import pytest
+from hicache.controller.config import DiskWritePolicy
+from hicache.controller.local import ControllerLayoutMismatch, LocalController
+from hicache.controller.page_codec import HEADER_BYTES
+from test_controller_support import (
+    ALL,
+    FULL,
+    MAMBA,
+    PAGE,
+    SWA,
+    Engine,
+    assert_same_bytes,
+    controller_config,
+    hybrid_layout,
+    load_into,
+)
+
+from hicache.controller_api import CacheController, ControllerError, PageKey, Presence
+from hicache.types import LayoutMismatchError, Tier
+
+
+def _setup(tmp_path, **overrides):
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    return layout, engine, ctl
+
+
+def _store(ctl, chain) -> None:
+    assert ctl.backup(chain.refs()).wait(10.0)
+    ctl.check_invariants()
+
+
+def _presence(ctl, chain, component=FULL) -> list[int]:
+    return ctl.lookup(chain.hashes, [component]).presence[component].tolist()
+
+
+def test_controller_implements_the_protocol(tmp_path):
+    _, _, ctl = _setup(tmp_path)
+    assert isinstance(ctl, CacheController)
+    assert isinstance(ctl.session("e1"), CacheController)
+    ctl.close()
+
+
+def test_backup_then_load_into_other_slots_is_bit_for_bit(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(6 * PAGE), mamba_every=2)
+    before = engine.snapshot(chain)
+    _store(ctl, chain)
+    engine.scribble(chain)  # the engine reuses its slots
+    lookup = ctl.lookup(chain.hashes, ALL)
+    assert lookup.leading(FULL, Presence.HOST) == 6
+    assert lookup.leading(SWA, Presence.HOST) == 6
+    assert lookup.presence[MAMBA].tolist() == [0, 1, 0, 1, 0, 1]
+
+    target = load_into(ctl, engine, chain)
+    assert_same_bytes(engine.snapshot(target), before)
+    ctl.check_invariants(deep=True)
+    stats = ctl.stats()
+    assert stats["transfer"]["host_to_device"]["pages"] == 6 + 6 + 3
+    assert stats["disk"]["pages"] == {"full": 6, "swa": 6, "mamba": 3}
+    ctl.close()
+
+
+def test_backup_dedupes_pages_already_held(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    _store(ctl, chain)
+    stats = ctl.stats()
+    assert stats["backup"]["stored_pages"] == 9  # 3 FULL, 3 SWA, 3 Mamba states
+    assert stats["backup"]["deduped_pages"] == 9
+    assert stats["transfer"]["device_to_host"]["pages"] == 9
+    ctl.close()
+
+
+def test_host_evicted_pages_come_back_from_disk(tmp_path):
+    # Room for about 40 FULL host pages; 4 chains of 16 pages overflow it.
+    _, engine, ctl = _setup(tmp_path, host_pool_bytes=40 * (512 + 256 + 168 // 4))
+    chains = [
+        engine.write_chain(range(k, k + 16 * PAGE), mamba_every=4) for k in (0, 1000, 2000, 3000)
+    ]
+    snaps = [engine.snapshot(c) for c in chains]
+    for c in chains:
+        _store(ctl, c)
+    ctl.flush()
+    first = _presence(ctl, chains[0])
+    assert Presence.DISK in first and Presence.ABSENT not in first
+    for c, snap in zip(chains, snaps):
+        assert_same_bytes(engine.snapshot(load_into(ctl, engine, c)), snap)
+        ctl.check_invariants()
+    assert ctl.stats()["evictions"]["host"]["full"] > 0
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_restart_finds_every_page_and_loads_it_bit_for_bit(tmp_path):
+    layout, engine, ctl = _setup(tmp_path, disk_sync=True)
+    chains = [engine.write_chain(range(k, k + 5 * PAGE), mamba_every=5) for k in (0, 500)]
+    snaps = [engine.snapshot(c) for c in chains]
+    for c in chains:
+        _store(ctl, c)
+    ctl.close()  # drains the writer
+
+    engine2 = Engine(layout, seed=1)  # a fresh engine process: new pools, same layout
+    ctl2 = LocalController(controller_config(tmp_path))
+    ctl2.register(layout, PAGE, engine2.pools)
+    for c, snap in zip(chains, snaps):
+        lookup = ctl2.lookup(c.hashes, ALL)
+        assert lookup.leading(FULL, Presence.DISK) == 5
+        assert lookup.leading(SWA, Presence.DISK) == 5
+        assert lookup.presence[MAMBA][-1] == Presence.DISK
+        assert_same_bytes(engine2.snapshot(load_into(ctl2, engine2, c)), snap)
+    ctl2.check_invariants(deep=True)
+    ctl2.close()
+
+
+def test_write_back_writes_at_host_eviction_and_at_close(tmp_path):
+    layout, engine, ctl = _setup(
+        tmp_path,
+        host_pool_bytes=12 * (512 + 256 + 168 // 4),
+        disk_write_policy=DiskWritePolicy.WRITE_BACK,
+    )
+    first = engine.write_chain(range(8 * PAGE), mamba_every=8)
+    snap = engine.snapshot(first)
+    _store(ctl, first)
+    ctl.flush()
+    assert ctl.stats()["disk"]["pages"]["full"] == 0  # nothing written yet
+    second = engine.write_chain(range(1000, 1000 + 8 * PAGE), mamba_every=8)
+    _store(ctl, second)
+    ctl.flush()
+    assert Presence.DISK in _presence(ctl, first)  # evicted pages went to disk
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, first)), snap)
+    ctl.check_invariants(deep=True)
+    ctl.close()  # writes what is only on host
+
+    ctl2 = LocalController(controller_config(tmp_path))
+    ctl2.register(layout, PAGE, engine.pools)
+    for c in (first, second):
+        assert ctl2.lookup(c.hashes, [FULL]).leading(FULL) == 8
+    ctl2.close()
+
+
+def _flip_byte(tmp_path, key: bytes, offset: int) -> None:
+    env = lmdb.open(str(tmp_path / "lmdb"), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key))
+        value[offset] ^= 0x40
+        txn.put(key, bytes(value))
+    env.close()
+
+
+def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(4 * PAGE))
+    _store(ctl, chain)
+    ctl.close()
+    bad = chain.refs([FULL])[2].key
+    _flip_byte(tmp_path, bad.storage_key(), HEADER_BYTES + 100)
+
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    assert _presence(ctl, chain) == [2, 2, 2, 2]  # the index knows only headers
+    target = engine.place(chain.hashes, chain.parents)
+    refs = target.refs([FULL])
+    pin = ctl.pin([r.key for r in refs], 5.0)
+    assert ctl.load(refs, pin, 5.0) is False
+    ctl.unpin(pin)
+    assert ctl.stats()["failures"]["checksum"] == 1
+    assert _presence(ctl, chain) == [1, 1, 0, 1]  # the bad page is gone: a miss now
+    ctl.check_invariants(deep=True)  # and deleted from LMDB
+    ctl.close()
+
+
+def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    ctl.close()
+    _flip_byte(tmp_path, chain.refs([FULL])[1].key.storage_key(), 30)  # in the parent hash
+
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    assert _presence(ctl, chain) == [2, 0, 2]
+    assert ctl.stats()["disk"]["invalid_dropped"] == 1
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_pages_of_another_layout_are_never_served(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    ctl.close()
+
+    other = hybrid_layout(head_dim=16)
+    engine_b = Engine(other)
+    ctl_b = LocalController(controller_config(tmp_path))
+    ctl_b.register(other, PAGE, engine_b.pools)
+    assert ctl_b.lookup(chain.hashes, ALL).leading(FULL) == 0
+    stats = ctl_b.stats()
+    assert stats["disk"]["foreign_pages"] == 9 and stats["entries"] == 0
+    ctl_b.check_invariants(deep=True)
+    ctl_b.close()
+
+
+def _on_disk(ctl, keys) -> list[int]:
+    return [int(Tier.DISK in t) for t in ctl.tiers_of(keys)]
+
+
+def test_tiny_disk_budget_evicts_lru_chains_from_the_tail(tmp_path):
+    page_value = 512 + HEADER_BYTES
+    _, engine, ctl = _setup(tmp_path, disk_budget_bytes=10 * page_value)
+    old = engine.write_chain(range(6 * PAGE))
+    new = engine.write_chain(range(1000, 1000 + 6 * PAGE))
+    for c in (old, new):
+        assert ctl.backup(c.refs([FULL])).wait()
+        ctl.flush()
+        ctl.check_invariants()
+    stats = ctl.stats()
+    assert stats["disk"]["live_bytes"] <= 10 * page_value
+    # The older chain keeps its head and loses its tail; the newer one is whole.
+    assert _on_disk(ctl, old.page_keys([FULL])) == [1, 1, 1, 1, 0, 0]
+    assert _on_disk(ctl, new.page_keys([FULL])) == [1] * 6
+    assert stats["evictions"]["disk"]["full"] == 2
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_tiny_map_size_rejects_pages_with_a_clear_error_and_keeps_committed_ones(tmp_path):
+    # A 64 KiB budget in an 80 KiB map: LMDB's own pages make the map fill first.
+    sizes = dict(disk_budget_bytes=64 << 10, lmdb_map_size_bytes=80 << 10)
+    layout, engine, ctl = _setup(tmp_path, writer_batch_pages=4, **sizes)
+    chains = [
+        engine.write_chain(range(k, k + 8 * PAGE), mamba_every=8) for k in range(0, 12000, 1000)
+    ]
+    snaps = [engine.snapshot(c) for c in chains]
+    for c in chains:
+        _store(ctl, c)
+        ctl.flush()
+    stats = ctl.stats()
+    assert stats["disk"]["map_full_events"] > 0
+    assert stats["disk"]["live_bytes"] <= 64 << 10
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+    # After a restart (no host copies), every page the index has loads back bit for bit.
+    ctl = LocalController(controller_config(tmp_path, **sizes))
+    ctl.register(layout, PAGE, engine.pools)
+    found = 0
+    for c, snap in zip(chains, snaps):
+        keys = c.page_keys()
+        held = {k for k, on in zip(keys, _on_disk(ctl, keys)) if on}
+        if not held:
+            continue
+        target = load_into(ctl, engine, c, only=held)
+        loaded = {
+            (comp, i): b
+            for (comp, i), b in engine.snapshot(target).items()
+            if PageKey(comp, c.hashes[i]) in held
+        }
+        assert_same_bytes(loaded, snap)
+        found += len(held)
+    assert found > 0
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_a_second_layout_is_refused(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    other = Engine(hybrid_layout(head_dim=16))
+    with pytest.raises(ControllerLayoutMismatch) as info:
+        ctl.register(other.layout, PAGE, other.pools, engine_id="other")
+    assert isinstance(info.value, LayoutMismatchError)
+    assert isinstance(info.value, ControllerError)
+    assert ctl.engines == ["local"]
+    ctl.close()
+
+
+def test_engines_share_pages_and_a_closed_session_loses_its_pins(tmp_path):
+    layout = hybrid_layout()
+    ctl = LocalController(controller_config(tmp_path))
+    a, b = Engine(layout, seed=1), Engine(layout, seed=2)
+    sa, sb = ctl.session("a"), ctl.session("b")
+    sa.register(layout, PAGE, a.pools)
+    sb.register(layout, PAGE, b.pools)
+    chain = a.write_chain(range(3 * PAGE))
+    snap = a.snapshot(chain)
+    assert sa.backup(chain.refs()).wait(5.0)
+    assert_same_bytes(b.snapshot(load_into(ctl, b, chain, engine_id="b")), snap)
+
+    pin = sb.pin(chain.page_keys(), 60.0)
+    with pytest.raises(ControllerError):
+        sa.unpin(pin)  # not a's pin
+    sb.close()
+    assert ctl.stats()["pins_active"] == 0
+    assert ctl.engines == ["a"]
+    ctl.check_invariants()
+    ctl.close()
+
+
+def test_pin_is_all_or_nothing(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    missing = engine.write_chain(range(900, 900 + PAGE))
+    assert ctl.pin(chain.page_keys() + missing.page_keys(), 5.0) is None
+    assert ctl.stats()["pins_active"] == 0
+    assert all(ctl._store.index.get(k.storage_key()).pins == 0 for k in chain.page_keys())
+    ctl.check_invariants()
+    ctl.close()
+
+
+def test_closed_controller_refuses_calls_and_close_is_idempotent(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    ctl.close()
+    ctl.close()
+    with pytest.raises(ControllerError, match="closed"):
+        ctl.lookup([b"\0" * 16], [FULL])
+
+
+def test_bad_refs_are_refused_with_a_clear_error(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(PAGE))
+    ref = chain.refs([FULL])[0]
+    bad = type(ref)(FULL, ref.page_hash, ref.parent_hash, 10**6)
+    with pytest.raises(ControllerError, match="outside"):
+        ctl.backup([bad])
+    with pytest.raises(ControllerError, match="not registered"):
+        ctl.backup([ref], engine_id="nobody")
+    ctl.check_invariants()
+    assert np.all(ctl.lookup(chain.hashes, [FULL]).presence[FULL] == 0)
+    ctl.close()
