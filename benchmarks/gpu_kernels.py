@@ -1,0 +1,838 @@
+"""Transfer kernels on a GPU: every kernel checked against the torch reference, then GB/s.
+
+Run from the repository root on a CUDA machine (needs only torch, triton, numpy and
+hicache's core; hicache need not be installed):
+
+    python3 benchmarks/gpu_kernels.py [--out DIR] [--checks-only]
+
+Part 1 checks, bit for bit on fresh random inputs with poisoned outputs, the Triton and
+copy-engine transfers and the Triton scatters against the torch reference (and the
+scatters against a plain loop too). Part 2 measures device->host and host->device page
+transfers for a Llama-3-8B-like layout and a hybrid layout at page sizes 1/16/64 against
+a pinned memcpy of the same bytes and the naive torch gather-then-copy, all in this run,
+plus a load and a backup running at once, Mamba state transfers, a launch-parameter sweep
+and the speculative-decoding scatters against a boolean-mask + index_select version. The
+tables are printed last; DIR/kernels_gpu.json holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def import_kernels():
+    """``hicache.kernels``, mapping the repository's kernels/ in when not installed."""
+    try:
+        import hicache.kernels as kernels
+
+        return kernels
+    except ModuleNotFoundError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    import hicache
+
+    if str(ROOT) not in hicache.__path__:
+        hicache.__path__.append(str(ROOT))
+    import hicache.kernels as kernels
+
+    return kernels
+
+
+K = import_kernels()
+from hicache.kernels import reference as ref  # noqa: E402
+
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+GB = 1e9
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_OF_SIZE[t.element_size()])
+
+
+def randomize(t: torch.Tensor) -> torch.Tensor:
+    """Every bit pattern (NaNs included), so that only bit equality can pass."""
+    b = bits(t)
+    if b.dtype == torch.uint8:
+        b.random_(0, 256)
+    else:
+        width = 8 * b.element_size()
+        b.random_(-(2 ** (width - 1)), 2 ** (width - 1))
+    return t
+
+
+def empty_bytes(n: int, device: str, pin: bool) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+def clone_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy that stays pinned when ``pin`` (a plain clone of a pinned tensor is not)."""
+    out = torch.empty_like(t, pin_memory=pin) if t.device.type == "cpu" else torch.empty_like(t)
+    out.copy_(t)
+    return out
+
+
+def paged_view(buf: torch.Tensor, n_pages: int, page_shape, dtype, pad: int) -> torch.Tensor:
+    """``[n_pages, *page_shape]`` of ``dtype`` carved from byte buffer ``buf``, each page
+    followed by ``pad`` bytes (a host pool's page-first layout)."""
+    page_bytes = dtype.itemsize * int(torch.Size(page_shape).numel())
+    rows = buf[: n_pages * (page_bytes + pad)].view(n_pages, page_bytes + pad)
+    return rows[:, :page_bytes].view(dtype).view(n_pages, *page_shape)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------
+# Part 1: correctness
+# ---------------------------------------------------------------------------------------
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def record(self, name: str, fn: Callable[[], bool]) -> None:
+        try:
+            ok = bool(fn())
+            sync()
+            detail = ""
+        except Exception as exc:  # a failing check must not hide the others
+            ok, detail = False, "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            traceback.print_exc()
+        self.rows.append({"check": name, "ok": ok, "detail": detail})
+        print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+
+    @property
+    def failures(self) -> int:
+        return sum(not r["ok"] for r in self.rows)
+
+
+def check_kv(dtype, page_size: int, backend: str, device: str, pin: bool) -> bool:
+    layers, heads, head_dim, num_pages, host_n, n = 4, 4, 64, 40, 24, 12
+    device_kv = randomize(
+        torch.empty(2, layers, num_pages * page_size, heads, head_dim, dtype=dtype, device=device)
+    )
+    page_shape = (2, layers, page_size, heads, head_dim)
+    page_bytes = dtype.itemsize * 2 * layers * page_size * heads * head_dim
+    buf = randomize(empty_bytes(host_n * (page_bytes + 64), "cpu", pin))
+    dpages = torch.randperm(num_pages)[:n]
+    dpages[1] = dpages[0]  # one device page to two host pages
+    hpages = torch.randperm(host_n)[:n]
+
+    got, want = clone_like(buf, pin), clone_like(buf, pin)
+    K.kv_pages_to_host(
+        device_kv,
+        paged_view(got, host_n, page_shape, dtype, 64),
+        dpages,
+        hpages,
+        page_size,
+        backend=backend,
+    )
+    ref.kv_pages_to_host_ref(
+        device_kv, paged_view(want, host_n, page_shape, dtype, 64), dpages, hpages, page_size
+    )
+    sync()
+    ok = torch.equal(got, want) and not torch.equal(got, buf)
+
+    host_kv = paged_view(got, host_n, page_shape, dtype, 64)
+    back = torch.randperm(num_pages)[:n]
+    target = randomize(torch.empty_like(device_kv))
+    dev_got, dev_want = target.clone(), target.clone()
+    K.kv_pages_to_device(host_kv, dev_got, hpages, back, page_size, backend=backend)
+    ref.kv_pages_to_device_ref(host_kv, dev_want, hpages, back, page_size)
+    sync()
+    ok &= torch.equal(bits(dev_got), bits(dev_want))
+    paged = dev_got.view(2, layers, num_pages, page_size, heads, head_dim)
+    orig = device_kv.view(2, layers, num_pages, page_size, heads, head_dim)
+    dev = device_kv.device
+    ok &= torch.equal(bits(paged[:, :, back.to(dev)]), bits(orig[:, :, dpages.to(dev)]))
+    return ok
+
+
+def check_kv_gpu_indices_out_of_range(device: str, pin: bool) -> bool:
+    """Indices on the GPU are not read back; the kernel must skip the bad rows."""
+    device_kv = randomize(torch.empty(2, 2, 64, 2, 32, dtype=torch.float16, device=device))
+    buf = randomize(empty_bytes(8 * 2 * 2 * 16 * 2 * 32 * 2, "cpu", pin))
+    host = paged_view(buf, 8, (2, 2, 16, 2, 32), torch.float16, 0)
+    want = clone_like(buf, pin)
+    ref.kv_pages_to_host_ref(
+        device_kv,
+        paged_view(want, 8, (2, 2, 16, 2, 32), torch.float16, 0),
+        torch.tensor([2]),
+        torch.tensor([5]),
+        16,
+    )
+    dpages = torch.tensor([2, -1, 4, 1], device=device)
+    hpages = torch.tensor([5, 0, 3, 99], device=device)
+    K.kv_pages_to_host(device_kv, host, dpages, hpages, 16, backend="triton")
+    sync()
+    return torch.equal(buf, want)
+
+
+def check_mamba(dtype, backend: str, device: str, pin: bool) -> bool:
+    layers, slots, host_n = 3, 10, 6
+    conv_shape, ssm_shape = (64, 3), (4, 16, 8)
+    conv = randomize(torch.empty(layers, slots, *conv_shape, dtype=dtype, device=device))
+    ssm = randomize(torch.empty(layers, slots, *ssm_shape, dtype=dtype, device=device))
+    conv_bytes = layers * 64 * 3 * dtype.itemsize
+    ssm_bytes = layers * 4 * 16 * 8 * dtype.itemsize
+    page = conv_bytes + ssm_bytes + 32
+
+    def views(buf):
+        rows = buf.view(host_n, page)
+        c = rows[:, :conv_bytes].view(dtype).view(host_n, layers, *conv_shape)
+        s = rows[:, conv_bytes : conv_bytes + ssm_bytes].view(dtype)
+        return c, s.view(host_n, layers, *ssm_shape)
+
+    buf = randomize(empty_bytes(host_n * page, "cpu", pin))
+    got, want = clone_like(buf, pin), clone_like(buf, pin)
+    s_idx, h_idx = torch.tensor([9, 0, 4]), torch.tensor([1, 5, 2])
+    K.mamba_states_to_host(conv, ssm, *views(got), s_idx, h_idx, backend=backend)
+    ref.mamba_states_to_host_ref(conv, ssm, *views(want), s_idx, h_idx)
+    sync()
+    ok = torch.equal(got, want) and not torch.equal(got, buf)
+    back = torch.tensor([3, 7, 1])
+    tc, ts = randomize(torch.empty_like(conv)), randomize(torch.empty_like(ssm))
+    gc, gs, wc, ws = tc.clone(), ts.clone(), tc.clone(), ts.clone()
+    K.mamba_states_to_device(*views(got), gc, gs, h_idx, back, backend=backend)
+    ref.mamba_states_to_device_ref(*views(got), wc, ws, h_idx, back)
+    sync()
+    ok &= torch.equal(bits(gc), bits(wc)) and torch.equal(bits(gs), bits(ws))
+    d = conv.device
+    ok &= torch.equal(bits(gc[:, back.to(d)]), bits(conv[:, s_idx.to(d)]))
+    ok &= torch.equal(bits(gs[:, back.to(d)]), bits(ssm[:, s_idx.to(d)]))
+    return ok
+
+
+def loop_scatter(dst, src, dst_indices, step_indices) -> None:
+    slots, steps = dst.shape[1], src.shape[2]
+    for i, (d, s) in enumerate(zip(dst_indices.tolist(), step_indices.tolist())):
+        if 0 <= s < steps and 0 <= d < slots:
+            dst[:, d] = src[:, i, s]
+
+
+def scatter_requests(requests: int, slots: int, steps: int):
+    dst = torch.randint(0, slots, (requests,))
+    dst[1], dst[2], dst[3] = dst[0], slots, -2  # duplicate, out of range both sides
+    step = torch.randint(0, steps, (requests,))
+    step[0], step[1], step[4], step[5], step[6], step[7] = 0, 1 % steps, -1, 0, steps - 1, steps
+    return dst, step
+
+
+def check_scatter(dtype, kind: str, device: str) -> bool:
+    layers, slots, requests, steps = 3, 12, 10, 4
+    dst_idx, step_idx = scatter_requests(requests, slots, steps)
+    sources = []
+    if kind == "state":
+        dst = randomize(torch.empty(layers, slots, 4, 8, 16, dtype=dtype, device=device))
+        sources.append(
+            randomize(torch.empty(layers, requests, steps, 4, 8, 16, dtype=dtype, device=device))
+        )
+        fused, fused_ref = (
+            K.fused_mamba_state_scatter_with_mask,
+            ref.fused_mamba_state_scatter_with_mask_ref,
+        )
+    else:
+        conv_dim, kernel = 96, 4
+        dst = randomize(
+            torch.empty(layers, slots, conv_dim, kernel - 1, dtype=dtype, device=device)
+        )
+        dedup = K.ConvWindowBuffer.allocate(
+            layers,
+            requests,
+            steps,
+            conv_dim,
+            kernel,
+            dtype,
+            device,
+            draft_topk=1,
+            layout=None if device == "cuda" else K.ConvWindowLayout.DEDUPLICATED,
+        )
+        if dedup.layout is not K.ConvWindowLayout.DEDUPLICATED:
+            return False
+        randomize(dedup.storage)
+        dense = K.ConvWindowBuffer.allocate(
+            layers,
+            requests,
+            steps,
+            conv_dim,
+            kernel,
+            dtype,
+            device,
+            layout=K.ConvWindowLayout.DENSE,
+        )
+        dense.store_windows(dedup.view)
+        sources += [dense.view, dedup.view]
+        fused, fused_ref = (
+            K.fused_conv_window_scatter_with_mask,
+            ref.fused_conv_window_scatter_with_mask_ref,
+        )
+    outs = []
+    for src in sources:
+        for fn in (partial(fused, backend="triton"), fused_ref, loop_scatter):
+            out = dst.clone()
+            fn(out, src, dst_idx, step_idx)
+            outs.append(out)
+    sync()
+    return all(torch.equal(bits(o), bits(outs[0])) for o in outs) and not torch.equal(
+        bits(outs[0]), bits(dst)
+    )
+
+
+def check_dedup_bytes(device: str) -> bool:
+    for steps, kernel in ((4, 4), (3, 4), (8, 2), (6, 3)):
+        shape = (4, 8, steps, 128, kernel)
+        dense = K.ConvWindowBuffer.allocate(
+            *shape, torch.bfloat16, device, K.ConvWindowLayout.DENSE
+        )
+        dedup = K.ConvWindowBuffer.allocate(
+            *shape, torch.bfloat16, device, K.ConvWindowLayout.DEDUPLICATED
+        )
+        a = dedup.storage.untyped_storage().nbytes()
+        b = dense.storage.untyped_storage().nbytes()
+        if a * steps * (kernel - 1) != b * (steps + kernel - 2):
+            return False
+        if steps == kernel == 4 and 2 * a != b:
+            return False
+    return True
+
+
+def check_pageable_host_refused(device: str) -> bool:
+    device_kv = torch.zeros(2, 1, 16, 1, 8, device=device)
+    host = torch.zeros(2, 2, 1, 16, 1, 8)  # not pinned
+    try:
+        K.kv_pages_to_host(
+            device_kv, host, torch.tensor([0]), torch.tensor([1]), 16, backend="triton"
+        )
+    except ValueError as exc:
+        return "pageable" in str(exc)
+    return False
+
+
+def run_checks(device: str = "cuda") -> Checks:
+    """Every kernel against the reference; on ``device='cpu'`` Triton runs interpreted."""
+    pin = device == "cuda"
+    backends = ["triton", "copy_engine"] if device == "cuda" else ["triton"]
+    checks = Checks()
+    print(f"== correctness on {device}", flush=True)
+    for backend in backends:
+        for dtype in DTYPES:
+            for ps in (1, 16, 64):
+                checks.record(
+                    f"kv round trip {backend} {str(dtype)[6:]} page {ps}",
+                    partial(check_kv, dtype, ps, backend, device, pin),
+                )
+            checks.record(
+                f"mamba round trip {backend} {str(dtype)[6:]}",
+                partial(check_mamba, dtype, backend, device, pin),
+            )
+    for dtype in DTYPES:
+        for kind in ("state", "conv"):
+            checks.record(
+                f"{kind} scatter {str(dtype)[6:]}", partial(check_scatter, dtype, kind, device)
+            )
+    checks.record("dedup bytes = (D+K-2)/(D(K-1)) of dense", partial(check_dedup_bytes, device))
+    if device == "cuda":
+        checks.record(
+            "kv gpu indices out of range skipped",
+            partial(check_kv_gpu_indices_out_of_range, device, pin),
+        )
+        checks.record(
+            "pageable host refused by triton", partial(check_pageable_host_refused, device)
+        )
+    print(f"== {len(checks.rows) - checks.failures}/{len(checks.rows)} checks passed", flush=True)
+    return checks
+
+
+# ---------------------------------------------------------------------------------------
+# Part 2: bandwidth
+# ---------------------------------------------------------------------------------------
+
+
+def measured(timer: Callable[..., float]) -> Callable[..., float]:
+    """A timer that reports a failure as NaN (with its traceback) instead of ending the run."""
+
+    def run(*args, **kwargs) -> float:
+        try:
+            return timer(*args, **kwargs)
+        except Exception:
+            traceback.print_exc()
+            torch.cuda.synchronize()
+            return math.nan
+
+    return run
+
+
+@measured
+def time_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` between CUDA events on the current stream (host-side
+    issue time included, since the end event is recorded after ``fn`` returns)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@measured
+def time_concurrent_ms(fn_a: Callable[[], object], fn_b: Callable[[], object], reps: int) -> float:
+    """Median milliseconds until both ``fn_a`` (stream A) and ``fn_b`` (stream B) finish."""
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def once() -> float:
+        cur = torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        sa.wait_stream(cur)
+        sb.wait_stream(cur)
+        with torch.cuda.stream(sa):
+            fn_a()
+        with torch.cuda.stream(sb):
+            fn_b()
+        cur.wait_stream(sa)
+        cur.wait_stream(sb)
+        end.record(cur)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for _ in range(2):
+        once()
+    return statistics.median(once() for _ in range(reps))
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / GB
+
+
+def pinned_index(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).pin_memory()
+
+
+def copy_of(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
+    return partial(dst.copy_, src, non_blocking=True)
+
+
+def show(row: dict) -> None:
+    print(
+        "  " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    )
+
+
+class KVBench:
+    """One KV layout: a device pool of 4x the transferred tokens and a pinned host area of
+    2x (one half backed up into, the other loaded from, so both can run at once)."""
+
+    def __init__(self, name: str, layers: int, heads: int, head_dim: int, tokens: int) -> None:
+        self.name, self.layers, self.heads, self.head_dim = name, layers, heads, head_dim
+        self.tokens = tokens
+        self.dtype = torch.bfloat16
+        self.token_bytes = 2 * layers * heads * head_dim * self.dtype.itemsize
+        self.dev_slots = 4 * tokens
+        self.device_kv = randomize(
+            torch.empty(2, layers, self.dev_slots, heads, head_dim, dtype=self.dtype, device="cuda")
+        )
+        self.dev_bytes = self.device_kv.view(-1).view(torch.uint8)
+        self.host_buf = empty_bytes(2 * tokens * self.token_bytes, "cpu", pin=True)
+        self.host_buf.copy_(self.dev_bytes[: self.host_buf.numel()])
+        print(
+            f"== {name}: {layers} layers x {heads} heads x {head_dim} bf16, "
+            f"{self.token_bytes} B/token, {tokens * self.token_bytes / GB:.2f} GB per transfer",
+            flush=True,
+        )
+
+    def pages(self, ps: int) -> None:
+        """Set up page size ``ps``: host view, disjoint page sets A (backup) and B (load)."""
+        self.ps = ps
+        n = self.n = self.tokens // ps
+        self.nbytes = n * ps * self.token_bytes
+        shape = (2, self.layers, ps, self.heads, self.head_dim)
+        self.host_kv = paged_view(self.host_buf, 2 * n, shape, self.dtype, 0)
+        dpages = torch.randperm(self.dev_slots // ps)[: 2 * n]
+        hpages = torch.randperm(2 * n)
+        self.d_a, self.d_b = pinned_index(dpages[:n]), pinned_index(dpages[n:])
+        self.h_a, self.h_b = pinned_index(hpages[:n]), pinned_index(hpages[n:])
+
+    def backup(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
+        if backend == "naive":
+            return partial(
+                ref.kv_pages_to_host_ref,
+                self.device_kv,
+                self.host_kv,
+                self.d_a[:count],
+                self.h_a[:count],
+                self.ps,
+            )
+        return partial(
+            K.kv_pages_to_host,
+            self.device_kv,
+            self.host_kv,
+            self.d_a,
+            self.h_a,
+            self.ps,
+            backend=backend,
+            **kw,
+        )
+
+    def load(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
+        if backend == "naive":
+            return partial(
+                ref.kv_pages_to_device_ref,
+                self.host_kv,
+                self.device_kv,
+                self.h_b[:count],
+                self.d_b[:count],
+                self.ps,
+            )
+        return partial(
+            K.kv_pages_to_device,
+            self.host_kv,
+            self.device_kv,
+            self.h_b,
+            self.d_b,
+            self.ps,
+            backend=backend,
+            **kw,
+        )
+
+    def measure(self, ps: int) -> dict:
+        self.pages(ps)
+        nbytes = self.nbytes
+        row = {"layout": self.name, "page_size": ps, "bytes": nbytes}
+        flat_host = self.host_buf[:nbytes]
+        flat_dev = self.dev_bytes[self.dev_bytes.numel() - nbytes :]
+        row["memcpy_d2h"] = gbps(nbytes, time_ms(copy_of(flat_host, flat_dev), 7))
+        row["memcpy_h2d"] = gbps(nbytes, time_ms(copy_of(flat_dev, flat_host), 7))
+        for backend in ("triton", "copy_engine"):
+            row[f"{backend}_d2h"] = gbps(nbytes, time_ms(self.backup(backend), 7))
+            row[f"{backend}_h2d"] = gbps(nbytes, time_ms(self.load(backend), 7))
+        # The naive version runs on a quarter of the pages: it is slow, and its rate (a
+        # host-side index_put of a pageable copy) does not improve with size.
+        q = max(1, self.n // 4)
+        qbytes = q * ps * self.token_bytes
+        row["naive_d2h"] = gbps(qbytes, time_ms(self.backup("naive", q), 2, 1))
+        row["naive_h2d"] = gbps(qbytes, time_ms(self.load("naive", q), 2, 1))
+        other_host = self.host_buf[nbytes : 2 * nbytes]
+        row["memcpy_both"] = gbps(
+            2 * nbytes,
+            time_concurrent_ms(
+                copy_of(flat_host, flat_dev), copy_of(self.dev_bytes[:nbytes], other_host), 5
+            ),
+        )
+        for backend in ("triton", "copy_engine"):
+            both = time_concurrent_ms(self.backup(backend), self.load(backend), 5)
+            row[f"{backend}_both"] = gbps(2 * nbytes, both)
+        return row
+
+    def sweep(self, ps: int) -> list[dict]:
+        """Triton launch parameters at page size ``ps``."""
+        self.pages(ps)
+        rows = []
+        for tile in (8192, 16384, 32768):
+            for pps in (1, 2, 4, 8):
+                for warps in (4, 8):
+                    tuning = K.TransferTuning(tile_bytes=tile, programs_per_sm=pps, num_warps=warps)
+                    backup = self.backup("triton", tuning=tuning)
+                    load = self.load("triton", tuning=tuning)
+                    rows.append(
+                        {
+                            "layout": self.name,
+                            "page_size": ps,
+                            "tile_bytes": tile,
+                            "programs_per_sm": pps,
+                            "num_warps": warps,
+                            "d2h": gbps(self.nbytes, time_ms(backup, 5)),
+                            "h2d": gbps(self.nbytes, time_ms(load, 5)),
+                            "both": gbps(2 * self.nbytes, time_concurrent_ms(backup, load, 3)),
+                        }
+                    )
+        best = max(rows, key=lambda r: r["d2h"] + r["h2d"])
+        print(f"  sweep best at page {ps}: {best}", flush=True)
+        return rows
+
+
+def bench_kv(
+    results: dict, name: str, layers: int, heads: int, head_dim: int, tokens: int, sweep: bool
+) -> None:
+    bench = KVBench(name, layers, heads, head_dim, tokens)
+    for ps in (1, 16, 64):
+        row = bench.measure(ps)
+        results["kv"].append(row)
+        show(row)
+        if sweep and ps in (1, 16):
+            results["sweep"] += bench.sweep(ps)
+
+
+def bench_mamba(results: dict) -> None:
+    """Hybrid (Qwen3-Next-like) Mamba states: 36 layers, conv [8192, 3], SSM [32, 128, 128]."""
+    layers, slots, n, host_n = 36, 24, 8, 16
+    conv_shape, ssm_shape = (8192, 3), (32, 128, 128)
+    dtype = torch.float32
+    conv = randomize(torch.empty(layers, slots, *conv_shape, dtype=dtype, device="cuda"))
+    ssm = randomize(torch.empty(layers, slots, *ssm_shape, dtype=dtype, device="cuda"))
+    conv_bytes = layers * 8192 * 3 * 4
+    ssm_bytes = layers * 32 * 128 * 128 * 4
+    page = conv_bytes + ssm_bytes
+    buf = empty_bytes(host_n * page, "cpu", pin=True)
+    rows = buf.view(host_n, page)
+    host_conv = rows[:, :conv_bytes].view(dtype).view(host_n, layers, *conv_shape)
+    host_ssm = rows[:, conv_bytes:].view(dtype).view(host_n, layers, *ssm_shape)
+    s_idx = pinned_index(torch.randperm(slots)[:n])
+    h_idx = pinned_index(torch.randperm(host_n)[:n])
+    nbytes = n * page
+    print(
+        f"== hybrid mamba states: {page / 1e6:.1f} MB per slot, {nbytes / GB:.2f} GB per transfer",
+        flush=True,
+    )
+    dev_flat = ssm.view(-1).view(torch.uint8)[:nbytes]
+    row = {"layout": "hybrid mamba", "slots": n, "bytes": nbytes}
+    row["memcpy_d2h"] = gbps(nbytes, time_ms(copy_of(buf[:nbytes], dev_flat), 7))
+    row["memcpy_h2d"] = gbps(nbytes, time_ms(copy_of(dev_flat, buf[:nbytes]), 7))
+    to_host = (conv, ssm, host_conv, host_ssm, s_idx, h_idx)
+    to_device = (host_conv, host_ssm, conv, ssm, h_idx, s_idx)
+    for backend in ("triton", "copy_engine"):
+        fn = partial(K.mamba_states_to_host, *to_host, backend=backend)
+        row[f"{backend}_d2h"] = gbps(nbytes, time_ms(fn, 7))
+        fn = partial(K.mamba_states_to_device, *to_device, backend=backend)
+        row[f"{backend}_h2d"] = gbps(nbytes, time_ms(fn, 7))
+    row["naive_d2h"] = gbps(nbytes, time_ms(partial(ref.mamba_states_to_host_ref, *to_host), 2, 1))
+    row["naive_h2d"] = gbps(
+        nbytes, time_ms(partial(ref.mamba_states_to_device_ref, *to_device), 2, 1)
+    )
+    results["mamba"].append(row)
+    show(row)
+
+
+def masked_index_select(dst, src, dst_indices, step_indices) -> None:
+    """The baseline: a boolean mask, its nonzero (a host sync), index_select and index_copy."""
+    mask = step_indices >= 0
+    req = mask.nonzero().squeeze(1)
+    picked = src.index_select(1, req)
+    rows = torch.arange(req.numel(), device=src.device)
+    picked = picked[:, rows, step_indices.index_select(0, req)]
+    dst.index_copy_(1, dst_indices.index_select(0, req), picked)
+
+
+def bench_scatters(results: dict) -> None:
+    layers, slots, requests, steps = 36, 128, 32, 4
+    dst_idx = torch.randperm(slots)[:requests].cuda()
+    step_idx = torch.randint(-1, steps, (requests,)).cuda()
+    f32, bf16 = torch.float32, torch.bfloat16
+    ssm_dst = randomize(torch.empty(layers, slots, 8, 128, 128, dtype=f32, device="cuda"))
+    ssm_src = randomize(torch.empty(layers, requests, steps, 8, 128, 128, dtype=f32, device="cuda"))
+    cases = [
+        (
+            "mamba state [8,128,128] fp32",
+            "dense",
+            K.fused_mamba_state_scatter_with_mask,
+            ssm_dst,
+            ssm_src,
+        )
+    ]
+    conv_dim, kernel = 2048, 4
+    conv_dst = randomize(
+        torch.empty(layers, slots, conv_dim, kernel - 1, dtype=bf16, device="cuda")
+    )
+    for layout in (K.ConvWindowLayout.DENSE, K.ConvWindowLayout.DEDUPLICATED):
+        buf = K.ConvWindowBuffer.allocate(
+            layers, requests, steps, conv_dim, kernel, bf16, "cuda", layout
+        )
+        randomize(buf.storage)
+        name = f"conv window [{conv_dim},{kernel - 1}] bf16"
+        cases.append(
+            (name, layout.value, K.fused_conv_window_scatter_with_mask, conv_dst, buf.view)
+        )
+    writing = int((step_idx >= 0).sum())
+    print(
+        f"== spec-decode scatters: {layers} layers, {requests} requests ({writing} writing), "
+        f"{steps} draft tokens",
+        flush=True,
+    )
+    for name, source, fused, dst, src in cases:
+        args = (dst, src, dst_idx, step_idx)
+        a, b = dst.clone(), dst.clone()
+        fused(a, src, dst_idx, step_idx)
+        masked_index_select(b, src, dst_idx, step_idx)
+        fused_ms = time_ms(partial(fused, *args), 20, 3)
+        base_ms = time_ms(partial(masked_index_select, *args), 20, 3)
+        row = {
+            "kernel": name,
+            "source": source,
+            "fused_us": fused_ms * 1e3,
+            "mask_index_select_us": base_ms * 1e3,
+            "speedup": base_ms / fused_ms,
+            "same_bytes_as_baseline": torch.equal(bits(a), bits(b)),
+        }
+        results["scatter"].append(row)
+        show(row)
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+    }
+    try:
+        query = "driver_version,pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max"
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+        info["nvidia_smi"] = out
+    except (OSError, subprocess.SubprocessError):
+        info["nvidia_smi"] = "unavailable"
+    return info
+
+
+def pct(x: float, base: float) -> str:
+    return f"{x:.1f} ({100 * x / base:.0f}%)"
+
+
+def table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def print_tables(results: dict) -> None:
+    m = results["machine"]
+    print(f"\n### {m['gpu']}, {m['date_utc']}, torch {m['torch']}, triton {m['triton']}")
+    print(f"nvidia-smi (driver, PCIe gen now, width, gen max): {m['nvidia_smi']}")
+    rows = []
+    for r in results["kv"]:
+        for d in ("d2h", "h2d"):
+            base = r[f"memcpy_{d}"]
+            rows.append(
+                [r["layout"], r["page_size"], d, f"{base:.1f}"]
+                + [pct(r[f"{b}_{d}"], base) for b in ("triton", "copy_engine", "naive")]
+            )
+    table(
+        "KV page transfers, GB/s (percent of a pinned memcpy of the same bytes, same run)",
+        ["layout", "page", "dir", "memcpy", "triton (UVA)", "copy engine", "naive torch"],
+        rows,
+    )
+    rows = [
+        [r["layout"], r["page_size"], f"{r['memcpy_both']:.1f}"]
+        + [pct(r[f"{b}_both"], r["memcpy_both"]) for b in ("triton", "copy_engine")]
+        for r in results["kv"]
+    ]
+    table(
+        "A backup and a load at once (two streams), total GB/s",
+        ["layout", "page", "memcpy both ways", "triton both ways", "copy engine both ways"],
+        rows,
+    )
+    rows = []
+    for r in results["mamba"]:
+        for d in ("d2h", "h2d"):
+            base = r[f"memcpy_{d}"]
+            rows.append(
+                [f"{r['slots']} ({r['bytes'] / GB:.2f} GB)", d, f"{base:.1f}"]
+                + [pct(r[f"{b}_{d}"], base) for b in ("triton", "copy_engine", "naive")]
+            )
+    table(
+        "Mamba state transfers (hybrid), GB/s",
+        ["slots", "dir", "memcpy", "triton", "copy engine", "naive torch"],
+        rows,
+    )
+    rows = [
+        [
+            r["kernel"],
+            r["source"],
+            f"{r['fused_us']:.1f}",
+            f"{r['mask_index_select_us']:.1f}",
+            f"{r['speedup']:.1f}x",
+            r["same_bytes_as_baseline"],
+        ]
+        for r in results["scatter"]
+    ]
+    table(
+        "Speculative-decoding scatters, microseconds (median of 20)",
+        ["kernel", "source", "fused", "mask + index_select", "speedup", "same bytes"],
+        rows,
+    )
+    if results["sweep"]:
+        rows = [
+            [r["page_size"], r["tile_bytes"], r["programs_per_sm"], r["num_warps"]]
+            + [f"{r[k]:.1f}" for k in ("d2h", "h2d", "both")]
+            for r in results["sweep"]
+        ]
+        table(
+            "Triton launch sweep (Llama layout), GB/s",
+            ["page", "tile bytes", "programs/SM", "warps", "d2h", "h2d", "both"],
+            rows,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=None, help="folder for kernels_gpu.json"
+    )
+    parser.add_argument("--checks-only", action="store_true", help="run part 1 only")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script measures a GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    results: dict = {"machine": machine(), "kv": [], "mamba": [], "scatter": [], "sweep": []}
+    print(json.dumps(results["machine"]), flush=True)
+    checks = run_checks("cuda")
+    results["checks"] = checks.rows
+    if not args.checks_only:
+        sections = [
+            partial(bench_kv, results, "llama3-8b", 32, 8, 128, 8192, not args.no_sweep),
+            partial(bench_kv, results, "hybrid full-attn", 12, 2, 256, 32768, False),
+            partial(bench_mamba, results),
+            partial(bench_scatters, results),
+        ]
+        for section in sections:
+            try:
+                section()
+            except Exception:
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+        print_tables(results)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernels_gpu.json").write_text(json.dumps(results, indent=1))
+    print(f"\nchecks: {len(checks.rows) - checks.failures}/{len(checks.rows)} passed")
+    return 1 if checks.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The transfer kernels on a real GPU: run with ``pytest -m gpu`` on a CUDA machine.
+
+The checks themselves live in benchmarks/gpu_kernels.py (one implementation, used by the
+benchmark before it measures anything); here they run under pytest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+
+
+def _gpu_kernels_script():
+    spec = importlib.util.spec_from_file_location("gpu_kernels", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_kernel_matches_the_reference_on_cuda() -> None:
+    torch.manual_seed(1)
+    checks = _gpu_kernels_script().run_checks("cuda")
+    failed = [row for row in checks.rows if not row["ok"]]
+    assert not failed, failed
+
+
+def test_default_backend_round_trips_pinned_pages() -> None:
+    import hicache.kernels as kernels
+
+    device_kv = torch.randn(2, 4, 256, 8, 128, device="cuda").bfloat16()
+    host_kv = torch.empty(8, 2, 4, 16, 8, 128, dtype=torch.bfloat16).pin_memory()
+    pages, host_pages = torch.tensor([3, 9, 15]), torch.tensor([7, 0, 4])
+    kernels.kv_pages_to_host(device_kv, host_kv, pages, host_pages, 16)
+    poison = torch.randn_like(device_kv)
+    target = poison.clone()
+    kernels.kv_pages_to_device(host_kv, target, host_pages, pages, 16)
+    torch.cuda.synchronize()
+    paged = target.view(2, 4, 16, 16, 8, 128)
+    original = device_kv.view(2, 4, 16, 16, 8, 128)
+    assert torch.equal(paged[:, :, pages.cuda()], original[:, :, pages.cuda()])
+    others = torch.ones(16, dtype=torch.bool)
+    others[pages] = False
+    untouched = poison.view(2, 4, 16, 16, 8, 128)[:, :, others.cuda()]
+    assert torch.equal(paged[:, :, others.cuda()], untouched)
