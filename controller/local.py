@@ -399,6 +399,9 @@ class LocalController:
                 if e is None or not e.held:
                     self.counters.fail(Failure.PAGE_ABSENT)
                     return False
+                entries.append(e)
+            # Only once every page is known to be held: a doomed load reads nothing.
+            for e in entries:
                 if e.host_state is HostState.FILLING:
                     fills.append(e.fill)
                 elif e.host_state is HostState.NONE:
@@ -406,7 +409,6 @@ class LocalController:
                     if fut is None:
                         return False
                     fills.append(fut)
-                entries.append(e)
         if fills:
             filled = self._fills.wait(fills, deadline)
             if filled is None:

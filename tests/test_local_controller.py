@@ -90,7 +90,9 @@ def test_host_evicted_pages_come_back_from_disk(tmp_path):
     snaps = [engine.snapshot(c) for c in chains]
     for c in chains:
         _store(ctl, c)
-    ctl.flush()
+        # Pages queued for the writer are held on host: let it catch up, as a disk that
+        # keeps pace would (a backup meeting a host full of queued pages fails instead).
+        ctl.flush()
     first = _presence(ctl, chains[0])
     assert Presence.DISK in first and Presence.ABSENT not in first
     for c, snap in zip(chains, snaps):
@@ -337,4 +339,37 @@ def test_bad_refs_are_refused_with_a_clear_error(tmp_path):
         ctl.backup([ref], engine_id="nobody")
     ctl.check_invariants()
     assert np.all(ctl.lookup(chain.hashes, [FULL]).presence[FULL] == 0)
+    ctl.close()
+
+
+def test_backup_reports_host_full_when_no_host_page_can_be_evicted(tmp_path):
+    # No disk tier; room for about 8 FULL pages, all pinned by a pending load.
+    _, engine, ctl = _setup(tmp_path, disk_path=None, host_pool_bytes=8 * (512 + 256 + 42))
+    held = engine.write_chain(range(8 * PAGE), mamba_every=8)
+    _store(ctl, held)
+    pin = ctl.pin(held.page_keys(), 30.0)
+    more = engine.write_chain(range(1000, 1000 + 2 * PAGE), mamba_every=2)
+    assert ctl.backup(more.refs()).wait(5.0) is False
+    assert ctl.stats()["failures"]["host_full"] > 0
+    assert ctl.lookup(held.hashes, [FULL]).leading(FULL, Presence.HOST) == 8
+    ctl.check_invariants()
+    ctl.unpin(pin)
+    _store(ctl, more)  # unpinned pages make room again
+    assert ctl.lookup(more.hashes, [FULL]).leading(FULL, Presence.HOST) == 2
+    ctl.close()
+
+
+def test_host_tier_cuts_chains_from_the_tail(tmp_path):
+    _, engine, ctl = _setup(tmp_path, disk_path=None, host_pool_bytes=10 * (512 + 256 + 42))
+    old = engine.write_chain(range(6 * PAGE), mamba_every=6)
+    _store(ctl, old)
+    ctl.lookup(old.hashes[:1], [FULL])  # a lookup does not reorder eviction
+    new = engine.write_chain(range(1000, 1000 + 6 * PAGE), mamba_every=6)
+    _store(ctl, new)
+    assert _presence(ctl, old) == [1, 1, 1, 1, 0, 0]
+    assert _presence(ctl, new) == [1] * 6
+    # SWA pages hang off their FULL pages: evicting the FULL page took them too.
+    assert _presence(ctl, old, SWA) == [1, 1, 1, 1, 0, 0]
+    assert ctl.stats()["evictions"]["host"] == {"full": 2, "swa": 2, "mamba": 1}
+    ctl.check_invariants()
     ctl.close()
