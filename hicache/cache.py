@@ -27,7 +27,7 @@ from hicache.pools import DevicePools
 from hicache.request import CacheStats, EvictResult, MatchResult, Request
 from hicache.tiering import TieringMixin
 from hicache.tree import RadixTree, TreeNode
-from hicache.types import ComponentType
+from hicache.types import ComponentType, PoolExhaustedError
 
 log = logging.getLogger("hicache.cache")
 
@@ -153,14 +153,13 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         """Give ``req`` the matched device prefix: lock, slots and its own Mamba state."""
         if req.kv_slots.size or req.lock_receipt is not None:
             raise ValueError(f"{req!r} already holds slots; match_prefix needs a fresh request")
-        req.kv_slots = result.device_indices.numpy().copy()
-        req.token_ids = tokens[: result.prefix_len].copy()
-        req.prefix_len = result.prefix_len
-        req.last_node = result.last_node
-        req.lock_receipt = self.lock(result.last_node)
-        self.requests[id(req)] = req
+        receipt = self.lock(result.last_node)
         if self.mamba is not None:
-            slot = self.alloc_mamba_state()
+            try:
+                slot = self.alloc_mamba_state()
+            except PoolExhaustedError:
+                self.unlock(receipt, touch=False)
+                raise
             src = self.mamba.state_of(result.last_node) if result.prefix_len else None
             if src is None:
                 self.pools.mamba.conv[:, slot].zero_()
@@ -169,6 +168,12 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
                 self.pools.mamba.copy_state(src, slot)
             req.mamba_slot = slot
             result.mamba_slot = slot
+        req.kv_slots = result.device_indices.numpy().copy()
+        req.token_ids = tokens[: result.prefix_len].copy()
+        req.prefix_len = result.prefix_len
+        req.last_node = result.last_node
+        req.lock_receipt = receipt
+        self.requests[id(req)] = req
 
     # -- insert --------------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ class RadixTree:
         self.protected = {c.ctype: 0 for c in self.components}
         self.roots: dict[str | None, TreeNode] = {}
         self.clock = 0
+        self.evicted = EvictResult()  # running totals of what eviction freed
 
     # -- namespaces and structure --------------------------------------------------------
 
@@ -410,6 +411,9 @@ class RadixTree:
                     self.evict_device_leaf(victim, result)
                 else:
                     self._tombstone(victim, comp, result)
+        self.evicted.full_tokens += result.full_tokens
+        self.evicted.swa_tokens += result.swa_tokens
+        self.evicted.mamba_states += result.mamba_states
         return result
 
     def _next_victim(self, comp: TreeComponent) -> TreeNode | None:

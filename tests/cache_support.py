@@ -80,8 +80,11 @@ class MarkerEngine:
 
     # -- verification --------------------------------------------------------------------
 
-    def verify_prefix(self, req: Request, tokens: np.ndarray, length: int) -> None:
-        """The cache gave ``req`` exactly the KV, SWA window and state of ``tokens[:length]``."""
+    def verify_prefix(
+        self, req: Request, tokens: np.ndarray, length: int, state: bool = True
+    ) -> None:
+        """The cache gave ``req`` exactly the KV, SWA window and (with ``state``, for a
+        request that has computed nothing beyond it) the state of ``tokens[:length]``."""
         slots = torch.from_numpy(req.kv_slots[:length])
         want = kv_marker(tokens[:length], 0)
         k = self.pools.full.buffer[0, :, slots, 0, 0]
@@ -94,7 +97,7 @@ class MarkerEngine:
             assert (swa >= 0).all(), "SWA window of the prefix has a hole"
             got = self.pools.swa.buffer[0, :, torch.from_numpy(swa), 0, 0]
             assert torch.equal(got, kv_marker(tokens[lo:length], lo).expand_as(got))
-        if self.pools.mamba is not None:
+        if self.pools.mamba is not None and state:
             conv = self.pools.mamba.conv[:, req.mamba_slot]
             ssm = self.pools.mamba.ssm[:, req.mamba_slot]
             if length == 0:

@@ -14,13 +14,17 @@ This module removes both causes by construction:
   ``2**-frac_bits``) and held as integer-valued float64. The formats are chosen so that
   every product and every partial sum is an integer below ``2**53``, which float64
   represents exactly; so any summation order, any blocking, any padding with zeros gives
-  the same exact value, and only the final conversion rounds. That lets a plain
+  the same exact value. That lets a plain
   ``torch.matmul`` or ``sum`` do the work. :func:`max_terms` says how many terms a sum may
   have; the model checks its dimensions against it when it is built.
 * **Elementwise functions use only correctly rounded operations** (IEEE ``+ - * /``,
   ``sqrt``, ``round``, ``clamp``, ``where``, integer bit operations), each as a separate
   eager op so that nothing is fused into a multiply-add. :func:`exp` is a Cody-Waite
-  range reduction, a degree-7 polynomial and an exponent built from integer bits.
+  range reduction, a degree-8 polynomial and an exponent built from integer bits.
+
+Activations are float64: a decoded exact sum is then exact too (it is below ``2**53``
+grid units), and the encodings need no dtype conversions. At the model's sizes the cost
+of an op is its dispatch, not its width.
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ class Fixed:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` clamped and rounded to the grid, as integer-valued float64 grid units."""
         bound = float(2**self.int_bits)
-        # Scaling by a power of two is exact, and rounding a float32 to an integer is
-        # exact, so the only loss is the intended one onto the grid.
-        return torch.round(x.clamp(-bound, bound) * float(2**self.frac_bits)).to(torch.float64)
+        # Scaling by a power of two is exact, and so is rounding to an integer, so the
+        # only loss is the intended one onto the grid.
+        return torch.round(x.to(torch.float64).clamp(-bound, bound) * float(2**self.frac_bits))
 
 
 # The formats of the model's sums. Limits (terms per sum, see max_terms): linear inputs
@@ -70,9 +74,8 @@ def max_terms(a: Fixed, b: Fixed) -> int:
 
 
 def decode(units: torch.Tensor, *formats: Fixed) -> torch.Tensor:
-    """Float32 value of an exact float64 sum of products of ``formats`` (one rounding)."""
-    frac_bits = sum(f.frac_bits for f in formats)
-    return (units * float(2.0**-frac_bits)).to(torch.float32)
+    """The float64 value of an exact sum of products of ``formats`` (exact: no rounding)."""
+    return units * float(2.0 ** -sum(f.frac_bits for f in formats))
 
 
 class Linear:
@@ -93,28 +96,30 @@ class Linear:
         self.weight = WEIGHT.encode(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., d_in]`` (any float dtype) times the weight, as float64."""
         return decode(torch.matmul(ACTIVATION.encode(x), self.weight), ACTIVATION, WEIGHT)
 
 
 _LOG2E = 1.4426950408889634
-# ln 2 split so that k * _LN2_HI is exact for the |k| <= 127 that clamped inputs give.
-_LN2_HI = 0.693145751953125
-_LN2_LO = 1.428606765330187e-06
-# Taylor coefficients of exp on |r| <= ln2/2 from degree 7 down to degree 1 (the constant
-# term 1 is added last); the truncation error stays under 2 ulp.
-_EXP_COEFFS = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0)
-# Inputs beyond these would make 2**k leave the normal float32 exponent range.
-_EXP_MIN = -87.0
-_EXP_MAX = 88.0
+# ln 2 split so that k * _LN2_HI is exact for every |k| <= 1023 (fdlibm's constants).
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+# Taylor coefficients of exp on |r| <= ln2/2 from degree 8 down to degree 1 (the constant
+# term 1 is added last): relative error below 1e-9, plenty for softmax weights that are
+# rounded to 2**-20 and for decay factors.
+_EXP_COEFFS = (1 / 40320, 1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0)
+# Inputs beyond these would make 2**k leave the normal float64 exponent range.
+_EXP_MIN = -708.0
+_EXP_MAX = 709.0
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """``e**x`` for float32 within 2 ulp, elementwise exact whatever the tensor's shape.
+    """``e**x`` as float64 (relative error below 1e-9), elementwise exact whatever the shape.
 
-    Inputs are clamped to [-87, 88], so the result is never 0 or inf; callers that need
-    exact zeros (masked softmax entries) select them afterwards.
+    Inputs are clamped to [-708, 709], so the result is never 0 or inf; callers that
+    need exact zeros (masked softmax entries) select them afterwards.
     """
-    x = x.clamp(_EXP_MIN, _EXP_MAX)
+    x = x.to(torch.float64).clamp(_EXP_MIN, _EXP_MAX)
     k = torch.round(x * _LOG2E)
     r = x - k * _LN2_HI
     r = r - k * _LN2_LO
@@ -123,18 +128,23 @@ def exp(x: torch.Tensor) -> torch.Tensor:
         p = p + c
         p = p * r
     p = p + 1.0
-    two_to_k = torch.bitwise_left_shift(k.to(torch.int32) + 127, 23).view(torch.float32)
+    two_to_k = torch.bitwise_left_shift(k.to(torch.int64) + 1023, 52).view(torch.float64)
     return p * two_to_k
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``1 / (1 + e**-x)``, built on :func:`exp`."""
-    return 1.0 / (exp(-x) + 1.0)
+def soft_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``(1 + x / (1 + |x|)) / 2``: a rational sigmoid onto (0, 1).
+
+    The reference model gates with this instead of the logistic function: it is as exact
+    and needs five tensor ops instead of twenty-five (the engine's per-token cost is
+    mostly per-op overhead at these sizes).
+    """
+    return (x / (x.abs() + 1.0) + 1.0) * 0.5
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(x)``, built on :func:`exp`."""
-    return x / (exp(-x) + 1.0)
+def soft_silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * soft_sigmoid(x)``: a SiLU-shaped gate built on :func:`soft_sigmoid`."""
+    return x * soft_sigmoid(x)
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,5 +154,5 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     for a row in any batch.
     """
     units = NORM.encode(x)
-    mean_square = decode((units * units).sum(dim=-1), NORM, NORM) / x.shape[-1]
-    return x / torch.sqrt(mean_square + eps).unsqueeze(-1)
+    mean_square = decode((units * units).sum(dim=-1, keepdim=True), NORM, NORM) / x.shape[-1]
+    return x / torch.sqrt(mean_square + eps)

@@ -22,7 +22,8 @@ from hicache.engine.exact import PROBABILITY, QUERY_KEY, SSM_READOUT, SSM_STATE,
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    """One attention layer: a fused Q/K/V projection and the output projection."""
+    """One attention layer: a fused Q/K/V projection (the softmax scale folded into its
+    Q columns) and the output projection."""
 
     qkv: exact.Linear
     out: exact.Linear
@@ -51,12 +52,13 @@ class KeyAddressing:
 
     ``write_slots`` ``[B*n]``: pool slots of the new tokens, in group order.
     ``key_slots`` ``[B, Lk]``: pool slots of each request's keys (padded with a valid
-    slot). ``key_mask`` ``[B, n, Lk]``: which keys each query attends to.
+    slot). ``query_mask`` ``[B, 1, n*group, Lk]``: which keys each query head attends to
+    (a KV head's query heads token-major, as :func:`attention` lays them out).
     """
 
     write_slots: torch.Tensor
     key_slots: torch.Tensor
-    key_mask: torch.Tensor
+    query_mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,7 @@ class Rope:
         half = head_dim // 2
         inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq
-        return cls(
-            cos=angles.cos().to(torch.float32).to(device),
-            sin=angles.sin().to(torch.float32).to(device),
-        )
+        return cls(cos=angles.cos().to(device), sin=angles.sin().to(device))
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[B, n, heads, head_dim]`` by the angles of ``positions [B, n]``."""
@@ -103,37 +102,31 @@ def attention(
     batch, n, _ = x.shape
     kv_dim = num_kv_heads * head_dim
     qkv = weights.qkv(x)
-    q = qkv[..., : -2 * kv_dim].reshape(batch, n, -1, head_dim)
-    k = qkv[..., -2 * kv_dim : -kv_dim].reshape(batch, n, num_kv_heads, head_dim)
-    v = qkv[..., -kv_dim:].reshape(batch, n, num_kv_heads, head_dim)
-    group = q.shape[2] // num_kv_heads
-    q = rope.apply(q, positions) * (head_dim**-0.5)
-    k = rope.apply(k, positions)
+    qk = rope.apply(qkv[..., :-kv_dim].reshape(batch, n, -1, head_dim), positions)
+    q_heads = qk.shape[2] - num_kv_heads
+    k = qk[:, :, q_heads:].reshape(-1, num_kv_heads, head_dim)
+    v = qkv[..., -kv_dim:].reshape(-1, num_kv_heads, head_dim)
 
     k_pool, v_pool = kv_buffer[0, layer], kv_buffer[1, layer]
-    k_pool.index_copy_(0, keys.write_slots, k.reshape(-1, num_kv_heads, head_dim).to(k_pool.dtype))
-    v_pool.index_copy_(0, keys.write_slots, v.reshape(-1, num_kv_heads, head_dim).to(v_pool.dtype))
+    k_pool.index_copy_(0, keys.write_slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, keys.write_slots, v.to(v_pool.dtype))
     # Read back through the pool's dtype: [B, kv_heads, Lk, head_dim].
-    k_all = k_pool[keys.key_slots].to(torch.float32).transpose(1, 2)
-    v_all = v_pool[keys.key_slots].to(torch.float32).transpose(1, 2)
+    k_all = QUERY_KEY.encode(k_pool[keys.key_slots]).transpose(1, 2)
+    v_all = VALUE.encode(v_pool[keys.key_slots]).transpose(1, 2)
 
-    # [B, kv_heads, n * group, head_dim]: a KV head's queries, token-major.
-    q = q.reshape(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
-    q = q.reshape(batch, num_kv_heads, n * group, head_dim)
-    scores = exact.decode(
-        torch.matmul(QUERY_KEY.encode(q), QUERY_KEY.encode(k_all).transpose(2, 3)),
-        QUERY_KEY,
-        QUERY_KEY,
-    )  # [B, kv_heads, n * group, Lk]
-    mask = keys.key_mask.repeat_interleave(group, dim=1).unsqueeze(1)
-    scores = torch.where(mask, scores, float("-inf"))
+    # [B, kv_heads, n * group, head_dim]: a KV head's query heads, token-major.
+    q = qk[:, :, :q_heads].reshape(batch, n, num_kv_heads, -1, head_dim).transpose(1, 2)
+    q = QUERY_KEY.encode(q.reshape(batch, num_kv_heads, -1, head_dim))
+    scores = exact.decode(torch.matmul(q, k_all.transpose(2, 3)), QUERY_KEY, QUERY_KEY)
+    scores = torch.where(keys.query_mask, scores, float("-inf"))
     # Every query sees at least its own token, so the row max is finite.
     row_max = scores.amax(dim=-1, keepdim=True)
-    probs = PROBABILITY.encode(torch.where(mask, exact.exp(scores - row_max), 0.0))
-    numer = torch.matmul(probs, VALUE.encode(v_all))  # exact, in PROBABILITY*VALUE units
+    probs = torch.where(keys.query_mask, exact.exp(scores - row_max), 0.0)
+    probs = PROBABILITY.encode(probs)
+    numer = torch.matmul(probs, v_all)  # exact, in PROBABILITY*VALUE units
     denom = probs.sum(dim=-1, keepdim=True)  # exact, in PROBABILITY units
-    out = exact.decode(numer / denom, VALUE)  # one rounding of the exact ratio
-    out = out.reshape(batch, num_kv_heads, n, group * head_dim).transpose(1, 2)
+    out = exact.decode(numer / denom, VALUE)
+    out = out.reshape(batch, num_kv_heads, n, -1).transpose(1, 2)
     return weights.out(out.reshape(batch, n, -1))
 
 
@@ -178,37 +171,36 @@ def mamba(
 
     proj = weights.w_in(x)
     z = proj[..., :d_inner]
-    xbc = proj[..., d_inner : d_inner + conv_dim]
+    # The conv state keeps its inputs in the state dtype: round fresh ones the same way,
+    # so a resumed sequence reads the same numbers as one computed in a single chunk.
+    xbc = proj[..., d_inner : d_inner + conv_dim].to(state_dtype).to(torch.float64)
     dt_raw = proj[..., d_inner + conv_dim :]
-    if state_dtype != torch.float32:
-        # The conv state keeps inputs in the state dtype; round fresh ones the same way so
-        # a resumed sequence reads the same numbers as one computed in a single chunk.
-        xbc = xbc.to(state_dtype).to(torch.float32)
 
-    conv_state = conv_pool[layer, state_slots].to(torch.float32)  # [B, conv_dim, K-1]
+    conv_state = conv_pool[layer, state_slots].to(torch.float64)  # [B, conv_dim, K-1]
     window = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)  # [B, K-1+n, conv_dim]
     # The causal depthwise conv: a fixed sequence of elementwise multiply-adds per token.
     conv = window[:, 0:n] * weights.conv_weight[:, 0]
     for tap in range(1, kernel):
         conv = conv + window[:, tap : tap + n] * weights.conv_weight[:, tap]
-    conv = exact.silu(conv + weights.conv_bias)
+    conv = exact.soft_silu(conv + weights.conv_bias)
     xs = conv[..., :d_inner].reshape(batch, n, heads, head_dim)
     b_in = conv[..., d_inner : d_inner + state_size]
     c_out = conv[..., d_inner + state_size :]
 
     dt_min, dt_max = dt_range
-    dt = exact.sigmoid(dt_raw + weights.dt_bias) * (dt_max - dt_min) + dt_min  # [B, n, heads]
-    decay = exact.exp(dt * weights.a)
-    update = (dt.unsqueeze(-1) * xs).unsqueeze(-1) * b_in[:, :, None, None, :]
-
-    # The recurrence runs token by token, so chunking cannot regroup it.
-    h = ssm_pool[layer, state_slots].to(torch.float32)  # [B, heads, head_dim, state]
+    dt = exact.soft_sigmoid(dt_raw + weights.dt_bias) * (dt_max - dt_min) + dt_min
+    # The recurrence runs token by token (so chunking cannot regroup it) in float32, or
+    # in float64 for a float64 state, rounding to the state dtype after every token.
+    step_dtype = torch.float64 if state_dtype == torch.float64 else torch.float32
+    decay = exact.exp(dt * weights.a).to(step_dtype)  # [B, n, heads]
+    update = ((dt.unsqueeze(-1) * xs).unsqueeze(-1) * b_in[:, :, None, None, :]).to(step_dtype)
+    h = ssm_pool[layer, state_slots].to(step_dtype)  # [B, heads, head_dim, state]
     states = []
     for t in range(n):
         h = h * decay[:, t, :, None, None]
         h = h + update[:, t]
-        if state_dtype != torch.float32:
-            h = h.to(state_dtype).to(torch.float32)
+        if state_dtype != step_dtype:
+            h = h.to(state_dtype).to(step_dtype)
         states.append(h)
     ssm_states = torch.stack(states, dim=1)  # [B, n, heads, head_dim, state]
 
@@ -220,10 +212,5 @@ def mamba(
     )  # exact: [B, n, heads, head_dim, 1]
     y = exact.decode(readout.squeeze(-1), SSM_STATE, SSM_READOUT)
     y = y + weights.d_skip[:, None] * xs
-    y = y.reshape(batch, n, d_inner) * exact.silu(z)
+    y = y.reshape(batch, n, d_inner) * exact.soft_silu(z)
     return weights.w_out(exact.rms_norm(y, norm_eps)), MambaStep(window, ssm_states)
-
-
-def mlp(x: torch.Tensor, up: exact.Linear, down: exact.Linear) -> torch.Tensor:
-    """``silu(x W_up) W_down`` on the normalised input."""
-    return down(exact.silu(up(x)))

@@ -23,8 +23,7 @@ state.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +39,6 @@ from hicache.engine.layers import (
     Rope,
     attention,
     mamba,
-    mlp,
 )
 from hicache.layout import LayerKind, ModelLayout
 from hicache.pools import DevicePools
@@ -61,7 +59,6 @@ class ModelConfig:
     vocab_size: int = 256
     d_model: int = 32
     q_heads_per_kv_head: int = 2
-    mlp_hidden: int = 64
     sliding_window: int | None = None
     max_positions: int = 32768
     rope_theta: float = 10000.0
@@ -72,7 +69,7 @@ class ModelConfig:
 
     def validate(self, layout: ModelLayout) -> None:
         """Raise ConfigError naming the first value that does not fit ``layout``."""
-        for name in ("vocab_size", "d_model", "q_heads_per_kv_head", "mlp_hidden"):
+        for name in ("vocab_size", "d_model", "q_heads_per_kv_head"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model {name} must be >= 1, got {getattr(self, name)}")
         if self.max_positions < 1:
@@ -89,7 +86,7 @@ class ModelConfig:
         q_dim = layout.num_kv_heads * self.q_heads_per_kv_head * layout.head_dim
         limits = [
             ("d_model", self.d_model, exact.max_terms(exact.NORM, exact.NORM)),
-            ("linear input width", max(self.d_model, self.mlp_hidden, q_dim), _LINEAR_LIMIT),
+            ("linear input width", max(self.d_model, q_dim), _LINEAR_LIMIT),
             ("head_dim", layout.head_dim, exact.max_terms(exact.QUERY_KEY, exact.QUERY_KEY)),
             (
                 "max_positions",
@@ -254,19 +251,25 @@ class ChunkOutput:
 
 @dataclass
 class _Checked:
-    """A validated chunk: tokens and slots as int64 tensors on the model's device."""
+    """A validated chunk; slot tables are numpy int64."""
 
-    tokens: torch.Tensor
+    tokens: np.ndarray
     start: int
-    full_slots: torch.Tensor
-    swa_slots: torch.Tensor | None  # SWA slots of positions max(0, start-W+1) .. end-1
+    full_slots: np.ndarray  # FULL slots of positions 0 .. end-1
+    swa_slots: np.ndarray | None  # SWA slots of positions swa_first .. end-1
     swa_first: int
     mamba_slot: int | None
     snapshot_lengths: tuple[int, ...]
 
     @property
     def end(self) -> int:
-        return self.full_slots.numel()
+        return self.full_slots.size
+
+
+def _int64_array(values: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -274,17 +277,17 @@ class _Layer:
     kind: LayerKind
     index_in_kind: int
     mixer: AttentionWeights | MambaWeights
-    mlp_up: exact.Linear
-    mlp_down: exact.Linear
 
 
 class HybridModel:
     """A tiny hybrid model with random weights from ``config.seed``; state lives in pools.
 
-    Each layer is ``h += mixer(norm(h)); h += mlp(norm(h))`` with RMS norms without a
-    learned scale; the mixer is attention (rotary, grouped KV heads) or a Mamba2-style
-    conv + SSM. Two models built from equal layouts and configs have bit-identical
-    weights, in any process on the same torch build.
+    Each layer is ``h += mixer(rms_norm(h))``, the mixer being attention (rotary, grouped
+    KV heads; full or sliding-window) or a Mamba2-style conv + SSM; a final norm and the
+    LM head give the logits. Activations are float64 (see :mod:`hicache.engine.exact`),
+    K/V are stored in the layout's dtype and Mamba state in its state dtype. Two models
+    built from equal layouts and configs have bit-identical weights, in any process on
+    the same torch build.
     """
 
     def __init__(
@@ -298,57 +301,51 @@ class HybridModel:
         gen = torch.Generator().manual_seed(config.seed)
         d = config.d_model
 
-        def dense(d_in: int, d_out: int) -> exact.Linear:
-            return exact.Linear(
-                (torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in)).to(device)
-            )
+        def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
-        self.embedding = torch.randn(config.vocab_size, d, generator=gen).to(self.device)
+        def dense(d_in: int, d_out: int) -> torch.Tensor:
+            return normal(d_in, d_out, scale=d_in**-0.5)
+
+        self.embedding = normal(config.vocab_size, d).to(self.device)
         layers = []
         counters = dict.fromkeys(LayerKind, 0)
         for kind in layout.layer_kinds:
             mixer: AttentionWeights | MambaWeights
             if kind is LayerKind.MAMBA:
-                mixer = self._mamba_weights(gen, dense)
+                heads, head_dim, state_size = mamba_dims(layout)
+                d_inner = heads * head_dim
+                conv_dim, kernel = layout.conv_dim, layout.conv_kernel
+                mixer = MambaWeights(
+                    w_in=exact.Linear(dense(d, d_inner + conv_dim + heads).to(self.device)),
+                    conv_weight=normal(conv_dim, kernel, scale=kernel**-0.5).to(self.device),
+                    conv_bias=normal(conv_dim, scale=0.1).to(self.device),
+                    dt_bias=normal(heads).to(self.device),
+                    # Decay rates in [-16, -1]: with dt in [dt_min, dt_max] the state
+                    # forgets over tens to thousands of tokens.
+                    a=(-1.0 - 15.0 * torch.rand(heads, generator=gen, dtype=torch.float64)).to(
+                        self.device
+                    ),
+                    d_skip=torch.ones(heads, dtype=torch.float64, device=self.device),
+                    w_out=exact.Linear(dense(d_inner, d).to(self.device)),
+                )
             else:
                 q_dim = layout.num_kv_heads * config.q_heads_per_kv_head * layout.head_dim
                 kv_dim = layout.num_kv_heads * layout.head_dim
-                mixer = AttentionWeights(qkv=dense(d, q_dim + 2 * kv_dim), out=dense(q_dim, d))
-            layers.append(
-                _Layer(
-                    kind=kind,
-                    index_in_kind=counters[kind],
-                    mixer=mixer,
-                    mlp_up=dense(d, config.mlp_hidden),
-                    mlp_down=dense(config.mlp_hidden, d),
+                qkv = dense(d, q_dim + 2 * kv_dim)
+                # Fold the softmax scale into the Q columns (RoPE is linear, so this is
+                # the same as scaling the scores).
+                qkv[:, :q_dim] *= layout.head_dim**-0.5
+                mixer = AttentionWeights(
+                    qkv=exact.Linear(qkv.to(self.device)),
+                    out=exact.Linear(dense(q_dim, d).to(self.device)),
                 )
-            )
+            layers.append(_Layer(kind, counters[kind], mixer))
             counters[kind] += 1
         self.layers: tuple[_Layer, ...] = tuple(layers)
-        self.lm_head = dense(d, config.vocab_size)
+        self.lm_head = exact.Linear(dense(d, config.vocab_size).to(self.device))
         self.rope = Rope.build(
             max(layout.head_dim, 2), config.max_positions, config.rope_theta, self.device
-        )
-
-    def _mamba_weights(
-        self, gen: torch.Generator, dense: Callable[[int, int], exact.Linear]
-    ) -> MambaWeights:
-        heads, head_dim, _ = mamba_dims(self.layout)
-        d_inner = heads * head_dim
-        conv_dim, kernel = self.layout.conv_dim, self.layout.conv_kernel
-
-        def tensor(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device)
-
-        return MambaWeights(
-            w_in=dense(self.config.d_model, d_inner + conv_dim + heads),
-            conv_weight=tensor(torch.randn(conv_dim, kernel, generator=gen) / math.sqrt(kernel)),
-            conv_bias=tensor(0.1 * torch.randn(conv_dim, generator=gen)),
-            dt_bias=tensor(torch.randn(heads, generator=gen)),
-            # Decay rates in [-16, -1]: with dt in [dt_min, dt_max] the state forgets slowly.
-            a=tensor(-(1.0 + 15.0 * torch.rand(heads, generator=gen))),
-            d_skip=tensor(torch.ones(heads)),
-            w_out=dense(d_inner, self.config.d_model),
         )
 
     # -- public API ----------------------------------------------------------------------
@@ -389,7 +386,7 @@ class HybridModel:
         outputs: list[ChunkOutput | None] = [None] * len(checked)
         by_length: dict[int, list[int]] = {}
         for i, c in enumerate(checked):
-            by_length.setdefault(c.tokens.numel(), []).append(i)
+            by_length.setdefault(c.tokens.size, []).append(i)
         for members in by_length.values():
             group = [checked[i] for i in members]
             for i, out in zip(members, self._forward_group(pools, group)):
@@ -411,9 +408,9 @@ class HybridModel:
             )
 
     def _check_chunk(self, pools: DevicePools, chunk: SequenceChunk) -> _Checked:
-        tokens = torch.as_tensor(chunk.token_ids, dtype=torch.int64).reshape(-1)
-        full_slots = torch.as_tensor(np.asarray(chunk.kv_slots, dtype=np.int64)).reshape(-1)
-        n, end = tokens.numel(), full_slots.numel()
+        tokens = _int64_array(chunk.token_ids)
+        full_slots = _int64_array(chunk.kv_slots)
+        n, end = tokens.size, full_slots.size
         if n == 0:
             raise ValueError("a chunk needs at least one new token")
         if n > end:
@@ -422,19 +419,19 @@ class HybridModel:
                 "of all tokens so far, the new ones last"
             )
         start = end - n
-        positions = torch.as_tensor(chunk.positions, dtype=torch.int64).reshape(-1)
-        if not torch.equal(positions, torch.arange(start, end)):
+        positions = _int64_array(chunk.positions)
+        if positions.size != n or positions[0] != start or np.any(np.diff(positions) != 1):
             raise ValueError(
                 f"positions must be {start}..{end - 1} (the new tokens follow the {start} "
-                f"tokens whose slots come first in kv_slots), got {positions.tolist()[:8]}..."
+                f"tokens whose slots come first in kv_slots), got {positions[:8].tolist()}..."
             )
         if end > self.config.max_positions:
             raise ValueError(
                 f"sequence length {end} exceeds max_positions={self.config.max_positions}"
             )
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        if int(full_slots.min()) < 0 or int(full_slots.max()) >= pools.full.capacity:
+        if full_slots.min() < 0 or full_slots.max() >= pools.full.capacity:
             raise ValueError(f"kv_slots must be in [0, {pools.full.capacity})")
 
         swa_slots, swa_first = None, 0
@@ -442,15 +439,14 @@ class HybridModel:
             window = self.config.sliding_window
             assert window is not None
             swa_first = max(0, start - window + 1)
-            swa = pools.swa_slots_of(full_slots[swa_first:].numpy())
-            if np.any(swa < 0):
-                bad = swa_first + int(np.flatnonzero(swa < 0)[0])
+            swa_slots = pools.swa_slots_of(full_slots[swa_first:])
+            if np.any(swa_slots < 0):
+                bad = swa_first + int(np.flatnonzero(swa_slots < 0)[0])
                 raise ValueError(
                     f"token {bad} is inside the sliding window of this chunk but its SWA page "
                     "was freed or never allocated; only tokens before position "
                     f"{swa_first} may lose their SWA pages"
                 )
-            swa_slots = torch.as_tensor(swa)
 
         mamba_slot = chunk.mamba_slot
         if self.layout.has_mamba:
@@ -462,39 +458,34 @@ class HybridModel:
                 )
         elif mamba_slot is not None:
             raise ValueError("the layout has no Mamba layers; pass mamba_slot=None")
-        lengths = tuple(sorted(set(int(x) for x in chunk.mamba_snapshot_lengths)))
+        lengths = tuple(sorted({int(x) for x in chunk.mamba_snapshot_lengths}))
         if lengths and not self.layout.has_mamba:
             raise ValueError("mamba_snapshot_lengths given but the layout has no Mamba layers")
         if lengths and not (start < lengths[0] and lengths[-1] <= end):
             raise ValueError(
                 f"mamba_snapshot_lengths must lie in ({start}, {end}], got {list(lengths)}"
             )
-        return _Checked(
-            tokens.to(self.device),
-            start,
-            full_slots.to(self.device),
-            None if swa_slots is None else swa_slots.to(self.device),
-            swa_first,
-            mamba_slot,
-            lengths,
-        )
+        return _Checked(tokens, start, full_slots, swa_slots, swa_first, mamba_slot, lengths)
 
     # -- the forward pass ----------------------------------------------------------------
 
     def _forward_group(self, pools: DevicePools, group: list[_Checked]) -> list[ChunkOutput]:
-        tokens = torch.stack([c.tokens for c in group])  # [B, n]
-        positions = torch.stack([torch.arange(c.start, c.end, device=self.device) for c in group])
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device)
+
+        tokens = tensor(np.stack([c.tokens for c in group]))  # [B, n]
+        positions = tensor(np.stack([np.arange(c.start, c.end) for c in group]))
         full_keys = self._addressing(group, positions, sliding=False)
         swa_keys = self._addressing(group, positions, sliding=True) if self.layout.has_swa else None
         state_slots = (
-            torch.tensor([c.mamba_slot for c in group], device=self.device)
+            tensor(np.array([c.mamba_slot for c in group], dtype=np.int64))
             if self.layout.has_mamba
             else None
         )
         mamba_steps: list[MambaStep] = []
 
         eps = self.config.norm_eps
-        hidden = self.embedding[tokens]  # [B, n, d_model]
+        hidden = self.embedding[tokens]  # [B, n, d_model], float64
         for layer in self.layers:
             x = exact.rms_norm(hidden, eps)
             if layer.kind is LayerKind.MAMBA:
@@ -527,9 +518,8 @@ class HybridModel:
                     self.layout.head_dim,
                 )
             hidden = hidden + out
-            hidden = hidden + mlp(exact.rms_norm(hidden, eps), layer.mlp_up, layer.mlp_down)
 
-        logits = self.lm_head(exact.rms_norm(hidden, eps))  # [B, n, vocab]
+        logits = self.lm_head(exact.rms_norm(hidden, eps)).to(torch.float32)  # [B, n, vocab]
         return [
             ChunkOutput(logits[row], self._snapshots(c, row, mamba_steps))
             for row, c in enumerate(group)
@@ -544,28 +534,33 @@ class HybridModel:
         end-1`` (sliding window), padded to the group's longest list with masked entries;
         since every sum is exact, the padding never changes a bit.
         """
-        window = self.config.sliding_window if sliding else None
-        tables = []
-        for c in group:
-            table = c.swa_slots if sliding else c.full_slots
+        tables = [c.swa_slots if sliding else c.full_slots for c in group]
+        firsts = [c.swa_first if sliding else 0 for c in group]
+        lengths = [t.size for t in tables]  # type: ignore[union-attr]
+        longest = max(lengths)
+        key_slots = np.empty((len(group), longest), dtype=np.int64)
+        for row, table in enumerate(tables):
             assert table is not None
-            tables.append(table)
-        firsts = torch.tensor([c.swa_first if sliding else 0 for c in group], device=self.device)
-        lengths = torch.tensor([t.numel() for t in tables], device=self.device)
-        longest = int(lengths.max())
-        key_slots = torch.stack(
-            [torch.cat([t, t[:1].expand(longest - t.numel())]) for t in tables]
-        )  # [B, Lk]
-        offsets = torch.arange(longest, device=self.device)
-        key_pos = (firsts[:, None] + offsets)[:, None, :]  # [B, 1, Lk]
+            key_slots[row, : table.size] = table
+            key_slots[row, table.size :] = table[0]  # a valid slot; masked for every query
+        key_pos = torch.from_numpy(
+            np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(longest)
+        ).to(self.device)[:, None, :]  # [B, 1, Lk]
         query_pos = positions.unsqueeze(-1)  # [B, n, 1]
-        mask = (offsets < lengths[:, None])[:, None, :] & (key_pos <= query_pos)
-        if window is not None:
-            mask = mask & (key_pos > query_pos - window)
-        write = torch.cat(
-            [t[c.start - (c.swa_first if sliding else 0) :] for c, t in zip(group, tables)]
+        mask = key_pos <= query_pos
+        if any(length < longest for length in lengths):
+            valid = torch.from_numpy(np.arange(longest) < np.asarray(lengths)[:, None])
+            mask = mask & valid.to(self.device)[:, None, :]
+        if sliding:
+            mask = mask & (key_pos > query_pos - self.config.sliding_window)
+        group_size = self.config.q_heads_per_kv_head
+        query_mask = mask.repeat_interleave(group_size, dim=1).unsqueeze(1)
+        write = np.concatenate([t[c.start - f :] for c, t, f in zip(group, tables, firsts)])  # type: ignore[index]
+        return KeyAddressing(
+            torch.from_numpy(write).to(self.device),
+            torch.from_numpy(key_slots).to(self.device),
+            query_mask,
         )
-        return KeyAddressing(write, key_slots, mask)
 
     def _snapshots(
         self, chunk: _Checked, row: int, steps: list[MambaStep]
