@@ -1,0 +1,119 @@
+"""The host pool: page-first layout, sizing by weights, free list, residency."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hicache.controller.config import ControllerConfig, HostPinning
+from hicache.controller.host_pool import HostPool, host_page_counts
+from hicache.kernels import reference
+from test_controller_support import PAGE, Engine, hybrid_layout
+
+from hicache.types import ComponentType, ConfigError, SlotStateError
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+
+
+def test_page_counts_follow_the_weights_and_fit_the_budget():
+    layout = hybrid_layout()
+    cfg = ControllerConfig(host_pool_bytes=1 << 20, host_weight_swa=0.5, host_weight_mamba=0.25)
+    counts = host_page_counts(layout, PAGE, cfg)
+    assert counts[SWA] == pytest.approx(counts[FULL] * 0.5, abs=1)
+    assert counts[MAMBA] == pytest.approx(counts[FULL] * 0.25, abs=1)
+    pool = HostPool(layout, PAGE, cfg)
+    assert pool.resident_bytes <= 1 << 20
+    assert pool.resident_bytes > (1 << 20) - 2 * sum(
+        layout.page_bytes(c, PAGE) for c in layout.components
+    )
+
+
+def test_too_small_a_budget_names_the_component_and_the_minimum():
+    with pytest.raises(ConfigError, match=r"MAMBA.*raise host_pool_bytes"):
+        host_page_counts(hybrid_layout(), PAGE, ControllerConfig(host_pool_bytes=1000))
+
+
+def test_kv_pages_are_one_contiguous_run_of_bytes_in_the_reference_layout():
+    layout = hybrid_layout()
+    pool = HostPool(layout, PAGE, ControllerConfig(host_pool_bytes=1 << 18))
+    kv = pool.kv(FULL)
+    assert kv.shape[1:] == (2, 2, PAGE, 2, 8) and kv.dtype == layout.dtype
+    kv[3] = torch.arange(kv[3].numel(), dtype=torch.float32).view(kv[3].shape).to(kv.dtype)
+    row = pool[FULL].row(3)
+    assert row.nbytes == layout.page_bytes(FULL, PAGE)
+    assert np.array_equal(row, kv[3].contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def test_mamba_pages_hold_conv_then_ssm_bytes():
+    layout = hybrid_layout()
+    pool = HostPool(layout, PAGE, ControllerConfig(host_pool_bytes=1 << 18))
+    conv, ssm = pool.conv(), pool.ssm()
+    assert conv.shape[1:] == (1, 6, 3) and ssm.shape[1:] == (1, 2, 3, 4)
+    conv[2] = 1.0
+    ssm[2] = 2.0
+    row = pool[MAMBA].row(2).view(np.float32)
+    n_conv = math.prod(conv.shape[1:])
+    assert np.all(row[:n_conv] == 1.0) and np.all(row[n_conv:] == 2.0)
+    assert row.size == n_conv + math.prod(ssm.shape[1:])
+
+
+def test_reference_kernels_round_trip_through_the_views():
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
+    before = engine.snapshot(chain)
+    pool = HostPool(layout, PAGE, ControllerConfig(host_pool_bytes=1 << 18))
+    dev = torch.tensor(chain.full_pages)
+    host = torch.tensor([5, 0, 7])
+    reference.kv_pages_to_host_ref(engine.pools.full.buffer, pool.kv(FULL), dev, host, PAGE)
+    slot = torch.tensor([chain.mamba_slots[2]])
+    mamba = engine.pools.mamba
+    reference.mamba_states_to_host_ref(
+        mamba.conv, mamba.ssm, pool.conv(), pool.ssm(), slot, torch.tensor([1])
+    )
+    engine.scribble(chain)
+    reference.kv_pages_to_device_ref(pool.kv(FULL), engine.pools.full.buffer, host, dev, PAGE)
+    reference.mamba_states_to_device_ref(
+        pool.conv(), pool.ssm(), mamba.conv, mamba.ssm, torch.tensor([1]), slot
+    )
+    after = engine.snapshot(chain)
+    for key in after:
+        if key[0] is not SWA:
+            assert after[key] == before[key], key
+
+
+def test_alloc_free_and_double_free():
+    pool = HostPool(hybrid_layout(), PAGE, ControllerConfig(host_pool_bytes=1 << 16))
+    full = pool[FULL]
+    pages = [full.alloc() for _ in range(full.num_pages)]
+    assert full.alloc() is None and full.free_pages == 0
+    assert pool.used_bytes >= full.num_pages * full.page_bytes
+    full.free(pages[0])
+    with pytest.raises(SlotStateError):
+        full.free(pages[0])
+    with pytest.raises(SlotStateError):
+        full.free(full.num_pages)
+    full.check_invariants(set(pages[1:]))
+    with pytest.raises(AssertionError, match="leaked"):
+        full.check_invariants(set(pages[2:]))
+
+
+def test_residency_reports_pinned_apart_from_resident():
+    pool = HostPool(hybrid_layout(), PAGE, ControllerConfig(host_pool_bytes=1 << 16))
+    stats = pool.stats()
+    assert stats["resident_bytes"] == pool.resident_bytes > 0
+    expected_pinned = pool.resident_bytes if torch.cuda.is_available() else 0
+    assert stats["pinned_bytes"] == expected_pinned
+    assert stats["used_bytes"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works with CUDA")
+def test_pinned_policy_without_cuda_is_a_clear_error():
+    with pytest.raises(ConfigError, match="pin"):
+        HostPool(
+            hybrid_layout(),
+            PAGE,
+            ControllerConfig(host_pool_bytes=1 << 16, host_pinning=HostPinning.PINNED),
+        )

@@ -1,0 +1,176 @@
+"""The page index: prefix-aware LRU eviction per tier, aux pages, holds, and pins."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hicache.controller.page_index import DiskState, PageEntry, PageIndex
+from hicache.controller.pins import PinTable
+
+from hicache.types import ComponentType, Tier
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+ROOT = b"\0" * 16
+
+
+def h(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+def chain(index: PageIndex, names: str, parent: bytes = ROOT, tier=Tier.HOST) -> list[PageEntry]:
+    """FULL pages ``names[0] → names[1] → ...``, ready in ``tier`` (host page = position)."""
+    out = []
+    for i, n in enumerate(names):
+        e = index.create(FULL, h(n), parent)
+        _give(index, e, tier, i)
+        parent = h(n)
+        out.append(e)
+    return out
+
+
+def _give(index: PageIndex, e: PageEntry, tier: Tier, page: int = 0) -> None:
+    if tier is Tier.HOST:
+        index.set_host(e, page, ready=True)
+    else:
+        index.set_disk(e, DiskState.READY, 100)
+
+
+def drain(index: PageIndex, tier: Tier, component=FULL) -> list[str]:
+    """Evict everything evictable from ``tier``, returning the order (as short names)."""
+    names = {h(c): c for c in "abcdefghijklmnopqrstuvwxyz"}
+    order = []
+    while (v := index.pop_victim(tier, component if tier is Tier.HOST else None)) is not None:
+        if tier is Tier.HOST:
+            index.clear_host(v)
+        else:
+            index.clear_disk(v)
+        order.append(names[v.page_hash] + ("" if v.component is FULL else v.component.name[0]))
+        index.discard_if_unused(v)
+        index.check_invariants()
+    return order
+
+
+def test_a_chain_is_cut_from_its_tail_even_when_its_head_is_newest():
+    index = PageIndex()
+    a, b, c = chain(index, "abc")
+    index.touch(a)  # the head is the most recently used page
+    index.check_invariants()
+    assert drain(index, Tier.HOST) == ["c", "b", "a"]
+    assert len(index) == 0
+
+
+def test_least_recently_used_leaf_goes_first_across_chains():
+    index = PageIndex()
+    x = chain(index, "ab")
+    chain(index, "cd")
+    index.touch(x[1])  # chain x is now the more recent one
+    assert drain(index, Tier.HOST) == ["d", "c", "b", "a"]
+
+
+def test_a_branch_point_waits_for_all_its_children():
+    index = PageIndex()
+    a, b = chain(index, "ab")
+    (c,) = chain(index, "c", parent=h("a"))
+    index.touch(a)
+    assert drain(index, Tier.HOST) == ["b", "c", "a"]
+
+
+def test_tiers_evict_independently():
+    index = PageIndex()
+    a, b = chain(index, "ab")
+    for e in (a, b):
+        _give(index, e, Tier.DISK)
+    assert drain(index, Tier.DISK) == ["b", "a"]
+    # Still on host: the entries stay, evictable there in the same order.
+    assert len(index) == 2 and not a.present(Tier.DISK)
+    assert drain(index, Tier.HOST) == ["b", "a"]
+
+
+def test_aux_pages_are_leaves_and_held_aux_pages_hold_their_full_page():
+    index = PageIndex()
+    (a,) = chain(index, "a")
+    swa = index.create(SWA, h("a"), ROOT)
+    index.set_host(swa, 0, ready=True)
+    index.pin(swa)
+    assert index.pop_victim(Tier.HOST, FULL) is None  # its SWA page is pinned
+    assert index.pop_victim(Tier.HOST, SWA) is None
+    index.unpin(swa)  # pushes the FULL page back
+    index.check_invariants()
+    assert index.pop_victim(Tier.HOST, FULL) is a
+    assert index.aux_in(a, Tier.HOST) == [swa]
+
+
+def test_pinned_busy_and_filling_entries_are_not_evictable():
+    index = PageIndex()
+    a, b = chain(index, "ab")
+    index.pin(b)
+    assert index.pop_victim(Tier.HOST, FULL) is None
+    index.unpin(b)
+    index.acquire(b)
+    assert index.pop_victim(Tier.HOST, FULL) is None
+    index.release(b)
+    c = index.create(FULL, h("c"), h("b"))
+    index.set_host(c, 2, ready=False)  # being filled: neither c nor its parent may go
+    assert index.pop_victim(Tier.HOST, FULL) is None
+    index.mark_host_ready(c)
+    index.check_invariants()
+    assert drain(index, Tier.HOST) == ["c", "b", "a"]
+
+
+def test_a_parent_created_after_its_child_counts_it():
+    index = PageIndex()
+    child = index.create(FULL, h("b"), h("a"))
+    index.set_host(child, 1, ready=True)
+    parent = index.create(FULL, h("a"), ROOT)
+    index.set_host(parent, 0, ready=True)
+    assert parent.children[Tier.HOST] == 1
+    index.check_invariants()
+    assert drain(index, Tier.HOST) == ["b", "a"]
+
+
+def test_check_invariants_catches_a_wrong_child_count():
+    index = PageIndex()
+    a, _ = chain(index, "ab")
+    a.children[Tier.HOST] = 0
+    with pytest.raises(AssertionError, match="children"):
+        index.check_invariants()
+
+
+def test_heaps_stay_bounded_under_many_touches():
+    index = PageIndex()
+    entries = chain(index, "abcd")
+    for _ in range(5000):
+        index.touch(entries[-1])
+    assert len(index._host_heaps[FULL]) <= 2 * len(index) + 1024 + 1
+    index.check_invariants()
+    assert drain(index, Tier.HOST) == ["d", "c", "b", "a"]
+
+
+def test_disk_bytes_and_pages_follow_commits_and_evictions():
+    index = PageIndex()
+    e = index.create(FULL, h("a"), ROOT)
+    index.set_disk(e, DiskState.PENDING)
+    assert index.disk_live_bytes == 0  # queued bytes are not live yet
+    index.set_disk(e, DiskState.READY, 4096)
+    assert index.disk_live_bytes == 4096 and index.disk_pages[FULL] == 1
+    assert index.clear_disk(e) == 4096
+    assert index.disk_live_bytes == 0
+    assert index.discard_if_unused(e) and len(index) == 0
+
+
+def test_pins_expire_release_once_and_go_with_their_engine():
+    index = PageIndex()
+    a, b = chain(index, "ab")
+    pins = PinTable(index)
+    p1 = pins.add("e1", [a, b], deadline=10.0)
+    p2 = pins.add("e2", [b], deadline=20.0)
+    assert b.pins == 2
+    assert pins.expire(now=15.0) == 1  # p1 only
+    assert pins.get(p1.pin_id) is None and a.pins == 0 and b.pins == 1
+    assert pins.release(p1.pin_id) is False  # after expiry: harmless
+    pins.check_invariants()
+    assert pins.release_engine("e2") == 1
+    assert pins.get(p2.pin_id) is None and b.pins == 0
+    pins.check_invariants()
+    index.check_invariants()
