@@ -99,7 +99,6 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         self.counters["match_calls"] += 1
         if root is None or n == 0:
             result = MatchResult(torch.from_numpy(_EMPTY), 0, root or self._null_root)
-            path: list[TreeNode] = []
         else:
             path, partial, k = self.walk(root, key)
             last_node, prefix_nodes = self._device_match(root, path, partial, k)
@@ -114,8 +113,9 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             if not root.children:
                 self.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
-        self.counters["host_hit_tokens"] += result.host_hit_len
-        self.counters["disk_hit_tokens"] += result.disk_hit_len
+        if result.host_hit_len or result.disk_hit_len:
+            self.counters["host_hit_tokens"] += result.host_hit_len
+            self.counters["disk_hit_tokens"] += result.disk_hit_len
         if req is not None:
             self._attach(req, result, arr)
         return result
@@ -127,11 +127,15 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         dev = 0
         while dev < len(path) and path[dev].data[0].value is not None:
             dev += 1
-        cand = path[:dev]
+        cand = path[:dev] if dev < len(path) else path
         partial_end = None
         if partial is not None and dev == len(path) and partial.data[0].value is not None:
             cand = [*cand, partial]
             partial_end = partial.start + k
+        if len(self.components) == 1:  # FULL alone accepts every position on the device
+            if partial_end is not None:
+                cand[-1] = self.split(partial, k)
+            return (cand[-1], cand) if cand else (root, cand)
         checks = [f for f in (c.match_check(cand) for c in self.components) if f is not None]
         for i in range(len(cand) - 1, -1, -1):
             end = partial_end if (partial_end is not None and i == len(cand) - 1) else cand[i].end

@@ -157,10 +157,9 @@ class RadixTree:
             if child is None:
                 break
             ck = child.key
-            end = pos + len(ck)
-            if end <= n and key[pos:end] == ck:
+            if key.startswith(ck, pos):  # memcmp in place, no slice copied
                 path.append(child)
-                pos = end
+                pos += len(ck)
                 node = child
                 continue
             return path, child, self._common_tokens(ck, key, pos)

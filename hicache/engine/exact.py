@@ -55,6 +55,17 @@ class Fixed:
         # only loss is the intended one onto the grid.
         return torch.round(x.to(torch.float64).clamp(-bound, bound) * float(2**self.frac_bits))
 
+    def round_to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` clamped and rounded to the grid, as float64 values (not units).
+
+        A grid value stays on the grid and within the bound when it is then stored in any
+        narrower float format (bf16, fp16, fp8): either the format holds all its bits, or
+        its spacing there is a multiple of the grid step, and the bound is a power of two.
+        So a value read back from such storage needs no new encoding: multiplied with
+        integer grid units of another format, it gives exact sums directly.
+        """
+        return decode(self.encode(x), self)
+
 
 # The formats of the model's sums. Limits (terms per sum, see max_terms): linear inputs
 # 2**11, head_dim 2**11, keys per query 2**16, RMS-norm width 2**13, SSM state width 2**10.

@@ -107,25 +107,28 @@ def attention(
     k = qk[:, :, q_heads:].reshape(-1, num_kv_heads, head_dim)
     v = qkv[..., -kv_dim:].reshape(-1, num_kv_heads, head_dim)
 
+    # K and V go to the pool on their grids (see Fixed.round_to_grid), so everything read
+    # back -- written now, earlier, or loaded from the cache -- is on the grid already.
     k_pool, v_pool = kv_buffer[0, layer], kv_buffer[1, layer]
-    k_pool.index_copy_(0, keys.write_slots, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, keys.write_slots, v.to(v_pool.dtype))
+    k_pool.index_copy_(0, keys.write_slots, QUERY_KEY.round_to_grid(k).to(k_pool.dtype))
+    v_pool.index_copy_(0, keys.write_slots, VALUE.round_to_grid(v).to(v_pool.dtype))
     # Read back through the pool's dtype: [B, kv_heads, Lk, head_dim].
-    k_all = QUERY_KEY.encode(k_pool[keys.key_slots]).transpose(1, 2)
-    v_all = VALUE.encode(v_pool[keys.key_slots]).transpose(1, 2)
+    k_all = k_pool[keys.key_slots].to(torch.float64).transpose(1, 2)
+    v_all = v_pool[keys.key_slots].to(torch.float64).transpose(1, 2)
 
     # [B, kv_heads, n * group, head_dim]: a KV head's query heads, token-major.
     q = qk[:, :, :q_heads].reshape(batch, n, num_kv_heads, -1, head_dim).transpose(1, 2)
     q = QUERY_KEY.encode(q.reshape(batch, num_kv_heads, -1, head_dim))
-    scores = exact.decode(torch.matmul(q, k_all.transpose(2, 3)), QUERY_KEY, QUERY_KEY)
+    # Integer units times grid values: exact sums, scaled by 2**-frac_bits afterwards.
+    scores = exact.decode(torch.matmul(q, k_all.transpose(2, 3)), QUERY_KEY)
     scores = torch.where(keys.query_mask, scores, float("-inf"))
     # Every query sees at least its own token, so the row max is finite.
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = torch.where(keys.query_mask, exact.exp(scores - row_max), 0.0)
     probs = PROBABILITY.encode(probs)
-    numer = torch.matmul(probs, v_all)  # exact, in PROBABILITY*VALUE units
+    numer = torch.matmul(probs, v_all)  # exact, in PROBABILITY units
     denom = probs.sum(dim=-1, keepdim=True)  # exact, in PROBABILITY units
-    out = exact.decode(numer / denom, VALUE)
+    out = numer / denom
     out = out.reshape(batch, num_kv_heads, n, -1).transpose(1, 2)
     return weights.out(out.reshape(batch, n, -1))
 
