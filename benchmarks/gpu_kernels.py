@@ -3,16 +3,17 @@
 Run from the repository root on a CUDA machine (needs only torch, triton, numpy and
 hicache's core; hicache need not be installed):
 
-    python3 benchmarks/gpu_kernels.py [--out DIR] [--checks-only]
+    python3 benchmarks/gpu_kernels.py [--out DIR] [--checks-only] [--sweep]
 
 Part 1 checks, bit for bit on fresh random inputs with poisoned outputs, the Triton and
 copy-engine transfers and the Triton scatters against the torch reference (and the
 scatters against a plain loop too). Part 2 measures device->host and host->device page
 transfers for a Llama-3-8B-like layout and a hybrid layout at page sizes 1/16/64 against
 a pinned memcpy of the same bytes and the naive torch gather-then-copy, all in this run,
-plus a load and a backup running at once, Mamba state transfers, a launch-parameter sweep
-and the speculative-decoding scatters against a boolean-mask + index_select version. The
-tables are printed last; DIR/kernels_gpu.json holds every number.
+each with Triton, the copy engines and the default dispatch; a backup and a load running
+at once (also with the methods mixed); Mamba state transfers; the speculative-decoding
+scatters against a boolean-mask + index_select version; with --sweep, Triton's launch
+parameters. The tables are printed last; DIR/kernels_gpu.json holds every number.
 """
 
 from __future__ import annotations
@@ -124,8 +125,14 @@ class Checks:
         return sum(not r["ok"] for r in self.rows)
 
 
-def check_kv(dtype, page_size: int, backend: str, device: str, pin: bool) -> bool:
+def check_kv(
+    dtype, page_size: int, backend: str | None, device: str, pin: bool, big: bool = False
+) -> bool:
+    """Round trip through host pages; ``big`` pages (Llama-3-8B, 8 MiB at page 64) take
+    the copy engines under the default dispatch."""
     layers, heads, head_dim, num_pages, host_n, n = 4, 4, 64, 40, 24, 12
+    if big:
+        layers, heads, head_dim, num_pages, host_n, n = 32, 8, 128, 10, 6, 4
     device_kv = randomize(
         torch.empty(2, layers, num_pages * page_size, heads, head_dim, dtype=dtype, device=device)
     )
@@ -343,6 +350,12 @@ def run_checks(device: str = "cuda") -> Checks:
                 f"mamba round trip {backend} {str(dtype)[6:]}",
                 partial(check_mamba, dtype, backend, device, pin),
             )
+    if device == "cuda":
+        for ps in (16, 64):
+            checks.record(
+                f"kv round trip default dispatch, llama pages of {ps}",
+                partial(check_kv, torch.bfloat16, ps, None, device, pin, big=True),
+            )
     for dtype in DTYPES:
         for kind in ("state", "conv"):
             checks.record(
@@ -366,21 +379,25 @@ def run_checks(device: str = "cuda") -> Checks:
 # ---------------------------------------------------------------------------------------
 
 
-def measured(timer: Callable[..., float]) -> Callable[..., float]:
-    """A timer that reports a failure as NaN (with its traceback) instead of ending the run."""
+def measured(failed: object):
+    """A timer that reports a failure as ``failed`` (after printing its traceback) instead
+    of ending the run."""
 
-    def run(*args, **kwargs) -> float:
-        try:
-            return timer(*args, **kwargs)
-        except Exception:
-            traceback.print_exc()
-            torch.cuda.synchronize()
-            return math.nan
+    def wrap(timer):
+        def run(*args, **kwargs):
+            try:
+                return timer(*args, **kwargs)
+            except Exception:
+                traceback.print_exc()
+                torch.cuda.synchronize()
+                return failed
 
-    return run
+        return run
+
+    return wrap
 
 
-@measured
+@measured(math.nan)
 def time_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn`` between CUDA events on the current stream (host-side
     issue time included, since the end event is recorded after ``fn`` returns)."""
@@ -398,30 +415,36 @@ def time_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-@measured
-def time_concurrent_ms(fn_a: Callable[[], object], fn_b: Callable[[], object], reps: int) -> float:
-    """Median milliseconds until both ``fn_a`` (stream A) and ``fn_b`` (stream B) finish."""
+@measured((math.nan, math.nan, math.nan))
+def time_concurrent_ms(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], reps: int
+) -> tuple[float, float, float]:
+    """Median milliseconds until both ``fn_a`` (stream A) and ``fn_b`` (stream B) finish,
+    and until each of them does."""
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def once() -> float:
+    def once() -> tuple[float, float, float]:
         cur = torch.cuda.current_stream()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)
+        end_a, end_b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(cur)
         sa.wait_stream(cur)
         sb.wait_stream(cur)
         with torch.cuda.stream(sa):
             fn_a()
+            end_a.record(sa)
         with torch.cuda.stream(sb):
             fn_b()
-        cur.wait_stream(sa)
-        cur.wait_stream(sb)
-        end.record(cur)
-        end.synchronize()
-        return start.elapsed_time(end)
+            end_b.record(sb)
+        end_a.synchronize()
+        end_b.synchronize()
+        a, b = start.elapsed_time(end_a), start.elapsed_time(end_b)
+        return max(a, b), a, b
 
     for _ in range(2):
         once()
-    return statistics.median(once() for _ in range(reps))
+    runs = [once() for _ in range(reps)]
+    return tuple(statistics.median(r[i] for r in runs) for i in range(3))
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -477,6 +500,7 @@ class KVBench:
         self.h_a, self.h_b = pinned_index(hpages[:n]), pinned_index(hpages[n:])
 
     def backup(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
+        """A backup of page set A with ``backend`` ("auto": the default dispatch)."""
         if backend == "naive":
             return partial(
                 ref.kv_pages_to_host_ref,
@@ -493,11 +517,12 @@ class KVBench:
             self.d_a,
             self.h_a,
             self.ps,
-            backend=backend,
+            backend=None if backend == "auto" else backend,
             **kw,
         )
 
     def load(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
+        """A load of page set B with ``backend`` ("auto": the default dispatch)."""
         if backend == "naive":
             return partial(
                 ref.kv_pages_to_device_ref,
@@ -514,7 +539,7 @@ class KVBench:
             self.h_b,
             self.d_b,
             self.ps,
-            backend=backend,
+            backend=None if backend == "auto" else backend,
             **kw,
         )
 
@@ -526,7 +551,7 @@ class KVBench:
         flat_dev = self.dev_bytes[self.dev_bytes.numel() - nbytes :]
         row["memcpy_d2h"] = gbps(nbytes, time_ms(copy_of(flat_host, flat_dev), 7))
         row["memcpy_h2d"] = gbps(nbytes, time_ms(copy_of(flat_dev, flat_host), 7))
-        for backend in ("triton", "copy_engine"):
+        for backend in ("triton", "copy_engine", "auto"):
             row[f"{backend}_d2h"] = gbps(nbytes, time_ms(self.backup(backend), 7))
             row[f"{backend}_h2d"] = gbps(nbytes, time_ms(self.load(backend), 7))
         # The naive version runs on a quarter of the pages: it is slow, and its rate (a
@@ -536,16 +561,48 @@ class KVBench:
         row["naive_d2h"] = gbps(qbytes, time_ms(self.backup("naive", q), 2, 1))
         row["naive_h2d"] = gbps(qbytes, time_ms(self.load("naive", q), 2, 1))
         other_host = self.host_buf[nbytes : 2 * nbytes]
-        row["memcpy_both"] = gbps(
-            2 * nbytes,
-            time_concurrent_ms(
-                copy_of(flat_host, flat_dev), copy_of(self.dev_bytes[:nbytes], other_host), 5
-            ),
-        )
-        for backend in ("triton", "copy_engine"):
-            both = time_concurrent_ms(self.backup(backend), self.load(backend), 5)
-            row[f"{backend}_both"] = gbps(2 * nbytes, both)
+        memcpy_pair = (copy_of(flat_host, flat_dev), copy_of(self.dev_bytes[:nbytes], other_host))
+        self.both(row, "memcpy", *memcpy_pair)
+        for backend in ("triton", "copy_engine", "auto"):
+            self.both(row, backend, self.backup(backend), self.load(backend))
         return row
+
+    def both(self, row: dict, key: str, backup, load, reps: int = 5) -> None:
+        """A backup (stream A) and a load (stream B) at once: total and per-direction GB/s."""
+        total, a, b = time_concurrent_ms(backup, load, reps)
+        row[f"{key}_both"] = gbps(2 * self.nbytes, total)
+        row[f"{key}_both_d2h"] = gbps(self.nbytes, a)
+        row[f"{key}_both_h2d"] = gbps(self.nbytes, b)
+
+    def concurrency_matrix(self, ps: int) -> list[dict]:
+        """Backup and load methods mixed, run at once; which pairing fills both directions."""
+        self.pages(ps)
+        backups = {
+            "triton": {"backend": "triton"},
+            "triton 1 prog/SM": {
+                "backend": "triton",
+                "tuning": K.TransferTuning(programs_per_sm=1),
+            },
+            "copy engine": {"backend": "copy_engine"},
+        }
+        loads = {
+            "triton": {"backend": "triton"},
+            "triton 4 prog/SM 32K": {
+                "backend": "triton",
+                "tuning": K.TransferTuning(programs_per_sm=4, tile_bytes=32768),
+            },
+            "copy engine": {"backend": "copy_engine"},
+        }
+        rows = []
+        for b_name, b_kw in backups.items():
+            for l_name, l_kw in loads.items():
+                if ps == 1 and "copy engine" in (b_name, l_name):
+                    continue  # ~7 us of host time per page: far off at one token per page
+                row = {"layout": self.name, "page_size": ps, "backup": b_name, "load": l_name}
+                self.both(row, "pair", self.backup(**b_kw), self.load(**l_kw))
+                rows.append(row)
+                show(row)
+        return rows
 
     def sweep(self, ps: int) -> list[dict]:
         """Triton launch parameters at page size ``ps``."""
@@ -566,7 +623,7 @@ class KVBench:
                             "num_warps": warps,
                             "d2h": gbps(self.nbytes, time_ms(backup, 5)),
                             "h2d": gbps(self.nbytes, time_ms(load, 5)),
-                            "both": gbps(2 * self.nbytes, time_concurrent_ms(backup, load, 3)),
+                            "both": gbps(2 * self.nbytes, time_concurrent_ms(backup, load, 3)[0]),
                         }
                     )
         best = max(rows, key=lambda r: r["d2h"] + r["h2d"])
@@ -575,13 +632,22 @@ class KVBench:
 
 
 def bench_kv(
-    results: dict, name: str, layers: int, heads: int, head_dim: int, tokens: int, sweep: bool
+    results: dict,
+    name: str,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    tokens: int,
+    sweep: bool,
+    matrix: bool,
 ) -> None:
     bench = KVBench(name, layers, heads, head_dim, tokens)
     for ps in (1, 16, 64):
         row = bench.measure(ps)
         results["kv"].append(row)
         show(row)
+        if matrix:
+            results["matrix"] += bench.concurrency_matrix(ps)
         if sweep and ps in (1, 16):
             results["sweep"] += bench.sweep(ps)
 
@@ -613,11 +679,11 @@ def bench_mamba(results: dict) -> None:
     row["memcpy_h2d"] = gbps(nbytes, time_ms(copy_of(dev_flat, buf[:nbytes]), 7))
     to_host = (conv, ssm, host_conv, host_ssm, s_idx, h_idx)
     to_device = (host_conv, host_ssm, conv, ssm, h_idx, s_idx)
-    for backend in ("triton", "copy_engine"):
+    for key, backend in (("triton", "triton"), ("copy_engine", "copy_engine"), ("auto", None)):
         fn = partial(K.mamba_states_to_host, *to_host, backend=backend)
-        row[f"{backend}_d2h"] = gbps(nbytes, time_ms(fn, 7))
+        row[f"{key}_d2h"] = gbps(nbytes, time_ms(fn, 7))
         fn = partial(K.mamba_states_to_device, *to_device, backend=backend)
-        row[f"{backend}_h2d"] = gbps(nbytes, time_ms(fn, 7))
+        row[f"{key}_h2d"] = gbps(nbytes, time_ms(fn, 7))
     row["naive_d2h"] = gbps(nbytes, time_ms(partial(ref.mamba_states_to_host_ref, *to_host), 2, 1))
     row["naive_h2d"] = gbps(
         nbytes, time_ms(partial(ref.mamba_states_to_device_ref, *to_device), 2, 1)
@@ -636,22 +702,15 @@ def masked_index_select(dst, src, dst_indices, step_indices) -> None:
     dst.index_copy_(1, dst_indices.index_select(0, req), picked)
 
 
-def bench_scatters(results: dict) -> None:
-    layers, slots, requests, steps = 36, 128, 32, 4
+def bench_scatters(results: dict, requests: int, ssm_state: tuple[int, ...]) -> None:
+    layers, slots, steps = 36, 2 * requests + 64, 4
     dst_idx = torch.randperm(slots)[:requests].cuda()
     step_idx = torch.randint(-1, steps, (requests,)).cuda()
     f32, bf16 = torch.float32, torch.bfloat16
-    ssm_dst = randomize(torch.empty(layers, slots, 8, 128, 128, dtype=f32, device="cuda"))
-    ssm_src = randomize(torch.empty(layers, requests, steps, 8, 128, 128, dtype=f32, device="cuda"))
-    cases = [
-        (
-            "mamba state [8,128,128] fp32",
-            "dense",
-            K.fused_mamba_state_scatter_with_mask,
-            ssm_dst,
-            ssm_src,
-        )
-    ]
+    ssm_dst = randomize(torch.empty(layers, slots, *ssm_state, dtype=f32, device="cuda"))
+    ssm_src = randomize(torch.empty(layers, requests, steps, *ssm_state, dtype=f32, device="cuda"))
+    state_name = "mamba state [" + ",".join(map(str, ssm_state)) + "] fp32"
+    cases = [(state_name, "dense", K.fused_mamba_state_scatter_with_mask, ssm_dst, ssm_src)]
     conv_dim, kernel = 2048, 4
     conv_dst = randomize(
         torch.empty(layers, slots, conv_dim, kernel - 1, dtype=bf16, device="cuda")
@@ -680,6 +739,7 @@ def bench_scatters(results: dict) -> None:
         base_ms = time_ms(partial(masked_index_select, *args), 20, 3)
         row = {
             "kernel": name,
+            "requests": requests,
             "source": source,
             "fused_us": fused_ms * 1e3,
             "mask_index_select_us": base_ms * 1e3,
@@ -732,45 +792,71 @@ def print_tables(results: dict) -> None:
     m = results["machine"]
     print(f"\n### {m['gpu']}, {m['date_utc']}, torch {m['torch']}, triton {m['triton']}")
     print(f"nvidia-smi (driver, PCIe gen now, width, gen max): {m['nvidia_smi']}")
+    methods = ("triton", "copy_engine", "auto", "naive")
     rows = []
     for r in results["kv"]:
         for d in ("d2h", "h2d"):
             base = r[f"memcpy_{d}"]
             rows.append(
                 [r["layout"], r["page_size"], d, f"{base:.1f}"]
-                + [pct(r[f"{b}_{d}"], base) for b in ("triton", "copy_engine", "naive")]
+                + [pct(r[f"{b}_{d}"], base) for b in methods]
             )
     table(
         "KV page transfers, GB/s (percent of a pinned memcpy of the same bytes, same run)",
-        ["layout", "page", "dir", "memcpy", "triton (UVA)", "copy engine", "naive torch"],
+        [
+            "layout",
+            "page",
+            "dir",
+            "memcpy",
+            "triton (UVA)",
+            "copy engine",
+            "default",
+            "naive torch",
+        ],
         rows,
     )
     rows = [
         [r["layout"], r["page_size"], f"{r['memcpy_both']:.1f}"]
-        + [pct(r[f"{b}_both"], r["memcpy_both"]) for b in ("triton", "copy_engine")]
+        + [
+            pct(r[f"{b}_both"], r["memcpy_both"])
+            + f" [{r[f'{b}_both_d2h']:.0f} + {r[f'{b}_both_h2d']:.0f}]"
+            for b in ("triton", "copy_engine", "auto")
+        ]
         for r in results["kv"]
     ]
     table(
-        "A backup and a load at once (two streams), total GB/s",
-        ["layout", "page", "memcpy both ways", "triton both ways", "copy engine both ways"],
+        "A backup and a load at once (two streams), total GB/s [backup + load]",
+        ["layout", "page", "memcpy both ways", "triton", "copy engine", "default"],
         rows,
     )
+    if results["matrix"]:
+        rows = [
+            [r["layout"], r["page_size"], r["backup"], r["load"]]
+            + [f"{r[k]:.1f}" for k in ("pair_both", "pair_both_d2h", "pair_both_h2d")]
+            for r in results["matrix"]
+        ]
+        table(
+            "Backup and load methods mixed, run at once, GB/s",
+            ["layout", "page", "backup", "load", "total", "backup", "load"],
+            rows,
+        )
     rows = []
     for r in results["mamba"]:
         for d in ("d2h", "h2d"):
             base = r[f"memcpy_{d}"]
             rows.append(
                 [f"{r['slots']} ({r['bytes'] / GB:.2f} GB)", d, f"{base:.1f}"]
-                + [pct(r[f"{b}_{d}"], base) for b in ("triton", "copy_engine", "naive")]
+                + [pct(r[f"{b}_{d}"], base) for b in methods]
             )
     table(
         "Mamba state transfers (hybrid), GB/s",
-        ["slots", "dir", "memcpy", "triton", "copy engine", "naive torch"],
+        ["slots", "dir", "memcpy", "triton", "copy engine", "default", "naive torch"],
         rows,
     )
     rows = [
         [
             r["kernel"],
+            r["requests"],
             r["source"],
             f"{r['fused_us']:.1f}",
             f"{r['mask_index_select_us']:.1f}",
@@ -781,7 +867,7 @@ def print_tables(results: dict) -> None:
     ]
     table(
         "Speculative-decoding scatters, microseconds (median of 20)",
-        ["kernel", "source", "fused", "mask + index_select", "speedup", "same bytes"],
+        ["kernel", "requests", "source", "fused", "mask + index_select", "speedup", "same bytes"],
         rows,
     )
     if results["sweep"]:
@@ -803,22 +889,30 @@ def main() -> int:
         "--out", type=pathlib.Path, default=None, help="folder for kernels_gpu.json"
     )
     parser.add_argument("--checks-only", action="store_true", help="run part 1 only")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
+    parser.add_argument("--sweep", action="store_true", help="add the launch-parameter sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this script measures a GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    results: dict = {"machine": machine(), "kv": [], "mamba": [], "scatter": [], "sweep": []}
+    results: dict = {
+        "machine": machine(),
+        "kv": [],
+        "mamba": [],
+        "scatter": [],
+        "sweep": [],
+        "matrix": [],
+    }
     print(json.dumps(results["machine"]), flush=True)
     checks = run_checks("cuda")
     results["checks"] = checks.rows
     if not args.checks_only:
         sections = [
-            partial(bench_kv, results, "llama3-8b", 32, 8, 128, 8192, not args.no_sweep),
-            partial(bench_kv, results, "hybrid full-attn", 12, 2, 256, 32768, False),
+            partial(bench_kv, results, "llama3-8b", 32, 8, 128, 8192, args.sweep, True),
+            partial(bench_kv, results, "hybrid full-attn", 12, 2, 256, 32768, False, False),
             partial(bench_mamba, results),
-            partial(bench_scatters, results),
+            partial(bench_scatters, results, 32, (8, 128, 128)),
+            partial(bench_scatters, results, 256, (8, 64, 64)),
         ]
         for section in sections:
             try:

@@ -26,15 +26,7 @@ from hicache.kernels.spec_buffers import (
     ConvWindowLayout,
     choose_conv_window_layout,
 )
-from hicache.kernels.tuning import (
-    DEFAULT_TUNING,
-    KV_TO_DEVICE_BACKEND,
-    KV_TO_HOST_BACKEND,
-    MAMBA_TO_DEVICE_BACKEND,
-    MAMBA_TO_HOST_BACKEND,
-    Backend,
-    TransferTuning,
-)
+from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning
 
 __all__ = [
     "Backend",
@@ -53,28 +45,45 @@ __all__ = [
 BackendArg = Backend | str | None
 
 
-def _pick(backend: BackendArg, device: torch.device, cuda_default: Backend) -> Backend:
+def _backend(backend: BackendArg) -> Backend | None:
     if backend is None:
-        return cuda_default if device.type == "cuda" else Backend.TORCH
+        return None
     try:
-        chosen = Backend(backend)
+        return Backend(backend)
     except ValueError:
         choices = ", ".join(b.value for b in Backend)
         raise ValueError(f"backend={backend!r} is not one of: {choices}") from None
-    if chosen is Backend.COPY_ENGINE and device.type != "cuda":
-        raise ValueError("backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'")
-    return chosen
 
 
-def _run_rows(copy: RowCopy, src_items, dst_items, backend: Backend, tuning) -> None:
-    if backend is Backend.TRITON:
-        from hicache.kernels.triton_transfer import copy_rows
-
-        copy_rows(copy, src_items, dst_items, tuning)
-    else:
+def _transfer(
+    copy: RowCopy,
+    src_items: torch.Tensor,
+    dst_items: torch.Tensor,
+    backend: BackendArg,
+    tuning: TransferTuning,
+    to_host: bool,
+) -> Backend:
+    """Run one row copy on the chosen backend, or return ``Backend.TORCH`` for the caller
+    to run the reference (which moves all tensors of a transfer at once)."""
+    device = (copy.src if to_host else copy.dst).tensor.device
+    chosen = _backend(backend)
+    if chosen is None:
+        if device.type != "cuda":
+            return Backend.TORCH
+        chosen = tuning.auto_backend(copy.item_bytes(), to_host)
+    if chosen is Backend.TORCH:
+        return chosen
+    if chosen is Backend.COPY_ENGINE:
+        if device.type != "cuda":
+            raise ValueError("backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'")
         from hicache.kernels.copy_engine import copy_rows_copy_engine
 
         copy_rows_copy_engine(copy, src_items, dst_items)
+    else:
+        from hicache.kernels.triton_transfer import copy_rows
+
+        copy_rows(copy, src_items, dst_items, tuning)
+    return chosen
 
 
 def kv_pages_to_host(
@@ -95,11 +104,8 @@ def kv_pages_to_host(
     complete only once the current stream has passed this point.
     """
     copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=True)
-    chosen = _pick(backend, device_kv.device, KV_TO_HOST_BACKEND)
-    if chosen is Backend.TORCH:
+    if _transfer(copy, device_pages, host_pages, backend, tuning, True) is Backend.TORCH:
         reference.kv_pages_to_host_ref(device_kv, host_kv, device_pages, host_pages, page_size)
-    else:
-        _run_rows(copy, device_pages, host_pages, chosen, tuning)
 
 
 def kv_pages_to_device(
@@ -117,11 +123,8 @@ def kv_pages_to_device(
     The inverse of :func:`kv_pages_to_host`; the device slots of other pages are untouched.
     """
     copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=False)
-    chosen = _pick(backend, device_kv.device, KV_TO_DEVICE_BACKEND)
-    if chosen is Backend.TORCH:
+    if _transfer(copy, host_pages, device_pages, backend, tuning, False) is Backend.TORCH:
         reference.kv_pages_to_device_ref(host_kv, device_kv, host_pages, device_pages, page_size)
-    else:
-        _run_rows(copy, host_pages, device_pages, chosen, tuning)
 
 
 def mamba_states_to_host(
@@ -143,12 +146,10 @@ def mamba_states_to_host(
     mamba_index_pair(slots, host_pages)
     conv_copy = state_row_copy("conv", conv, host_conv, slots, host_pages, to_host=True)
     ssm_copy = state_row_copy("ssm", ssm, host_ssm, slots, host_pages, to_host=True)
-    chosen = _pick(backend, conv.device, MAMBA_TO_HOST_BACKEND)
-    if chosen is Backend.TORCH:
+    if _transfer(conv_copy, slots, host_pages, backend, tuning, True) is Backend.TORCH:
         reference.mamba_states_to_host_ref(conv, ssm, host_conv, host_ssm, slots, host_pages)
         return
-    _run_rows(conv_copy, slots, host_pages, chosen, tuning)
-    _run_rows(ssm_copy, slots, host_pages, chosen, tuning)
+    _transfer(ssm_copy, slots, host_pages, backend, tuning, True)
 
 
 def mamba_states_to_device(
@@ -166,18 +167,19 @@ def mamba_states_to_device(
     mamba_index_pair(slots, host_pages)
     conv_copy = state_row_copy("conv", conv, host_conv, slots, host_pages, to_host=False)
     ssm_copy = state_row_copy("ssm", ssm, host_ssm, slots, host_pages, to_host=False)
-    chosen = _pick(backend, conv.device, MAMBA_TO_DEVICE_BACKEND)
-    if chosen is Backend.TORCH:
+    if _transfer(conv_copy, host_pages, slots, backend, tuning, False) is Backend.TORCH:
         reference.mamba_states_to_device_ref(host_conv, host_ssm, conv, ssm, host_pages, slots)
         return
-    _run_rows(conv_copy, host_pages, slots, chosen, tuning)
-    _run_rows(ssm_copy, host_pages, slots, chosen, tuning)
+    _transfer(ssm_copy, host_pages, slots, backend, tuning, False)
 
 
 def _pick_scatter(backend: BackendArg, device: torch.device) -> Backend:
-    if backend in (Backend.COPY_ENGINE, Backend.COPY_ENGINE.value):
+    chosen = _backend(backend)
+    if chosen is Backend.COPY_ENGINE:
         raise ValueError("the scatters have no copy-engine backend; use 'torch' or 'triton'")
-    return _pick(backend, device, Backend.TRITON)
+    if chosen is None:
+        return Backend.TRITON if device.type == "cuda" else Backend.TORCH
+    return chosen
 
 
 def fused_mamba_state_scatter_with_mask(

@@ -1,4 +1,4 @@
-"""Launch parameters of the transfer kernels, and which backend moves KV pages by default.
+"""Launch parameters of the transfer kernels, and which backend moves an item by default.
 
 The defaults come from measurements on an H200 (docs/performance.md, "Transfer kernels");
 change them only with a new measurement from ``benchmarks/gpu_kernels.py``.
@@ -28,14 +28,21 @@ class Backend(enum.Enum):
 
 @dataclass(frozen=True)
 class TransferTuning:
-    """How the row-copy kernel is launched.
+    """How transfers are launched on a GPU, and which backend moves an item by default.
 
     ``tile_bytes`` is what one program moves per loop step (16 KiB keeps 16-byte accesses
     on every thread with 4 warps and plenty of bytes in flight over PCIe);
     ``programs_per_sm`` bounds the persistent grid so that a load and a backup launched on
-    two streams are resident at the same time instead of queueing behind each other;
-    ``interpreter_programs`` is the grid on CPU tensors, small so that the persistent loop
-    runs several tiles per program under test too.
+    two streams are resident at the same time instead of queueing behind each other (at 8
+    per SM they serialise); ``interpreter_programs`` is the grid on CPU tensors, small so
+    that the persistent loop runs several tiles per program under test too.
+
+    ``copy_engine_min_item_bytes_*``: items (a KV page across all layers, one Mamba state
+    tensor of a slot) at least this large go to the copy engines, smaller ones to Triton.
+    Issuing one 2-D memcpy costs several microseconds of host time, so the copy engines
+    only win on large items; on an H200 they were within noise of Triton for 8 MiB KV
+    pages one way, clearly ahead for 79 MB Mamba states and when a load and a backup run
+    at once, and behind for pages of 2 MiB and less (docs/performance.md).
     """
 
     tile_bytes: int = 16384
@@ -43,13 +50,16 @@ class TransferTuning:
     programs_per_sm: int = 2
     scatter_block_bytes: int = 8192
     interpreter_programs: int = 3
+    copy_engine_min_item_bytes_to_host: int = 4 << 20
+    copy_engine_min_item_bytes_to_device: int = 4 << 20
+
+    def auto_backend(self, item_bytes: int, to_host: bool) -> Backend:
+        """The backend a CUDA transfer of items of ``item_bytes`` uses by default."""
+        if to_host:
+            threshold = self.copy_engine_min_item_bytes_to_host
+        else:
+            threshold = self.copy_engine_min_item_bytes_to_device
+        return Backend.COPY_ENGINE if item_bytes >= threshold else Backend.TRITON
 
 
 DEFAULT_TUNING = TransferTuning()
-
-# The backend each direction uses on CUDA tensors when the caller names none; the
-# benchmark measures both candidates against pinned memcpy in the same run.
-KV_TO_HOST_BACKEND = Backend.TRITON
-KV_TO_DEVICE_BACKEND = Backend.TRITON
-MAMBA_TO_HOST_BACKEND = Backend.TRITON
-MAMBA_TO_DEVICE_BACKEND = Backend.TRITON

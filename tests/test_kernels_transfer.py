@@ -361,3 +361,26 @@ def test_cpu_default_path_needs_no_triton() -> None:
     """
     done = _run_python(code, {})
     assert done.returncode == 0, done.stderr
+
+
+def test_copy_engines_take_only_large_items_by_default() -> None:
+    tuning = kernels.TransferTuning(
+        copy_engine_min_item_bytes_to_host=8 << 20, copy_engine_min_item_bytes_to_device=2 << 20
+    )
+    assert tuning.auto_backend(8 << 20, to_host=True) is Backend.COPY_ENGINE
+    assert tuning.auto_backend((8 << 20) - 1, to_host=True) is Backend.TRITON
+    assert tuning.auto_backend(2 << 20, to_host=False) is Backend.COPY_ENGINE
+    assert tuning.auto_backend(128 << 10, to_host=False) is Backend.TRITON
+    # One Llama-3-8B page of 64 tokens (8 MiB) goes to the copy engines with the defaults,
+    # a page of 16 tokens (2 MiB) to Triton.
+    copy = kv_row_copy(
+        torch.empty(2, 32, 128, 8, 128, dtype=torch.bfloat16),
+        torch.empty(1, 2, 32, 64, 8, 128, dtype=torch.bfloat16),
+        torch.tensor([0]),
+        torch.tensor([0]),
+        64,
+        to_host=True,
+    )
+    assert copy.item_bytes() == 8 << 20
+    assert kernels.TransferTuning().auto_backend(copy.item_bytes(), True) is Backend.COPY_ENGINE
+    assert kernels.TransferTuning().auto_backend(2 << 20, True) is Backend.TRITON
