@@ -51,9 +51,11 @@ class Fixed:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` clamped and rounded to the grid, as integer-valued float64 grid units."""
         bound = float(2**self.int_bits)
+        if x.dtype != torch.float64:
+            x = x.to(torch.float64)
         # Scaling by a power of two is exact, and so is rounding to an integer, so the
         # only loss is the intended one onto the grid.
-        return torch.round(x.to(torch.float64).clamp(-bound, bound) * float(2**self.frac_bits))
+        return torch.round(x.clamp(-bound, bound) * float(2**self.frac_bits))
 
     def round_to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` clamped and rounded to the grid, as float64 values (not units).

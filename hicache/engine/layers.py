@@ -84,6 +84,15 @@ class Rope:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+_DENSE_FLOAT64 = {"dtype": torch.float64, "memory_format": torch.contiguous_format}
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``pool[slots]`` for a 2-D ``slots``; ``index_select`` is several times faster on
+    the CPU than advanced indexing."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+
+
 def attention(
     x: torch.Tensor,
     weights: AttentionWeights,
@@ -112,9 +121,10 @@ def attention(
     k_pool, v_pool = kv_buffer[0, layer], kv_buffer[1, layer]
     k_pool.index_copy_(0, keys.write_slots, QUERY_KEY.round_to_grid(k).to(k_pool.dtype))
     v_pool.index_copy_(0, keys.write_slots, VALUE.round_to_grid(v).to(v_pool.dtype))
-    # Read back through the pool's dtype: [B, kv_heads, Lk, head_dim].
-    k_all = k_pool[keys.key_slots].to(torch.float64).transpose(1, 2)
-    v_all = v_pool[keys.key_slots].to(torch.float64).transpose(1, 2)
+    # Read back through the pool's dtype: [B, kv_heads, Lk, head_dim], made contiguous
+    # by the conversion (a strided batch makes matmul several times slower).
+    k_all = _gather(k_pool, keys.key_slots).transpose(1, 2).to(**_DENSE_FLOAT64)
+    v_all = _gather(v_pool, keys.key_slots).transpose(1, 2).to(**_DENSE_FLOAT64)
 
     # [B, kv_heads, n * group, head_dim]: a KV head's query heads, token-major.
     q = qk[:, :, :q_heads].reshape(batch, n, num_kv_heads, -1, head_dim).transpose(1, 2)
@@ -179,7 +189,7 @@ def mamba(
     xbc = proj[..., d_inner : d_inner + conv_dim].to(state_dtype).to(torch.float64)
     dt_raw = proj[..., d_inner + conv_dim :]
 
-    conv_state = conv_pool[layer, state_slots].to(torch.float64)  # [B, conv_dim, K-1]
+    conv_state = conv_pool[layer].index_select(0, state_slots).to(torch.float64)
     window = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)  # [B, K-1+n, conv_dim]
     # The causal depthwise conv: a fixed sequence of elementwise multiply-adds per token.
     conv = window[:, 0:n] * weights.conv_weight[:, 0]
@@ -197,7 +207,7 @@ def mamba(
     step_dtype = torch.float64 if state_dtype == torch.float64 else torch.float32
     decay = exact.exp(dt * weights.a).to(step_dtype)  # [B, n, heads]
     update = ((dt.unsqueeze(-1) * xs).unsqueeze(-1) * b_in[:, :, None, None, :]).to(step_dtype)
-    h = ssm_pool[layer, state_slots].to(step_dtype)  # [B, heads, head_dim, state]
+    h = ssm_pool[layer].index_select(0, state_slots).to(step_dtype)  # [B, heads, P, N]
     states = []
     for t in range(n):
         h = h * decay[:, t, :, None, None]
