@@ -389,12 +389,31 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         if old is not None:
             self.unlock(old, touch=False)
 
+    def _return_state(self, req: Request) -> None:
+        """A request that computed nothing past its prefix holds that prefix's state: give
+        it to the prefix's end node when the node has none (e.g. after a load-back, whose
+        state went to the request)."""
+        node = req.last_node
+        if (
+            self.mamba is None
+            or req.mamba_slot is None
+            or node is None
+            or node.parent is None
+            or self.mamba.state_of(node) is not None
+        ):
+            return
+        self.set_value(node, self.mamba, req.mamba_slot)
+        req.mamba_slot = None
+        self.after_insert([node])
+
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
         """Cache what ``req`` computed (when ``insert``), free everything else it holds
         (unaligned tail, working and checkpoint states) and release its lock."""
         if req.finished:
             raise ValueError(f"{req!r} finished twice")
         end = self._insert_request(req, finishing=True) if insert else req.prefix_len
+        if insert and end == req.computed_len == req.prefix_len:
+            self._return_state(req)
         tail = req.kv_slots[end:]
         if tail.size:
             self.pools.free_kv_pages(self.pools.full.slots_to_pages(tail))
