@@ -19,7 +19,6 @@ from typing import Any
 
 from hicache.controller.page_index import HostState, PageEntry
 from hicache.controller.tiers import PageStore
-
 from hicache.controller_api import PageRef
 
 

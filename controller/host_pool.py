@@ -22,8 +22,8 @@ import math
 
 import numpy as np
 import torch
-from hicache.controller.config import ControllerConfig, HostPinning
 
+from hicache.controller.config import ControllerConfig, HostPinning
 from hicache.layout import LayerKind, ModelLayout
 from hicache.types import ComponentType, ConfigError, SlotStateError
 

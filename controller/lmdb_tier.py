@@ -32,6 +32,7 @@ from typing import Any
 
 import lmdb
 import numpy as np
+
 from hicache.controller.config import ControllerConfig
 from hicache.controller.page_codec import (
     HEADER_BYTES,
@@ -40,7 +41,6 @@ from hicache.controller.page_codec import (
     encode_value,
     payload_checksum,
 )
-
 from hicache.controller_api import ControllerError
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from hicache.controller.config import ControllerConfig
 from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
@@ -42,7 +43,6 @@ from hicache.controller.fills import FillTracker, QueuedBackup
 from hicache.controller.page_index import DiskState, HostState, PageEntry
 from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
-
 from hicache.controller_api import (
     CompletedTransfer,
     ControllerError,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -31,7 +30,7 @@ _HEADER = struct.Struct("<4sHBB16s16sQQQI4x")
 HEADER_BYTES = _HEADER.size
 _CRC_SPAN = HEADER_BYTES - 8  # the header CRC covers every field before it
 KEY_BYTES = HASH_BYTES + 1
-_TAGS = frozenset(int(c) for c in ComponentType)
+_COMPONENTS = {int(c): c for c in ComponentType}
 
 
 def payload_checksum(payload: Any) -> int:
@@ -39,8 +38,8 @@ def payload_checksum(payload: Any) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-@dataclass(frozen=True)
-class PageHeader:
+class PageHeader(NamedTuple):
+    # A tuple, not a dataclass: it is decoded on every disk read.
     component: ComponentType
     layout_digest: bytes
     parent_hash: bytes
@@ -80,8 +79,9 @@ def decode_header(value: Any) -> PageHeader | None:
     magic, version, tag, _flags, digest, parent, nbytes, checksum, written, crc = (
         _HEADER.unpack_from(value, 0)
     )
-    if magic != _MAGIC or version != FORMAT_VERSION or tag not in _TAGS:
+    component = _COMPONENTS.get(tag)
+    if magic != _MAGIC or version != FORMAT_VERSION or component is None:
         return None
-    if zlib.crc32(memoryview(value)[:_CRC_SPAN]) != crc:
+    if zlib.crc32(value[:_CRC_SPAN]) != crc:
         return None
-    return PageHeader(ComponentType(tag), digest, parent, nbytes, checksum, written)
+    return PageHeader(component, digest, parent, nbytes, checksum, written)

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+
 from hicache.controller.config import ControllerConfig, DiskWritePolicy
 from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
@@ -27,7 +28,6 @@ from hicache.controller.host_pool import HostPool
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.pins import PinTable
-
 from hicache.controller_api import ControllerError, PageKey
 from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from hicache.controller.host_pool import HostPool
 
+from hicache.controller.host_pool import HostPool
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 

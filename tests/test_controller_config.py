@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hicache.controller.config import MIB, ControllerConfig, DiskWritePolicy
 
+from hicache.controller.config import MIB, ControllerConfig, DiskWritePolicy
 from hicache.types import ConfigError
 
 

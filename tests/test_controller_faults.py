@@ -11,8 +11,6 @@ import threading
 import time
 
 import pytest
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
 from test_controller_support import (
     ALL,
     FULL,
@@ -24,6 +22,8 @@ from test_controller_support import (
     load_into,
 )
 
+from hicache.controller.faults import FaultPlan
+from hicache.controller.local import LocalController
 from hicache.controller_api import ControllerError, Presence
 from hicache.types import Tier
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
 from hicache.controller_api import PageKey, PageRef
 from hicache.keys import namespace_hash, page_hashes
 
@@ -129,7 +129,7 @@ class Engine:
     def snapshot(self, chain: Chain) -> dict[tuple[ComponentType, int], bytes]:
         """The bytes of every page and state of ``chain``, by (component, page index)."""
         return {
-            key: b"".join(v.contiguous().view(torch.uint8).numpy().tobytes() for v in views)
+            key: b"".join(v.contiguous().view(torch.uint8).cpu().numpy().tobytes() for v in views)
             for key, views in self._regions(chain).items()
         }
 

@@ -12,7 +12,6 @@ import threading
 
 import numpy as np
 import torch
-from hicache.controller.local import LocalController
 from test_controller_support import (
     FULL,
     PAGE,
@@ -23,6 +22,7 @@ from test_controller_support import (
     hybrid_layout,
 )
 
+from hicache.controller.local import LocalController
 from hicache.keys import namespace_hash, page_hashes
 
 

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_controller_support import PAGE, Engine, hybrid_layout
+
 from hicache.controller.config import ControllerConfig, HostPinning
 from hicache.controller.host_pool import HostPool, host_page_counts
 from hicache.kernels import reference
-from test_controller_support import PAGE, Engine, hybrid_layout
-
 from hicache.types import ComponentType, ConfigError, SlotStateError
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA

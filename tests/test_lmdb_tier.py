@@ -8,10 +8,10 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+
 from hicache.controller.config import ControllerConfig
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller.page_codec import HEADER_BYTES, decode_header, encode_value
-
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import lmdb
 import numpy as np
 import pytest
-from hicache.controller.config import DiskWritePolicy
-from hicache.controller.local import ControllerLayoutMismatch, LocalController
-from hicache.controller.page_codec import HEADER_BYTES
 from test_controller_support import (
     ALL,
     FULL,
@@ -21,6 +18,9 @@ from test_controller_support import (
     load_into,
 )
 
+from hicache.controller.config import DiskWritePolicy
+from hicache.controller.local import ControllerLayoutMismatch, LocalController
+from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller_api import CacheController, ControllerError, PageKey, Presence
 from hicache.types import LayoutMismatchError, Tier
 

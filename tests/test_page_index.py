@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
 from hicache.controller.page_index import DiskState, PageEntry, PageIndex
 from hicache.controller.pins import PinTable
-
 from hicache.types import ComponentType, Tier
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
