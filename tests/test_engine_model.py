@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from hicache import CacheConfig, ConfigError, DevicePools, ModelLayout
-from hicache.engine import exact
-from hicache.engine.model import (
+from hicache.engine import (
     HybridModel,
     ModelConfig,
     SequenceChunk,
+    exact,
+    generate,
+    page_boundaries,
     tiny_hybrid,
     tiny_hybrid_layout,
 )
-from hicache.engine.reference import generate
 from hicache.types import PoolExhaustedError
 
 KINDS = {
@@ -49,14 +50,14 @@ MATRIX = [
 ]
 
 
-def build(name: str, page_size: int, window: int | None, **layout_overrides: object):
+def build(name: str, page_size: int, window: int | None, **dtypes: torch.dtype):
     spec = tiny_hybrid(
         KINDS[name],
         page_size=page_size,
         sliding_window=window or 8,
         full_slots=4096,
         mamba_slots=16,
-        **layout_overrides,
+        **dtypes,
     )
     return spec.build()
 
@@ -331,18 +332,26 @@ def test_the_thread_count_does_not_change_a_bit():
 # -- Mamba snapshots at page boundaries ----------------------------------------------------
 
 
+def test_page_boundaries_are_the_aligned_lengths_inside_a_chunk():
+    assert page_boundaries(8, 40, 8) == (16, 24, 32, 40)
+    assert page_boundaries(5, 30, 8) == (8, 16, 24)
+    assert page_boundaries(16, 17, 16) == ()
+    assert page_boundaries(3, 4, 1) == (4,)
+
+
 def test_snapshots_inside_a_chunk_equal_the_state_of_chunks_ending_there():
     page_size = 8
     model, pools = build("full+mamba", page_size, None)
     tokens = random_tokens(40, seed=40)
     slots, slot = alloc_sequence(pools, 40)
-    chunk = SequenceChunk(tokens[8:40], torch.arange(8, 40), slots, slot, (16, 24, 32, 40))
     run_chunks(model, pools, tokens[:8], [8], slots[:8], slot)
+    boundaries = page_boundaries(8, 40, page_size)
+    chunk = SequenceChunk(tokens[8:40], torch.arange(8, 40), slots, slot, boundaries)
     out = model.forward_batch(pools, [chunk])[0]
-    assert sorted(out.mamba_snapshots) == [16, 24, 32, 40]
+    assert tuple(sorted(out.mamba_snapshots)) == boundaries
     final = state_bytes(pools, slot)
 
-    for boundary in (16, 24, 32, 40):
+    for boundary in boundaries:
         run = run_chunks(model, pools, tokens[:boundary], [boundary])
         expected = state_bytes(pools, run.mamba_slot)
         out.mamba_snapshots[boundary].write_to(pools, run.mamba_slot)
