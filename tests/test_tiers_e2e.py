@@ -7,12 +7,12 @@ import lmdb
 import numpy as np
 import pytest
 from cache_support import MIXES, MarkerEngine, make_cache
-from hicache.controller.config import ControllerConfig
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
 
 from hicache import Request
 from hicache.config import PrefetchPolicy, WritePolicy
+from hicache.controller.config import ControllerConfig
+from hicache.controller.faults import FaultPlan
+from hicache.controller.local import LocalController
 
 PS = 4
 
