@@ -3,9 +3,9 @@
 Threading model
 ---------------
 * **Callers** (engine threads, or the sidecar's request handlers) run every public
-  method. Index work happens under one lock (``self._store.lock``), held only for index and
-  pool bookkeeping, never across a copy or an LMDB call. Device ↔ host copies run in
-  the caller's thread (CPU) or on the transfer engine's CUDA streams.
+  method. Index work happens under one lock (the :class:`PageStore`'s), held only for
+  index and pool bookkeeping, never across a copy or an LMDB call. Device ↔ host copies
+  run in the caller's thread (CPU) or on the transfer engine's CUDA streams.
 * **The LMDB writer thread** commits queued pages in batches; it calls back into the
   controller (under the lock) to choose disk victims and to record what it committed.
 * **The reader pool** copies disk pages into host pages and publishes them (under the
@@ -24,6 +24,10 @@ another fingerprint is refused). Every engine-scoped method takes ``engine_id``
 one engine that implements :class:`hicache.controller_api.CacheController` exactly; the
 sidecar keeps one session per connected engine and closes it when the engine goes away
 (which releases its pins).
+
+Durability: with the default write-through policy every page that reaches host is queued
+to LMDB at once and ``close`` drains the queue, so a clean restart keeps every page
+that was ever backed up; a crash loses at most what was queued and not yet committed.
 """
 
 from __future__ import annotations
