@@ -757,7 +757,7 @@ def bench_scatters(results: dict, requests: int, ssm_state: tuple[int, ...]) -> 
 
 def machine() -> dict:
     info = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,

@@ -13,6 +13,7 @@ Layouts are those of :mod:`hicache.kernels.reference`.
 from __future__ import annotations
 
 import torch
+
 from hicache.kernels import reference
 from hicache.kernels.geometry import (
     RowCopy,

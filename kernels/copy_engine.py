@@ -15,6 +15,7 @@ import functools
 
 import numpy as np
 import torch
+
 from hicache.kernels.geometry import RowCopy, RowSide
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses

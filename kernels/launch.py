@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 import torch
+
 from hicache.kernels.tuning import TransferTuning
 
 

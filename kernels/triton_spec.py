@@ -14,6 +14,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from hicache.kernels.launch import kernel_for
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 

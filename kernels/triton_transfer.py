@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from hicache.kernels.geometry import RowCopy
 from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import hicache.kernels as kernels
 import pytest
 import torch
+
+import hicache.kernels as kernels
 from hicache.kernels import ConvWindowBuffer, ConvWindowLayout, reference
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32}

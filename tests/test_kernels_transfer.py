@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-import hicache.kernels as kernels
 import pytest
 import torch
+
+import hicache.kernels as kernels
+from hicache import CacheConfig, DevicePools, ModelLayout
 from hicache.kernels import Backend, reference
 from hicache.kernels.geometry import kv_row_copy
-
-from hicache import CacheConfig, DevicePools, ModelLayout
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
