@@ -39,10 +39,10 @@ class TransferTuning:
 
     ``copy_engine_min_item_bytes_*``: items (a KV page across all layers, one Mamba state
     tensor of a slot) at least this large go to the copy engines, smaller ones to Triton.
-    Issuing one 2-D memcpy costs several microseconds of host time, so the copy engines
-    only win on large items; on an H200 they were within noise of Triton for 8 MiB KV
-    pages one way, clearly ahead for 79 MB Mamba states and when a load and a backup run
-    at once, and behind for pages of 2 MiB and less (docs/performance.md).
+    Issuing one 2-D memcpy costs 3-7 microseconds of host time, so the copy engines only
+    win on large items. On an H200 they were 3-6% ahead of Triton one way for 8 MiB KV
+    pages and 7-8% for 75 MB SSM states, 95 against 77 GB/s with a load and a backup at
+    once on 8 MiB pages, and behind for pages of 2 MiB and less (docs/performance.md).
     """
 
     tile_bytes: int = 16384
