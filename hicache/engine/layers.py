@@ -186,7 +186,9 @@ def mamba(
     z = proj[..., :d_inner]
     # The conv state keeps its inputs in the state dtype: round fresh ones the same way,
     # so a resumed sequence reads the same numbers as one computed in a single chunk.
-    xbc = proj[..., d_inner : d_inner + conv_dim].to(state_dtype).to(torch.float64)
+    # (Via float32: each conversion is then one round-to-nearest-even in every code path.)
+    xbc = proj[..., d_inner : d_inner + conv_dim].to(torch.float32)
+    xbc = xbc.to(state_dtype).to(torch.float64)
     dt_raw = proj[..., d_inner + conv_dim :]
 
     conv_state = conv_pool[layer].index_select(0, state_slots).to(torch.float64)

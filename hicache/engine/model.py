@@ -428,28 +428,27 @@ class HybridModel:
         end-1`` (sliding window), padded to the group's longest list with masked entries;
         since every sum is exact, the padding never changes a bit.
         """
-        tables = [c.swa_slots if sliding else c.full_slots for c in group]
-        firsts = [c.swa_first if sliding else 0 for c in group]
-        lengths = [t.size for t in tables]  # type: ignore[union-attr]
-        longest = max(lengths)
+        tables: list[np.ndarray] = []
+        for c in group:
+            table = c.swa_slots if sliding else c.full_slots
+            assert table is not None
+            tables.append(table)
+        firsts = np.array([c.swa_first if sliding else 0 for c in group], dtype=np.int64)
+        longest = max(t.size for t in tables)
         key_slots = np.empty((len(group), longest), dtype=np.int64)
         for row, table in enumerate(tables):
-            assert table is not None
             key_slots[row, : table.size] = table
-            key_slots[row, table.size :] = table[0]  # a valid slot; masked for every query
-        key_pos = torch.from_numpy(
-            np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(longest)
-        ).to(self.device)[:, None, :]  # [B, 1, Lk]
+            key_slots[row, table.size :] = table[0]  # a valid slot, masked below
+        # A request's keys are consecutive positions from its first one, so its padding
+        # lies past its last query and the causal test masks it.
+        key_pos = torch.from_numpy(firsts[:, None] + np.arange(longest)).to(self.device)
+        key_pos = key_pos[:, None, :]  # [B, 1, Lk]
         query_pos = positions.unsqueeze(-1)  # [B, n, 1]
         mask = key_pos <= query_pos
-        if any(length < longest for length in lengths):
-            valid = torch.from_numpy(np.arange(longest) < np.asarray(lengths)[:, None])
-            mask = mask & valid.to(self.device)[:, None, :]
         if sliding:
             mask = mask & (key_pos > query_pos - self.config.sliding_window)
-        group_size = self.config.q_heads_per_kv_head
-        query_mask = mask.repeat_interleave(group_size, dim=1).unsqueeze(1)
-        write = np.concatenate([t[c.start - f :] for c, t, f in zip(group, tables, firsts)])  # type: ignore[index]
+        query_mask = mask.repeat_interleave(self.config.q_heads_per_kv_head, dim=1).unsqueeze(1)
+        write = np.concatenate([t[c.start - int(f) :] for c, t, f in zip(group, tables, firsts)])
         return KeyAddressing(
             torch.from_numpy(write).to(self.device),
             torch.from_numpy(key_slots).to(self.device),
