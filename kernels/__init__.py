@@ -71,7 +71,7 @@ def _transfer(
     if chosen is None:
         if device.type != "cuda":
             return Backend.TORCH
-        chosen = tuning.auto_backend(copy.item_bytes(), to_host)
+        chosen = tuning.auto_backend(copy.item_bytes, to_host)
     if chosen is Backend.TORCH:
         return chosen
     if chosen is Backend.COPY_ENGINE:

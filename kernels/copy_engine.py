@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import torch
 
-from hicache.kernels.geometry import RowCopy, RowSide
+from hicache.kernels.geometry import RowCopy
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 
@@ -50,15 +50,47 @@ def _cudart() -> ctypes.CDLL:
     )
 
 
-def _row_runs(side: RowSide, rows_a: int, rows_b: int) -> tuple[int, list[int]]:
-    """The pitch (elements) between rows and the a-offsets of the 2-D copies per item.
+def _runs(copy: RowCopy) -> tuple[int, list[tuple[int, int]]]:
+    """Rows per 2-D copy, and the (source, destination) element offsets of each copy
+    within an item.
 
-    When ``a`` steps over all of ``b`` (``a_stride == rows_b * b_stride``), the item is one
-    run of ``rows_a * rows_b`` equally spaced rows; otherwise one run per ``a``.
+    When ``a`` steps over all of ``b`` on both sides (``a_stride == rows_b * b_stride``,
+    true for a dense pool and a page-first host page), an item is one copy of
+    ``rows_a * rows_b`` equally spaced rows; otherwise one copy per ``a``.
     """
-    if rows_a == 1 or side.a_stride == rows_b * side.b_stride:
-        return side.b_stride, [0]
-    return side.b_stride, [a * side.a_stride for a in range(rows_a)]
+    src, dst, rows_b = copy.src, copy.dst, copy.rows_b
+    if copy.rows_a == 1 or (
+        src.a_stride == rows_b * src.b_stride and dst.a_stride == rows_b * dst.b_stride
+    ):
+        return copy.rows_a * rows_b, [(0, 0)]
+    return rows_b, [(a * src.a_stride, a * dst.a_stride) for a in range(copy.rows_a)]
+
+
+def plan_2d_copies(
+    copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray
+) -> list[tuple[int, int, int, int, int, int]]:
+    """The 2-D copies that move every row of items ``src_items[i] -> dst_items[i]``, as
+    ``(dst_addr, dst_pitch, src_addr, src_pitch, width, height)`` in bytes.
+
+    Raises IndexError for an item outside its tensor (a DMA has no mask to skip it).
+    """
+    for name, idx, side in (("source", src_items, copy.src), ("destination", dst_items, copy.dst)):
+        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
+            raise IndexError(f"a {name} index is outside its {side.num_items} items")
+    elem = copy.src.tensor.element_size()
+    height, runs = _runs(copy)
+    src_pitch, dst_pitch = copy.src.b_stride * elem, copy.dst.b_stride * elem
+    src_base = copy.src.tensor.data_ptr() + src_items.astype(np.int64) * (
+        copy.src.item_stride * elem
+    )
+    dst_base = copy.dst.tensor.data_ptr() + dst_items.astype(np.int64) * (
+        copy.dst.item_stride * elem
+    )
+    return [
+        (d + dst_off * elem, dst_pitch, s + src_off * elem, src_pitch, copy.row_bytes, height)
+        for src_off, dst_off in runs
+        for s, d in zip(src_base.tolist(), dst_base.tolist())
+    ]
 
 
 def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: torch.Tensor) -> None:
@@ -67,39 +99,11 @@ def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: tor
     Issued on the current CUDA stream; returns without waiting. Indices on a GPU are read
     back first (a stream sync), so pass them on the CPU.
     """
+    plan = plan_2d_copies(copy, src_items.cpu().numpy(), dst_items.cpu().numpy())
     lib = _cudart()
-    src_idx = src_items.cpu().numpy().astype(np.int64)
-    dst_idx = dst_items.cpu().numpy().astype(np.int64)
-    for name, idx, side in (("source", src_idx, copy.src), ("destination", dst_idx, copy.dst)):
-        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
-            raise IndexError(f"a {name} index is outside its {side.num_items} items")
-    elem = copy.src.tensor.element_size()
-    src_pitch, src_runs = _row_runs(copy.src, copy.rows_a, copy.rows_b)
-    dst_pitch, dst_runs = _row_runs(copy.dst, copy.rows_a, copy.rows_b)
-    if len(src_runs) != len(dst_runs):
-        # Both sides must be cut the same way; fall back to one run per ``a`` on both.
-        src_runs = [a * copy.src.a_stride for a in range(copy.rows_a)]
-        dst_runs = [a * copy.dst.a_stride for a in range(copy.rows_a)]
-    height = copy.rows_a * copy.rows_b // len(src_runs)
-    width = copy.row_bytes
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    src_base = (copy.src.tensor.data_ptr() + src_idx * (copy.src.item_stride * elem)).tolist()
-    dst_base = (copy.dst.tensor.data_ptr() + dst_idx * (copy.dst.item_stride * elem)).tolist()
     memcpy2d = lib.cudaMemcpy2DAsync
-    for src_off, dst_off in zip(src_runs, dst_runs):
-        src_off_b, dst_off_b = src_off * elem, dst_off * elem
-        for s, d in zip(src_base, dst_base):
-            err = memcpy2d(
-                d + dst_off_b,
-                dst_pitch * elem,
-                s + src_off_b,
-                src_pitch * elem,
-                width,
-                height,
-                _CUDA_MEMCPY_DEFAULT,
-                stream,
-            )
-            if err:
-                raise RuntimeError(
-                    f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}"
-                )
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    for dst, dst_pitch, src, src_pitch, width, height in plan:
+        err = memcpy2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
+        if err:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}")

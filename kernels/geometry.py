@@ -42,7 +42,9 @@ class RowCopy:
     def row_bytes(self) -> int:
         return self.row_elems * self.src.tensor.element_size()
 
+    @property
     def item_bytes(self) -> int:
+        """Bytes of one item (a KV page across all layers, or one state of a slot)."""
         return self.rows_a * self.rows_b * self.row_bytes
 
 

@@ -3,17 +3,20 @@ plain Python loop, bit for bit, on fresh random inputs with poisoned outputs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
 import hicache.kernels as kernels
 from hicache import CacheConfig, DevicePools, ModelLayout
 from hicache.kernels import Backend, reference
+from hicache.kernels.copy_engine import plan_2d_copies
 from hicache.kernels.geometry import kv_row_copy
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -381,6 +384,45 @@ def test_copy_engines_take_only_large_items_by_default() -> None:
         64,
         to_host=True,
     )
-    assert copy.item_bytes() == 8 << 20
-    assert kernels.TransferTuning().auto_backend(copy.item_bytes(), True) is Backend.COPY_ENGINE
+    assert copy.item_bytes == 8 << 20
+    assert kernels.TransferTuning().auto_backend(copy.item_bytes, True) is Backend.COPY_ENGINE
     assert kernels.TransferTuning().auto_backend(2 << 20, True) is Backend.TRITON
+
+
+def emulate_2d_copies(plan) -> None:
+    """What cudaMemcpy2DAsync does, row by row, on CPU memory."""
+    for dst, dst_pitch, src, src_pitch, width, height in plan:
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+
+@pytest.mark.parametrize("layer_slice", [slice(None), slice(1, 3)])
+def test_copy_engine_plan_moves_the_reference_bytes(layer_slice: slice) -> None:
+    """The copy-engine path's addresses, checked on CPU memory: a whole pool (one 2-D copy
+    per page across K, V and all layers) and a layer-sliced view of it (whose K and V
+    blocks are not evenly spaced, so each page takes one copy per K/V half)."""
+    gen = torch.Generator().manual_seed(17)
+    pool = randomize(torch.empty(2, 4, 6 * 4, 2, 8, dtype=torch.float16), gen)
+    device_kv = pool[:, layer_slice]
+    layers = device_kv.shape[1]
+    host = randomize(host_pages_view(5, (2, layers, 4, 2, 8), torch.float16), gen)
+    device_pages, host_pages = torch.tensor([5, 0, 3]), torch.tensor([1, 4, 0])
+    want = host.clone()
+    reference.kv_pages_to_host_ref(device_kv, want, device_pages, host_pages, 4)
+
+    copy = kv_row_copy(device_kv, host, device_pages, host_pages, 4, to_host=True)
+    plan = plan_2d_copies(copy, device_pages.numpy(), host_pages.numpy())
+    assert len(plan) == (3 if layer_slice == slice(None) else 6)
+    emulate_2d_copies(plan)
+    assert torch.equal(bits(host), bits(want))
+
+    back = randomize(torch.empty_like(pool), gen)
+    back_view = back[:, layer_slice]
+    copy = kv_row_copy(back_view, host, device_pages, host_pages, 4, to_host=False)
+    emulate_2d_copies(plan_2d_copies(copy, host_pages.numpy(), device_pages.numpy()))
+    paged = back_view.reshape(2, layers, 6, 4, 2, 8)
+    original = device_kv.reshape(2, layers, 6, 4, 2, 8)
+    assert torch.equal(bits(paged[:, :, device_pages]), bits(original[:, :, device_pages]))
+
+    with pytest.raises(IndexError, match="destination index is outside its 6 items"):
+        plan_2d_copies(copy, host_pages.numpy(), np.array([0, 6, 1]))
