@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache import CacheConfig, ConfigError, DevicePools, ModelLayout
+from hicache import CacheConfig, ConfigError, DevicePools, ModelLayout, Request, UnifiedRadixCache
 from hicache.engine import (
     HybridModel,
     ModelConfig,
@@ -509,3 +509,47 @@ def test_inconsistent_model_dimensions_are_config_errors():
         HybridModel(tiny_hybrid_layout(("full", "swa")), ModelConfig())
     with pytest.raises(ConfigError, match="max_positions"):
         HybridModel(tiny_hybrid_layout(("full",)), ModelConfig(max_positions=10**6))
+
+
+# -- under the device-tier cache -----------------------------------------------------------
+
+
+def test_requests_served_from_the_device_cache_give_the_cache_less_logits():
+    """Prefill in page-aligned chunks with Mamba checkpoints at chunk ends, decode, cache;
+    later requests that share the prompt's head hit it and must match generate()."""
+    page_size, chunk = 16, 32
+    model, pools = build("hybrid", page_size, 24)
+    cache = UnifiedRadixCache(model.layout, pools.config, pools)
+    shared = random_tokens(100, seed=80).tolist()
+
+    def serve(rid: int, prompt: list[int], new_tokens: int) -> tuple[int, torch.Tensor]:
+        req = Request(rid=rid)
+        hit = cache.match_prefix(prompt, req=req).prefix_len
+        logits, start, sequence = [], hit, list(prompt)
+        while len(logits) < new_tokens:
+            end = min(start + chunk, len(prompt)) if start < len(prompt) else start + 1
+            if start >= len(prompt):
+                sequence.append(int(logits[-1].argmax()))
+            cache.alloc_tokens(req, end - start)
+            out = model.forward(
+                pools, sequence[start:end], range(start, end), req.kv_slots[:end], req.mamba_slot
+            )
+            req.append_tokens(sequence[start:end])
+            if end % page_size == 0:
+                cache.checkpoint_mamba(req)
+            cache.release_swa_outside_window(req)
+            if end <= len(prompt):
+                cache.cache_unfinished_req(req)
+            if end >= len(prompt):
+                logits.append(out[-1])
+            start = end
+        cache.cache_finished_req(req)
+        cache.check_invariants()
+        return hit, torch.stack(logits)
+
+    for rid in range(3):
+        prompt = shared + random_tokens(20 + rid, seed=81 + rid).tolist()
+        hit, logits = serve(rid, prompt, 6)
+        assert hit == (0 if rid == 0 else 96)  # the last chunk end with a Mamba state
+        expected = generate(model, pools, prompt, 6, prefill_chunk_tokens=chunk)
+        assert torch.equal(logits, expected.logits)
