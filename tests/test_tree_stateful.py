@@ -22,7 +22,9 @@ from hypothesis.stateful import (
 
 from hicache.types import PoolExhaustedError
 
-PREFIXES = [np.arange(n, dtype=np.int64) % 5 + 1 for n in (0, 3, 9, 20)]
+# A few long "conversations": requests take a page-aligned prefix of one and may branch off
+# it with a short suffix, so prefixes are shared often and at every depth.
+PREFIXES = [np.random.default_rng(seed).integers(1, 50, 6 * 64 + 8) for seed in range(4)]
 
 
 class Model:
@@ -70,10 +72,9 @@ class TreeMachine(RuleBasedStateMachine):
         self.receipts = []
 
     def tokens(self, prefix: int, suffix: list[int], pages: int) -> np.ndarray:
-        ps = self.cache.page_size
-        body = np.concatenate([PREFIXES[prefix], np.array(suffix, dtype=np.int64)])
-        body = np.resize(body, max(1, pages * ps + len(suffix) % ps)) if body.size else body
-        return body
+        """Pages of conversation ``prefix``, then ``suffix`` (a branch and/or a tail)."""
+        head = PREFIXES[prefix][: pages * self.cache.page_size]
+        return np.concatenate([head, np.array(suffix, dtype=np.int64)])
 
     def dirty(self) -> bool:
         ev = self.cache.evicted
@@ -98,6 +99,38 @@ class TreeMachine(RuleBasedStateMachine):
             assert req.prefix_len == expect, "a cached prefix was missed"
         req.full_tokens = tokens
         return req
+
+    @rule(
+        batch=st.lists(
+            st.tuples(
+                st.integers(0, len(PREFIXES) - 1),
+                st.lists(st.integers(1, 6), max_size=6),
+                st.integers(1, 6),
+                st.sampled_from([None, None, "t1"]),
+                st.integers(1, 4),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    def serve_whole_requests(self, batch):
+        """Requests from match to finish, each prefilling in chunks that are cached as it
+        goes."""
+        for prefix, suffix, pages, ns, chunk_pages in batch:
+            req = self.start(prefix, suffix, pages, ns)
+            if req is None:
+                continue
+            tokens = req.full_tokens
+            step = chunk_pages * self.cache.page_size
+            try:
+                while req.computed_len < tokens.size:
+                    self.engine.compute(req, tokens, min(tokens.size, req.computed_len + step))
+                    if req.computed_len < tokens.size:
+                        self.cache.cache_unfinished_req(req)
+                        self.model.cached(ns, req.token_ids, req.prefix_len)
+            except PoolExhaustedError:
+                pass
+            self.finish(req, True)
 
     @rule(req=requests, upto=st.integers(1, 3))
     def compute(self, req, upto):
