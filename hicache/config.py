@@ -48,6 +48,11 @@ class CacheConfig:
 
     ``full_slots`` and ``swa_slots`` are token slots (rounded down to whole pages);
     ``mamba_slots`` are state slots. ``swa_slots`` defaults to ``full_slots``.
+
+    With ``speculative_draft_tokens`` D > 0 the Mamba pool also holds, for
+    ``speculative_slots`` requests (default: ``mamba_slots``), the conv windows and SSM
+    states of every draft step; the conv windows use the de-duplicated layout for linear
+    drafts (``speculative_topk`` <= 1) on CUDA.
     """
 
     page_size: int = 16
@@ -62,6 +67,9 @@ class CacheConfig:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.5
     load_timeout_s: float = 10.0
+    speculative_draft_tokens: int = 0
+    speculative_topk: int = 1
+    speculative_slots: int | None = None
     eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
     eviction_sample_size: int = 8
     seed: int = 0
@@ -93,6 +101,10 @@ class CacheConfig:
         for name in ("prefetch_timeout_s", "load_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.speculative_draft_tokens < 0 or self.speculative_topk < 1:
+            raise ConfigError("speculative_draft_tokens must be >= 0 and speculative_topk >= 1")
+        if self.speculative_slots is not None and self.speculative_slots < 1:
+            raise ConfigError(f"speculative_slots must be >= 1, got {self.speculative_slots}")
         if self.eviction_sample_size < 1:
             raise ConfigError("eviction_sample_size must be >= 1")
         if layout is None:

@@ -200,9 +200,21 @@ class KVPool(PageAllocator):
 
 
 class MambaPool(PageAllocator):
-    """Conv and SSM state slots of all Mamba layers (a page is one state slot)."""
+    """Conv and SSM state slots of all Mamba layers (a page is one state slot).
 
-    def __init__(self, layout: ModelLayout, num_slots: int, factory: _TensorFactory) -> None:
+    With speculative decoding configured, ``spec_conv`` holds every draft step's conv
+    window (a :class:`~hicache.kernels.ConvWindowBuffer`, de-duplicated for linear drafts
+    on CUDA) and ``spec_ssm`` every draft step's SSM state, ``[layers, spec_slots, D, *S]``:
+    the sources of the masked state scatters that commit accepted steps.
+    """
+
+    def __init__(
+        self,
+        layout: ModelLayout,
+        num_slots: int,
+        factory: _TensorFactory,
+        config: CacheConfig | None = None,
+    ) -> None:
         super().__init__(num_slots, 1, "mamba")
         n_layers = len(layout.mamba_layers)
         self.conv, conv_info = factory.zeros(
@@ -212,6 +224,28 @@ class MambaPool(PageAllocator):
             (n_layers, num_slots, *layout.ssm_state_shape), layout.state_dtype
         )
         self.shared_info = (conv_info, ssm_info) if conv_info is not None else None
+        self.spec_conv = None
+        self.spec_ssm = None
+        draft = config.speculative_draft_tokens if config is not None else 0
+        if draft:
+            from hicache.kernels.spec_buffers import ConvWindowBuffer
+
+            spec_slots = config.speculative_slots or num_slots
+            self.spec_conv = ConvWindowBuffer.allocate(
+                n_layers,
+                spec_slots,
+                draft,
+                layout.conv_dim,
+                layout.conv_kernel,
+                layout.state_dtype,
+                factory.device,
+                draft_topk=config.speculative_topk,
+            )
+            self.spec_ssm = torch.zeros(
+                (n_layers, spec_slots, draft, *layout.ssm_state_shape),
+                dtype=layout.state_dtype,
+                device=factory.device,
+            )
 
     def alloc_state(self) -> int:
         """One state slot; raises PoolExhaustedError when none is free."""
@@ -227,10 +261,11 @@ class MambaPool(PageAllocator):
 
     @property
     def nbytes(self) -> int:
-        return (
-            self.conv.numel() * self.conv.element_size()
-            + self.ssm.numel() * self.ssm.element_size()
-        )
+        """Bytes of every buffer the pool allocated (physical storage, not logical views)."""
+        total = sum(t.untyped_storage().nbytes() for t in (self.conv, self.ssm))
+        if self.spec_conv is not None:
+            total += self.spec_conv.nbytes + self.spec_ssm.untyped_storage().nbytes()
+        return total
 
 
 class DevicePools:
@@ -267,7 +302,7 @@ class DevicePools:
         swa = (
             KVPool(LayerKind.SWA, layout, config.swa_slots, ps, factory) if layout.has_swa else None
         )
-        mamba = MambaPool(layout, config.mamba_slots, factory) if layout.has_mamba else None
+        mamba = MambaPool(layout, config.mamba_slots, factory, config) if layout.has_mamba else None
         return cls(layout, config, full, swa, mamba, factory)
 
     # -- FULL pages and the SWA pages that go with them ---------------------------------

@@ -134,3 +134,39 @@ def test_swa_pages_follow_full_pages():
     pools.alloc_swa_for(pages[:1])
     pools.free_kv_pages(pages)
     assert pools.free_counts() == {"full": 32, "swa": 12, "mamba": 2}
+
+
+def test_mamba_pool_speculative_buffers_commit_accepted_steps():
+    from hicache.kernels import (
+        ConvWindowLayout,
+        fused_conv_window_scatter_with_mask,
+        fused_mamba_state_scatter_with_mask,
+    )
+
+    layout = hybrid_layout()
+    cfg = CacheConfig(
+        page_size=4,
+        sliding_window=8,
+        full_slots=16,
+        mamba_slots=4,
+        speculative_draft_tokens=3,
+        speculative_slots=2,
+    )
+    pools = DevicePools.allocate(layout, cfg)
+    mamba = pools.mamba
+    # On the CPU the conv windows keep the dense layout; memory counts every buffer.
+    assert mamba.spec_conv.layout is ConvWindowLayout.DENSE
+    assert mamba.spec_conv.view.shape == (1, 2, 3, 6, 3)
+    assert mamba.spec_ssm.shape == (1, 2, 3, 2, 3, 4)
+    base = (mamba.conv.numel() + mamba.ssm.numel()) * 4
+    assert mamba.nbytes == base + mamba.spec_conv.nbytes + mamba.spec_ssm.numel() * 4
+    mamba.spec_conv.storage.copy_(torch.randn(mamba.spec_conv.storage.shape))
+    mamba.spec_ssm.copy_(torch.randn(mamba.spec_ssm.shape))
+    before = mamba.conv.clone()
+    dst = torch.tensor([3, 1])
+    steps = torch.tensor([2, -1])  # request 0 accepted 3 drafts, request 1 none
+    fused_conv_window_scatter_with_mask(mamba.conv, mamba.spec_conv.view, dst, steps)
+    fused_mamba_state_scatter_with_mask(mamba.ssm, mamba.spec_ssm, dst, steps)
+    assert torch.equal(mamba.conv[:, 3], mamba.spec_conv.view[:, 0, 2])
+    assert torch.equal(mamba.ssm[:, 3], mamba.spec_ssm[:, 0, 2])
+    assert torch.equal(mamba.conv[:, 1], before[:, 1])
