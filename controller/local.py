@@ -45,6 +45,7 @@ from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
 from hicache.controller.fills import FillTracker, QueuedBackup
 from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.session import EngineSession
 from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
 from hicache.controller_api import (
@@ -161,6 +162,12 @@ class LocalController:
             n = self._store.pins.release_engine(engine_id)
         if n:
             self.counters.add(n, "pins", "released_with_engine")
+
+    @property
+    def store(self) -> PageStore:
+        """The index, pins and tiers behind this controller, for admin verbs (fsck, evict,
+        clear) that work on them directly under ``store.lock``."""
+        return self._store
 
     def session(self, engine_id: str) -> EngineSession:
         """The CacheController protocol bound to one engine of this controller."""
@@ -528,43 +535,3 @@ def _by_component(
     for item in plan:
         out.setdefault(item[1].component, []).append(item)
     return out
-
-
-class EngineSession:
-    """The CacheController protocol for one engine of a shared :class:`LocalController`.
-
-    ``close`` ends this engine's session (its pins are released); the controller stays.
-    """
-
-    def __init__(self, controller: LocalController, engine_id: str) -> None:
-        self.controller = controller
-        self.engine_id = engine_id
-
-    def register(self, layout: ModelLayout, page_size: int, pools: DevicePools) -> None:
-        self.controller.register(layout, page_size, pools, engine_id=self.engine_id)
-
-    def lookup(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
-    ) -> LookupResult:
-        return self.controller.lookup(page_hashes, components, engine_id=self.engine_id)
-
-    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
-        return self.controller.backup(refs, ready_event, engine_id=self.engine_id)
-
-    def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
-        return self.controller.pin(keys, ttl_s, engine_id=self.engine_id)
-
-    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
-        return self.controller.load(refs, pin, timeout_s, engine_id=self.engine_id)
-
-    def unpin(self, pin: PinReceipt) -> None:
-        self.controller.unpin(pin, engine_id=self.engine_id)
-
-    def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
-        return self.controller.prefetch(keys, engine_id=self.engine_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.controller.stats(engine_id=self.engine_id)
-
-    def close(self) -> None:
-        self.controller.unregister(self.engine_id)

@@ -48,14 +48,25 @@ class PageHeader(NamedTuple):
     written_at_ns: int
 
 
-def encode_value(
-    component: ComponentType, layout_digest: bytes, parent_hash: bytes, payload: Any
-) -> bytes:
-    """Header + payload, ready for ``txn.put``."""
+def encode_into(
+    buffer: bytearray,
+    component: ComponentType,
+    layout_digest: bytes,
+    parent_hash: bytes,
+    payload: Any,
+) -> memoryview:
+    """Header + payload written into ``buffer`` (grown as needed); a view of the value.
+
+    The writer reuses one buffer, so a value costs one copy and no fresh allocation (a
+    fresh multi-MiB buffer pays a page fault per 4 KiB on first touch).
+    """
     view = memoryview(payload).cast("B")
-    head = bytearray(HEADER_BYTES)
+    size = HEADER_BYTES + view.nbytes
+    if len(buffer) < size:
+        buffer.extend(bytes(size - len(buffer)))
+    out = memoryview(buffer)[:size]
     _HEADER.pack_into(
-        head,
+        out,
         0,
         _MAGIC,
         FORMAT_VERSION,
@@ -68,8 +79,30 @@ def encode_value(
         time.time_ns(),
         0,
     )
-    struct.pack_into("<I", head, _CRC_SPAN, zlib.crc32(memoryview(head)[:_CRC_SPAN]))
-    return b"".join((head, view))
+    struct.pack_into("<I", out, _CRC_SPAN, zlib.crc32(out[:_CRC_SPAN]))
+    out[HEADER_BYTES:] = view
+    return out
+
+
+def encode_value(
+    component: ComponentType, layout_digest: bytes, parent_hash: bytes, payload: Any
+) -> bytes:
+    """Header + payload as a new bytes object."""
+    return bytes(encode_into(bytearray(), component, layout_digest, parent_hash, payload))
+
+
+def read_header(value: Any) -> tuple | None:
+    """The raw header fields of a stored value, or None when its magic, version or CRC
+    is wrong: ``(magic, version, tag, flags, digest, parent, nbytes, checksum, written,
+    crc)``. The lean form of :func:`decode_header`, for the read path."""
+    if len(value) < HEADER_BYTES:
+        return None
+    fields = _HEADER.unpack_from(value, 0)
+    if fields[0] != _MAGIC or fields[1] != FORMAT_VERSION:
+        return None
+    if zlib.crc32(value[:_CRC_SPAN]) != fields[9]:
+        return None
+    return fields
 
 
 def decode_header(value: Any) -> PageHeader | None:
