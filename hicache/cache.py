@@ -435,18 +435,16 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
 
     def stats(self) -> CacheStats:
         """Evictable and protected device amounts per component, cached tokens, counters."""
-        total = host_only = nodes = 0
+        total = nodes = 0
         for node in self.iter_nodes():
             nodes += 1
             if node.data[0].value is not None:
                 total += node.num_tokens
-            else:
-                host_only += node.num_tokens
         return CacheStats(
             dict(self.evictable),
             dict(self.protected),
             total,
-            host_only,
+            self.host_only_tokens,
             nodes,
             dict(self.counters),
         )

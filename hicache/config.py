@@ -48,6 +48,10 @@ class CacheConfig:
 
     ``full_slots`` and ``swa_slots`` are token slots (rounded down to whole pages);
     ``mamba_slots`` are state slots. ``swa_slots`` defaults to ``full_slots``.
+    ``max_host_only_tokens`` bounds the tree's record of prefixes that live only in the
+    host/disk tiers (default: 8 × ``full_slots``); past it the least recently used such
+    leaves are forgotten (their pages stay in the controller and are found again by
+    lookup).
 
     With ``speculative_draft_tokens`` D > 0 the Mamba pool also holds, for
     ``speculative_slots`` requests (default: ``mamba_slots``), the conv windows and SSM
@@ -67,6 +71,7 @@ class CacheConfig:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.5
     load_timeout_s: float = 10.0
+    max_host_only_tokens: int | None = None
     speculative_draft_tokens: int = 0
     speculative_topk: int = 1
     speculative_slots: int | None = None
@@ -82,6 +87,8 @@ class CacheConfig:
         )
         if self.swa_slots is None:
             self.swa_slots = self.full_slots
+        if self.max_host_only_tokens is None:
+            self.max_host_only_tokens = 8 * self.full_slots
         self.validate()
 
     def validate(self, layout: ModelLayout | None = None) -> None:

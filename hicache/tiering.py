@@ -19,7 +19,7 @@ from hicache.components.base import LoadPlan, LoadPrep
 from hicache.config import PrefetchPolicy, WritePolicy
 from hicache.controller_api import CacheController, LookupResult, PageKey, Presence
 from hicache.keys import chain_page_hashes
-from hicache.request import LockReceipt, MatchResult, Request
+from hicache.request import EvictResult, LockReceipt, MatchResult, Request
 from hicache.tree import TreeNode
 from hicache.types import ComponentType
 
@@ -91,6 +91,13 @@ class TieringMixin:
             self._inflight[(pair[0].id, pair[1])] += 1
         self._pending.append(_PendingBackup(handle, receipts, pairs))
         self.counters["backup_pages"] += len(refs)
+
+    def evict(
+        self: UnifiedRadixCache, full_tokens: int = 0, swa_tokens: int = 0, mamba_states: int = 0
+    ) -> EvictResult:
+        """Finish acknowledged backups (their locks go), then evict (see RadixTree.evict)."""
+        self.poll_transfers()
+        return super().evict(full_tokens, swa_tokens, mamba_states)
 
     def poll_transfers(self: UnifiedRadixCache) -> None:
         """Finish acknowledged backups, oldest first (so backed nodes stay a prefix)."""
@@ -195,6 +202,7 @@ class TieringMixin:
             log.warning("lookup failed: %s", exc)
             self.counters["lookup_failed"] += 1
             return
+        self._forget_lost(sub_path, sub_partial, sub_k, lookup)
         tiers = self._end_tiers(lookup, device, start)
         host_pages = _last_at_most(tiers, Presence.HOST)
         disk_pages = _last_at_most(tiers, Presence.DISK)
@@ -248,6 +256,26 @@ class TieringMixin:
         covered = last.end + len(hashes) * ps
         hashes += chain_page_hashes(prev, key[covered * 8 :], ps)
         return hashes, device
+
+    def _forget_lost(
+        self: UnifiedRadixCache,
+        sub_path: list[TreeNode],
+        sub_partial: TreeNode | None,
+        sub_k: int,
+        lookup: LookupResult,
+    ) -> None:
+        """Remove the first host-only node on the path whose first page the controller no
+        longer holds (with its subtree, all host-only): it can never hit again."""
+        full = lookup.presence[ComponentType.FULL]
+        off = 0
+        for node in [*sub_path, *([sub_partial] if sub_partial is not None and sub_k else [])]:
+            if node.data[0].value is None and full[off] == Presence.ABSENT:
+                if node.parent is not None:
+                    self.remove_subtree(node)
+                return
+            off += node.num_tokens // self.page_size
+            if off >= full.size:
+                return
 
     def parent_hash_at(self: UnifiedRadixCache, node: TreeNode) -> bytes:
         """The chain hash at ``node``'s end (``h_0`` for a namespace root)."""
@@ -308,14 +336,16 @@ class TieringMixin:
             if node.end == end:
                 return node
         new = self.add_child(node, key[node.end * 8 : end * 8])
+        self.mark_host_only(new)
         first = (node.end - last.end) // self.page_size
         pages = slice(first, (end - last.end) // self.page_size)
-        for comp in self.components:
+        for comp in self.components[1:]:
             p = lookup.presence[comp.ctype]
             if comp.ctype is ComponentType.MAMBA:
                 new.data[comp.idx].backed = bool(p[pages.stop - 1] != Presence.ABSENT)
             else:
                 new.data[comp.idx].backed = bool(np.all(p[pages] != Presence.ABSENT))
+        self.prune_host_only()
         return new
 
     # -- load-back -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ This module imports neither ZeroMQ nor LMDB; it moves no bytes between tiers.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -129,6 +130,7 @@ class RadixTree:
         self.roots: dict[str | None, TreeNode] = {}
         self.clock = 0
         self.evicted = EvictResult()  # running totals of what eviction freed
+        self.host_only_tokens = 0  # tokens of nodes held only by the controller
 
     # -- namespaces and structure --------------------------------------------------------
 
@@ -274,6 +276,8 @@ class RadixTree:
         """Give ``node`` a device value for ``comp`` (it must have none)."""
         cd = node.data[comp.idx]
         assert cd.value is None, f"{node} already holds {comp}"
+        if comp.leaf_only and cd.backed:
+            self.host_only_tokens -= node.num_tokens
         cd.value = value
         amount = comp.size(value)
         if cd.lock_ref == 0:
@@ -410,6 +414,8 @@ class RadixTree:
                     self.evict_device_leaf(victim, result)
                 else:
                     self._tombstone(victim, comp, result)
+        if result.full_tokens:
+            self.prune_host_only()
         self.evicted.full_tokens += result.full_tokens
         self.evicted.swa_tokens += result.swa_tokens
         self.evicted.mamba_states += result.mamba_states
@@ -466,7 +472,9 @@ class RadixTree:
     def after_device_free(self, node: TreeNode) -> None:
         """``node`` holds nothing on the device any more: keep it as a host-only node when
         the controller holds its FULL pages, else remove it and its host-only subtree."""
-        if not node.data[0].backed:
+        if node.data[0].backed:
+            self.host_only_tokens += node.num_tokens
+        else:
             self.remove_subtree(node)
 
     def remove_subtree(self, node: TreeNode) -> None:
@@ -475,11 +483,41 @@ class RadixTree:
             for comp in self.components:
                 cd = sub.data[comp.idx]
                 assert cd.value is None and cd.lock_ref == 0, f"removing {sub} with device data"
+            if sub.data[0].backed:
+                self.host_only_tokens -= sub.num_tokens
         parent = node.parent
         del parent.children[node.key[: self.page_bytes]]
         node.parent = None
         if parent.parent is None and not parent.children:
             self.roots.pop(parent.policy_state, None)
+
+    def mark_host_only(self, node: TreeNode) -> None:
+        """``node`` (holding nothing on the device) is held by the controller."""
+        if not node.data[0].backed:
+            node.data[0].backed = True
+            self.host_only_tokens += node.num_tokens
+
+    def prune_host_only(self) -> int:
+        """Forget least recently used host-only leaves while their tokens exceed
+        ``max_host_only_tokens`` (down to 90% of it); returns the tokens forgotten."""
+        cap = self.config.max_host_only_tokens
+        if self.host_only_tokens <= cap:
+            return 0
+        target = cap * 9 // 10
+        heap = [
+            (n.last_access, n.id, n)
+            for n in self.iter_nodes()
+            if n.data[0].value is None and not n.children
+        ]
+        heapq.heapify(heap)
+        before = self.host_only_tokens
+        while heap and self.host_only_tokens > target:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            self.remove_subtree(node)
+            if parent.parent is not None and parent.data[0].value is None and not parent.children:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return before - self.host_only_tokens
 
     def _subtree(self, node: TreeNode) -> Iterator[TreeNode]:
         stack = [node]
@@ -499,6 +537,7 @@ class RadixTree:
         for comp in self.components:
             self.evictable[comp.ctype] = 0
             self.protected[comp.ctype] = 0
+        self.host_only_tokens = 0
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -547,6 +586,15 @@ class RadixTree:
         assert evictable == self.evictable, f"evictable {self.evictable} != {evictable}"
         assert protected == self.protected, f"protected {self.protected} != {protected}"
         assert self.leaf_policy.members() == leaves, "leaf policy members differ"
+        host_only = sum(
+            n.num_tokens for n in self.iter_nodes() if n.data[0].value is None and n.data[0].backed
+        )
+        assert host_only == self.host_only_tokens, (
+            f"host-only {self.host_only_tokens} != {host_only}"
+        )
+        assert all(n.data[0].backed for n in self.iter_nodes() if n.data[0].value is None), (
+            "a node holds FULL on no tier"
+        )
         for idx, lru in self.aux_lru.items():
             listed = [cd.node.id for cd in lru]
             assert len(listed) == len(lru) == len(set(listed)), "LRU list size or duplicates"

@@ -222,3 +222,27 @@ def test_remote_pages_beyond_the_tree_are_found_and_loaded():
     eng2.verify_prefix(req, tokens, req.prefix_len)
     fresh.cache_finished_req(req)
     fresh.check_invariants()
+
+
+def test_host_only_nodes_are_bounded_and_forgotten_when_their_pages_are_gone():
+    ctrl = FakeController()
+    cache = make_cache(
+        "full", page_size=4, full_slots=256, controller=ctrl, max_host_only_tokens=40
+    )
+    engine = MarkerEngine(cache)
+    prompts = [seq(16, base=100 * i) for i in range(6)]
+    for p in prompts:
+        engine.run(p)
+        cache.evict(full_tokens=10**6)
+        cache.check_invariants()
+        assert cache.stats().host_only_tokens <= 40
+    # The oldest were forgotten by the tree, yet the controller still finds them.
+    assert cache.match_prefix(prompts[0]).host_hit_len == 16
+    # A page the controller lost makes its host-only node go away at the next lookup.
+    newest = prompts[-1]
+    assert cache.match_prefix(newest).host_hit_len == 16
+    ctrl.pages.clear()
+    m = cache.match_prefix(newest)
+    assert m.host_hit_len == 0 and m.load_node is None
+    cache.check_invariants()
+    assert cache.stats().host_only_tokens < 40
