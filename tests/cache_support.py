@@ -41,6 +41,7 @@ def make_cache(
     full_slots: int = 512,
     mamba_slots: int = 32,
     controller=None,
+    device: str = "cpu",
     **config,
 ) -> UnifiedRadixCache:
     layout = make_layout(mix)
@@ -49,6 +50,7 @@ def make_cache(
         sliding_window=window if layout.has_swa else None,
         full_slots=full_slots,
         mamba_slots=mamba_slots,
+        device=device,
         **config,
     )
     pools = DevicePools.allocate(layout, cfg)
@@ -77,6 +79,10 @@ class MarkerEngine:
         self.pools = cache.pools
         self.ps = cache.page_size
         self.check = check
+        self.device = cache.pools.full.buffer.device
+
+    def _t(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     # -- verification --------------------------------------------------------------------
 
@@ -85,8 +91,8 @@ class MarkerEngine:
     ) -> None:
         """The cache gave ``req`` exactly the KV, SWA window and (with ``state``, for a
         request that has computed nothing beyond it) the state of ``tokens[:length]``."""
-        slots = torch.from_numpy(req.kv_slots[:length])
-        want = kv_marker(tokens[:length], 0)
+        slots = self._t(req.kv_slots[:length])
+        want = kv_marker(tokens[:length], 0).to(self.device)
         k = self.pools.full.buffer[0, :, slots, 0, 0]
         v = self.pools.full.buffer[1, :, slots, 0, 0]
         assert torch.equal(k, want.expand_as(k)), "FULL K of the prefix is not the prefix's"
@@ -95,8 +101,9 @@ class MarkerEngine:
             lo = max(0, length - self.cache.config.sliding_window)
             swa = self.pools.swa_slots_of(req.kv_slots[lo:length])
             assert (swa >= 0).all(), "SWA window of the prefix has a hole"
-            got = self.pools.swa.buffer[0, :, torch.from_numpy(swa), 0, 0]
-            assert torch.equal(got, kv_marker(tokens[lo:length], lo).expand_as(got))
+            got = self.pools.swa.buffer[0, :, self._t(swa), 0, 0]
+            want = kv_marker(tokens[lo:length], lo).to(self.device)
+            assert torch.equal(got, want.expand_as(got))
         if self.pools.mamba is not None and state:
             conv = self.pools.mamba.conv[:, req.mamba_slot]
             ssm = self.pools.mamba.ssm[:, req.mamba_slot]
@@ -118,12 +125,12 @@ class MarkerEngine:
         if have < upto:
             self.cache.alloc_tokens(req, upto - have)
         new = tokens[start:upto]
-        slots = torch.from_numpy(req.kv_slots[start:upto])
-        marker = kv_marker(new, start)
+        slots = self._t(req.kv_slots[start:upto])
+        marker = kv_marker(new, start).to(self.device)
         self.pools.full.buffer[0, :, slots] = marker[None, :, None, None]
         self.pools.full.buffer[1, :, slots] = -marker[None, :, None, None]
         if self.pools.swa is not None:
-            swa = torch.from_numpy(self.pools.swa_slots_of(req.kv_slots[start:upto]))
+            swa = self._t(self.pools.swa_slots_of(req.kv_slots[start:upto]))
             self.pools.swa.buffer[0, :, swa] = marker[None, :, None, None]
             self.pools.swa.buffer[1, :, swa] = -marker[None, :, None, None]
         pos = start

@@ -1,0 +1,85 @@
+"""On a CUDA device: the tree over CUDA device pools and a LocalController with a pinned
+host pool and LMDB, prefixes backed up and loaded back while other copies run on the
+controller's streams; bytes equal. Run on a GPU machine with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cache_support import MIXES, MarkerEngine, make_cache
+
+from hicache import Request
+from hicache.config import PrefetchPolicy
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PS = 16
+
+
+def seq(n: int, base: int = 0) -> np.ndarray:
+    return (np.arange(n, dtype=np.int64) * 17 + base) % 1999 + 1
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_cuda_pools_back_up_and_load_back_bit_exact(mix, tmp_path):
+    ctrl = LocalController(
+        ControllerConfig(host_pool_bytes=64 << 20, disk_path=tmp_path, disk_budget_bytes=256 << 20)
+    )
+    cache = make_cache(
+        mix,
+        page_size=PS,
+        window=40,
+        full_slots=PS * 512,
+        controller=ctrl,
+        device="cuda",
+        prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
+    )
+    engine = MarkerEngine(cache)
+    prompts = [seq(8 * PS, base=b * 101) for b in range(8)]
+    for p in prompts:
+        engine.run(p)  # write-through backups stream while later requests compute
+    cache.flush_backups()
+    assert ctrl.flush(60.0)
+    cache.evict(full_tokens=10**9)
+    cache.pools.full.buffer.fill_(-1)
+    # Load every prefix back while the next one's backup of new data is in flight.
+    for i, p in enumerate(prompts):
+        req = Request(i)
+        m = cache.match_prefix(p, req=req)
+        assert m.host_hit_len == p.size
+        assert cache.load_back(m.load_node, req=req)
+        engine.verify_prefix(req, p, req.prefix_len)
+        tail = np.concatenate([p, seq(2 * PS, base=7 + i)])
+        engine.compute(req, tail, tail.size)
+        cache.cache_finished_req(req)
+    cache.flush_backups()
+    cache.check_invariants()
+    ctrl.check_invariants()
+    # And from disk after a restart of the controller.
+    cache.reset()
+    ctrl.close()
+    ctrl = LocalController(
+        ControllerConfig(host_pool_bytes=64 << 20, disk_path=tmp_path, disk_budget_bytes=256 << 20)
+    )
+    cache = make_cache(
+        mix,
+        page_size=PS,
+        window=40,
+        full_slots=PS * 512,
+        controller=ctrl,
+        device="cuda",
+        prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
+    )
+    engine = MarkerEngine(cache)
+    for p in prompts:
+        req = engine.start(p)
+        assert req.prefix_len == p.size
+        cache.cache_finished_req(req)
+    cache.check_invariants()
+    ctrl.close()
