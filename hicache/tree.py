@@ -60,6 +60,7 @@ class TreeNode:
         "in_policy",
         "key",
         "last_access",
+        "namespace",
         "parent",
         "policy_state",
         "start",
@@ -77,7 +78,8 @@ class TreeNode:
         self.hit_count = 0
         self.device_children = 0
         self.in_policy = False
-        self.policy_state: Any = None
+        self.policy_state: Any = None  # the leaf eviction policy's own record
+        self.namespace: str | None = None  # set on namespace roots only
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +141,7 @@ class RadixTree:
         if root is None and create:
             root = TreeNode(None, b"", 0, 0)
             root.hashes = [namespace_hash(self.fingerprint, extra_key)]
-            root.policy_state = extra_key
+            root.namespace = extra_key
             self.roots[extra_key] = root
         return root
 
@@ -489,7 +491,7 @@ class RadixTree:
         del parent.children[node.key[: self.page_bytes]]
         node.parent = None
         if parent.parent is None and not parent.children:
-            self.roots.pop(parent.policy_state, None)
+            self.roots.pop(parent.namespace, None)
 
     def mark_host_only(self, node: TreeNode) -> None:
         """``node`` (holding nothing on the device) is held by the controller."""
@@ -549,7 +551,7 @@ class RadixTree:
         lru_members = {idx: set() for idx in self.aux_lru}
         ps = self.page_size
         for ns, root in self.roots.items():
-            assert root.parent is None and root.key == b"" and root.policy_state == ns
+            assert root.parent is None and root.key == b"" and root.namespace == ns
             assert root.children, f"empty namespace root {ns!r} kept"
         for node in self.iter_nodes():
             parent = node.parent
