@@ -1,0 +1,653 @@
+"""``SidecarController``: the engine's client of the sidecar, a :class:`CacheController`.
+
+It keeps the engine serving whatever the sidecar does:
+
+* every request has a deadline (``SidecarClientConfig``); a lookup's is short;
+* a **circuit breaker** opens after ``breaker_failures`` consecutive failures (timeouts,
+  an unreachable socket, a sidecar that forgot the session). While it is open, no
+  request is sent: lookups are misses, backups and loads fail at once, and the engine
+  recomputes from its device tier;
+* a background thread sends heartbeats while the engine is idle, and while the breaker is
+  open tries every ``reconnect_interval_s`` to reconnect: a fresh socket, the handshake
+  and the registration of the device pools again (a restarted sidecar knows nothing of
+  the engine). The breaker closes when that succeeds.
+
+Nothing here runs per decode step: the tree calls the sidecar at match time (only when
+its device prefix is short of the query), when it backs a prefix up, and at load-back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from hicache.controller.device_share import export_pools
+from hicache.controller.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ErrorCode,
+    Role,
+    Verb,
+    default_endpoint,
+    encode_keys,
+    encode_refs,
+    encode_request,
+    normalize_endpoint,
+    unpack,
+)
+from hicache.controller_api import (
+    CompletedTransfer,
+    ControllerError,
+    LookupResult,
+    PageKey,
+    PageRef,
+    PinReceipt,
+    Presence,
+    TransferHandle,
+)
+from hicache.types import ComponentType, ConfigError, LayoutMismatchError
+
+if TYPE_CHECKING:
+    from hicache.layout import ModelLayout
+    from hicache.pools import DevicePools
+
+log = logging.getLogger("hicache.sidecar.client")
+
+_POLL_SLICE_S = 0.05  # a waiting thread releases the socket this often
+
+
+class SidecarUnavailable(ControllerError):
+    """The sidecar did not answer in time, or cannot be reached, or the breaker is open."""
+
+
+class RemoteError(ControllerError):
+    """The sidecar answered with an error; ``code`` is its :class:`ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RemoteLayoutMismatch(RemoteError, LayoutMismatchError):
+    """The sidecar serves another layout."""
+
+
+# Errors that no retry can fix: the engine's configuration is wrong.
+_FATAL = {
+    ErrorCode.LAYOUT_MISMATCH.value,
+    ErrorCode.VERSION_MISMATCH.value,
+    ErrorCode.REGISTRATION_REFUSED.value,
+    ErrorCode.FORBIDDEN.value,
+    ErrorCode.BAD_ARGS.value,
+}
+
+
+@dataclass
+class SidecarClientConfig:
+    """Timeouts, breaker and credentials of a sidecar client (seconds, files)."""
+
+    request_timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.25
+    backup_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    load_timeout_margin_s: float = 1.0  # added to a load's own timeout for the round trip
+    breaker_failures: int = 3
+    reconnect_interval_s: float = 1.0
+    heartbeat_interval_s: float | None = None  # None: as the sidecar asks in its handshake
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tcp_token_file: str | Path | None = None
+    curve_server_public_key_file: str | Path | None = None
+    curve_client_cert_file: str | Path | None = None  # the client's secret cert
+
+    def __post_init__(self) -> None:
+        for name in (
+            "request_timeout_s",
+            "lookup_timeout_s",
+            "backup_timeout_s",
+            "connect_timeout_s",
+            "reconnect_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.breaker_failures < 1:
+            raise ConfigError("breaker_failures must be >= 1")
+
+
+def configure_auth(sock: zmq.Socket, endpoint: str, config: SidecarClientConfig) -> None:
+    """Set a DEALER's TCP credentials from ``config`` (Unix sockets need none)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    if config.curve_server_public_key_file and config.curve_client_cert_file:
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(str(config.curve_server_public_key_file))
+        public, secret = zmq.auth.load_certificate(str(config.curve_client_cert_file))
+        if secret is None:
+            raise ConfigError(f"{config.curve_client_cert_file} holds no secret key")
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    elif config.tcp_token_file:
+        sock.plain_username = b"hicache"
+        sock.plain_password = Path(config.tcp_token_file).read_text().strip().encode()
+    else:
+        raise ConfigError(
+            f"{endpoint} is TCP: give tcp_token_file or the CURVE key files; the sidecar "
+            "answers nothing to a TCP connection without credentials"
+        )
+
+
+class Channel:
+    """One DEALER socket with request ids: several requests may be in flight.
+
+    Thread-safe: the socket is only touched under a lock, and a thread waiting for its
+    reply polls in short slices, filing whatever replies arrive by request id.
+    """
+
+    def __init__(self, endpoint: str, config: SidecarClientConfig) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict] = {}
+        self._expected: set[int] = set()
+        self._progress: dict[int, Callable[[int, int], None]] = {}
+        self._sock: zmq.Socket | None = None
+        self.generation = 0
+        self.last_reply = 0.0
+
+    def reset(self) -> None:
+        """A fresh socket; requests in flight on the old one will never be answered."""
+        with self._lock:
+            self.close()
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer that is not connected
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            configure_auth(s, self.endpoint, self.config)
+            s.connect(self.endpoint)
+            self._sock = s
+            self.generation += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+            self._replies.clear()
+            self._expected.clear()
+            self._progress.clear()
+
+    def send(
+        self,
+        verb: Verb,
+        args: dict[str, Any],
+        ttl_s: float,
+        progress: Callable[[int, int], None] | None = None,
+        connect_wait_s: float = 0.0,
+    ) -> int:
+        """Send a request; returns its id. Raises SidecarUnavailable when it cannot go
+        (no connection to the sidecar within ``connect_wait_s``)."""
+        req_id = next(self._ids)
+        data = encode_request(req_id, verb, args, ttl_s)
+        with self._lock:
+            if self._sock is None:
+                self.reset()
+            try:
+                try:
+                    self._sock.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    # With IMMEDIATE, POLLOUT means a connection is up (a fresh socket
+                    # connects asynchronously).
+                    if not self._sock.poll(int(connect_wait_s * 1000), zmq.POLLOUT):
+                        raise
+                    self._sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise SidecarUnavailable(
+                    f"the sidecar at {self.endpoint} is not reachable (is it running?)"
+                ) from None
+            self._expected.add(req_id)
+            if progress is not None:
+                self._progress[req_id] = progress
+        return req_id
+
+    def _drain(self, timeout_s: float) -> None:
+        """Read every reply that is there (waiting up to ``timeout_s`` for the first)."""
+        if self._sock is None:
+            return
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = unpack(data, self.config.max_message_bytes)
+                req_id = msg.get("id")
+            except Exception:
+                log.warning("undecodable reply from the sidecar dropped")
+                continue
+            self.last_reply = time.monotonic()
+            if "progress" in msg:
+                cb = self._progress.get(req_id)
+                p = msg["progress"]
+                if cb is not None and isinstance(p, dict):
+                    cb(int(p.get("done", 0)), int(p.get("total", 0)))
+            elif req_id in self._expected:
+                self._expected.discard(req_id)
+                self._progress.pop(req_id, None)
+                self._replies[req_id] = msg
+            # else: the reply to a request given up on; dropped
+
+    def poll(self, req_id: int) -> dict | None:
+        """The reply to ``req_id`` if it has come (never blocks)."""
+        with self._lock:
+            if req_id not in self._replies:
+                self._drain(0)
+            return self._replies.pop(req_id, None)
+
+    def forget(self, req_id: int) -> None:
+        with self._lock:
+            self._expected.discard(req_id)
+            self._progress.pop(req_id, None)
+            self._replies.pop(req_id, None)
+
+    def wait(self, req_id: int, timeout_s: float) -> dict[str, Any]:
+        """The result of ``req_id``; raises RemoteError for an error reply and
+        SidecarUnavailable when none came within ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                msg = self._replies.pop(req_id, None)
+                if msg is None:
+                    left = end - time.monotonic()
+                    if left <= 0 or (req_id not in self._expected):
+                        self.forget(req_id)
+                        raise SidecarUnavailable(
+                            f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
+                        )
+                    self._drain(min(left, _POLL_SLICE_S))
+                    msg = self._replies.pop(req_id, None)
+            if msg is not None:
+                return _result(msg)
+
+    def call(
+        self,
+        verb: Verb,
+        args: dict[str, Any],
+        timeout_s: float,
+        progress: Callable[[int, int], None] | None = None,
+        connect_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Send and wait (``timeout_s`` counts from the send)."""
+        return self.wait(self.send(verb, args, timeout_s, progress, connect_wait_s), timeout_s)
+
+
+def _result(msg: dict) -> dict[str, Any]:
+    if msg.get("ok") is True:
+        res = msg.get("result")
+        return res if isinstance(res, dict) else {}
+    err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+    code, message = str(err.get("code", "internal")), str(err.get("message", "no message"))
+    if code == ErrorCode.LAYOUT_MISMATCH.value:
+        raise RemoteLayoutMismatch(code, message)
+    raise RemoteError(code, message)
+
+
+class _RemoteTransfer:
+    """A backup or prefetch in flight: its reply says whether it succeeded."""
+
+    def __init__(self, client: SidecarController, req_id: int, generation: int, timeout_s: float):
+        self._client = client
+        self._req_id = req_id
+        self._generation = generation
+        self._deadline = time.monotonic() + timeout_s
+        self._ok: bool | None = None
+
+    def _settle(self, msg: dict | None, failed: bool = False) -> None:
+        if msg is not None:
+            try:
+                self._ok = bool(_result(msg).get("ok"))
+                self._client._succeeded()
+            except RemoteError as exc:
+                self._client._failed(exc)
+                self._ok = False
+        elif failed:
+            self._ok = False
+
+    def done(self) -> bool:
+        if self._ok is not None:
+            return True
+        ch = self._client._channel
+        if ch.generation != self._generation:  # the socket it went out on is gone
+            self._ok = False
+            return True
+        self._settle(ch.poll(self._req_id))
+        if self._ok is None and time.monotonic() > self._deadline:
+            ch.forget(self._req_id)
+            self._client._failed(SidecarUnavailable("transfer timed out"))
+            self._ok = False
+        return self._ok is not None
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self.done():
+            return bool(self._ok)
+        left = self._deadline - time.monotonic()
+        if timeout_s is not None:
+            left = min(left, timeout_s)
+        end = time.monotonic() + max(left, 0.0)
+        while not self.done() and time.monotonic() < end:
+            with self._client._channel._lock:
+                self._client._channel._drain(min(_POLL_SLICE_S, max(end - time.monotonic(), 0)))
+        return bool(self._ok)
+
+
+class SidecarController:
+    """The :class:`CacheController` protocol over the sidecar (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str | os.PathLike | None = None,
+        engine_id: str | None = None,
+        config: SidecarClientConfig | None = None,
+        start_heartbeats: bool = True,
+    ) -> None:
+        self.endpoint = normalize_endpoint(endpoint) if endpoint else default_endpoint()
+        self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.config = config or SidecarClientConfig()
+        self.counters: Counter[str] = Counter()
+        self._channel = Channel(self.endpoint, self.config)
+        self._state_lock = threading.Lock()
+        self._failures = 0
+        self._open = True  # no session until register() handshakes
+        self._next_attempt = 0.0
+        self._registration: tuple[ModelLayout, int, dict[str, Any]] | None = None
+        self._heartbeat_s = self.config.heartbeat_interval_s or 3.0
+        self._hb_pending: int | None = None
+        self._hb_sent = 0.0
+        self._closed = False
+        self._wake = threading.Event()
+        self._start_heartbeats = start_heartbeats
+        self._thread: threading.Thread | None = None
+
+    # -- breaker -------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """True while the breaker is closed (requests are sent)."""
+        return not self._open
+
+    def _succeeded(self) -> None:
+        self._failures = 0
+
+    def _failed(self, exc: Exception) -> None:
+        """Count a failure; open the breaker after enough of them (at once for a lost
+        session, which only a reconnect can fix)."""
+        lost = isinstance(exc, RemoteError) and exc.code == ErrorCode.NO_SESSION.value
+        with self._state_lock:
+            self._failures += 1
+            if not self._open and (lost or self._failures >= self.config.breaker_failures):
+                self._open = True
+                self._next_attempt = time.monotonic()
+                self.counters["breaker_opened"] += 1
+                log.warning(
+                    "sidecar %s unavailable (%s); serving from the device tier until it is back",
+                    self.endpoint,
+                    exc,
+                )
+                self._wake.set()
+
+    def _call(
+        self, verb: Verb, args: dict[str, Any], timeout_s: float, progress: Any = None
+    ) -> dict[str, Any]:
+        if self._open:
+            self.counters[f"{verb.value}_skipped"] += 1
+            raise SidecarUnavailable(f"the sidecar at {self.endpoint} is unavailable")
+        try:
+            res = self._channel.call(verb, args, timeout_s, progress)
+        except (SidecarUnavailable, RemoteError) as exc:
+            if isinstance(exc, SidecarUnavailable) or exc.code in (
+                ErrorCode.NO_SESSION.value,
+                ErrorCode.SHUTTING_DOWN.value,
+                ErrorCode.BUSY.value,
+                ErrorCode.DEADLINE_EXCEEDED.value,
+            ):
+                self._failed(exc)
+            raise
+        self._succeeded()
+        return res
+
+    # -- session -------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Fresh socket, handshake, registration; raises on failure."""
+        layout, page_size, desc = self._registration
+        ch = self._channel
+        ch.reset()
+        t = self.config.connect_timeout_s
+        hello = ch.call(
+            Verb.HELLO,
+            {
+                "role": Role.ENGINE.value,
+                "engine_id": self.engine_id,
+                "pid": os.getpid(),
+                "fingerprint": layout.fingerprint(page_size),
+                "layout": layout.to_dict(),
+                "page_size": page_size,
+            },
+            t,
+            connect_wait_s=t,
+        )
+        if self.config.heartbeat_interval_s is None:
+            self._heartbeat_s = float(hello.get("heartbeat_interval_s", 3.0))
+        ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
+        with self._state_lock:
+            self._open = False
+            self._failures = 0
+        self.counters["connected"] += 1
+        log.info("connected to the sidecar at %s as %s", self.endpoint, self.engine_id)
+
+    def _try_reconnect(self) -> None:
+        try:
+            self._connect()
+        except RemoteError as exc:
+            if exc.code in _FATAL:
+                log.error("the sidecar refused this engine: %s", exc)
+            self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
+        except (SidecarUnavailable, ControllerError):
+            self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
+
+    def _background(self) -> None:
+        tick = min(0.1, self.config.reconnect_interval_s / 2)
+        while not self._closed:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._closed:
+                return
+            now = time.monotonic()
+            if self._open:
+                if now >= self._next_attempt:
+                    self._try_reconnect()
+                continue
+            self._heartbeat(now)
+
+    def _heartbeat(self, now: float) -> None:
+        ch = self._channel
+        if self._hb_pending is not None:
+            msg = ch.poll(self._hb_pending)
+            if msg is not None:
+                self._hb_pending = None
+                try:
+                    _result(msg)
+                    self._succeeded()
+                except RemoteError as exc:
+                    self._failed(exc)
+            elif now - self._hb_sent > self.config.request_timeout_s:
+                ch.forget(self._hb_pending)
+                self._hb_pending = None
+                self._failed(SidecarUnavailable("heartbeat unanswered"))
+            return
+        if now - ch.last_reply >= self._heartbeat_s:
+            try:
+                self._hb_pending = ch.send(Verb.HEARTBEAT, {}, self.config.request_timeout_s)
+                self._hb_sent = now
+            except SidecarUnavailable as exc:
+                self._failed(exc)
+
+    # -- the protocol --------------------------------------------------------------------
+
+    def register(self, layout: ModelLayout, page_size: int, pools: DevicePools) -> None:
+        """Hand the sidecar the engine's pools. Raises ControllerError for what no retry
+        fixes (another layout, memory the sidecar cannot map); an unreachable sidecar is
+        not an error: the client keeps trying in the background."""
+        if pools.config.page_size != page_size:
+            raise ControllerError(
+                f"page_size={page_size} but the pools use {pools.config.page_size}"
+            )
+        self._registration = (layout, page_size, export_pools(pools))
+        try:
+            self._connect()
+        except RemoteError as exc:
+            if exc.code in _FATAL:
+                raise
+            self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
+        except SidecarUnavailable as exc:
+            log.warning("sidecar %s not reachable at start (%s); will retry", self.endpoint, exc)
+            self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
+        if self._start_heartbeats and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._background, name="hicache-sidecar-client", daemon=True
+            )
+            self._thread.start()
+
+    def lookup(
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+    ) -> LookupResult:
+        """Presence per component; all misses when the sidecar is unavailable."""
+        try:
+            res = self._call(
+                Verb.LOOKUP,
+                {"hashes": b"".join(page_hashes), "components": [int(c) for c in components]},
+                self.config.lookup_timeout_s,
+            )
+            rows = res["presence"]
+            out = {}
+            for comp, raw in zip(components, rows):
+                pres = np.frombuffer(raw, dtype=np.int8).copy()
+                if pres.size != len(page_hashes):
+                    raise ControllerError("lookup reply has the wrong length")
+                out[comp] = pres
+            return LookupResult(out)
+        except (ControllerError, KeyError, TypeError) as exc:
+            self.counters["lookup_misses_unavailable"] += 1
+            log.debug("lookup answered as a miss: %s", exc)
+            return LookupResult(
+                {c: np.full(len(page_hashes), Presence.ABSENT, np.int8) for c in components}
+            )
+
+    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
+        """Start a backup; the handle's ``wait`` is True once the sidecar acknowledged it
+        (pages on host, or committed to disk with ``backup_ack = "disk"``)."""
+        if ready_event is not None and hasattr(ready_event, "synchronize"):
+            # The sidecar reads the pages through its own mapping, outside this process's
+            # streams: the engine's writes must be finished first.
+            ready_event.synchronize()
+        if self._open or not refs:
+            return CompletedTransfer(not refs)
+        timeout = self.config.backup_timeout_s
+        try:
+            rid = self._channel.send(Verb.BACKUP, {"refs": encode_refs(refs)}, timeout)
+        except SidecarUnavailable as exc:
+            self._failed(exc)
+            return CompletedTransfer(False)
+        return _RemoteTransfer(self, rid, self._channel.generation, timeout)
+
+    def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        try:
+            res = self._call(
+                Verb.PIN,
+                {"keys": encode_keys(keys), "ttl_s": float(ttl_s)},
+                self.config.request_timeout_s,
+            )
+        except ControllerError as exc:
+            log.debug("pin failed: %s", exc)
+            return None
+        if res.get("pin_id") is None:
+            return None
+        deadline = time.monotonic() + float(res.get("ttl_s", ttl_s))
+        return PinReceipt(
+            int(res["pin_id"]), list(keys), deadline, {"generation": self._channel.generation}
+        )
+
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
+        if pin.extra.get("generation") != self._channel.generation:
+            return False  # pinned on a session that is gone
+        try:
+            res = self._call(
+                Verb.LOAD,
+                {"refs": encode_refs(refs), "pin_id": pin.pin_id, "timeout_s": float(timeout_s)},
+                timeout_s + self.config.load_timeout_margin_s,
+            )
+        except ControllerError as exc:
+            log.warning("load-back through the sidecar failed: %s", exc)
+            return False
+        return bool(res.get("ok"))
+
+    def unpin(self, pin: PinReceipt) -> None:
+        if pin.extra.get("generation") != self._channel.generation:
+            return
+        try:
+            self._call(Verb.UNPIN, {"pin_id": pin.pin_id}, self.config.request_timeout_s)
+        except ControllerError as exc:
+            log.debug("unpin failed (the pin expires on its own): %s", exc)
+
+    def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
+        if self._open or not keys:
+            return CompletedTransfer(not keys)
+        timeout = self.config.request_timeout_s
+        try:
+            rid = self._channel.send(Verb.PREFETCH, {"keys": encode_keys(keys)}, timeout)
+        except SidecarUnavailable as exc:
+            self._failed(exc)
+            return CompletedTransfer(False)
+        return _RemoteTransfer(self, rid, self._channel.generation, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """The sidecar's stats plus this client's, or only the client's when unavailable."""
+        client = {"available": self.available, "counters": dict(self.counters)}
+        try:
+            out = self._call(Verb.STATS, {}, self.config.request_timeout_s)
+        except ControllerError:
+            return {"client": client}
+        out["client"] = client
+        return out
+
+    def close(self) -> None:
+        """Say goodbye (the sidecar releases this engine's pins) and close the socket."""
+        if self._closed:
+            return
+        if not self._open:
+            with contextlib.suppress(ControllerError):
+                self._channel.call(Verb.BYE, {}, min(1.0, self.config.request_timeout_s))
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._channel.close()

@@ -1,0 +1,326 @@
+"""Device pools across processes: the engine exports them, the sidecar maps them.
+
+Two small functions, one per side: :func:`export_pools` (engine) describes each pool
+tensor as a msgpack-safe map, and :func:`map_pools` (sidecar) turns those maps back into
+tensors over the same memory, checked against the layout so that a bad description can
+never make a copy run outside the engine's pools.
+
+* CPU: the pools live in named POSIX shared memory (``CacheConfig(shared_memory=True)``);
+  a description is the segment name, dtype and shape.
+* CUDA: a description is the CUDA IPC handle of the tensor's storage (raw bytes, from
+  ``UntypedStorage._share_cuda_``) plus the GPU's UUID, dtype, shape, stride and offset.
+  The sidecar opens it with ``UntypedStorage._new_shared_cuda`` on its own index of the
+  same GPU (UUIDs, not indices, are compared: two processes may number GPUs differently).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+
+from hicache.controller.transfer import EngineBuffers
+from hicache.controller_api import ControllerError
+from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
+from hicache.pools import DevicePools
+from hicache.types import ConfigError
+
+log = logging.getLogger(__name__)
+
+BUFFER_NAMES = ("full", "swa", "mamba_conv", "mamba_ssm")
+_SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.-]{1,200}$")
+
+
+class RegistrationRefused(ControllerError):
+    """The sidecar cannot map the engine's device memory; the message says why."""
+
+
+# -- engine side --------------------------------------------------------------------------
+
+
+def _pool_tensors(pools: DevicePools) -> dict[str, torch.Tensor]:
+    out = {"full": pools.full.buffer}
+    if pools.swa is not None:
+        out["swa"] = pools.swa.buffer
+    if pools.mamba is not None:
+        out["mamba_conv"] = pools.mamba.conv
+        out["mamba_ssm"] = pools.mamba.ssm
+    return out
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as this process numbers it."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def export_cuda_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A CUDA tensor as an IPC description (the storage's handle, and the view on it)."""
+    (
+        device,
+        handle,
+        storage_bytes,
+        storage_offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = t.untyped_storage()._share_cuda_()
+    return {
+        "kind": "cuda_ipc",
+        "device_uuid": gpu_uuid(int(device)),
+        "handle": bytes(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "ref_counter_handle": bytes(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": bytes(event_handle or b""),
+        "event_sync_required": bool(event_sync_required),
+        "dtype": dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "offset": int(t.storage_offset()),
+    }
+
+
+def export_pools(pools: DevicePools) -> dict[str, Any]:
+    """How the sidecar can reach ``pools``: ``{"device": "cpu"|"cuda", "buffers": {...}}``.
+
+    Raises ControllerError when the pools cannot be shared (CPU pools not in shared memory).
+    """
+    tensors = _pool_tensors(pools)
+    device = pools.full.buffer.device
+    if device.type == "cuda":
+        return {
+            "device": "cuda",
+            "buffers": {name: export_cuda_tensor(t) for name, t in tensors.items()},
+        }
+    if device.type != "cpu":
+        raise ControllerError(f"pools on {device} cannot be shared with the sidecar")
+    shared = pools.shared_tensors()
+    if set(shared) != set(tensors):
+        raise ControllerError(
+            "the sidecar cannot reach CPU pools in private memory; allocate them with "
+            "CacheConfig(shared_memory=True)"
+        )
+    return {
+        "device": "cpu",
+        "buffers": {name: {"kind": "shm", **shared[name]} for name in tensors},
+    }
+
+
+# -- sidecar side -------------------------------------------------------------------------
+
+
+@dataclass
+class MappedPools:
+    """An engine's pools as the sidecar sees them, and what to release when it leaves."""
+
+    buffers: EngineBuffers
+    device: str
+    segments: list[shared_memory.SharedMemory] = field(default_factory=list)
+
+    def close(self) -> bool:
+        """Unmap shared memory (never unlinks: the engine owns it); True when done.
+
+        False while a tensor view still exports the buffer; call again later.
+        """
+        left = []
+        for seg in self.segments:
+            try:
+                seg.close()
+            except BufferError:
+                left.append(seg)
+        self.segments = left
+        return not left
+
+
+def _attach_segment(name: str) -> shared_memory.SharedMemory:
+    try:
+        seg = shared_memory.SharedMemory(name=name, create=False)
+    except FileNotFoundError:
+        raise RegistrationRefused(
+            f"no shared-memory segment named {name!r}: the engine exited or freed its pools"
+        ) from None
+    # Python < 3.13 registers an attached segment with this process's resource tracker,
+    # which would unlink the engine's memory when the sidecar exits: undo that.
+    try:
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # the tracker is best effort; a failure only costs a warning at exit
+        log.debug("resource tracker unregister of %s failed", name)
+    return seg
+
+
+def _check_shape(desc: dict[str, Any]) -> tuple[torch.dtype, list[int]]:
+    shape = desc.get("shape")
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= 8
+        or not all(type(s) is int and 0 <= s < 1 << 40 for s in shape)
+    ):
+        raise RegistrationRefused("a buffer's shape must be a list of 1..8 integers >= 0")
+    try:
+        dtype = parse_dtype(desc.get("dtype"))
+    except (ConfigError, TypeError):
+        raise RegistrationRefused(f"unknown buffer dtype {desc.get('dtype')!r}") from None
+    return dtype, shape
+
+
+def _map_shm(desc: dict[str, Any], segments: list) -> torch.Tensor:
+    name = desc.get("shm_name")
+    if not isinstance(name, str) or not _SHM_NAME.match(name):
+        raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
+    dtype, shape = _check_shape(desc)
+    seg = _attach_segment(name)
+    segments.append(seg)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > seg.size:
+        raise RegistrationRefused(
+            f"segment {name!r} holds {seg.size} bytes, fewer than the {nbytes} its "
+            f"shape {shape} of {dtype_name(dtype)} needs"
+        )
+    flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+    return flat.view(dtype).view(shape)
+
+
+def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
+    if not torch.cuda.is_available():
+        raise RegistrationRefused(
+            f"the engine's GPU {uuid} is not visible to this sidecar (it sees no CUDA "
+            "device); run the sidecar on the engine's node with its GPUs visible"
+        )
+    seen = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    if uuid not in seen:
+        raise RegistrationRefused(
+            f"the engine's GPU {uuid} is not one this sidecar sees ({', '.join(seen)}); "
+            "register with the sidecar of the engine's node, with that GPU visible to it"
+        )
+    if allowed and uuid not in allowed:
+        raise RegistrationRefused(
+            f"GPU {uuid} is not served by this sidecar (gpu_uuids = {list(allowed)})"
+        )
+    return seen.index(uuid)
+
+
+def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
+    dtype, shape = _check_shape(desc)
+    fields = {
+        "device_uuid": str,
+        "handle": bytes,
+        "storage_bytes": int,
+        "storage_offset_bytes": int,
+        "ref_counter_handle": bytes,
+        "ref_counter_offset": int,
+        "event_handle": bytes,
+        "event_sync_required": bool,
+        "stride": list,
+        "offset": int,
+    }
+    for name, kind in fields.items():
+        if not isinstance(desc.get(name), kind):
+            raise RegistrationRefused(f"CUDA buffer field {name!r} must be {kind.__name__}")
+    stride, offset = desc["stride"], desc["offset"]
+    if len(stride) != len(shape) or not all(type(s) is int and s >= 0 for s in stride):
+        raise RegistrationRefused("a CUDA buffer's stride must match its shape")
+    span = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0
+    if offset < 0 or span * dtype.itemsize > desc["storage_bytes"]:
+        raise RegistrationRefused("a CUDA buffer's view reaches past its storage")
+    index = _local_gpu(desc["device_uuid"], allowed)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index,
+            desc["handle"],
+            desc["storage_bytes"],
+            desc["storage_offset_bytes"],
+            desc["ref_counter_handle"],
+            desc["ref_counter_offset"],
+            desc["event_handle"],
+            desc["event_sync_required"],
+        )
+    except Exception as exc:
+        raise RegistrationRefused(
+            f"cannot open the CUDA IPC handle ({exc}); it is stale (the engine's memory was "
+            "freed or the engine exited) or malformed: register again from a live engine"
+        ) from None
+    t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", index))
+    return t.set_(storage, offset, shape, stride)
+
+
+def _expected_shapes(layout: ModelLayout, page_size: int, tensors: dict) -> dict[str, tuple]:
+    """Shapes each buffer must have (slot counts taken from the buffers themselves)."""
+    want: dict[str, tuple] = {}
+    heads, hd = layout.num_kv_heads, layout.head_dim
+    for name, kind in (("full", LayerKind.FULL), ("swa", LayerKind.SWA)):
+        if layout.layers_of(kind):
+            t = tensors.get(name)
+            slots = t.shape[2] if t is not None and t.dim() == 5 else -1
+            want[name] = (2, len(layout.layers_of(kind)), slots, heads, hd)
+    if layout.has_mamba:
+        conv = tensors.get("mamba_conv")
+        slots = conv.shape[1] if conv is not None and conv.dim() >= 2 else -1
+        n = len(layout.mamba_layers)
+        want["mamba_conv"] = (n, slots, *layout.conv_state_shape)
+        want["mamba_ssm"] = (n, slots, *layout.ssm_state_shape)
+    return want
+
+
+def map_pools(
+    layout: ModelLayout,
+    page_size: int,
+    desc: dict[str, Any],
+    allowed_gpus: Sequence[str] = (),
+) -> MappedPools:
+    """Map an engine's exported pools; raises RegistrationRefused saying what is wrong.
+
+    Every buffer's dtype and shape are checked against ``layout`` (slot counts must be
+    whole pages), so later copies cannot reach outside the engine's memory.
+    """
+    device = desc.get("device")
+    buffers = desc.get("buffers")
+    if device not in ("cpu", "cuda") or not isinstance(buffers, dict):
+        raise RegistrationRefused("register needs device 'cpu' or 'cuda' and a buffers map")
+    unknown = set(buffers) - set(BUFFER_NAMES)
+    if unknown:
+        raise RegistrationRefused(f"unknown buffer name(s) {sorted(map(str, unknown))}")
+    segments: list[shared_memory.SharedMemory] = []
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for name, d in buffers.items():
+            if not isinstance(d, dict):
+                raise RegistrationRefused(f"buffer {name!r} must be a map")
+            kind = "shm" if device == "cpu" else "cuda_ipc"
+            if d.get("kind") != kind:
+                raise RegistrationRefused(f"buffer {name!r}: a {device} pool is shared as {kind}")
+            tensors[name] = _map_shm(d, segments) if device == "cpu" else _map_cuda(d, allowed_gpus)
+        want = _expected_shapes(layout, page_size, tensors)
+        if set(want) != set(tensors):
+            raise RegistrationRefused(
+                f"the layout needs buffers {sorted(want)}, the engine sent {sorted(tensors)}"
+            )
+        for name, shape in want.items():
+            t = tensors[name]
+            dtype = layout.state_dtype if name.startswith("mamba") else layout.dtype
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise RegistrationRefused(
+                    f"buffer {name!r} is {list(t.shape)} {dtype_name(t.dtype)}, the layout "
+                    f"needs {list(shape)} {dtype_name(dtype)}"
+                )
+            if name in ("full", "swa") and shape[2] % page_size:
+                raise RegistrationRefused(f"buffer {name!r} is not whole pages of {page_size}")
+        buffers_out = EngineBuffers(
+            page_size=page_size,
+            full_kv=tensors["full"],
+            swa_kv=tensors.get("swa"),
+            mamba_conv=tensors.get("mamba_conv"),
+            mamba_ssm=tensors.get("mamba_ssm"),
+        )
+    except BaseException:
+        tensors.clear()
+        MappedPools(None, device, segments).close()  # type: ignore[arg-type]
+        raise
+    return MappedPools(buffers_out, device, segments)

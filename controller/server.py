@@ -1,0 +1,517 @@
+"""The sidecar's ZeroMQ server: a ROUTER socket in front of a :class:`LocalController`.
+
+Threading model
+---------------
+* **The I/O thread** (:meth:`SidecarServer.serve`) owns every ZeroMQ socket. It decodes
+  and checks each message, keeps the connection table (handshakes, leases), answers the
+  cheap verbs itself (lookup, pin, unpin, heartbeat, stats, the admin queries) and hands
+  the rest to workers. Nothing it does waits on a copy or a disk read, so a lookup is
+  answered while loads and backups run.
+* **Workers** (a thread pool) run register, backup, load, prefetch and the long admin
+  verbs, and pass their replies back through an inproc socket.
+
+A connection's lease runs from its last message; one with a request in flight never
+expires. When it expires, or the engine says ``bye``, or the same engine handshakes again
+from a new connection, the controller forgets the engine (``unregister``: its pins are
+released) and the sidecar unmaps its memory.
+
+Anything malformed is answered with an error reply and changes nothing (see
+:mod:`hicache.controller.protocol` for the codes); only a message past four times
+``max_message_bytes`` is dropped unread by ZeroMQ itself, with its connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from hicache.controller.local import LocalController
+from hicache.controller.metrics import SidecarMetrics
+from hicache.controller.protocol import (
+    ErrorCode,
+    ProtocolError,
+    Request,
+    Role,
+    Verb,
+    decode_request,
+    error_reply,
+    ok_reply,
+    progress_reply,
+)
+from hicache.controller.sidecar_config import SidecarConfig, TcpAuth
+from hicache.controller.sidecar_verbs import VerbHandlers
+from hicache.controller_api import ControllerError
+from hicache.types import HicacheError
+
+if TYPE_CHECKING:
+    from hicache.controller.device_share import MappedPools
+    from hicache.layout import ModelLayout
+
+log = logging.getLogger("hicache.sidecar")
+
+_REPLY = b"R"
+_PROGRESS = b"P"
+_MAX_BATCH = 256  # messages read per socket per loop turn, so no socket starves another
+_POLL_MS = 100
+# libzmq drops (with the connection) any frame past this multiple of max_message_bytes;
+# below it the sidecar reads the message and answers TOO_LARGE itself.
+_HARD_LIMIT_FACTOR = 4
+
+
+class SidecarError(HicacheError):
+    """The sidecar cannot start or serve; the message says what to do."""
+
+
+@dataclass
+class Connection:
+    """One handshaken peer: an engine worker or an admin tool."""
+
+    sock: int
+    routing_id: bytes
+    role: Role
+    engine_id: str
+    pid: int
+    transport: str
+    since: float
+    last_seen: float
+    layout: ModelLayout | None = None
+    page_size: int = 0
+    inflight: int = 0
+    mapped: MappedPools | None = None
+    requests: int = 0
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return (self.sock, self.routing_id)
+
+
+class SidecarServer:
+    """Serves one LocalController to the engines and admin tools of a node."""
+
+    def __init__(
+        self,
+        controller: LocalController,
+        config: SidecarConfig | None = None,
+        metrics: SidecarMetrics | None = None,
+        layout: tuple[ModelLayout, int] | None = None,
+    ) -> None:
+        """``layout``: the (layout, page_size) served, when fixed up front; otherwise the
+        first engine's handshake fixes it."""
+        self.controller = controller
+        self.config = config or SidecarConfig()
+        self.verbs = VerbHandlers(self)
+        self.metrics = metrics or SidecarMetrics(self.verbs.metrics_snapshot)
+        self.layout: ModelLayout | None = None
+        self.page_size = 0
+        self.fingerprint: bytes | None = None
+        if layout is not None:
+            self.layout, self.page_size = layout
+            self.fingerprint = self.layout.fingerprint(self.page_size)
+        self.started = time.monotonic()
+        self.endpoints: list[str] = []
+        self.admin_token = b""
+        self.conns: dict[tuple[int, bytes], Connection] = {}
+        self.engines: dict[str, Connection] = {}
+        self.stopping = False
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._routers: list[zmq.Socket] = []
+        self._transports: list[str] = []
+        self._auth: Any = None
+        self._replies: zmq.Socket | None = None
+        self._reply_addr = f"inproc://hicache-replies-{id(self)}"
+        self._local = threading.local()
+        self._push_sockets: list[zmq.Socket] = []
+        self._push_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(
+            self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
+        )
+        self._inflight = 0
+        self._unmap_lock = threading.Lock()
+        self._to_unmap: list[MappedPools] = []
+        self._last_reap = 0.0
+
+    # -- binding -------------------------------------------------------------------------
+
+    def _router(self) -> zmq.Socket:
+        s = self._ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, _HARD_LIMIT_FACTOR * self.config.max_message_bytes)
+        s.setsockopt(zmq.RCVHWM, 10_000)
+        s.setsockopt(zmq.SNDHWM, 10_000)
+        return s
+
+    def _bind_ipc(self) -> str:
+        path = self.config.socket
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+                raise SidecarError(
+                    f"another sidecar is serving {path}; stop it or choose another socket_path"
+                )
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)  # left behind by a sidecar that died
+            finally:
+                probe.close()
+        router = self._router()
+        endpoint = "ipc://" + str(path)
+        old = os.umask(0o177)  # the socket is created 0600: only our user may connect
+        try:
+            router.bind(endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self._routers.append(router)
+        self._transports.append("ipc")
+        return endpoint
+
+    def _bind_tcp(self) -> str:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        cfg = self.config
+        router = self._router()
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("hicache.sidecar.auth"))
+        self._auth.start()
+        if cfg.tcp_auth is TcpAuth.CURVE:
+            import zmq.auth
+
+            public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
+            if secret is None:
+                raise SidecarError(
+                    f"{cfg.curve_secret_key_file} holds no secret key; give the server's "
+                    "secret certificate (zmq.auth.create_certificates writes one)"
+                )
+            router.curve_secretkey = secret
+            router.curve_publickey = public
+            router.curve_server = True
+            self._auth.configure_curve(domain="*", location=str(cfg.curve_authorized_keys_dir))
+        else:
+            token = Path(cfg.tcp_token_file).read_text().strip()
+            if len(token) < 16:
+                raise SidecarError(f"the token in {cfg.tcp_token_file} is shorter than 16 chars")
+            router.plain_server = True
+            self._auth.configure_plain(domain="*", passwords={"hicache": token})
+        router.zap_domain = b"hicache"
+        router.bind(cfg.tcp_endpoint)
+        self._routers.append(router)
+        self._transports.append("tcp")
+        return router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _load_admin_token(self) -> bytes:
+        path = self.config.admin_token_path
+        if path.exists():
+            token = path.read_bytes().strip()
+            if len(token) >= 16:
+                return token
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        token = secrets.token_hex(32).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(token + b"\n")
+        os.chmod(path, 0o600)
+        return token
+
+    def bind(self) -> list[str]:
+        """Create and bind the sockets; returns the endpoints served."""
+        self.admin_token = self._load_admin_token()
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        self._replies.bind(self._reply_addr)
+        self.endpoints.append(self._bind_ipc())
+        if self.config.tcp_endpoint:
+            self.endpoints.append(self._bind_tcp())
+        log.info("listening on %s", ", ".join(self.endpoints))
+        return self.endpoints
+
+    # -- the I/O loop --------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask :meth:`serve` to drain and return (safe from a signal handler)."""
+        self._stop.set()
+
+    def serve(self) -> None:
+        """Run the I/O loop until :meth:`request_stop`; then finish in-flight requests
+        (up to ``drain_timeout_s``) and return. The controller is left open."""
+        if not self._routers:
+            self.bind()
+        poller = zmq.Poller()
+        for r in self._routers:
+            poller.register(r, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        drain_deadline = None
+        while True:
+            if self._stop.is_set() and drain_deadline is None:
+                self.stopping = True
+                drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                log.info("stopping: %d requests in flight to finish", self._inflight)
+            if drain_deadline is not None:
+                if self._inflight == 0:
+                    break
+                if time.monotonic() > drain_deadline:
+                    log.error("drain timed out with %d requests in flight", self._inflight)
+                    break
+            events = dict(poller.poll(_POLL_MS))
+            for i, r in enumerate(self._routers):
+                if r in events:
+                    self._read_router(i, r)
+            if self._replies in events:
+                self._read_replies()
+            now = time.monotonic()
+            if now - self._last_reap > min(1.0, self.config.lease_s / 4):
+                self._last_reap = now
+                self._reap(now)
+        self._shutdown_sockets()
+
+    def _read_router(self, i: int, router: zmq.Socket) -> None:
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(i, frames)
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                kind, sock, rid, payload = self._replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            i = sock[0]
+            if kind == _REPLY:
+                self._inflight -= 1
+                conn = self.conns.get((i, rid))
+                if conn is not None:
+                    conn.inflight -= 1
+                    conn.last_seen = time.monotonic()
+            self._send(i, rid, payload)
+
+    def _send(self, i: int, rid: bytes, payload: bytes) -> None:
+        try:
+            self._routers[i].send_multipart([rid, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or not reading: the reply is dropped
+            log.debug("reply dropped: %s", exc)
+
+    # -- one message ---------------------------------------------------------------------
+
+    def _reject(self, i: int, rid: bytes, req_id: int | None, verb: str, exc: ProtocolError):
+        self.metrics.failures.labels(verb, exc.code.value).inc()
+        log.debug("refused %s: %s %s", verb, exc.code.value, exc.message)
+        self._send(i, rid, error_reply(req_id, exc.code, exc.message))
+
+    def _on_message(self, i: int, frames: list[bytes]) -> None:
+        t0 = time.monotonic()
+        rid = frames[0]
+        if len(frames) != 2:
+            self._reject(
+                i,
+                rid,
+                None,
+                "invalid",
+                ProtocolError(ErrorCode.BAD_MESSAGE, "a request is exactly one frame"),
+            )
+            return
+        try:
+            req = decode_request(frames[1], self.config.max_message_bytes)
+        except ProtocolError as exc:
+            self._reject(i, rid, getattr(exc, "request_id", None), "invalid", exc)
+            return
+        verb = req.verb.value
+        self.metrics.requests.labels(verb).inc()
+        conn = self.conns.get((i, rid))
+        if conn is not None:
+            conn.last_seen = t0
+            conn.requests += 1
+        try:
+            self._check_allowed(conn, req)
+            deadline = t0 + min(req.ttl_s, self.config.max_request_ttl_s)
+            if req.verb is Verb.HELLO:
+                result = self.verbs.hello(i, rid, req, t0)
+            elif req.verb in self.verbs.inline:
+                result = self.verbs.inline[req.verb](conn, req)
+            else:
+                self._dispatch(conn, req, deadline, t0)
+                return
+        except ProtocolError as exc:
+            self._reject(i, rid, req.id, verb, exc)
+            return
+        except Exception as exc:
+            self._reject(i, rid, req.id, verb, _as_protocol_error(exc))
+            return
+        self._send(i, rid, ok_reply(req.id, result))
+        self.metrics.latency.labels(verb).observe(time.monotonic() - t0)
+
+    def _check_allowed(self, conn: Connection | None, req: Request) -> None:
+        if self.stopping:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        if req.verb is Verb.HELLO:
+            if conn is not None:
+                raise ProtocolError(
+                    ErrorCode.OUT_OF_ORDER, "this connection has completed its handshake already"
+                )
+            return
+        if conn is None:
+            raise ProtocolError(
+                ErrorCode.NO_SESSION,
+                "no handshake on this connection: send hello first (after a sidecar restart, "
+                "handshake and register again)",
+            )
+        if conn.role is Role.ENGINE and req.verb.admin:
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN,
+                f"{req.verb.value} is an admin verb; engine connections may not use it",
+            )
+        if conn.role is Role.ADMIN and req.verb not in self.verbs.admin_allowed:
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN,
+                f"{req.verb.value} is an engine verb; admin connections may not use it",
+            )
+        if req.verb.needs_registration and conn.mapped is None:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"{req.verb.value} before register: register the engine's device pools first",
+            )
+
+    def _dispatch(self, conn: Connection, req: Request, deadline: float, t0: float) -> None:
+        if self._inflight >= self.config.max_inflight_requests:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"{self._inflight} requests in flight (max_inflight_requests); retry later",
+            )
+        self._inflight += 1
+        conn.inflight += 1
+        self._executor.submit(self._run_job, conn, req, deadline, t0)
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _push(self, frames: list[bytes]) -> None:
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(self._reply_addr)
+            self._local.push = sock
+            with self._push_lock:
+                self._push_sockets.append(sock)
+        sock.send_multipart(frames)
+
+    def progress(self, conn: Connection, req: Request, done: int, total: int) -> None:
+        """Send a progress message for a long request (from its worker)."""
+        self._push(
+            [_PROGRESS, bytes((conn.sock,)), conn.routing_id, progress_reply(req.id, done, total)]
+        )
+
+    def _run_job(self, conn: Connection, req: Request, deadline: float, t0: float) -> None:
+        verb = req.verb.value
+        try:
+            if time.monotonic() > deadline:
+                raise ProtocolError(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"{verb} waited past its deadline ({req.ttl_s:.3f}s) before it could start",
+                )
+            result = self.verbs.workers[req.verb](conn, req, deadline)
+            payload = ok_reply(req.id, result)
+        except Exception as exc:
+            perr = exc if isinstance(exc, ProtocolError) else _as_protocol_error(exc)
+            self.metrics.failures.labels(verb, perr.code.value).inc()
+            payload = error_reply(req.id, perr.code, perr.message)
+        self.metrics.latency.labels(verb).observe(time.monotonic() - t0)
+        self._push([_REPLY, bytes((conn.sock,)), conn.routing_id, payload])
+
+    # -- connections ---------------------------------------------------------------------
+
+    def transport(self, i: int) -> str:
+        return self._transports[i]
+
+    def add_connection(self, conn: Connection) -> None:
+        self.conns[conn.key] = conn
+        if conn.role is Role.ENGINE:
+            self.engines[conn.engine_id] = conn
+        self.metrics.engines.set(len(self.engines))
+
+    def drop_connection(self, conn: Connection, reason: str) -> None:
+        """Forget ``conn``; for an engine, release its pins and unmap its memory."""
+        if self.conns.get(conn.key) is conn:
+            del self.conns[conn.key]
+        if conn.role is Role.ENGINE and self.engines.get(conn.engine_id) is conn:
+            del self.engines[conn.engine_id]
+            self.controller.unregister(conn.engine_id)
+            log.info("engine %s (pid %d) left: %s", conn.engine_id, conn.pid, reason)
+        if conn.mapped is not None:
+            self.unmap_later(conn.mapped)
+            conn.mapped = None
+        self.metrics.engines.set(len(self.engines))
+
+    def unmap_later(self, mapped: MappedPools) -> None:
+        """Unmap ``mapped`` now, or as soon as no copy uses it any more."""
+        mapped.buffers = None  # type: ignore[assignment]
+        with self._unmap_lock:
+            self._to_unmap.append(mapped)
+            self._to_unmap = [m for m in self._to_unmap if not m.close()]
+
+    def _reap(self, now: float) -> None:
+        lease = self.config.lease_s
+        for conn in list(self.conns.values()):
+            if conn.inflight == 0 and now - conn.last_seen > lease:
+                if conn.role is Role.ENGINE:
+                    self.metrics.lease_expiries.inc()
+                    log.warning(
+                        "engine %s (pid %d): no heartbeat for %.1fs; lease expired, its pins "
+                        "and registration are released",
+                        conn.engine_id,
+                        conn.pid,
+                        now - conn.last_seen,
+                    )
+                self.drop_connection(conn, "lease expired")
+        with self._unmap_lock:
+            self._to_unmap = [m for m in self._to_unmap if not m.close()]
+
+    def _shutdown_sockets(self) -> None:
+        self._executor.shutdown(wait=True)
+        for conn in list(self.conns.values()):
+            self.drop_connection(conn, "sidecar stopping")
+        with self._push_lock:
+            for s in self._push_sockets:
+                s.close(linger=0)
+            self._push_sockets.clear()
+        for r in self._routers:
+            r.close(linger=0)
+        if self._replies is not None:
+            self._replies.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        with contextlib.suppress(OSError):
+            self.config.socket.unlink()
+        self._ctx.destroy(linger=0)
+        log.info("sockets closed")
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+
+def _as_protocol_error(exc: Exception) -> ProtocolError:
+    from hicache.controller.local import ControllerLayoutMismatch
+
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, ControllerLayoutMismatch):
+        return ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, (ControllerError, HicacheError)):
+        return ProtocolError(ErrorCode.CONTROLLER_ERROR, str(exc))
+    log.exception("internal error")
+    return ProtocolError(
+        ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the sidecar log"
+    )
