@@ -12,7 +12,9 @@ to and from the device in one kernel launch. Typed views match
 
 Sizing: component ``c`` gets ``n_c = floor(B * w_c / sum_d(w_d * page_bytes_d))`` pages
 for a budget of ``B`` bytes and weights ``w`` (see :class:`ControllerConfig`), so the
-weights are page-count ratios and the bytes add up to at most ``B``.
+weights are page-count ratios and the payload bytes add up to at most ``B``. Each page
+also carries a frame of 128 bytes (its LMDB header and alignment padding), outside the
+budget; ``resident_bytes`` counts it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import numpy as np
 import torch
 
 from hicache.controller.config import ControllerConfig, HostPinning
+from hicache.controller.page_codec import HEADER_BYTES
 from hicache.layout import LayerKind, ModelLayout
 from hicache.types import ComponentType, ConfigError, SlotStateError
 
 log = logging.getLogger(__name__)
+
+# Bytes in front of each host page: its LMDB header sits at the end of this room.
+FRAME_BYTES = 128
 
 
 def _allocate_bytes(num_pages: int, page_bytes: int, pinning: HostPinning) -> torch.Tensor:
@@ -49,7 +55,13 @@ def _allocate_bytes(num_pages: int, page_bytes: int, pinning: HostPinning) -> to
 
 
 class HostComponentPool:
-    """The host pages of one component, with an O(1) free list."""
+    """The host pages of one component, with an O(1) free list.
+
+    Each page is a *frame*: ``FRAME_BYTES`` in front of the payload hold the page's LMDB
+    header (written by the disk writer), so header and payload go to LMDB as one value
+    straight from host memory. Frames are padded to a multiple of ``FRAME_BYTES``, so
+    every payload starts 128-byte aligned; typed views skip the frames.
+    """
 
     def __init__(
         self,
@@ -62,7 +74,8 @@ class HostComponentPool:
         self.component = component
         self.page_bytes = layout.page_bytes(component, page_size)
         self.num_pages = num_pages
-        self.buffer = _allocate_bytes(num_pages, self.page_bytes, pinning)
+        self.row_bytes = FRAME_BYTES + -(-self.page_bytes // FRAME_BYTES) * FRAME_BYTES
+        self.buffer = _allocate_bytes(num_pages, self.row_bytes, pinning)
         self.pinned = bool(self.buffer.is_pinned()) if num_pages else False
         # The same bytes as numpy rows: LMDB reads and writes go through these.
         self.rows: np.ndarray = self.buffer.numpy()
@@ -73,8 +86,9 @@ class HostComponentPool:
     def _make_views(self, layout: ModelLayout, page_size: int) -> None:
         n = self.num_pages
         if self.component is ComponentType.MAMBA:
+            item = layout.state_dtype.itemsize
             typed = self.buffer.view(layout.state_dtype)
-            per_page = typed.shape[1]
+            per_page, start = self.row_bytes // item, FRAME_BYTES // item
             n_layers = len(layout.mamba_layers)
             conv_shape = layout.conv_state_shape
             conv_elems = math.prod(conv_shape)
@@ -83,18 +97,23 @@ class HostComponentPool:
             self.conv_view = typed.as_strided(
                 (n, n_layers, *conv_shape),
                 (per_page, conv_elems, *_contiguous_strides(conv_shape)),
+                storage_offset=start,
             )
             self.ssm_view = typed.as_strided(
                 (n, n_layers, *ssm_shape),
                 (per_page, ssm_elems, *_contiguous_strides(ssm_shape)),
-                storage_offset=n_layers * conv_elems,
+                storage_offset=start + n_layers * conv_elems,
             )
             self.kv_view = None
         else:
             kind = LayerKind.FULL if self.component is ComponentType.FULL else LayerKind.SWA
-            n_layers = len(layout.layers_of(kind))
-            self.kv_view = self.buffer.view(layout.dtype).view(
-                n, 2, n_layers, page_size, layout.num_kv_heads, layout.head_dim
+            shape = (2, len(layout.layers_of(kind)), page_size, layout.num_kv_heads)
+            shape = (*shape, layout.head_dim)
+            item = layout.dtype.itemsize
+            self.kv_view = self.buffer.view(layout.dtype).as_strided(
+                (n, *shape),
+                (self.row_bytes // item, *_contiguous_strides(shape)),
+                storage_offset=FRAME_BYTES // item,
             )
             self.conv_view = self.ssm_view = None
 
@@ -126,8 +145,13 @@ class HostComponentPool:
         return self.num_pages - len(self._free)
 
     def row(self, page: int) -> np.ndarray:
-        """The bytes of ``page`` as a writable 1-D uint8 array (a view, no copy)."""
-        return self.rows[page]
+        """The payload bytes of ``page`` as a writable 1-D uint8 array (a view, no copy)."""
+        return self.rows[page, FRAME_BYTES : FRAME_BYTES + self.page_bytes]
+
+    def frame(self, page: int) -> np.ndarray:
+        """The LMDB header room in front of ``page``'s payload, and the payload: the
+        stored value, once the writer has filled the header in."""
+        return self.rows[page, FRAME_BYTES - HEADER_BYTES : FRAME_BYTES + self.page_bytes]
 
     def check_invariants(self, owned: set[int]) -> None:
         """``owned`` (pages the index points at) and the free list partition the pool."""
@@ -207,13 +231,13 @@ class HostPool:
 
     @property
     def resident_bytes(self) -> int:
-        """Host memory the pool holds (allocated page bytes, whether in use or not)."""
-        return sum(p.num_pages * p.page_bytes for p in self.components.values())
+        """Host memory the pool holds: every page with its frame, in use or not."""
+        return sum(p.num_pages * p.row_bytes for p in self.components.values())
 
     @property
     def pinned_bytes(self) -> int:
         """The part of :attr:`resident_bytes` that is page-locked."""
-        return sum(p.num_pages * p.page_bytes for p in self.components.values() if p.pinned)
+        return sum(p.num_pages * p.row_bytes for p in self.components.values() if p.pinned)
 
     @property
     def used_bytes(self) -> int:

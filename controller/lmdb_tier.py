@@ -39,6 +39,10 @@ from hicache.types import ComponentType
 
 log = logging.getLogger(__name__)
 
+# Pages up to this size are copied holding the GIL (a few microseconds); larger ones
+# through numpy, which lets the engine's threads run during the copy.
+_GIL_FREE_COPY_BYTES = 256 << 10
+
 
 class ReadStatus(enum.Enum):
     OK = "ok"
@@ -237,8 +241,11 @@ class LmdbTier:
                     return ReadStatus.FOREIGN
                 if hdr[6] != dst.nbytes or len(value) != HEADER_BYTES + dst.nbytes:
                     return ReadStatus.CORRUPT
-                # numpy copies without the GIL: engine threads keep running meanwhile.
-                np.copyto(dst, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
+                if dst.nbytes > _GIL_FREE_COPY_BYTES:
+                    # numpy copies without the GIL: engine threads run meanwhile.
+                    np.copyto(dst, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
+                else:  # a short copy: cheaper to call than numpy's
+                    memoryview(dst)[:] = value[HEADER_BYTES:]
         except lmdb.Error as exc:
             log.error("LMDB read of %s failed: %s", skey.hex(), exc)
             return ReadStatus.ERROR

@@ -24,7 +24,7 @@ from typing import Any
 import lmdb
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.page_codec import HEADER_BYTES, KEY_BYTES, encode_into
+from hicache.controller.page_codec import HEADER_BYTES, KEY_BYTES, encode_into, write_header
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 
@@ -33,13 +33,23 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WriteJob:
-    """A page to store; ``token`` is the caller's, handed back in the result."""
+    """A page to store; ``token`` is the caller's, handed back in the result.
+
+    ``framed``: ``payload`` starts with HEADER_BYTES of room for the header (a host page
+    frame), so the writer fills them in and stores the buffer as it is, without a copy.
+    """
 
     skey: bytes
     component: ComponentType
     parent_hash: bytes
     payload: Any
     token: Any = None
+    framed: bool = False
+
+    @property
+    def value_bytes(self) -> int:
+        n = memoryview(self.payload).nbytes
+        return n if self.framed else HEADER_BYTES + n
 
 
 @dataclass
@@ -218,7 +228,7 @@ class LmdbWriter:
         results: list[WriteResult] = []
         sized: list[tuple[WriteJob, int]] = []
         for job in jobs:
-            size = HEADER_BYTES + memoryview(job.payload).nbytes
+            size = job.value_bytes
             if size > self.config.disk_budget_bytes:
                 reason = (
                     f"a {size}-byte page exceeds disk_budget_bytes="
@@ -278,6 +288,10 @@ class LmdbWriter:
                 for skey in self._pending_deletes:
                     txn.delete(skey)
             for job, _ in puts:
+                if job.framed:
+                    write_header(job.payload, job.component, self.layout_digest, job.parent_hash)
+                    txn.put(job.skey, job.payload)
+                    continue
                 value = encode_into(
                     self._scratch, job.component, self.layout_digest, job.parent_hash, job.payload
                 )
@@ -390,6 +404,4 @@ class LmdbWriter:
 
 
 def _job_bytes(item: object) -> int:
-    if isinstance(item, WriteJob):
-        return memoryview(item.payload).nbytes
-    return 0
+    return item.value_bytes if isinstance(item, WriteJob) else 0

@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE = "local"
+# PageKey.storage_key() without building a PageKey: this runs once per page per call.
+_TAG = {c: bytes((int(c),)) for c in ComponentType}
 
 
 class ControllerLayoutMismatch(ControllerError, LayoutMismatchError):
@@ -194,17 +196,18 @@ class LocalController:
 
     def _check_refs(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> None:
         comps = self._layout.components if self._layout else ()
+        caps = {c: buffers.capacity(c) for c in comps}
         for ref in refs:
-            if ref.component not in comps:
+            cap = caps.get(ref.component)
+            if cap is None:
                 raise ControllerError(f"the layout has no {ref.component.name} component")
-            if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
-                raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
-            cap = buffers.capacity(ref.component)
             if not 0 <= ref.device_index < cap:
                 raise ControllerError(
                     f"{ref.component.name} device index {ref.device_index} is outside the "
                     f"engine's {cap} pages/slots"
                 )
+            if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
+                raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
 
     # -- the protocol --------------------------------------------------------------------
 
@@ -258,7 +261,7 @@ class LocalController:
         with self._store.lock:
             seen: set[bytes] = set()
             for ref in refs:
-                skey = ref.key.storage_key()
+                skey = ref.page_hash + _TAG[ref.component]
                 if skey in seen:
                     continue
                 seen.add(skey)
@@ -400,7 +403,7 @@ class LocalController:
             if rec.engine_id != engine_id:
                 raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
             for ref in refs:
-                skey = ref.key.storage_key()
+                skey = ref.page_hash + _TAG[ref.component]
                 if skey not in rec.skeys:
                     raise ControllerError(
                         f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "

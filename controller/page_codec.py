@@ -48,23 +48,12 @@ class PageHeader(NamedTuple):
     written_at_ns: int
 
 
-def encode_into(
-    buffer: bytearray,
-    component: ComponentType,
-    layout_digest: bytes,
-    parent_hash: bytes,
-    payload: Any,
-) -> memoryview:
-    """Header + payload written into ``buffer`` (grown as needed); a view of the value.
-
-    The writer reuses one buffer, so a value costs one copy and no fresh allocation (a
-    fresh multi-MiB buffer pays a page fault per 4 KiB on first touch).
-    """
-    view = memoryview(payload).cast("B")
-    size = HEADER_BYTES + view.nbytes
-    if len(buffer) < size:
-        buffer.extend(bytes(size - len(buffer)))
-    out = memoryview(buffer)[:size]
+def write_header(
+    frame: Any, component: ComponentType, layout_digest: bytes, parent_hash: bytes
+) -> None:
+    """Fill the first HEADER_BYTES of ``frame`` (a writable buffer whose rest is the
+    payload) so that the whole frame is a stored value: no copy of the payload."""
+    out = memoryview(frame).cast("B")
     _HEADER.pack_into(
         out,
         0,
@@ -74,13 +63,33 @@ def encode_into(
         0,
         layout_digest,
         parent_hash,
-        view.nbytes,
-        payload_checksum(view),
+        out.nbytes - HEADER_BYTES,
+        payload_checksum(out[HEADER_BYTES:]),
         time.time_ns(),
         0,
     )
     struct.pack_into("<I", out, _CRC_SPAN, zlib.crc32(out[:_CRC_SPAN]))
+
+
+def encode_into(
+    buffer: bytearray,
+    component: ComponentType,
+    layout_digest: bytes,
+    parent_hash: bytes,
+    payload: Any,
+) -> memoryview:
+    """Header + a copy of ``payload`` in ``buffer`` (grown as needed); a view of the value.
+
+    For payloads without room for a header in front (see :func:`write_header`). The
+    writer reuses one buffer, so a value costs one copy and no fresh allocation.
+    """
+    view = memoryview(payload).cast("B")
+    size = HEADER_BYTES + view.nbytes
+    if len(buffer) < size:
+        buffer.extend(bytes(size - len(buffer)))
+    out = memoryview(buffer)[:size]
     out[HEADER_BYTES:] = view
+    write_header(out, component, layout_digest, parent_hash)
     return out
 
 

@@ -56,6 +56,7 @@ class PageEntry:
         "busy",
         "children",
         "component",
+        "copies",
         "disk_nbytes",
         "disk_state",
         "fill",
@@ -81,6 +82,7 @@ class PageEntry:
         self.disk_nbytes = 0
         self.pins = 0
         self.busy = 0
+        self.copies = 0  # device copies in flight: the part of ``busy`` they hold
         self.last_access = 0
         # Per tier (indexed by Tier value): FULL children present there, and the
         # (last_access, seq) of this entry's newest heap item, None when it has none.
@@ -175,6 +177,8 @@ class PageIndex:
     def touch(self, entry: PageEntry) -> None:
         """Mark ``entry`` most recently used."""
         entry.last_access = self.tick()
+        if entry.pins or entry.busy:
+            return  # not evictable now; pushed when released
         for tier in _TIERS:
             self._maybe_push(entry, tier)
 
@@ -295,8 +299,8 @@ class PageIndex:
             self._released(entry)
 
     def _released(self, entry: PageEntry) -> None:
-        if not entry.attached:
-            return
+        if not entry.attached or entry.pins or entry.busy:
+            return  # still held: nothing became evictable
         for tier in _TIERS:
             self._maybe_push(entry, tier)
         if entry.component is not ComponentType.FULL:

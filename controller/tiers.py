@@ -26,6 +26,7 @@ from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
 from hicache.controller.host_pool import HostPool
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
+from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.pins import PinTable
 from hicache.controller_api import ControllerError, PageKey
@@ -54,8 +55,6 @@ class PageStore:
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None
-        # Device copies in flight per entry (by id): the part of ``busy`` they hold.
-        self.copy_holds: dict[int, int] = {}
 
     def fault(self, what: str) -> bool:
         return self.faults is not None and self.faults.take(what)
@@ -98,14 +97,10 @@ class PageStore:
     def hold_locked(self, e: PageEntry) -> None:
         """Hold ``e`` for a device copy."""
         self.index.acquire(e)
-        self.copy_holds[id(e)] = self.copy_holds.get(id(e), 0) + 1
+        e.copies += 1
 
     def unhold_locked(self, e: PageEntry) -> None:
-        n = self.copy_holds[id(e)] - 1
-        if n:
-            self.copy_holds[id(e)] = n
-        else:
-            del self.copy_holds[id(e)]
+        e.copies -= 1
         self.index.release(e)
 
     def expire_pins_locked(self) -> None:
@@ -139,17 +134,19 @@ class PageStore:
                 and e.disk_state is DiskState.NONE
             ):
                 # Copied out before the page is reused; served from this copy until committed.
-                payload = self.host[e.component].row(e.host_page).tobytes()
-                self._queue_write_locked(e, payload)
-                e.pending_payload = payload
+                frame = bytearray(self.host[e.component].frame(e.host_page))
+                self._queue_write_locked(e, frame)
+                e.pending_payload = frame
             self.host[e.component].free(self.index.clear_host(e))
             self.counters.inc("evictions", "host", component_label(e.component))
             self.index.discard_if_unused(e)
 
-    def _queue_write_locked(self, e: PageEntry, payload: Any) -> None:
+    def _queue_write_locked(self, e: PageEntry, frame: Any) -> None:
+        """Queue ``frame`` (header room + payload) for the writer; it holds ``e``."""
         self.index.set_disk(e, DiskState.PENDING)
         self.index.acquire(e)
-        self.disk.submit_write(WriteJob(e.skey, e.component, e.parent_hash, payload, token=e))
+        job = WriteJob(e.skey, e.component, e.parent_hash, frame, token=e, framed=True)
+        self.disk.submit_write(job)
 
     def write_through_locked(self, e: PageEntry) -> None:
         """Queue a page that just reached host to the writer, if the policy says so."""
@@ -158,8 +155,8 @@ class PageStore:
             and self.config.disk_write_policy is DiskWritePolicy.WRITE_THROUGH
             and e.disk_state is DiskState.NONE
         ):
-            # Zero-copy: the writer reads the host page, which the hold keeps in place.
-            self._queue_write_locked(e, self.host[e.component].row(e.host_page))
+            # Zero-copy: the writer stores the host page's frame, which the hold keeps.
+            self._queue_write_locked(e, self.host[e.component].frame(e.host_page))
 
     def write_back_all_locked(self) -> int:
         """Queue every page held only on host to the writer (write-back, at close)."""
@@ -168,7 +165,7 @@ class PageStore:
         n = 0
         for e in self.index:
             if e.host_state is HostState.READY and e.disk_state is DiskState.NONE:
-                self._queue_write_locked(e, self.host[e.component].row(e.host_page))
+                self._queue_write_locked(e, self.host[e.component].frame(e.host_page))
                 n += 1
         return n
 
@@ -252,9 +249,9 @@ class PageStore:
             if self.faults is not None and self.faults.disk_read_delay_s:
                 time.sleep(self.faults.disk_read_delay_s)
             dst = self.host[e.component].row(page)
-            payload = e.pending_payload  # write-back: not committed yet, served from memory
-            if payload is not None:
-                dst[:] = np.frombuffer(payload, np.uint8)
+            frame = e.pending_payload  # write-back: not committed yet, served from memory
+            if frame is not None:
+                dst[:] = np.frombuffer(frame, np.uint8, offset=HEADER_BYTES)
                 status = ReadStatus.OK
             else:
                 status = self.disk.read_into(e.skey, dst)
@@ -319,7 +316,7 @@ class PageStore:
                 want = (
                     (e.host_state is HostState.FILLING)
                     + (e.disk_state is DiskState.PENDING)
-                    + self.copy_holds.get(id(e), 0)
+                    + e.copies
                 )
                 assert e.busy == want, f"{e}: busy {e.busy} != {want} operations in flight"
                 assert (e.fill is not None) == (e.host_state is HostState.FILLING), f"{e}: fill"

@@ -10,7 +10,7 @@ import torch
 from test_controller_support import PAGE, Engine, hybrid_layout
 
 from hicache.controller.config import ControllerConfig, HostPinning
-from hicache.controller.host_pool import HostPool, host_page_counts
+from hicache.controller.host_pool import FRAME_BYTES, HostPool, host_page_counts
 from hicache.kernels import reference
 from hicache.types import ComponentType, ConfigError, SlotStateError
 
@@ -24,10 +24,13 @@ def test_page_counts_follow_the_weights_and_fit_the_budget():
     assert counts[SWA] == pytest.approx(counts[FULL] * 0.5, abs=1)
     assert counts[MAMBA] == pytest.approx(counts[FULL] * 0.25, abs=1)
     pool = HostPool(layout, PAGE, cfg)
-    assert pool.resident_bytes <= 1 << 20
-    assert pool.resident_bytes > (1 << 20) - 2 * sum(
-        layout.page_bytes(c, PAGE) for c in layout.components
-    )
+    payload = sum(p.num_pages * p.page_bytes for p in pool.components.values())
+    assert (1 << 20) - 2 * sum(layout.page_bytes(c, PAGE) for c in layout.components) < payload
+    assert payload <= 1 << 20
+    # Frames (LMDB header room, 128-byte alignment) come on top, and are reported.
+    frames = sum(p.num_pages * (p.row_bytes - p.page_bytes) for p in pool.components.values())
+    assert pool.resident_bytes == payload + frames
+    assert all(p.row_bytes % FRAME_BYTES == 0 for p in pool.components.values())
 
 
 def test_too_small_a_budget_names_the_component_and_the_minimum():
@@ -44,6 +47,10 @@ def test_kv_pages_are_one_contiguous_run_of_bytes_in_the_reference_layout():
     row = pool[FULL].row(3)
     assert row.nbytes == layout.page_bytes(FULL, PAGE)
     assert np.array_equal(row, kv[3].contiguous().view(torch.uint8).reshape(-1).numpy())
+    assert (kv.data_ptr() - pool[FULL].buffer.data_ptr()) % FRAME_BYTES == 0
+    assert kv.stride(0) * 2 == pool[FULL].row_bytes
+    frame = pool[FULL].frame(3)
+    assert np.shares_memory(frame, row) and np.array_equal(frame[-row.nbytes :], row)
 
 
 def test_mamba_pages_hold_conv_then_ssm_bytes():

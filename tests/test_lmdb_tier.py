@@ -211,3 +211,17 @@ def test_close_drains_every_queued_write(tmp_path):
     reopened = open_tier(tmp_path, FakeIndex())
     assert len(reopened.stored_keys()) == 100
     reopened.close()
+
+
+def test_a_framed_page_is_stored_from_its_own_buffer(tmp_path):
+    index = FakeIndex()
+    tier = open_tier(tmp_path, index)
+    frame = np.zeros(HEADER_BYTES + PAGE_BYTES, np.uint8)
+    frame[HEADER_BYTES:] = payload(7)
+    tier.submit_write(WriteJob(skey(7), FULL, b"P" * 16, frame, framed=True))
+    assert tier.flush(10.0) and index.results[0].ok
+    assert decode_header(frame.tobytes()).payload_nbytes == PAGE_BYTES  # filled in place
+    dst = np.empty(PAGE_BYTES, np.uint8)
+    assert tier.read_into(skey(7), dst) is ReadStatus.OK
+    assert np.array_equal(dst, payload(7))
+    tier.close()
