@@ -31,6 +31,7 @@ from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import MIB, ControllerConfig
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller.local import LocalController
+from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller_api import PageRef
 from hicache.kernels import kv_pages_to_device
 from hicache.keys import namespace_hash, page_hashes
@@ -86,9 +87,15 @@ def _tier_run(path: Path, keys, pages, sync: bool, batch: int) -> tuple:
     )
     tier.scan()
     tier.start()
+    # Host pages carry room for the header in front (a frame), as the controller's do.
+    frames = []
+    for p in pages:
+        frames.append(np.empty(HEADER_BYTES + size, np.uint8))
+        frames[-1][HEADER_BYTES:] = p
     t0 = time.perf_counter()
     for i, k in enumerate(keys):
-        tier.submit_write(WriteJob(k, ComponentType.FULL, b"P" * 16, pages[i % len(pages)]))
+        job = WriteJob(k, ComponentType.FULL, b"P" * 16, frames[i % len(frames)], framed=True)
+        tier.submit_write(job)
     assert tier.flush(600)
     write_s = time.perf_counter() - t0
     dst = np.empty(size, np.uint8)
