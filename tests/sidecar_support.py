@@ -1,0 +1,346 @@
+"""Helpers for the sidecar tests: a real sidecar subprocess, engine subprocesses driven
+over JSON lines, and waits on conditions (never fixed sleeps). (No tests here.)
+
+Run as a script, this file is an engine worker::
+
+    python tests/sidecar_support.py engine --endpoint ipc:///… --engine-id A
+
+It builds a ``UnifiedRadixCache`` over shared-memory device pools with a
+``SidecarController`` and answers one JSON command per line on stdin (see ``_serve_engine``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+PYTHON = sys.executable
+START_TIMEOUT_S = 90.0  # a cold start imports torch; a shared 2-core machine is slow
+
+
+def short_tmpdir(prefix: str = "hc") -> Path:
+    """A fresh directory with a short path (a Unix socket path must fit 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.02) -> Any:
+    """Poll ``cond`` until it returns something truthy; AssertionError after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def layout_file(dirpath: Path, mix: str = "full+swa+mamba", page_size: int = 4) -> Path:
+    """The test layout of ``mix`` as a JSON layout file for ``hicache serve``."""
+    sys.path.insert(0, str(TESTS))
+    from cache_support import make_layout
+
+    d = make_layout(mix).to_dict()
+    d["page_size"] = page_size
+    path = dirpath / "layout.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+class Sidecar:
+    """``hicache serve`` in a subprocess, with its own socket, LMDB and log files."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        metrics: bool = False,
+    ) -> None:
+        self.workdir = workdir
+        self.socket = workdir / "run" / "hicache.sock"
+        self.disk = workdir / "lmdb"
+        self.ready_file = workdir / "ready.json"
+        self.args = list(args or [])
+        self.env = dict(env or {})
+        self.metrics = metrics
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+        self.starts = 0
+        self.log_path = workdir / "sidecar.log"
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.socket)
+
+    @property
+    def metrics_port(self) -> int:
+        return int(self.info.get("metrics_port", 0))
+
+    def command(self) -> list[str]:
+        port = str(free_port()) if self.metrics else "0"
+        return [
+            PYTHON,
+            "-m",
+            "hicache.controller.serve",
+            "--socket",
+            str(self.socket),
+            "--disk-path",
+            str(self.disk),
+            "--metrics-port",
+            port,
+            "--ready-file",
+            str(self.ready_file),
+            "--log-level",
+            "debug",
+            "--host-pool-bytes",
+            "8MiB",
+            "--disk-budget-bytes",
+            "64MiB",
+            *self.args,
+        ]
+
+    def start(self) -> Sidecar:
+        self.ready_file.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"--- start {self.starts} ---\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.command(), cwd=self.workdir, env=env, stdout=log, stderr=log
+            )
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"sidecar exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            return self.ready_file.exists()
+
+        wait_for(ready, START_TIMEOUT_S, "the sidecar to serve", every_s=0.05)
+        self.info = json.loads(self.ready_file.read_text())
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def admin(self):
+        from hicache.controller.admin_cli import AdminClient
+
+        return AdminClient(self.endpoint, timeout_s=30.0)
+
+    def __enter__(self) -> Sidecar:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            self.stop(30)
+        self.kill()
+
+
+class EngineProc:
+    """An engine worker subprocess (this file run as ``engine``), one command at a time."""
+
+    def __init__(self, endpoint: str, engine_id: str, mix: str = "full+swa+mamba", **kw: Any):
+        cmd = [
+            PYTHON,
+            str(Path(__file__).resolve()),
+            "engine",
+            "--endpoint",
+            endpoint,
+            "--engine-id",
+            engine_id,
+            "--mix",
+            mix,
+            "--client-config",
+            json.dumps(kw),
+        ]
+        self.engine_id = engine_id
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._lines: queue.Queue = queue.Queue()
+        self._err: list[str] = []
+        pump = threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines))
+        pump.daemon = True
+        pump.start()
+        threading.Thread(target=self._pump_err, daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: Any, q: queue.Queue) -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    def _pump_err(self) -> None:
+        for line in self.proc.stderr:
+            self._err.append(line)
+
+    def stderr(self) -> str:
+        return "".join(self._err[-60:])
+
+    def send(self, op: str, **kw: Any) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"engine {self.engine_id}: no answer\n{self.stderr()}") from None
+        if line is None:
+            raise AssertionError(f"engine {self.engine_id} exited\n{self.stderr()}")
+        out = json.loads(line)
+        if "error" in out:
+            raise AssertionError(f"engine {self.engine_id}: {out['error']}\n{self.stderr()}")
+        return out
+
+    def call(self, op: str, timeout_s: float = START_TIMEOUT_S, **kw: Any) -> dict[str, Any]:
+        self.send(op, **kw)
+        return self.receive(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call("exit", timeout_s=30)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+# -- the engine worker --------------------------------------------------------------------
+
+
+def _serve_engine(endpoint: str, engine_id: str, mix: str, client_config: dict) -> None:
+    sys.path.insert(0, str(TESTS))
+    import numpy as np
+    from cache_support import MarkerEngine, make_layout
+
+    from hicache import CacheConfig, DevicePools, UnifiedRadixCache
+    from hicache.controller.client import SidecarClientConfig, SidecarController
+
+    layout = make_layout(mix)
+    cfg = CacheConfig(
+        page_size=4,
+        sliding_window=8 if layout.has_swa else None,
+        full_slots=1024,
+        mamba_slots=32,
+        shared_memory=True,
+        prefetch_policy="wait_complete",  # a disk hit is loaded in the same request
+    )
+    pools = DevicePools.allocate(layout, cfg)
+    ctl = SidecarController(endpoint, engine_id, SidecarClientConfig(**client_config))
+    cache = UnifiedRadixCache(layout, cfg, pools, controller=ctl)
+    engine = MarkerEngine(cache)
+
+    def answer(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer({"ready": True, "available": ctl.available})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "exit":
+                ctl.close()
+                pools.close()
+                answer({"bye": True})
+                return
+            tokens = np.asarray(cmd.get("tokens", []), dtype=np.int64)
+            ns = cmd.get("namespace")
+            if op == "run":  # compute and cache a whole request, wait for its backup
+                engine.run(tokens, ns)
+                cache.flush_backups(30.0)
+                answer({"backup_done": cache.counters["backup_done"]})
+            elif op == "evict_all":  # drop every cached prefix from the device tier
+                r = cache.evict(full_tokens=cfg.full_slots)
+                answer({"full_tokens": r.full_tokens})
+            elif op == "match":
+                m = cache.match_prefix(tokens, ns)
+                answer(
+                    {
+                        "prefix_len": m.prefix_len,
+                        "host_hit_len": m.host_hit_len,
+                        "disk_hit_len": m.disk_hit_len,
+                    }
+                )
+            elif op == "start":  # match + load back; verify_prefix checks every byte
+                req = engine.start(tokens, ns)
+                n = req.prefix_len
+                cache.cache_finished_req(req)
+                answer({"prefix_len": n, "loaded": cache.counters["loaded_tokens"]})
+            elif op == "wait_available":
+                end = time.monotonic() + cmd.get("timeout_s", 60.0)
+                while not ctl.available and time.monotonic() < end:
+                    time.sleep(0.02)
+                answer({"available": ctl.available})
+            elif op == "status":
+                answer({"available": ctl.available, "counters": dict(ctl.counters)})
+            else:
+                answer({"error": f"unknown op {op}"})
+        except Exception as exc:  # reported to the test, which fails with it
+            import traceback
+
+            answer({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["engine"])
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--mix", default="full+swa+mamba")
+    p.add_argument("--client-config", default="{}")
+    a = p.parse_args()
+    _serve_engine(a.endpoint, a.engine_id, a.mix, json.loads(a.client_config))

@@ -1,0 +1,84 @@
+"""End to end: a real sidecar process and two engine processes with shared-memory pools.
+
+Engine A computes a prefix, backs it up and evicts it from its device tier; engine B
+(another process, its own pools) hits it on host and loads it back bit for bit. After a
+sidecar restart both engines reconnect on their own (handshake and registration again)
+and hit the prefix on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir
+
+PAGE = 4
+PREFIX_PAGES = 10
+TOKENS = list(range(1000, 1000 + PREFIX_PAGES * PAGE + 3))  # ten pages and a tail
+PREFIX = PREFIX_PAGES * PAGE
+FAST_CLIENT = {"reconnect_interval_s": 0.2, "request_timeout_s": 2.0}
+
+
+@pytest.fixture
+def workdir():
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _engines(endpoint: str, *ids: str) -> list[EngineProc]:
+    procs = [EngineProc(endpoint, i, **FAST_CLIENT) for i in ids]  # start in parallel
+    for p in procs:
+        assert p.receive()["available"], f"engine {p.engine_id} did not connect"
+    return procs
+
+
+def test_engine_b_loads_engine_a_prefix_from_host_then_from_disk_after_restart(workdir):
+    sidecar = Sidecar(
+        workdir,
+        args=[
+            "--layout-file",
+            str(layout_file(workdir)),
+            "--set",
+            "heartbeat_interval_s=0.3",
+            "--lease-s",
+            "10",
+        ],
+    )
+    with sidecar:
+        a, b = _engines(sidecar.endpoint, "engine-A", "engine-B")
+        try:
+            # A computes and backs up the prefix, then loses it from its device tier.
+            assert a.call("run", tokens=TOKENS)["backup_done"] >= 1
+            assert a.call("evict_all")["full_tokens"] >= PREFIX
+            assert a.call("match", tokens=TOKENS) == {
+                "prefix_len": 0,
+                "host_hit_len": PREFIX,
+                "disk_hit_len": 0,
+            }
+
+            # B never computed it: it finds it on host and loads it back. ``start``
+            # verifies every K/V byte, the SWA window and the Mamba state.
+            assert b.call("match", tokens=TOKENS)["host_hit_len"] == PREFIX
+            assert b.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+
+            # The sidecar restarts (a clean stop drains queued writes to LMDB).
+            assert sidecar.stop() == 0
+            sidecar.start()
+            for e in (a, b):
+                assert e.call("wait_available", timeout_s=60)["available"], e.stderr()
+
+            # Both re-registered; neither has the prefix on device; it is on disk.
+            assert b.call("evict_all")["full_tokens"] >= PREFIX
+            for e in (a, b):
+                m = e.call("match", tokens=TOKENS)
+                assert m == {"prefix_len": 0, "host_hit_len": 0, "disk_hit_len": PREFIX}, m
+            assert a.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            assert b.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            log = sidecar.log_text()
+            assert log.count("engine engine-A registered cpu pools") == 2
+            assert log.count("engine engine-B registered cpu pools") == 2
+        finally:
+            for e in (a, b):
+                e.close()
