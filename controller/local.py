@@ -423,6 +423,9 @@ class LocalController:
                     if fut is None:
                         return False
                     fills.append(fut)
+            if not fills:  # all on host already: hold them now, in the same section
+                for e in entries:
+                    self._store.hold_locked(e)
         if fills:
             filled = self._fills.wait(fills, deadline)
             if filled is None:
@@ -430,13 +433,13 @@ class LocalController:
                 return False
             if not filled:
                 return False  # the read counted its own reason
-        with self._store.lock:
-            for e in entries:
-                if not e.attached or e.host_state is not HostState.READY:
-                    self.counters.fail(Failure.PAGE_ABSENT)
-                    return False
-            for e in entries:
-                self._store.hold_locked(e)
+            with self._store.lock:
+                for e in entries:
+                    if not e.attached or e.host_state is not HostState.READY:
+                        self.counters.fail(Failure.PAGE_ABSENT)
+                        return False
+                for e in entries:
+                    self._store.hold_locked(e)
         return self._copy_to_device(refs, entries, buffers)
 
     def _copy_to_device(
@@ -444,6 +447,7 @@ class LocalController:
     ) -> bool:
         t0 = time.perf_counter()
         ok = False
+        nbytes = 0
         try:
             plan = list(zip(entries, refs))
             for comp, group in _by_component(plan).items():
@@ -455,15 +459,14 @@ class LocalController:
                     [e.host_page for e, _ in group],
                     [r.device_index for _, r in group],
                 )
+                nbytes += len(group) * self._store.host[comp].page_bytes
             ok = True
         except Exception as exc:
             log.error("load copy failed: %s", exc)
             self.counters.fail(Failure.COPY_ERROR)
         finally:
-            nbytes = 0
             with self._store.lock:
                 for e in entries:
-                    nbytes += self._store.host[e.component].page_bytes
                     self._store.unhold_locked(e)
                     if ok:
                         self._store.index.touch(e)
