@@ -296,6 +296,8 @@ def _faults_from_env() -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the sidecar until SIGTERM/SIGINT. Exit codes: 0 clean, 1 failed, 2 bad config."""
+    import zmq
+
     from hicache.controller.local import LocalController
     from hicache.controller.server import SidecarError, SidecarServer
 
@@ -327,7 +329,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 settings.sidecar.metrics_port, settings.sidecar.metrics_addr
             )
             log.info("metrics on http://%s:%d/metrics", settings.sidecar.metrics_addr, metrics_port)
-    except (HicacheError, OSError, SidecarError) as exc:
+    except (HicacheError, OSError, SidecarError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         controller.close()
         return 1

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
+import zmq.auth
 
 from hicache.controller.local import LocalController
 from hicache.controller.metrics import SidecarMetrics
@@ -64,6 +65,7 @@ _REPLY = b"R"
 _PROGRESS = b"P"
 _MAX_BATCH = 256  # messages read per socket per loop turn, so no socket starves another
 _POLL_MS = 100
+_ZAP_DOMAIN = "hicache"
 # libzmq drops (with the connection) any frame past this multiple of max_message_bytes;
 # below it the sidecar reads the message and answers TOO_LARGE itself.
 _HARD_LIMIT_FACTOR = 4
@@ -183,11 +185,11 @@ class SidecarServer:
 
         cfg = self.config
         router = self._router()
-        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("hicache.sidecar.auth"))
+        auth_log = logging.getLogger("hicache.sidecar.auth")
+        auth_log.setLevel(logging.INFO)  # its debug lines would print PLAIN passwords
+        self._auth = ThreadAuthenticator(self._ctx, log=auth_log)
         self._auth.start()
         if cfg.tcp_auth is TcpAuth.CURVE:
-            import zmq.auth
-
             public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
             if secret is None:
                 raise SidecarError(
@@ -197,14 +199,16 @@ class SidecarServer:
             router.curve_secretkey = secret
             router.curve_publickey = public
             router.curve_server = True
-            self._auth.configure_curve(domain="*", location=str(cfg.curve_authorized_keys_dir))
+            self._auth.configure_curve(
+                domain=_ZAP_DOMAIN, location=str(cfg.curve_authorized_keys_dir)
+            )
         else:
             token = Path(cfg.tcp_token_file).read_text().strip()
             if len(token) < 16:
                 raise SidecarError(f"the token in {cfg.tcp_token_file} is shorter than 16 chars")
             router.plain_server = True
-            self._auth.configure_plain(domain="*", passwords={"hicache": token})
-        router.zap_domain = b"hicache"
+            self._auth.configure_plain(domain=_ZAP_DOMAIN, passwords={"hicache": token})
+        router.zap_domain = _ZAP_DOMAIN.encode()
         router.bind(cfg.tcp_endpoint)
         self._routers.append(router)
         self._transports.append("tcp")
