@@ -141,13 +141,6 @@ def assert_same_bytes(got: dict, want: dict) -> None:
         assert got[key] == want[key], f"{key[0].name} page {key[1]} differs"
 
 
-def new_controller(tmp_path, layout: ModelLayout | None = None, **overrides) -> LocalController:
-    ctl = LocalController(controller_config(tmp_path, **overrides))
-    if layout is not None:
-        ctl._ensure_layout(layout, PAGE)
-    return ctl
-
-
 def load_into(
     ctl: LocalController, engine: Engine, chain: Chain, components=ALL, only=None, **kw
 ) -> Chain:

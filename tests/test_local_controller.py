@@ -373,3 +373,50 @@ def test_host_tier_cuts_chains_from_the_tail(tmp_path):
     assert ctl.stats()["evictions"]["host"] == {"full": 2, "swa": 2, "mamba": 1}
     ctl.check_invariants()
     ctl.close()
+
+
+def test_verify_on_open_drops_a_corrupt_payload_before_serving(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
+    _store(ctl, chain)
+    ctl.close()
+    _flip_byte(tmp_path, chain.refs([FULL])[1].key.storage_key(), HEADER_BYTES + 7)
+
+    ctl = LocalController(controller_config(tmp_path, disk_verify_on_open=True))
+    ctl.register(layout, PAGE, engine.pools)
+    assert _presence(ctl, chain) == [2, 0, 2]
+    assert ctl.stats()["disk"]["invalid_dropped"] == 1
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_prefetch_brings_disk_pages_to_host(tmp_path):
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(4 * PAGE), mamba_every=4)
+    _store(ctl, chain)
+    ctl.close()
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    missing = engine.write_chain(range(900, 900 + PAGE))
+    assert ctl.prefetch(missing.page_keys()).wait(5.0) is False  # not held anywhere
+    handle = ctl.prefetch(chain.page_keys())
+    assert handle.wait(5.0) and handle.done()
+    assert all(Tier.HOST in t for t in ctl.tiers_of(chain.page_keys()))
+    assert ctl.stats()["transfer"]["disk_to_host"]["pages"] == 9
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_a_smaller_budget_at_reopen_evicts_down_to_it_tail_first(tmp_path):
+    page_value = 512 + HEADER_BYTES
+    layout, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(8 * PAGE))
+    assert ctl.backup(chain.refs([FULL])).wait(5.0)
+    ctl.close()
+    ctl = LocalController(controller_config(tmp_path, disk_budget_bytes=5 * page_value))
+    ctl.register(layout, PAGE, engine.pools)
+    ctl.flush()
+    assert _on_disk(ctl, chain.page_keys([FULL])) == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert ctl.stats()["disk"]["live_bytes"] <= 5 * page_value
+    ctl.check_invariants(deep=True)
+    ctl.close()
