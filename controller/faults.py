@@ -19,7 +19,9 @@ class FaultPlan:
     * ``disk_write``: a writer transaction fails as an LMDB disk error would;
     * ``copy_to_host`` / ``copy_to_device``: a device ↔ host copy raises;
     * ``evict_before_load``: ``load`` finds the last page it was asked for gone from
-      every tier, as if its pin had lapsed and the page had been evicted meanwhile.
+      every tier, as if its pin had lapsed and the page had been evicted meanwhile;
+    * ``evict_host_before_load``: the same page loses only its host copy (its disk copy,
+      if any, stays: the load reads it again).
 
     ``disk_read_delay_s`` slows every disk read (to provoke load timeouts).
     """
@@ -30,6 +32,7 @@ class FaultPlan:
     copy_to_host: int = 0
     copy_to_device: int = 0
     evict_before_load: int = 0
+    evict_host_before_load: int = 0
     disk_read_delay_s: float = 0.0
     fired: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

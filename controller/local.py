@@ -389,9 +389,11 @@ class LocalController:
         self._check_refs(refs, buffers)
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        if refs and self._store.fault("evict_before_load"):
-            with self._store.lock:
-                self._store.drop_locked(refs[-1].key)
+        if refs and self._store.faults is not None:
+            for what, host_only in (("evict_before_load", False), ("evict_host_before_load", True)):
+                if self._store.fault(what):
+                    with self._store.lock:
+                        self._store.drop_locked(refs[-1].key, host_only)
         entries: list[PageEntry] = []
         fills: list[Future] = []
         with self._store.lock:

@@ -169,8 +169,9 @@ class PageStore:
                 n += 1
         return n
 
-    def drop_locked(self, key: PageKey) -> None:
-        """Take a page out of every tier now, pinned or not (a page in flight is kept).
+    def drop_locked(self, key: PageKey, host_only: bool = False) -> None:
+        """Take a page out of every tier (or only host) now, pinned or not; a page in
+        flight is kept.
 
         Only fault injection uses it: it stands for a pin that lapsed and an eviction.
         """
@@ -179,7 +180,7 @@ class PageStore:
             return
         if e.host_state is not HostState.NONE:
             self.host[e.component].free(self.index.clear_host(e))
-        if e.disk_state is DiskState.READY:
+        if not host_only and e.disk_state is DiskState.READY:
             self.index.clear_disk(e)
             self.disk.submit_delete([e.skey])
         self.index.discard_if_unused(e)

@@ -145,6 +145,17 @@ def test_a_page_evicted_meanwhile_fails_the_load(tmp_path):
     ctl.close()
 
 
+def test_a_host_copy_evicted_meanwhile_is_read_again_from_disk(tmp_path):
+    engine, ctl, chain, snap = _disk_only(tmp_path)
+    assert ctl.prefetch(chain.page_keys()).wait(5.0)  # everything on host now
+    ctl.faults.evict_host_before_load = 1
+    reads = ctl.stats()["transfer"]["disk_to_host"]["pages"]
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    assert ctl.stats()["transfer"]["disk_to_host"]["pages"] == reads + 1
+    _no_holds(ctl)
+    ctl.close()
+
+
 def test_an_expired_pin_fails_the_load_and_frees_its_pages(tmp_path):
     engine, ctl, chain, _ = _disk_only(tmp_path)
     target = engine.place(chain.hashes, chain.parents, sorted(chain.mamba_slots))
