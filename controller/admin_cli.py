@@ -73,16 +73,32 @@ class AdminClient:
                     f"cannot read the admin token {path} ({exc.strerror}); run as the "
                     "sidecar's user or pass --token-file"
                 ) from None
+        self._token = token
         self._channel = Channel(self.endpoint, config or SidecarClientConfig())
+        self._handshake()
+
+    def _handshake(self) -> None:
         self._channel.reset()
         self._channel.call(
             Verb.HELLO,
-            {"role": Role.ADMIN.value, "engine_id": f"hicachectl:{os.getpid()}", "token": token},
-            timeout_s,
-            connect_wait_s=timeout_s,
+            {
+                "role": Role.ADMIN.value,
+                "engine_id": f"hicachectl:{os.getpid()}",
+                "token": self._token,
+            },
+            self.timeout_s,
+            connect_wait_s=self.timeout_s,
         )
 
     def call(self, verb: Verb, args: dict[str, Any] | None = None, progress: Any = None) -> dict:
+        """One request; a session the sidecar forgot (idle past its lease, or a restart)
+        is renewed once."""
+        try:
+            return self._channel.call(verb, args or {}, self.timeout_s, progress)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.NO_SESSION.value:
+                raise
+        self._handshake()
         return self._channel.call(verb, args or {}, self.timeout_s, progress)
 
     def close(self) -> None:
