@@ -76,30 +76,34 @@ class ControllerConfig:
     bytes are then ``host_pool_bytes`` divided so that those page counts hold.
     """
 
+    # Host tier: payload bytes of all host pages (each page also has a 128-byte frame).
     host_pool_bytes: int = 1 * GIB
     host_weight_full: float = 1.0
     host_weight_swa: float = 1.0
     host_weight_mamba: float = 0.25
     host_pinning: HostPinning = HostPinning.AUTO
 
+    # Disk tier: None runs without one. The budget counts stored values (header + page).
     disk_path: str | Path | None = None
     disk_budget_bytes: int = 16 * GIB
-    lmdb_map_size_bytes: int | None = None
+    lmdb_map_size_bytes: int | None = None  # None: the rule in the module docstring
     disk_write_policy: DiskWritePolicy = DiskWritePolicy.WRITE_THROUGH
-    disk_sync: bool = True
-    disk_verify_on_open: bool = False
-    disk_map_full_retries: int = 3
+    disk_sync: bool = True  # fsync every commit: a crash loses nothing committed
+    disk_verify_on_open: bool = False  # checksum every stored page at open (reads it all)
+    disk_map_full_retries: int = 3  # evict-and-retry rounds before rejecting pages
 
+    # The writer commits up to this many pages / bytes per transaction, waiting at most
+    # the flush interval for a batch to fill; reads run on reader_threads threads.
     writer_batch_pages: int = 64
     writer_batch_bytes: int = 64 * MIB
     writer_flush_interval_s: float = 0.002
     reader_threads: int = 4
 
-    pin_ttl_default_s: float = 30.0
-    pin_ttl_max_s: float = 600.0
-    load_timeout_s: float = 10.0
-    prefetch_timeout_s: float = 5.0
-    close_timeout_s: float = 60.0
+    pin_ttl_default_s: float = 30.0  # a pin without a ttl lasts this long
+    pin_ttl_max_s: float = 600.0  # no pin lasts longer (a dead engine's pins lapse)
+    load_timeout_s: float = 10.0  # load() without a timeout; backup handles' wait()
+    prefetch_timeout_s: float = 5.0  # prefetch handles' wait() without a timeout
+    close_timeout_s: float = 60.0  # close() waits this long for queued writes
 
     def __post_init__(self) -> None:
         self.host_pinning = _enum(HostPinning, self.host_pinning, "host_pinning")

@@ -108,8 +108,8 @@ class FillTracker:
             if remaining is not None and remaining <= 0:
                 return None
 
-    def handle(self, fills: list[Future], ok: bool) -> FillHandle:
-        return FillHandle(self, fills, ok)
+    def handle(self, fills: list[Future], ok: bool, default_timeout_s: float) -> FillHandle:
+        return FillHandle(self, fills, ok, default_timeout_s)
 
     def check_invariants_locked(self) -> None:
         for b in self._queued:
@@ -118,17 +118,26 @@ class FillTracker:
 
 
 class FillHandle:
-    """A transfer handle over host fills; ``ok`` False when some page was never started."""
+    """A transfer handle over host fills; ``ok`` False when some page was never started.
 
-    def __init__(self, tracker: FillTracker, fills: list[Future], ok: bool) -> None:
+    ``wait()`` without a timeout waits ``default_timeout_s`` (a stuck disk must not hang
+    its caller).
+    """
+
+    def __init__(
+        self, tracker: FillTracker, fills: list[Future], ok: bool, default_timeout_s: float
+    ) -> None:
         self._tracker = tracker
         self._fills = fills
         self._ok = ok
+        self._default_timeout_s = default_timeout_s
 
     def done(self) -> bool:
         self._tracker.reap(block=False)
         return all(f.done() for f in self._fills)
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if timeout_s is None:
+            timeout_s = self._default_timeout_s
+        deadline = time.monotonic() + timeout_s
         return bool(self._tracker.wait(self._fills, deadline)) and self._ok

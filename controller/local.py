@@ -309,7 +309,7 @@ class LocalController:
                 self._fills.publish_locked(queued)
                 return CompletedTransfer(all_held)
             self._fills.queue_locked(queued)
-        return self._fills.handle([e.fill for e, _ in plan], all_held)
+        return self._fills.handle([e.fill for e, _ in plan], all_held, self.config.load_timeout_s)
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
@@ -368,7 +368,7 @@ class LocalController:
                     if fut is not None:
                         fills.append(fut)
         self.counters.add(len(fills), "prefetch", "pages")
-        return self._fills.handle(fills, ok)
+        return self._fills.handle(fills, ok, self.config.prefetch_timeout_s)
 
     def load(
         self,
