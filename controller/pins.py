@@ -51,6 +51,10 @@ class PinTable:
             heapq.heapify(self._deadlines)
         return rec
 
+    def records(self) -> list[PinRecord]:
+        """Every active pin (for admin listings)."""
+        return list(self._pins.values())
+
     def get(self, pin_id: int) -> PinRecord | None:
         """The active pin ``pin_id``; None once released or expired."""
         return self._pins.get(pin_id)
