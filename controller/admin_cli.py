@@ -60,10 +60,16 @@ class AdminClient:
     ) -> None:
         self.endpoint = normalize_endpoint(endpoint) if endpoint else default_endpoint()
         self.timeout_s = timeout_s
+        sock_dir = socket_dir(self.endpoint)
+        if sock_dir is not None and not Path(self.endpoint[len("ipc://") :]).exists():
+            raise SidecarUnavailable(
+                f"the sidecar is not reachable: no socket at {self.endpoint[len('ipc://') :]} "
+                "(is it running? is --socket right?)"
+            )
         if token is None:
             path = Path(token_file) if token_file else None
-            if path is None and socket_dir(self.endpoint) is not None:
-                path = socket_dir(self.endpoint) / ADMIN_TOKEN_NAME
+            if path is None and sock_dir is not None:
+                path = sock_dir / ADMIN_TOKEN_NAME
             if path is None:
                 raise ConfigError("a TCP admin connection needs --token-file")
             try:
