@@ -1,1 +1,30 @@
-"""The controller: host pool, LMDB tier, page index, transfers and the sidecar server."""
+"""The controller: host pool, LMDB tier, page index, transfers and the sidecar server.
+
+The names below load their modules on first use, so that importing one part (say the
+engine's ``SidecarController``) does not load the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LocalController": "hicache.controller.local",
+    "ControllerLayoutMismatch": "hicache.controller.local",
+    "EngineSession": "hicache.controller.session",
+    "ControllerConfig": "hicache.controller.config",
+    "DiskWritePolicy": "hicache.controller.config",
+    "HostPinning": "hicache.controller.config",
+    "FaultPlan": "hicache.controller.faults",
+    "SidecarController": "hicache.controller.client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache.controller' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -46,7 +46,8 @@ class PageKey:
 class PageRef:
     """A page to move between a device pool and the controller.
 
-    ``device_index`` is a page id of the FULL or SWA pool, or a Mamba state slot.
+    ``device_index`` is a page id of the FULL pool, a page id of the SWA pool (for SWA:
+    ``pools.full_to_swa[full_page]``), or a Mamba state slot.
     ``parent_hash`` is the previous hash in the chain (``h_0`` for a first page); the
     controller uses it to evict chains from the tail.
     """
@@ -136,7 +137,8 @@ class CacheController(Protocol):
 
         ``ready_event`` (a CUDA event) is waited on before the device pages are read. The
         caller keeps the device pages allocated and unchanged until the handle is done.
-        Pages the controller already holds are not copied again.
+        Pages the controller already holds are not copied again. The handle's ``wait()``
+        is True only when every page is held by the controller afterwards.
         """
         ...
 
