@@ -1,0 +1,241 @@
+"""``SidecarController`` against an in-process sidecar: deadlines, the circuit breaker, a
+sidecar that does not answer, reconnection after a restart, leases and heartbeats."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from cache_support import make_layout
+from sidecar_support import short_tmpdir, wait_for
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller.client import (
+    RemoteLayoutMismatch,
+    SidecarClientConfig,
+    SidecarController,
+)
+from hicache.controller.config import ControllerConfig
+from hicache.controller.faults import FaultPlan
+from hicache.controller.local import LocalController
+from hicache.controller.server import SidecarServer
+from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller_api import ControllerError, PageRef, Presence
+from hicache.keys import namespace_hash, page_hashes
+from hicache.types import ComponentType
+
+MIX = "full"
+PAGE = 4
+FULL = ComponentType.FULL
+FAST = SidecarClientConfig(
+    request_timeout_s=2.0,
+    lookup_timeout_s=2.0,
+    connect_timeout_s=2.0,
+    reconnect_interval_s=0.1,
+    breaker_failures=2,
+)
+
+
+class InProcessSidecar:
+    """A SidecarServer on a thread of this process, restartable on the same paths."""
+
+    def __init__(self, workdir, **sidecar) -> None:
+        self.workdir = workdir
+        self.sidecar = sidecar
+        self.thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.workdir / "s.sock")
+
+    def start(self) -> InProcessSidecar:
+        ctl_cfg = ControllerConfig(
+            host_pool_bytes=4 << 20,
+            disk_path=self.workdir / "lmdb",
+            disk_budget_bytes=32 << 20,
+            disk_sync=False,
+        )
+        self.controller = LocalController(ctl_cfg)
+        cfg = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0, **self.sidecar)
+        self.server = SidecarServer(self.controller, cfg)
+        self.server.bind()
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.request_stop()
+        self.thread.join(60)
+        self.controller.close()
+
+
+@pytest.fixture
+def workdir():
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Engine:
+    def __init__(self, endpoint: str, config: SidecarClientConfig = FAST, mix: str = MIX):
+        self.layout = make_layout(mix)
+        window = 8 if self.layout.has_swa else None
+        cfg = CacheConfig(
+            page_size=PAGE, sliding_window=window, full_slots=64 * PAGE, shared_memory=True
+        )
+        self.pools = DevicePools.allocate(self.layout, cfg)
+        self.client = SidecarController(endpoint, f"engine-{id(self)}", config)
+        self.fp = self.layout.fingerprint(PAGE)
+
+    def register(self) -> None:
+        self.client.register(self.layout, PAGE, self.pools)
+
+    def chain(self, n: int = 4) -> list[PageRef]:
+        hashes = page_hashes(np.arange(n * PAGE) + 77, self.fp, PAGE)
+        parents = [namespace_hash(self.fp, None), *hashes[:-1]]
+        pages = self.pools.alloc_kv_pages(n)
+        slots = torch.from_numpy(self.pools.full.pages_to_slots(pages))
+        self.pools.full.buffer[:, :, slots] = torch.randn(self.pools.full.buffer[:, :, slots].shape)
+        return [PageRef(FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)]
+
+    def presence(self, refs) -> list[int]:
+        return self.client.lookup([r.page_hash for r in refs], [FULL]).presence[FULL].tolist()
+
+    def close(self) -> None:
+        self.client.close()
+        self.pools.close()
+
+
+def test_lookups_are_misses_while_the_sidecar_is_down_and_hits_after_it_returns(workdir):
+    side = InProcessSidecar(workdir).start()
+    engine = Engine(side.endpoint)
+    try:
+        engine.register()
+        refs = engine.chain()
+        assert engine.client.backup(refs).wait(10)
+        assert engine.presence(refs) == [Presence.HOST] * 4
+        side.stop()  # the controller drains its writes to LMDB
+
+        wait_for(lambda: not engine.client.available, 30, "the breaker to open")
+        assert engine.presence(refs) == [Presence.ABSENT] * 4  # a miss, not an error
+        assert not engine.client.backup(refs).wait(1)
+        assert engine.client.pin([r.key for r in refs], 5) is None
+        assert engine.client.counters["lookup_skipped"] >= 1  # no request was sent
+
+        side.start()  # a new sidecar process would do the same: no session, no pools
+        wait_for(lambda: engine.client.available, 30, "the client to reconnect")
+        assert engine.client.counters["connected"] == 2
+        assert engine.presence(refs) == [Presence.DISK] * 4
+        assert side.controller.engines == [engine.client.engine_id]  # registered again
+    finally:
+        engine.close()
+        side.stop()
+
+
+def test_a_sidecar_that_never_answers_costs_misses_not_errors(workdir):
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # accepts connections, answers nothing
+    mute.bind("ipc://" + str(workdir / "mute.sock"))
+    engine = Engine("ipc://" + str(workdir / "mute.sock"))
+    try:
+        engine.register()  # does not raise: the client retries in the background
+        assert not engine.client.available
+        refs = engine.chain()
+        assert engine.presence(refs) == [Presence.ABSENT] * 4
+        assert not engine.client.load(refs, _receipt(), 1.0)
+    finally:
+        engine.close()
+        mute.close(linger=0)
+
+
+def _receipt():
+    from hicache.controller_api import PinReceipt
+
+    return PinReceipt(1, [], 0.0, {"generation": -1})
+
+
+def test_a_load_never_outlasts_its_deadline(workdir):
+    side = InProcessSidecar(workdir).start()
+    engine = Engine(side.endpoint)
+    try:
+        engine.register()
+        refs = engine.chain()
+        assert engine.client.backup(refs).wait(10)
+        assert side.controller.flush(30)
+        # Disk only, and every disk read now takes 2 s.
+        with side.controller._store.lock:
+            for e in list(side.controller._store.index):
+                side.controller._store._evict_host_locked(e)
+        side.controller.faults = FaultPlan(disk_read_delay_s=2.0)
+        pin = engine.client.pin([r.key for r in refs], 30)
+        assert pin is not None
+        assert not engine.client.load(refs, pin, 0.2)
+        assert side.controller.stats()["failures"]["load_timeout"] == 1
+        engine.client.unpin(pin)
+    finally:
+        engine.close()
+        side.stop()
+
+
+def test_another_layout_is_refused_at_register(workdir):
+    side = InProcessSidecar(workdir).start()
+    first, other = Engine(side.endpoint), Engine(side.endpoint, mix="full+swa")
+    try:
+        first.register()
+        with pytest.raises(RemoteLayoutMismatch, match="run one sidecar per layout"):
+            other.register()
+    finally:
+        first.close()
+        other.close()
+        side.stop()
+
+
+def test_heartbeats_keep_an_idle_engine_registered(workdir):
+    side = InProcessSidecar(workdir, lease_s=0.6, heartbeat_interval_s=0.15).start()
+    idle, silent = Engine(side.endpoint), Engine(side.endpoint)
+    silent.client._start_heartbeats = False
+    try:
+        idle.register()
+        silent.register()
+        wait_for(
+            lambda: silent.client.engine_id not in side.controller.engines,
+            30,
+            "the silent engine's lease to expire",
+        )
+        # By then the idle engine has been idle for a whole lease, and is still there.
+        assert idle.client.engine_id in side.controller.engines
+        assert side.server.metrics.lease_expiries._value.get() == 1
+    finally:
+        idle.close()
+        silent.close()
+        side.stop()
+
+
+def test_register_of_private_pools_is_refused_before_any_request():
+    layout = make_layout(MIX)
+    pools = DevicePools.allocate(layout, CacheConfig(page_size=PAGE, full_slots=64))
+    client = SidecarController("ipc:///tmp/hc-unused.sock", "x", FAST, start_heartbeats=False)
+    with pytest.raises(ControllerError, match="shared_memory=True"):
+        client.register(layout, PAGE, pools)
+    client.close()
+
+
+def test_close_releases_the_engines_pins(workdir):
+    side = InProcessSidecar(workdir).start()
+    engine = Engine(side.endpoint)
+    try:
+        engine.register()
+        refs = engine.chain()
+        assert engine.client.backup(refs).wait(10)
+        assert engine.client.pin([r.key for r in refs], 60) is not None
+        assert side.controller.stats()["pins_active"] == 1
+        engine.client.close()
+        wait_for(lambda: side.controller.stats()["pins_active"] == 0, 10, "pins released")
+        assert side.controller.engines == []
+    finally:
+        engine.pools.close()
+        side.stop()

@@ -1,0 +1,130 @@
+"""The wire vocabulary and the pool sharing functions, without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cache_support import make_layout
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller.device_share import RegistrationRefused, export_pools, map_pools
+from hicache.controller.protocol import (
+    Args,
+    ErrorCode,
+    ProtocolError,
+    Verb,
+    decode_keys,
+    decode_refs,
+    decode_request,
+    encode_keys,
+    encode_refs,
+    encode_request,
+    normalize_endpoint,
+    pack,
+)
+from hicache.controller_api import PageRef
+from hicache.types import ComponentType, HicacheError
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+
+
+def _refs(n: int) -> list[PageRef]:
+    comps = [FULL, SWA, MAMBA]
+    return [PageRef(comps[i % 3], bytes([i]) * 16, bytes([255 - i]) * 16, i * 7) for i in range(n)]
+
+
+def test_refs_and_keys_round_trip_as_columns():
+    refs = _refs(10)
+    assert decode_refs(encode_refs(refs)) == refs
+    keys = [r.key for r in refs]
+    assert decode_keys(encode_keys(keys)) == keys
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda c: {**c, "h": c["h"][:-1]}, "multiple of 16"),
+        (lambda c: {**c, "d": c["d"][:8]}, "expected 10"),
+        (lambda c: {**c, "c": b"\x07" * 10}, "unknown component"),
+        (lambda c: {**c, "d": np.full(10, -1, "<i8").tobytes()}, ">= 0"),
+        (lambda c: {k: v for k, v in c.items() if k != "p"}, "columns c, h, p and d"),
+    ],
+)
+def test_bad_ref_columns_are_refused_with_the_reason(mutate, words):
+    with pytest.raises(ProtocolError) as e:
+        decode_refs(mutate(encode_refs(_refs(10))))
+    assert e.value.code is ErrorCode.BAD_ARGS and words in e.value.message
+
+
+def test_request_round_trip_and_error_codes():
+    req = decode_request(encode_request(42, Verb.LOOKUP, {"x": b"y"}, 0.25), 1 << 20)
+    assert (req.id, req.verb, req.ttl_s, req.args) == (42, Verb.LOOKUP, 0.25, {"x": b"y"})
+    with pytest.raises(ProtocolError) as e:
+        decode_request(b"\x00" * 100, 64)
+    assert e.value.code is ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolError) as e:
+        decode_request(pack({"v": 1, "id": 3, "verb": "nope", "ttl_ms": 5, "args": {}}), 1 << 20)
+    assert e.value.code is ErrorCode.UNKNOWN_VERB and "lookup" in e.value.message
+    assert e.value.request_id == 3  # the error reply can name the request
+    with pytest.raises(ProtocolError) as e:
+        decode_request(pack({"v": 1, "id": True, "verb": "health"}), 1 << 20)
+    assert e.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_args_refuse_bools_for_ints_and_unknown_names():
+    with pytest.raises(ProtocolError, match="integer"):
+        Args(Verb.UNPIN, {"pin_id": True}, ("pin_id",)).int("pin_id")
+    with pytest.raises(ProtocolError, match="unknown argument"):
+        Args(Verb.UNPIN, {"pin_id": 1, "extra": 2}, ("pin_id",))
+
+
+def test_endpoints():
+    assert normalize_endpoint("tcp://h:1") == "tcp://h:1"
+    assert normalize_endpoint("/run/x.sock") == "ipc:///run/x.sock"
+    with pytest.raises(HicacheError, match="only ipc:// and tcp://"):
+        normalize_endpoint("http://h")
+
+
+def _shared_pools(mix: str = "full+swa+mamba", heads: int | None = None) -> DevicePools:
+    layout = make_layout(mix)
+    if heads is not None:
+        d = layout.to_dict()
+        d["num_kv_heads"] = heads
+        layout = type(layout).from_dict(d)
+    cfg = CacheConfig(
+        page_size=4, sliding_window=8, full_slots=64, mamba_slots=4, shared_memory=True
+    )
+    return DevicePools.allocate(layout, cfg)
+
+
+def test_shared_memory_pools_map_onto_the_same_bytes():
+    pools = _shared_pools()
+    try:
+        mapped = map_pools(pools.layout, 4, export_pools(pools))
+        pools.full.buffer[1, 0, 5] = 3.5
+        pools.mamba.ssm[0, 2] = 7.0
+        assert torch.equal(mapped.buffers.full_kv, pools.full.buffer)
+        assert torch.equal(mapped.buffers.mamba_ssm, pools.mamba.ssm)
+        mapped.buffers.swa_kv[0, 0, 1] = 9.0  # and writes go the other way
+        assert torch.all(pools.swa.buffer[0, 0, 1] == 9.0)
+        mapped.buffers = None
+        assert mapped.close()
+    finally:
+        pools.close()
+
+
+def test_pools_of_another_shape_are_refused():
+    pools = _shared_pools(heads=3)
+    try:
+        with pytest.raises(RegistrationRefused, match="buffer 'full' is"):
+            map_pools(make_layout("full+swa+mamba"), 4, export_pools(pools))
+    finally:
+        pools.close()
+
+
+def test_private_cpu_pools_cannot_be_exported():
+    layout = make_layout("full")
+    pools = DevicePools.allocate(layout, CacheConfig(page_size=4, full_slots=64))
+    with pytest.raises(HicacheError, match="shared_memory=True"):
+        export_pools(pools)
