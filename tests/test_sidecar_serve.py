@@ -1,0 +1,163 @@
+"""``hicache serve``: configuration sources and their precedence, the no-config default,
+one-line logs, and a SIGTERM that drains queued backups into LMDB before exit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from cache_support import make_layout
+from sidecar_support import PYTHON, START_TIMEOUT_S, free_port, short_tmpdir, wait_for
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.config import DiskWritePolicy
+from hicache.controller.protocol import default_runtime_dir
+from hicache.controller.serve import add_serve_arguments, load_settings, parse_size, run_serve
+from hicache.controller.sidecar_config import BackupAck
+from hicache.controller_api import PageRef
+from hicache.keys import namespace_hash, page_hashes
+from hicache.types import ComponentType, ConfigError
+
+LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: \S"
+)
+
+
+def test_defaults_need_no_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = load_settings(None, env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert s.sidecar.socket == tmp_path / "hicache" / "hicache.sock"
+    assert str(s.controller.disk_path) == "hicache-data"
+    assert s.sidecar.metrics_port == 9464 and s.sidecar.tcp_endpoint is None
+    assert s.controller.host_pool_bytes == 1 << 30
+    assert s.layout is None
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_runtime_dir().name == f"hicache-{os.getuid()}"
+
+
+def test_flags_beat_environment_beat_file(tmp_path):
+    cfg = tmp_path / "hicache.toml"
+    cfg.write_text(
+        "[sidecar]\nlease_s = 20.0\nmetrics_port = 1111\nlog_level = 'warning'\n"
+        "[controller]\nhost_pool_bytes = '2GiB'\nreader_threads = 2\n"
+        "disk_write_policy = 'write_back'\n"
+        "[layout]\nlayer_kinds = ['full', 'full']\nnum_kv_heads = 2\nhead_dim = 8\n"
+        "page_size = 16\n"
+    )
+    env = {"HICACHE_METRICS_PORT": "2222", "HICACHE_READER_THREADS": "3"}
+    s = load_settings(cfg, env=env, overrides={"reader_threads": "5", "backup_ack": "host"})
+    assert s.sidecar.lease_s == 20.0  # file
+    assert s.sidecar.metrics_port == 2222  # environment over file
+    assert s.controller.reader_threads == 5  # flag over environment
+    assert s.controller.host_pool_bytes == 2 << 30
+    assert s.controller.disk_write_policy is DiskWritePolicy.WRITE_BACK
+    assert s.sidecar.backup_ack is BackupAck.HOST
+    assert s.layout is not None and s.layout[1] == 16 and s.layout[0].head_dim == 8
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[sidecar]\nleese_s = 3\n", "unknown key 'leese_s' in [sidecar]"),
+        ("[controler]\n", "unknown table(s) ['controler']"),
+        ("[controller]\nhost_pool_bytes = 'lots'\n", "not a size"),
+        ("[sidecar]\ntcp_endpoint = 'tcp://0.0.0.0:5000'\n", "only served with authentication"),
+        ("[sidecar\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_what_is_wrong(tmp_path, text, words):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg, env={})
+    assert words in str(e.value)
+
+
+def test_sizes_take_units():
+    assert parse_size("4GiB", "x") == 4 << 30
+    assert parse_size("1.5MB", "x") == 1_500_000
+    assert parse_size(123, "x") == 123
+
+
+def test_serve_exits_2_on_a_bad_config(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--no-disk", "--backup-ack", "disk"])
+    assert run_serve(args) == 2
+    assert "backup_ack='disk' needs a disk tier" in capsys.readouterr().err
+
+
+def test_default_start_serves_privately_and_sigterm_drains_backups_to_lmdb():
+    work = short_tmpdir()
+    port = free_port()
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(work / "xdg"),
+        "HICACHE_METRICS_PORT": str(port),
+        # A writer that gathers for 5 s: the backups are still queued at SIGTERM.
+        "HICACHE_WRITER_FLUSH_INTERVAL_S": "5",
+        "HICACHE_WRITER_BATCH_PAGES": "4096",
+        "PYTHONUNBUFFERED": "1",
+    }
+    (work / "xdg").mkdir(mode=0o700)
+    socket = work / "xdg" / "hicache" / "hicache.sock"
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "hicache.controller.serve"],  # no flags, no config file
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    layout = make_layout("full")
+    pools = DevicePools.allocate(
+        layout, CacheConfig(page_size=4, full_slots=256, shared_memory=True)
+    )
+    try:
+        wait_for(lambda: socket.exists() or proc.poll() is not None, START_TIMEOUT_S, "socket")
+        assert proc.poll() is None, proc.stdout.read()
+        assert socket.stat().st_mode & 0o777 == 0o600
+        client = SidecarController(
+            "ipc://" + str(socket), "drain-test", SidecarClientConfig(connect_timeout_s=30)
+        )
+        client.register(layout, 4, pools)
+        assert client.available
+        fp = layout.fingerprint(4)
+        n = 0
+        for i in range(20):  # acknowledged on host; the disk writes are queued behind
+            hashes = page_hashes(np.arange(8) + 100 * i, fp, 4)
+            parents = [namespace_hash(fp, None), *hashes[:-1]]
+            pages = pools.alloc_kv_pages(2)
+            slots = torch.from_numpy(pools.full.pages_to_slots(pages))
+            pools.full.buffer[:, :, slots] = float(i)
+            refs = [
+                PageRef(ComponentType.FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)
+            ]
+            assert client.backup(refs).wait(30)
+            n += len(refs)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        client.close()
+        log = proc.stdout.read().splitlines()
+        assert log and all(LOG_LINE.match(line) for line in log), "\n".join(log)
+        assert any("INFO hicache.sidecar: stopped" in line for line in log)
+        queued = [re.search(r"draining: (\d+) disk writes queued", line) for line in log]
+        assert [int(m.group(1)) for m in queued if m] == [n]  # all still queued at SIGTERM
+        assert not socket.exists()  # removed on a clean exit
+        env_db = lmdb.open(str(work / "hicache-data"), readonly=True, lock=False)
+        assert env_db.stat()["entries"] == n  # every acknowledged page was committed
+        env_db.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pools.close()
+        shutil.rmtree(work, ignore_errors=True)
