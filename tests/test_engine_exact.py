@@ -26,7 +26,7 @@ from hicache.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from hicache.engine.workload import ChatWorkload, ChatWorkloadConfig
+from hicache.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
 
 KINDS = {
     "full": ("full", "full"),
@@ -133,13 +133,14 @@ class Reference:
 def play(engine: Engine, reference: Reference) -> list[GenerationRequest]:
     """Play the chat workload on ``engine``, checking every round; returns all requests."""
 
-    def serve(_round: int, requests: list[GenerationRequest]) -> list[RequestResult]:
+    def serve(_round: int, turns: list[ChatTurn]) -> list[RequestResult]:
+        requests = [t.request for t in turns]
         results = engine.serve(requests)
         reference.check(requests, results)
         return results
 
     rounds = ChatWorkload(CHAT).play(serve)
-    return [r for requests in rounds for r in requests]
+    return [t.request for turns in rounds for t in turns]
 
 
 def totals(results: list[RequestResult]) -> dict[str, int]:

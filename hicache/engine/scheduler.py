@@ -134,9 +134,7 @@ class SchedulerConfig:
                 f"least prefill_chunk_tokens={self.prefill_chunk_tokens}"
             )
         if self.max_running_requests < 1:
-            raise ConfigError(
-                f"max_running_requests must be >= 1, got {self.max_running_requests}"
-            )
+            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 
 
 @dataclass

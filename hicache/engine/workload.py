@@ -7,8 +7,11 @@ turn ``t`` (prompt and reply) as its prefix, and every conversation shares its s
 prompt with the others that use it. Token ids are drawn from a seeded generator: the same
 config always gives the same workload.
 
-The workload is played in rounds: round ``t`` holds turn ``t`` of every conversation, and
-needs the replies of round ``t - 1`` to build its prompts (:meth:`ChatWorkload.play`).
+The workload is played in rounds (:meth:`ChatWorkload.play`): ``arrivals_per_round``
+conversations open in each round (all in the first when unset), and every open
+conversation has its next turn in each round, built from its reply in the round before.
+Staggered arrivals are what lets a conversation find its system prompt already cached by
+an earlier one: requests admitted together all miss what none of them has computed yet.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class ChatWorkloadConfig:
     user_tokens_min: int = 24
     user_tokens_max: int = 64
     new_tokens: int = 8
+    arrivals_per_round: int | None = None
     vocab_size: int = 256
     seed: int = 0
 
@@ -48,12 +52,25 @@ class ChatWorkloadConfig:
             )
         if self.system_prompt_tokens < 0:
             raise ConfigError("system_prompt_tokens must be >= 0")
+        if self.arrivals_per_round is not None and self.arrivals_per_round < 1:
+            raise ConfigError(
+                f"arrivals_per_round must be >= 1 (or unset), got {self.arrivals_per_round}"
+            )
 
     @property
     def max_sequence_tokens(self) -> int:
         """The longest sequence a conversation reaches (its last prompt and reply)."""
         per_turn = self.user_tokens_max + self.new_tokens
         return self.system_prompt_tokens + self.turns * per_turn
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One request of the workload: turn ``turn`` of conversation ``conversation``."""
+
+    conversation: int
+    turn: int
+    request: GenerationRequest
 
 
 class ChatWorkload:
@@ -97,27 +114,33 @@ class ChatWorkload:
         return GenerationRequest.of(self.rid(conversation, turn), prompt, self.config.new_tokens)
 
     def play(
-        self, serve: Callable[[int, list[GenerationRequest]], list[RequestResult]]
-    ) -> list[list[GenerationRequest]]:
-        """Play every round: ``serve(round, requests)`` must return one result per request,
-        in order. Returns the requests of each round. A failed request ends its
-        conversation."""
+        self, serve: Callable[[int, list[ChatTurn]], list[RequestResult]]
+    ) -> list[list[ChatTurn]]:
+        """Play every round: ``serve(round, turns)`` must return one result per turn, in
+        order. Returns the turns of each round. A failed request ends its conversation."""
         cfg = self.config
-        current = {c: self.first_turn(c) for c in range(cfg.conversations)}
-        rounds = []
-        for turn in range(cfg.turns):
-            conversations = sorted(current)
-            requests = [current[c] for c in conversations]
-            if not requests:
-                break
-            rounds.append(requests)
-            results = serve(turn, requests)
-            if len(results) != len(requests):
-                raise RuntimeError(f"serve returned {len(results)} results for {len(requests)}")
-            current = {}
-            if turn + 1 == cfg.turns:
-                break
-            for c, request, result in zip(conversations, requests, results):
-                if result.error is None:
-                    current[c] = self.next_turn(c, turn + 1, request, result.output_ids)
-        return rounds
+        per_round = cfg.arrivals_per_round or cfg.conversations
+        waiting: dict[int, ChatTurn] = {}
+        opened = 0
+        rounds: list[list[ChatTurn]] = []
+        while True:
+            while opened < min(cfg.conversations, (len(rounds) + 1) * per_round):
+                waiting[opened] = ChatTurn(opened, 0, self.first_turn(opened))
+                opened += 1
+            if not waiting:
+                if opened == cfg.conversations:
+                    return rounds
+                rounds.append([])
+                continue
+            turns = [waiting[c] for c in sorted(waiting)]
+            rounds.append(turns)
+            results = serve(len(rounds) - 1, turns)
+            if len(results) != len(turns):
+                raise RuntimeError(f"serve returned {len(results)} results for {len(turns)}")
+            waiting = {}
+            for t, result in zip(turns, results):
+                if result.error is None and t.turn + 1 < cfg.turns:
+                    request = self.next_turn(
+                        t.conversation, t.turn + 1, t.request, result.output_ids
+                    )
+                    waiting[t.conversation] = ChatTurn(t.conversation, t.turn + 1, request)
