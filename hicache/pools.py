@@ -72,6 +72,7 @@ class PageAllocator:
         # A stack of free page ids: pops come from the end, pushes go to the end.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -159,15 +160,14 @@ class PageAllocator:
     def check_whole_pages(self, slots: np.ndarray) -> bool:
         """True when ``slots`` are whole pages, each page's slots in order."""
         slots = np.asarray(slots, dtype=np.int64)
-        if slots.size % self.page_size:
+        ps = self.page_size
+        if slots.size % ps:
             return False
-        if self.page_size == 1 or slots.size == 0:
+        if ps == 1 or slots.size == 0:
             return True
-        rows = slots.reshape(-1, self.page_size)
-        return bool(
-            np.all(rows % self.page_size == np.arange(self.page_size))
-            and np.all(rows // self.page_size == rows[:, :1] // self.page_size)
-        )
+        rows = slots.reshape(-1, ps)
+        first = rows[:, :1]
+        return bool(((rows - first) == self._page_offsets).all() and not (first % ps).any())
 
 
 class KVPool(PageAllocator):
