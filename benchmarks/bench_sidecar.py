@@ -1,0 +1,239 @@
+"""Sidecar benchmark: lookup round trips against a bare ZeroMQ echo, and load-back MB/s
+through the sidecar against the in-process controller, all measured in the same run.
+
+    python benchmarks/bench_sidecar.py [--lookups N] [--pages P] [--repeat R]
+
+* Lookup: ``SidecarController.lookup`` of a chain of 16 page hashes (FULL) through a real
+  sidecar process, against a bare pyzmq + msgpack echo server process on the same socket
+  type (ROUTER over a Unix socket, DEALER client) whose request and reply have the same
+  sizes as the lookup's. Goal: the sidecar's p99 within 2x of the echo's.
+* Load-back: pin + load of P pages (K and V of every full-attention layer) into the
+  engine's shared-memory pools through the sidecar, against ``LocalController.load`` of
+  the same pages in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from hicache import CacheConfig, DevicePools, ModelLayout
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
+from hicache.controller.protocol import Verb, encode_request
+from hicache.controller_api import PageRef
+from hicache.keys import namespace_hash, page_hashes
+from hicache.types import ComponentType
+
+PAGE = 16
+CHAIN = 16
+FULL = ComponentType.FULL
+
+# The echo server: what the sidecar's I/O thread does minus the cache (receive, decode,
+# encode a reply of the lookup reply's size, send).
+_ECHO = r"""
+import sys, msgpack, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+reply_size = int(sys.argv[2])
+print("ready", flush=True)
+while True:
+    rid, data = sock.recv_multipart()
+    msg = msgpack.unpackb(data, raw=False)
+    if msg.get("verb") == "stop":
+        break
+    out = {"id": msg["id"], "ok": True, "result": {"presence": [b"\x01" * reply_size]}}
+    sock.send_multipart([rid, msgpack.packb(out, use_bin_type=True)])
+"""
+
+
+def layout() -> ModelLayout:
+    return ModelLayout(
+        ("full", "full", "full", "full"),
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="float16",
+        model_id="bench-sidecar",
+    )
+
+
+def _refs(pools: DevicePools, tokens: np.ndarray, pages: np.ndarray) -> list[PageRef]:
+    fp = pools.layout.fingerprint(PAGE)
+    hashes = page_hashes(tokens, fp, PAGE)
+    parents = [namespace_hash(fp, None), *hashes[:-1]]
+    return [PageRef(FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)]
+
+
+def _percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    s = sorted(samples_ns)
+    return s[len(s) // 2] / 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] / 1e3
+
+
+def bench_echo(workdir: Path, n: int) -> tuple[float, float]:
+    endpoint = "ipc://" + str(workdir / "echo.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, endpoint, str(CHAIN)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    args = {"hashes": b"\x07" * 16 * CHAIN, "components": [0]}
+    samples = []
+    for i in range(n + n // 10):
+        t0 = time.perf_counter_ns()
+        sock.send(encode_request(i, Verb.LOOKUP, args, 0.25))
+        sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        np.frombuffer(reply["result"]["presence"][0], dtype=np.int8)
+        if i >= n // 10:  # warm-up excluded
+            samples.append(time.perf_counter_ns() - t0)
+    sock.send(msgpack.packb({"verb": "stop", "id": 0}))
+    proc.wait(30)
+    sock.close()
+    return _percentiles(samples)
+
+
+def bench_lookup(client: SidecarController, hashes: list[bytes], n: int) -> tuple[float, float]:
+    samples = []
+    for i in range(n + n // 10):
+        t0 = time.perf_counter_ns()
+        res = client.lookup(hashes, [FULL])
+        if i >= n // 10:
+            samples.append(time.perf_counter_ns() - t0)
+    assert res.leading(FULL) == len(hashes), "the benchmark chain must be a hit"
+    return _percentiles(samples)
+
+
+def _time_loads(load, repeat: int) -> float:
+    seconds = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        assert load()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lookups", type=int, default=5000)
+    p.add_argument("--pages", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="hcbench", dir="/tmp"))
+    lay = layout()
+    page_bytes = lay.page_bytes(FULL, PAGE)
+    host_bytes = 4 * (args.pages + CHAIN) * page_bytes + (64 << 20)
+    layout_file = work / "layout.json"
+    layout_file.write_text(json.dumps({**lay.to_dict(), "page_size": PAGE}))
+    ready = work / "ready.json"
+    sidecar = subprocess.Popen(
+        [
+            sys.executable, "-m", "hicache.controller.serve",
+            "--socket", str(work / "s.sock"),
+            "--no-disk",
+            "--metrics-port", "0",
+            "--host-pool-bytes", str(host_bytes),
+            "--layout-file", str(layout_file),
+            "--ready-file", str(ready),
+            "--log-level", "warning",
+        ],
+    )  # fmt: skip
+    pools = None
+    try:
+        while not ready.exists():
+            if sidecar.poll() is not None:
+                raise SystemExit("the sidecar did not start")
+            time.sleep(0.05)
+        cfg = CacheConfig(
+            page_size=PAGE, full_slots=(2 * args.pages + 2 * CHAIN + 8) * PAGE, shared_memory=True
+        )
+        pools = DevicePools.allocate(lay, cfg)
+        pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape).half())
+        client = SidecarController(
+            "ipc://" + str(work / "s.sock"),
+            "bench",
+            SidecarClientConfig(lookup_timeout_s=5.0, request_timeout_s=60.0),
+        )
+        client.register(lay, PAGE, pools)
+
+        # -- lookups -----------------------------------------------------------------------
+        chain = _refs(pools, np.arange(CHAIN * PAGE), pools.alloc_kv_pages(CHAIN))
+        assert client.backup(chain).wait(60)
+        hashes = [r.page_hash for r in chain]
+        echo_p50, echo_p99 = bench_echo(work, args.lookups)
+        side_p50, side_p99 = bench_lookup(client, hashes, args.lookups)
+
+        # -- load-back throughput ----------------------------------------------------------
+        tokens = np.arange(args.pages * PAGE) + 10_000_000
+        src = _refs(pools, tokens, pools.alloc_kv_pages(args.pages))
+        assert client.backup(src).wait(120)
+        dst = _refs(pools, tokens, pools.alloc_kv_pages(args.pages))
+        pin = client.pin([r.key for r in dst], 600)
+        assert pin is not None
+        side_s = _time_loads(lambda: client.load(dst, pin, 60), args.repeat)
+        client.unpin(pin)
+        client.close()
+
+        local = LocalController(ControllerConfig(host_pool_bytes=host_bytes, disk_path=None))
+        local.register(lay, PAGE, pools)
+        assert local.backup(src).wait(120)
+        lpin = local.pin([r.key for r in dst], 600)
+        local_s = _time_loads(lambda: local.load(dst, lpin, 60), args.repeat)
+        local.close()
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(60)
+        if pools is not None:
+            pools.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    mb = args.pages * page_bytes / 1e6
+    figures = {
+        "lookup_chain_pages": CHAIN,
+        "lookups": args.lookups,
+        "echo_p50_us": echo_p50,
+        "echo_p99_us": echo_p99,
+        "sidecar_lookup_p50_us": side_p50,
+        "sidecar_lookup_p99_us": side_p99,
+        "p99_ratio": side_p99 / echo_p99,
+        "load_pages": args.pages,
+        "load_MB": mb,
+        "sidecar_load_MBps": mb / side_s,
+        "in_process_load_MBps": mb / local_s,
+        "load_ratio": local_s / side_s,
+    }
+    print(f"lookup round trip, {CHAIN}-page chain, {args.lookups} calls (after warm-up)")
+    print(f"  {'':28} {'p50 us':>9} {'p99 us':>9}")
+    print(f"  {'bare pyzmq+msgpack echo':28} {echo_p50:9.1f} {echo_p99:9.1f}")
+    print(f"  {'sidecar lookup':28} {side_p50:9.1f} {side_p99:9.1f}")
+    print(f"  p99 ratio sidecar/echo: {figures['p99_ratio']:.2f} (goal <= 2)")
+    print(f"load-back of {args.pages} pages ({mb:.1f} MB), median of {args.repeat}")
+    print(f"  through the sidecar: {figures['sidecar_load_MBps']:9.1f} MB/s")
+    print(f"  in-process:          {figures['in_process_load_MBps']:9.1f} MB/s")
+    print(f"  sidecar / in-process: {figures['load_ratio']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
