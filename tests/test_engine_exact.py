@@ -5,8 +5,8 @@ extending the previous one) through :class:`Scheduler` and compares the logits o
 generated token with the cache-off baseline :func:`generate` by ``torch.equal``: hits
 served from the device (Mamba state copied on write), from the host tier after device
 eviction, from disk after the controller is closed and reopened on the same LMDB folder,
-through the sidecar, and under pool pressure with preemption. Across FULL-only, FULL+SWA,
-FULL+MAMBA and all three, with page sizes 1 and 16.
+through the sidecar (another process), and under pool pressure with preemption. Across
+FULL-only, FULL+SWA, FULL+MAMBA and all three, with page sizes 1 and 16.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 
 from hicache import CacheConfig, ConfigError, DevicePools, UnifiedRadixCache
 from hicache.config import PrefetchPolicy
+from hicache.controller.client import SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
 from hicache.engine import HybridModel, generate, tiny_hybrid
+from hicache.engine.cluster import SidecarProcess
 from hicache.engine.scheduler import (
     GenerationRequest,
     RequestResult,
@@ -91,6 +93,11 @@ class Engine:
         self.cache.reset()
         full = {p.name: p.capacity for p in self.pools.all()}
         assert self.pools.free_counts() == full
+
+    def close(self) -> None:
+        if self.cache.controller is not None:
+            self.cache.controller.close()
+        self.pools.close()
 
 
 class Reference:
@@ -278,6 +285,59 @@ def test_a_second_engine_hits_what_the_first_backed_up(tmp_path):
         engine.settle()
         engine.assert_no_leak()
     ctrl.close()
+
+
+# -- through the sidecar ----------------------------------------------------------------------
+
+
+def test_hits_through_the_sidecar_give_the_cache_less_logits(tmp_path):
+    """Engines in this process, the sidecar in another (``hicache serve``): A's own hits
+    on the device, B's on the host tier (pages A backed up), and after a sidecar restart
+    C's on disk; shared-memory pools, every logit exact."""
+    mix, page_size = "full+swa+mamba", 16
+    reference = Reference(mix, page_size)
+    sidecar = SidecarProcess(tmp_path).start()
+    engines: list[Engine] = []
+
+    def engine(name: str) -> Engine:
+        ctl = SidecarController(sidecar.endpoint, engine_id=name)
+        engines.append(
+            Engine(
+                mix,
+                page_size,
+                ctl,
+                shared_memory=True,
+                prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
+            )
+        )
+        return engines[-1]
+
+    try:
+        a = engine("a")
+        requests = play(a, reference)
+        a.settle()
+        assert sum(r.device_hit_tokens for r in a.serve(requests)) > 0
+        b = engine("b")
+        results = b.serve(requests)
+        reference.check(requests, results)
+        assert totals(results)["host"] > 0 and totals(results)["failed_loads"] == 0
+        for e in (a, b):
+            e.settle()
+            e.assert_no_leak()
+            e.close()
+        assert sidecar.stop() == 0
+        sidecar.start()
+        c = engine("c")
+        last_turns = requests[CHAT.conversations :]
+        results = c.serve(last_turns)
+        reference.check(last_turns, results)
+        assert totals(results)["disk"] > 0 and totals(results)["failed_loads"] == 0
+        c.settle()
+        c.assert_no_leak()
+    finally:
+        for e in engines:
+            e.close()
+        sidecar.stop()
 
 
 # -- pressure, failures, the cache-off run ------------------------------------------------

@@ -165,7 +165,7 @@ def write_plot(phases: list[PhaseReport], path: Path) -> str | None:
     ax.set_xlabel("cached serving time (s)")
     ax.set_ylabel("tokens (cumulative)")
     ax.set_title("hicache demo: prefix hits per tier")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.92), fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
