@@ -121,6 +121,11 @@ class Sidecar:
         ]
 
     def start(self) -> Sidecar:
+        """Start and wait until it serves."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> Sidecar:
+        """Start without waiting (engines may start meanwhile: they connect when it is up)."""
         self.ready_file.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.starts += 1
@@ -130,7 +135,9 @@ class Sidecar:
             self.proc = subprocess.Popen(
                 self.command(), cwd=self.workdir, env=env, stdout=log, stderr=log
             )
+        return self
 
+    def wait_ready(self) -> Sidecar:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(
@@ -167,7 +174,8 @@ class Sidecar:
         return AdminClient(self.endpoint, timeout_s=30.0)
 
     def __enter__(self) -> Sidecar:
-        return self.start()
+        """Start it, unless :meth:`launch` already did (then the caller waits for it)."""
+        return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(Exception):

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -125,18 +124,6 @@ def test_status_engines_stats_health(env, capsys):
 
     code, out, _ = ctl(env, capsys, "health")
     assert code == 0 and out.startswith("ok")
-
-
-def test_console_script_runs(env):
-    exe = Path(sys.executable).with_name("hicachectl")
-    r = subprocess.run(
-        [str(exe), "--socket", str(env.sidecar.socket), "health", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["status"] == "ok"
 
 
 def test_exit_codes_for_unreachable_and_refused(env, capsys, tmp_path):

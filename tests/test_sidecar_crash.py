@@ -181,11 +181,13 @@ def test_engine_killed_mid_load_loses_its_pins_within_the_lease():
         env={"HICACHE_FAULTS": json.dumps({"disk_read_delay_s": read_delay_s})},
     )
     tokens = list(range(500, 500 + 8 * PAGE))
-    with sidecar:
-        admin = sidecar.admin()
+    with sidecar.launch():
         engine = EngineProc(sidecar.endpoint, "doomed", reconnect_interval_s=0.2)
         try:
-            assert engine.receive()["available"]
+            sidecar.wait_ready()
+            admin = sidecar.admin()
+            engine.receive()
+            assert engine.call("wait_available", timeout_s=60)["available"], engine.stderr()
             engine.call("run", tokens=tokens)
             engine.call("evict_all")
             # Only disk holds the prefix now, so the load reads slowly (injected delay).

@@ -27,10 +27,13 @@ def workdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _engines(endpoint: str, *ids: str) -> list[EngineProc]:
-    procs = [EngineProc(endpoint, i, **FAST_CLIENT) for i in ids]  # start in parallel
+def _engines(sidecar: Sidecar, *ids: str) -> list[EngineProc]:
+    """Engine processes started while the sidecar starts (they connect once it serves)."""
+    procs = [EngineProc(sidecar.endpoint, i, **FAST_CLIENT) for i in ids]
+    sidecar.wait_ready()
     for p in procs:
-        assert p.receive()["available"], f"engine {p.engine_id} did not connect"
+        p.receive()
+        assert p.call("wait_available", timeout_s=60)["available"], p.stderr()
     return procs
 
 
@@ -46,8 +49,8 @@ def test_engine_b_loads_engine_a_prefix_from_host_then_from_disk_after_restart(w
             "10",
         ],
     )
-    with sidecar:
-        a, b = _engines(sidecar.endpoint, "engine-A", "engine-B")
+    with sidecar.launch():
+        a, b = _engines(sidecar, "engine-A", "engine-B")
         try:
             # A computes and backs up the prefix, then loses it from its device tier.
             assert a.call("run", tokens=TOKENS)["backup_done"] >= 1
