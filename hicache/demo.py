@@ -77,7 +77,9 @@ _DISK_WAIT_S = 60.0
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``hicache demo``."""
     parser.add_argument(
-        "--workdir", default="demo-out", help="folder for LMDB, logs, demo.json and hits.png"
+        "--workdir",
+        default="demo-out",
+        help="folder for logs, demo.json, hits.png and the LMDB tier (its lmdb/ is replaced)",
     )
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON document only")
@@ -160,12 +162,25 @@ class _Phase:
 
     def __enter__(self) -> _Phase:
         self.progress.note(f"{self.report.name}: starting the sidecar and {ENGINES} engines")
-        self.sidecar.start()
+        # All processes start at once (each spends seconds importing torch); the workers
+        # wait for the sidecar's ready file before they register.
+        self.sidecar.launch()
         workers = [
-            replace(self.settings.engine, engine_id=chr(ord("A") + i), socket=self.sidecar.endpoint)
+            replace(
+                self.settings.engine,
+                engine_id=chr(ord("A") + i),
+                socket=self.sidecar.endpoint,
+                sidecar_ready_file=str(self.sidecar.ready_file),
+            )
             for i in range(ENGINES)
         ]
-        self.cluster = EngineCluster(workers, self.settings.workdir)
+        try:
+            self.cluster = EngineCluster(workers, self.settings.workdir)
+            self.sidecar.wait_ready()
+            self.cluster.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -332,12 +347,27 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"hicache demo: a process failed: {exc}", file=sys.stderr)
         return 3
     total_s = time.perf_counter() - began
+    return report_demo(phases, settings, total_s, as_json=args.json, plot=not args.no_plot)
+
+
+def report_demo(
+    phases: list[PhaseReport],
+    settings: DemoSettings,
+    total_s: float,
+    *,
+    as_json: bool = False,
+    plot: bool = True,
+) -> int:
+    """Write demo.json (and the plot), print the tables or the JSON document, and fail
+    loudly (exit code 1) when any logit differed or any request could not be served."""
     plot_path = settings.workdir / "hits.png"
-    plot_note = "not written (--no-plot)" if args.no_plot else write_plot(phases, plot_path)
+    plot_note = write_plot(phases, plot_path) if plot else "not written (--no-plot)"
     mismatches = sum(len(p.mismatches) for p in phases)
+    failed = sum(p.failed_requests for p in phases)
     document = {
-        "ok": mismatches == 0 and not any(p.failed_requests for p in phases),
+        "ok": mismatches == 0 and failed == 0,
         "mismatches": mismatches,
+        "failed_requests": failed,
         "total_time_s": round(total_s, 3),
         "workdir": str(settings.workdir),
         "plot": None if plot_note else str(plot_path),
@@ -348,7 +378,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "phases": [p.to_dict() for p in phases],
     }
     (settings.workdir / "demo.json").write_text(json.dumps(document, indent=1))
-    if args.json:
+    if as_json:
         print(json.dumps(document))
     else:
         for p in phases:
@@ -357,13 +387,15 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"total {total_s:.1f} s; results in {settings.workdir / 'demo.json'}")
         print(f"plot: {plot_note or plot_path}")
     if mismatches:
+        for p in phases:
+            for m in p.mismatches:
+                print(f"LOGIT MISMATCH in {p.name}: {m}", file=sys.stderr)
         print(
             f"hicache demo FAILED: {mismatches} requests whose logits differ from the "
-            "cache-off run (see LOGIT MISMATCH lines above and demo.json)",
+            "cache-off run of generate(); the cache returned wrong data",
             file=sys.stderr,
         )
         return 1
-    failed = sum(p.failed_requests for p in phases)
     if failed:
         print(f"hicache demo FAILED: {failed} requests could not be served", file=sys.stderr)
         return 1

@@ -62,6 +62,12 @@ class SidecarProcess:
 
     def start(self) -> SidecarProcess:
         """Start it and wait until it serves; raises WorkerError with its log if it fails."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve (see :meth:`wait_ready`)."""
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         command = [
@@ -91,6 +97,10 @@ class SidecarProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+
+    def wait_ready(self) -> None:
+        """Wait until the launched sidecar serves; raises WorkerError with its log if it
+        exits or takes longer than ``start_timeout_s``."""
         deadline = time.monotonic() + self.settings.start_timeout_s
         while not self.ready_file.exists():
             if self.proc.poll() is not None:
@@ -103,7 +113,6 @@ class SidecarProcess:
                 raise WorkerError(f"the sidecar did not start in time:\n{self.log_tail()}")
             time.sleep(0.05)
         json.loads(self.ready_file.read_text())  # written atomically once it serves
-        return self
 
     def stop(self) -> int:
         """SIGTERM, then wait for the drain (queued disk writes are committed first)."""
@@ -130,7 +139,8 @@ class SidecarProcess:
 
 
 class EngineCluster:
-    """Engine workers, all of one layout, over one sidecar (or none)."""
+    """Engine workers, all of one layout, over one sidecar (or none). The processes start
+    at construction; :meth:`wait_ready` waits for them."""
 
     def __init__(
         self,
@@ -144,11 +154,10 @@ class EngineCluster:
             WorkerProcess(i, s, self.events, workdir / f"engine-{s.engine_id}.log")
             for i, s in enumerate(settings)
         ]
-        try:
-            self._collect({i: "ready" for i in range(len(self.workers))})
-        except BaseException:
-            self.stop()
-            raise
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its engine (and reached its sidecar)."""
+        self._collect({i: "ready" for i in range(len(self.workers))})
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -52,7 +52,9 @@ class WorkerError(RuntimeError):
 class WorkerSettings:
     """What an engine worker is: its id, model layout, pool sizes and scheduler sizes.
 
-    ``socket`` is the sidecar's endpoint (None: no controller, device tier only).
+    ``socket`` is the sidecar's endpoint (None: no controller, device tier only); with
+    ``sidecar_ready_file`` the worker waits up to ``sidecar_wait_s`` for that file (the
+    sidecar writes it once it serves) before it registers.
     """
 
     engine_id: str
@@ -62,6 +64,8 @@ class WorkerSettings:
     full_slots: int = 16384
     mamba_slots: int = 64
     socket: str | None = None
+    sidecar_ready_file: str | None = None
+    sidecar_wait_s: float = 120.0
     prefill_chunk_tokens: int = 64
     max_prefill_tokens_per_step: int = 256
     max_running_requests: int = 16
@@ -104,7 +108,7 @@ def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
 # -- the worker process -----------------------------------------------------------------
 
 
-class _Engine:
+class WorkerEngine:
     """The worker's state: a cached engine, a cache-off engine, and the logits of both."""
 
     def __init__(self, settings: WorkerSettings, emit: Callable[[dict], None]) -> None:
@@ -138,6 +142,8 @@ class _Engine:
         if settings.socket:
             from hicache.controller.client import SidecarController
 
+            if settings.sidecar_ready_file:
+                _wait_for_file(Path(settings.sidecar_ready_file), settings.sidecar_wait_s)
             self.controller = SidecarController(settings.socket, engine_id=settings.engine_id)
         self.cache = UnifiedRadixCache(spec.layout, shared, self.pools, self.controller)
         sched = SchedulerConfig(
@@ -218,6 +224,14 @@ class _Engine:
             self.private_pools.close()
 
 
+def _wait_for_file(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise WorkerError(f"the sidecar did not write {path} within {timeout_s} s")
+        time.sleep(0.05)
+
+
 def _result_dict(result: Any) -> dict:
     return {
         f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "logits"
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         write_frame(out, message)
 
     try:
-        engine = _Engine(settings, emit)
+        engine = WorkerEngine(settings, emit)
     except Exception as exc:
         emit({"event": "error", "message": f"{exc}", "traceback": traceback.format_exc()})
         return 1
@@ -259,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         if command is None or command.get("op") == "stop":
             engine.close()
             emit({"event": "stopped"})
-            return 0
+            out.close()
+            # Everything is closed and flushed; the interpreter's teardown with torch
+            # loaded would only add a second or more to every restart.
+            os._exit(0)
         try:
             op = command.get("op")
             if op == "run":

@@ -1,0 +1,127 @@
+"""``hicache demo``: a short run end to end, and its failure paths."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.demo import QUICK_WORKLOAD, add_demo_arguments, demo_settings, report_demo, run_demo
+from hicache.engine.demo_report import PhaseReport
+from hicache.engine.worker import WorkerEngine, WorkerSettings
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_the_quick_demo_hits_every_tier_where_it_must_and_every_logit_is_exact(tmp_path):
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hicache.demo",
+            "--quick",
+            "--json",
+            "--no-progress",
+            "--workdir",
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc == json.loads((workdir / "demo.json").read_text())
+    assert doc["ok"] and doc["mismatches"] == 0 and doc["failed_requests"] == 0
+    chat, restart = doc["phases"]
+    cfg = QUICK_WORKLOAD
+    # phase 1: engines hit their own turns and system prompts on the device, and each
+    # other's backups on the host; nothing was ever evicted to disk only
+    assert chat["requests"] == cfg.conversations * cfg.turns
+    assert chat["hit_tokens"]["device"] > 0 and chat["hit_tokens"]["host"] > 0
+    assert chat["hit_tokens"]["disk"] == 0
+    assert chat["bytes_moved"]["device_to_host"] > 0 and chat["bytes_moved"]["host_to_device"] > 0
+    # phase 2, after restarting everything: the last turns come back from disk
+    assert restart["requests"] == cfg.conversations
+    assert restart["hit_tokens"]["disk"] > 0
+    assert restart["bytes_moved"]["disk_to_host"] > 0
+    for phase in (chat, restart):
+        # every generated token's logits were compared, and every token is either a hit
+        # or computed (no preemption at these sizes)
+        assert (
+            phase["checked_tokens"]
+            == phase["generated_tokens"]
+            == (phase["requests"] * cfg.new_tokens)
+        )
+        assert phase["preemptions"] == 0
+        hits = sum(phase["hit_tokens"].values())
+        computed = phase["prompt_tokens"] + phase["generated_tokens"] - phase["requests"]
+        assert hits + phase["computed_tokens"] == computed == phase["no_cache_computed_tokens"]
+        assert phase["time_s"] > 0 and phase["no_cache_time_s"] > 0
+        assert len(phase["timeline"]) == phase["requests"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert doc["plot"] and Path(doc["plot"]).stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in doc["plot_note"]
+
+
+def test_a_logit_mismatch_fails_the_demo_loudly(tmp_path, capsys):
+    settings = demo_settings(parse(["--quick", "--workdir", str(tmp_path)]))
+    phase = PhaseReport("phase 1", "test", requests=1, checked_tokens=4)
+    phase.mismatches.append({"rid": "c0-t1", "run": "cached", "engine": "A", "max_abs_diff": 0.5})
+    code = report_demo([phase], settings, 1.0, plot=False)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "LOGIT MISMATCH in phase 1" in err and "c0-t1" in err
+    assert "hicache demo FAILED: 1 requests whose logits differ" in err
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert not doc["ok"] and doc["mismatches"] == 1
+
+
+def test_the_worker_detects_logits_that_differ_from_generate():
+    """The check that the demo relies on: a stored logit off by one ulp is a mismatch."""
+    events: list[dict] = []
+    threads = torch.get_num_threads()  # the worker sets its own
+    engine = WorkerEngine(WorkerSettings(engine_id="t", full_slots=2048), events.append)
+    try:
+        prompt = list(range(3, 40))
+        requests = [
+            {"rid": "same", "prompt": prompt, "max_new_tokens": 3},
+            {"rid": "bent", "prompt": prompt[::-1], "max_new_tokens": 3},
+        ]
+        engine.run("cached", requests)
+        engine.run("nocache", requests)
+        bent = engine.logits["cached"]["bent"]
+        bent[1, 7] = torch.nextafter(bent[1, 7], torch.tensor(float("inf")))
+        assert engine.verify(["same", "bent"]) == {"event": "verify_done", "checked": 2}
+        verdicts = {e["rid"]: e for e in events if e["event"] == "verified"}
+        assert verdicts["same"]["cached"] and verdicts["same"]["nocache"]
+        assert verdicts["bent"]["cached"] is False and verdicts["bent"]["nocache"]
+        assert verdicts["bent"]["cached_max_abs_diff"] > 0
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layers", "full,moe"], "--layers 'full,moe'"),
+        (["--page-size", "0"], "--page-size must be >= 1"),
+        (["--turns", "0"], "turns must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, capsys, argv, message):
+    assert run_demo(parse([*argv, "--workdir", str(tmp_path)])) == 2
+    assert message in capsys.readouterr().err
