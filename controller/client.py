@@ -311,6 +311,12 @@ def _result(msg: dict) -> dict[str, Any]:
     raise RemoteError(code, message)
 
 
+def _current_stream(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.current_stream(device)
+
+
 class _RemoteTransfer:
     """A backup or prefetch in flight: its reply says whether it succeeded."""
 
@@ -320,6 +326,7 @@ class _RemoteTransfer:
         self._generation = generation
         self._deadline = time.monotonic() + timeout_s
         self._ok: bool | None = None
+        self.keep_alive: Any = None  # e.g. the CUDA event the sidecar's copy waits on
 
     def _settle(self, msg: dict | None, failed: bool = False) -> None:
         if msg is not None:
@@ -379,6 +386,7 @@ class SidecarController:
         self._open = True  # no session until register() handshakes
         self._next_attempt = 0.0
         self._registration: tuple[ModelLayout, int, dict[str, Any]] | None = None
+        self._device: Any = None
         self._heartbeat_s = self.config.heartbeat_interval_s or 3.0
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
@@ -522,6 +530,7 @@ class SidecarController:
                 f"page_size={page_size} but the pools use {pools.config.page_size}"
             )
         self._registration = (layout, page_size, export_pools(pools))
+        self._device = pools.full.buffer.device
         try:
             self._connect()
         except RemoteError as exc:
@@ -562,22 +571,41 @@ class SidecarController:
                 {c: np.full(len(page_hashes), Presence.ABSENT, np.int8) for c in components}
             )
 
+    def _cuda_device(self) -> Any:
+        """The engine's CUDA device when its pools are on one, else None."""
+        if self._registration is None or self._registration[2].get("device") != "cuda":
+            return None
+        return self._device
+
     def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
         """Start a backup; the handle's ``wait`` is True once the sidecar acknowledged it
-        (pages on host, or committed to disk with ``backup_ack = "disk"``)."""
-        if ready_event is not None and hasattr(ready_event, "synchronize"):
-            # The sidecar reads the pages through its own mapping, outside this process's
-            # streams: the engine's writes must be finished first.
-            ready_event.synchronize()
+        (pages on host, or committed to disk with ``backup_ack = "disk"``).
+
+        On CUDA the sidecar's copy waits on an interprocess event recorded on the engine's
+        current stream (after ``ready_event``), so the engine does not block here.
+        """
         if self._open or not refs:
             return CompletedTransfer(not refs)
+        args: dict[str, Any] = {"refs": encode_refs(refs)}
+        keep_alive = None
+        device = self._cuda_device()
+        if device is not None:
+            from hicache.controller.device_share import export_ready_event
+
+            try:
+                args["ready_event"], keep_alive = export_ready_event(device)
+            except Exception as exc:  # no IPC events here: finish the engine's work first
+                log.debug("interprocess event unavailable (%s); synchronizing", exc)
+                (ready_event or _current_stream(device)).synchronize()
         timeout = self.config.backup_timeout_s
         try:
-            rid = self._channel.send(Verb.BACKUP, {"refs": encode_refs(refs)}, timeout)
+            rid = self._channel.send(Verb.BACKUP, args, timeout)
         except SidecarUnavailable as exc:
             self._failed(exc)
             return CompletedTransfer(False)
-        return _RemoteTransfer(self, rid, self._channel.generation, timeout)
+        handle = _RemoteTransfer(self, rid, self._channel.generation, timeout)
+        handle.keep_alive = keep_alive
+        return handle
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
         try:
@@ -599,6 +627,11 @@ class SidecarController:
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
         if pin.extra.get("generation") != self._channel.generation:
             return False  # pinned on a session that is gone
+        device = self._cuda_device()
+        if device is not None:
+            # Work the engine queued on these slots (their previous owner's) must finish
+            # before the sidecar overwrites them; a load blocks the engine anyway.
+            _current_stream(device).synchronize()
         try:
             res = self._call(
                 Verb.LOAD,

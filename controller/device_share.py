@@ -114,7 +114,25 @@ def export_pools(pools: DevicePools) -> dict[str, Any]:
     }
 
 
+def export_ready_event(device: torch.device) -> tuple[bytes, torch.cuda.Event]:
+    """An interprocess CUDA event recorded now on ``device``'s current stream, and its IPC
+    handle: the sidecar makes its copy wait on it, so a backup reads finished KV without
+    the engine blocking. Keep the event alive until the sidecar has answered."""
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(device))
+    return bytes(event.ipc_handle()), event
+
+
 # -- sidecar side -------------------------------------------------------------------------
+
+
+def open_ready_event(handle: bytes, device: torch.device) -> torch.cuda.Event:
+    """The engine's event from :func:`export_ready_event`; RegistrationRefused if it
+    cannot be opened."""
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+    except Exception as exc:
+        raise RegistrationRefused(f"cannot open the engine's CUDA event ({exc})") from None
 
 
 @dataclass

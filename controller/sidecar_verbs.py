@@ -18,7 +18,7 @@ import numpy as np
 
 from hicache import __version__
 from hicache.controller import admin_ops
-from hicache.controller.device_share import RegistrationRefused, map_pools
+from hicache.controller.device_share import RegistrationRefused, map_pools, open_ready_event
 from hicache.controller.protocol import (
     PROTOCOL_VERSION,
     Args,
@@ -231,9 +231,18 @@ class VerbHandlers:
         return {"capacity": {c.name.lower(): buffers.capacity(c) for c in conn.layout.components}}
 
     def backup(self, conn: Connection, req: Request, deadline: float) -> dict[str, Any]:
-        a = Args(req.verb, req.args, ("refs",))
+        a = Args(req.verb, req.args, ("refs", "ready_event"))
         refs = decode_refs(a.map("refs"))
-        handle = self.ctl.backup(refs, None, engine_id=conn.engine_id)
+        event = None
+        raw_event = a.bytes("ready_event", required=False)
+        if raw_event is not None:
+            if conn.mapped.device != "cuda":
+                raise ProtocolError(ErrorCode.BAD_ARGS, "ready_event is for CUDA pools only")
+            try:
+                event = open_ready_event(raw_event, conn.mapped.buffers.device)
+            except RegistrationRefused as exc:
+                raise ProtocolError(ErrorCode.BAD_ARGS, str(exc)) from None
+        handle = self.ctl.backup(refs, event, engine_id=conn.engine_id)
         ok = bool(handle.wait(_remaining(deadline)))
         if ok and self.server.config.backup_ack is BackupAck.DISK:
             ok = self.ctl.flush(_remaining(deadline))
