@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +97,17 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     return value
 
 
+def _tomllib() -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise ConfigError(
+            "reading a TOML config needs Python 3.11 or newer; use HICACHE_* variables and "
+            "flags, or a JSON layout file"
+        ) from None
+    return tomllib
+
+
 def _defaults(cls: type) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(cls):
@@ -147,6 +157,7 @@ def load_settings(
     layout = None
     path = config_file or env.get("HICACHE_CONFIG")
     if path:
+        tomllib = _tomllib()
         try:
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -184,7 +195,10 @@ def load_settings(
             )
     if layout_file:
         text = Path(layout_file).read_text()
-        table = json.loads(text) if str(layout_file).endswith(".json") else tomllib.loads(text)
+        if str(layout_file).endswith(".json"):
+            table = json.loads(text)
+        else:
+            table = _tomllib().loads(text)
         layout = _layout_from(table, str(layout_file))
     return ServeSettings(SidecarConfig(**side), ControllerConfig(**ctl), layout)
 

@@ -239,3 +239,49 @@ def test_close_releases_the_engines_pins(workdir):
     finally:
         engine.pools.close()
         side.stop()
+
+
+def test_tcp_with_curve_keys_serves_only_authorized_clients(workdir):
+    import zmq.auth
+
+    keys = workdir / "keys"
+    allowed = workdir / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    _, stranger_secret = zmq.auth.create_certificates(str(keys), "stranger")
+    shutil.copy(client_public, allowed)
+    side = InProcessSidecar(
+        workdir,
+        tcp_endpoint="tcp://127.0.0.1:*",
+        tcp_auth="curve",
+        curve_secret_key_file=server_secret,
+        curve_authorized_keys_dir=allowed,
+    ).start()
+    tcp = next(e for e in side.server.endpoints if e.startswith("tcp://"))
+    server_public = keys / "server.key"
+    known = SidecarClientConfig(
+        connect_timeout_s=10,
+        curve_server_public_key_file=server_public,
+        curve_client_cert_file=client_secret,
+    )
+    unknown = SidecarClientConfig(
+        connect_timeout_s=1,
+        curve_server_public_key_file=server_public,
+        curve_client_cert_file=stranger_secret,
+    )
+    good, bad = Engine(tcp, known), Engine(tcp, unknown)
+    try:
+        good.register()
+        assert good.client.available
+        refs = good.chain()
+        assert good.client.backup(refs).wait(10)
+        assert good.presence(refs) == [Presence.HOST] * 4
+        bad.register()  # not refused with an error: the sidecar answers nothing at all
+        assert not bad.client.available
+        assert side.controller.engines == [good.client.engine_id]
+    finally:
+        good.close()
+        bad.close()
+        side.stop()
