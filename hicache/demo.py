@@ -281,14 +281,22 @@ class _Phase:
         )
 
     def _settled_stats(self) -> dict[str, Any]:
-        """The sidecar's stats once its queued disk writes are committed."""
+        """The sidecar's stats once its queued disk writes are committed; counts the
+        lookups every engine answered as misses because the sidecar was unavailable."""
         deadline = time.monotonic() + _DISK_WAIT_S
         while True:
-            stats = self.cluster.call({0: {"op": "stats"}}, "stats")[0]["sidecar"] or {}
+            answers = self.cluster.call({i: {"op": "stats"} for i in range(ENGINES)}, "stats")
+            stats = answers[0]["sidecar"] or {}
             pending = stats.get("disk", {}).get("pending_writes", 0)
             if not pending or time.monotonic() > deadline:
-                return stats
+                break
             time.sleep(0.05)
+        for answer in answers.values():
+            client = (answer.get("client") or {}).get("counters", {})
+            self.report.sidecar_unavailable_lookups += int(
+                client.get("lookup_misses_unavailable", 0)
+            )
+        return stats
 
 
 def _prepare_workdir(workdir: Path) -> None:

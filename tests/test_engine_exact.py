@@ -17,7 +17,7 @@ import torch
 
 from hicache import CacheConfig, ConfigError, DevicePools, UnifiedRadixCache
 from hicache.config import PrefetchPolicy
-from hicache.controller.client import SidecarController
+from hicache.controller.client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
 from hicache.engine import HybridModel, generate, tiny_hybrid
@@ -300,7 +300,9 @@ def test_hits_through_the_sidecar_give_the_cache_less_logits(tmp_path):
     engines: list[Engine] = []
 
     def engine(name: str) -> Engine:
-        ctl = SidecarController(sidecar.endpoint, engine_id=name)
+        # generous timeouts: a lookup that times out on a busy machine is a miss
+        config = SidecarClientConfig(lookup_timeout_s=5.0, request_timeout_s=30.0)
+        ctl = SidecarController(sidecar.endpoint, engine_id=name, config=config)
         engines.append(
             Engine(
                 mix,

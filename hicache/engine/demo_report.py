@@ -51,6 +51,7 @@ class PhaseReport:
     failed_requests: int = 0
     preemptions: int = 0
     load_back_failures: int = 0
+    sidecar_unavailable_lookups: int = 0  # answered as misses: the sidecar did not answer
     start_s: float = 0.0  # on the timeline's clock: cached serving seconds before it
     timeline: list[TimelinePoint] = field(default_factory=list)
 
@@ -107,6 +108,8 @@ def phase_table(phase: PhaseReport) -> str:
             f"{phase.checked_tokens:,} tokens, {len(phase.mismatches)} mismatches",
         ),
     ]
+    if phase.sidecar_unavailable_lookups:
+        rows.append(("lookups missed, sidecar busy", f"{phase.sidecar_unavailable_lookups}"))
     if phase.failed_requests or phase.preemptions or phase.load_back_failures:
         rows.append(
             (

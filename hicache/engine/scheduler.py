@@ -412,8 +412,8 @@ class Scheduler:
             run, req = p.run, p.run.req
             n = p.end - p.start
             run.result.computed_tokens += n
-            if p.end - p.start == 1 and p.end == len(run.sequence):
-                self.stats.decode_tokens += 1
+            if n == 1 and run.generated and p.start == len(run.sequence) - 1:
+                self.stats.decode_tokens += 1  # fed the token generated last
             else:
                 self.stats.prefill_tokens += n
             self._record(run, p, out.mamba_snapshots)

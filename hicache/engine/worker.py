@@ -66,6 +66,10 @@ class WorkerSettings:
     socket: str | None = None
     sidecar_ready_file: str | None = None
     sidecar_wait_s: float = 120.0
+    # Generous: on a small, busy machine a lookup that times out is a miss, and three in
+    # a row open the client's breaker (the engine then serves from its device alone).
+    sidecar_lookup_timeout_s: float = 2.0
+    sidecar_request_timeout_s: float = 30.0
     prefill_chunk_tokens: int = 64
     max_prefill_tokens_per_step: int = 256
     max_running_requests: int = 16
@@ -144,7 +148,15 @@ class WorkerEngine:
 
             if settings.sidecar_ready_file:
                 _wait_for_file(Path(settings.sidecar_ready_file), settings.sidecar_wait_s)
-            self.controller = SidecarController(settings.socket, engine_id=settings.engine_id)
+            from hicache.controller.client import SidecarClientConfig
+
+            client = SidecarClientConfig(
+                lookup_timeout_s=settings.sidecar_lookup_timeout_s,
+                request_timeout_s=settings.sidecar_request_timeout_s,
+            )
+            self.controller = SidecarController(
+                settings.socket, engine_id=settings.engine_id, config=client
+            )
         self.cache = UnifiedRadixCache(spec.layout, shared, self.pools, self.controller)
         sched = SchedulerConfig(
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -211,8 +223,14 @@ class WorkerEngine:
 
     def stats(self) -> dict:
         sidecar = self.controller.stats() if self.controller is not None else None
+        client = (sidecar or {}).pop("client", None)
         counters = self.cache.stats().counters
-        return {"event": "stats", "sidecar": _plain(sidecar), "cache": _plain(counters)}
+        return {
+            "event": "stats",
+            "sidecar": _plain(sidecar),
+            "client": _plain(client),
+            "cache": _plain(counters),
+        }
 
     def close(self) -> None:
         try:
