@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,25 +21,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_the_quick_demo_hits_every_tier_where_it_must_and_every_logit_is_exact(tmp_path):
+def test_the_quick_demo_hits_every_tier_where_it_must_and_every_logit_is_exact(tmp_path, capsys):
     workdir = tmp_path / "demo"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hicache.demo",
-            "--quick",
-            "--json",
-            "--no-progress",
-            "--workdir",
-            str(workdir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
+    argv = ["--quick", "--json", "--no-progress", "--workdir", str(workdir)]
+    code = run_demo(parse(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    doc = json.loads(out)
     assert doc == json.loads((workdir / "demo.json").read_text())
     assert doc["ok"] and doc["mismatches"] == 0 and doc["failed_requests"] == 0
     chat, restart = doc["phases"]
