@@ -9,8 +9,9 @@ every other turn, so engines hit each other's backups on the host tier, and hit 
 earlier turns and system prompts on the device.
 
 Phase 2 stops the engines and the sidecar, starts them again on the same LMDB folder, and
-replays the last turn of every conversation: what was computed before the restart now
-comes from disk.
+replays the last two turns of every conversation: the first of them comes back from disk;
+the second hits it on the device (the conversation stayed on its engine) or on the host
+(it moved to the other engine).
 
 For each phase, the same requests are then run again on the same engines with prefix
 reuse off (the measured no-cache time), and every request is run through ``generate()``,
@@ -139,6 +140,11 @@ def demo_settings(args: argparse.Namespace) -> DemoSettings:
 def engine_of(turn: ChatTurn) -> int:
     """Phase 1's engine for a turn: a conversation changes engines every other turn."""
     return (turn.conversation + (turn.turn + 1) // 2) % ENGINES
+
+
+def restart_engine_of(turn: ChatTurn, moved: bool) -> int:
+    """Phase 2's engine: conversation parity, and odd conversations move for the last turn."""
+    return (turn.conversation + (turn.conversation % 2 if moved else 0)) % ENGINES
 
 
 def _request_dict(turn: ChatTurn) -> dict[str, Any]:
@@ -312,7 +318,7 @@ def _prepare_workdir(workdir: Path) -> None:
 
 
 def run_phases(settings: DemoSettings, progress: Progress) -> list[PhaseReport]:
-    """Phase 1 (chat on a fresh sidecar) and phase 2 (last turns after a restart)."""
+    """Phase 1 (chat on a fresh sidecar) and phase 2 (last two turns after a restart)."""
     workload = ChatWorkload(settings.workload)
     cfg = settings.workload
     clock = [0.0]
@@ -324,15 +330,26 @@ def run_phases(settings: DemoSettings, progress: Progress) -> list[PhaseReport]:
         )
         phase.finish()
     progress.finish()
-    last: dict[int, ChatTurn] = {}
+    by_conversation: dict[int, list[ChatTurn]] = {}
     for turns in rounds:
         for t in turns:
-            last[t.conversation] = t
-    replay = [last[c] for c in sorted(last)]
-    restart = PhaseReport("phase 2", "last turns after restarting the engines and the sidecar")
+            by_conversation.setdefault(t.conversation, []).append(t)
+    # The last two turns of every conversation: the first of them hits what phase 1 left
+    # on disk; the second hits the first on the device (even conversations stay on their
+    # engine) or on the host (odd ones move to the other engine).
+    replay_rounds = [
+        [turns[-2] for _, turns in sorted(by_conversation.items()) if len(turns) >= 2],
+        [turns[-1] for _, turns in sorted(by_conversation.items())],
+    ]
+    replay_rounds = [r for r in replay_rounds if r]
+    restart = PhaseReport(
+        "phase 2", "the last two turns again, after restarting the engines and the sidecar"
+    )
     with _Phase(settings, restart, progress, clock) as phase:
-        progress.start(f"{restart.name}: serving with the cache", 3 * len(replay))
-        phase.serve(replay, lambda t: t.conversation % ENGINES)
+        total = sum(len(r) for r in replay_rounds)
+        progress.start(f"{restart.name}: serving with the cache", 3 * total)
+        for i, turns in enumerate(replay_rounds):
+            phase.serve(turns, lambda t, i=i: restart_engine_of(t, moved=i > 0))
         phase.finish()
     progress.finish()
     return [chat, restart]
