@@ -44,6 +44,7 @@ from hicache.engine.demo_report import (
     phase_table,
     write_plot,
 )
+from hicache.engine.model import tiny_hybrid
 from hicache.engine.scheduler import RequestResult
 from hicache.engine.worker import WorkerError, WorkerSettings
 from hicache.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
@@ -108,12 +109,8 @@ class DemoSettings:
 def demo_settings(args: argparse.Namespace) -> DemoSettings:
     """Settings from the flags; raises ConfigError for values that cannot work."""
     workload = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
-    for flag, name in (
-        ("conversations", "conversations"),
-        ("turns", "turns"),
-        ("new_tokens", "new_tokens"),
-    ):
-        value = getattr(args, flag, None)
+    for name in ("conversations", "turns", "new_tokens"):
+        value = getattr(args, name, None)
         if value is not None:
             workload = replace(workload, **{name: value})
     workload.validate()
@@ -123,6 +120,10 @@ def demo_settings(args: argparse.Namespace) -> DemoSettings:
         raise ConfigError(f"--layers {args.layers!r}: use full, swa and mamba, comma separated")
     if args.page_size < 1:
         raise ConfigError(f"--page-size must be >= 1, got {args.page_size}")
+    # The workers build exactly this; a layout that cannot work fails here, not in them.
+    spec = tiny_hybrid(kinds, page_size=args.page_size)
+    spec.model_config.validate(spec.layout)
+    spec.cache_config.validate(spec.layout)
     chunk = max(64 // args.page_size, 1) * args.page_size
     # Room for every engine's share of the workload without device eviction, and more.
     full_slots = max(16384, 4 * workload.conversations * workload.max_sequence_tokens)
