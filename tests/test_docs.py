@@ -232,3 +232,23 @@ def test_the_convention_catches_a_failing_command(tmp_path):
     assert res.returncode == 3
     assert "=== block 1: doc.md:7" in res.stderr and "=== block 2" not in res.stderr
     assert (tmp_path / "out" / "0.txt").read_text() == "first\n"
+
+
+def test_performance_doc_says_how_to_run_every_benchmark():
+    """The table at the top of docs/performance.md lists every script in benchmarks/, and
+    each flag it shows is one that script (or ``hicache demo``) defines."""
+    text = (DOCS / "performance.md").read_text()
+    start = text.index("## How to run each benchmark")
+    section = text[start : text.index("\n## ", start + 1)]
+    commands = re.findall(r"`((?:\.venv/bin/|python3? )[^`]+)`", section)
+    scripts = {Path(p).name for p in re.findall(r"benchmarks/\w+\.py", " ".join(commands))}
+    on_disk = {p.name for p in (REPO / "benchmarks").glob("*.py")}
+    assert on_disk - scripts == set(), (
+        f"benchmarks without a command in the table: {on_disk - scripts}"
+    )
+    for command in commands:
+        m = re.search(r"benchmarks/\w+\.py", command)
+        source = REPO / m.group(0) if m else REPO / "hicache" / "demo.py"
+        defined = set(re.findall(r"add_argument\(\s*\"(--[a-z-]+)\"", source.read_text()))
+        shown = set(re.findall(r"--[a-z][a-z-]*", command))
+        assert shown <= defined, f"{command}: flags {shown - defined} are not defined"
