@@ -483,7 +483,8 @@ class SidecarServer:
             self._to_unmap = [m for m in self._to_unmap if not m.close()]
 
     def _shutdown_sockets(self) -> None:
-        self._executor.shutdown(wait=True)
+        # After a drain that timed out, a stuck request is abandoned, not waited for.
+        self._executor.shutdown(wait=self._inflight == 0, cancel_futures=True)
         for conn in list(self.conns.values()):
             self.drop_connection(conn, "sidecar stopping")
         with self._push_lock:

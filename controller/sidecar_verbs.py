@@ -225,6 +225,13 @@ class VerbHandlers:
         old, conn.mapped = conn.mapped, mapped
         if old is not None:
             srv.unmap_later(old)
+        if srv.engines.get(conn.engine_id) is not conn:
+            # The session ended (lease, or a new connection) while this ran: undo.
+            if srv.engines.get(conn.engine_id) is None:
+                self.ctl.unregister(conn.engine_id)
+            srv.unmap_later(mapped)
+            conn.mapped = None
+            raise ProtocolError(ErrorCode.NO_SESSION, "the session ended during register")
         srv.metrics.registrations.labels("ok").inc()
         buffers = mapped.buffers
         log.info(f"engine {conn.engine_id} registered {mapped.device} pools")
