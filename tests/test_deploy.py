@@ -5,7 +5,11 @@
   the rules, their unit tests and the Grafana dashboard is a series the sidecar exports
   (read from a real sidecar's /metrics after real traffic), with label values it uses.
 * systemd: ``systemd-analyze verify`` and ``security --offline`` on the unit,
-  ``systemd-sysusers`` on the user definition, in a scratch root.
+  ``systemd-sysusers`` on the user definition, in a scratch root. All three work without
+  systemd as PID 1 (as in a container): verify loads the unit offline and checks its keys,
+  values and that ExecStart's program exists, which is why the test points ExecStart at
+  this checkout's ``hicache`` instead of /opt/hicache. Where verify cannot run at all, the
+  test skips, saying why.
 * Kubernetes: the manifests parse and carry what the sidecar needs (socket and shared
   memory volumes, probes through ``hicachectl health``, resources sized from the config,
   non-root), and their embedded config loads through the sidecar's own loader.
