@@ -787,3 +787,24 @@ def test_config_names_in_deploy_files_exist_in_the_loader():
 def test_toml_files_in_deploy_parse():
     for path in DEPLOY.rglob("*.toml"):
         tomllib.loads(path.read_text())
+
+
+def test_the_metrics_reference_documents_every_exported_series(registry):
+    """docs/metrics.md has a row for every series the sidecar exports, naming its type
+    and every label it carries."""
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    problems = []
+    for fam, kind in registry.types.items():
+        wire = fam + "_total" if kind == "counter" else fam
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `{wire}`")), None)
+        if row is None:
+            problems.append(f"{wire}: no row")
+            continue
+        if kind not in row:
+            problems.append(f"{wire}: type {kind} not stated")
+        problems += [
+            f"{wire}: label {label!r} not named"
+            for label in sorted(registry.labels[fam] - {"le"})
+            if f"`{label}`" not in row
+        ]
+    assert not problems, "\n".join(problems)
