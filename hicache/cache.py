@@ -227,13 +227,18 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             m = min(child.num_tokens, self._common_tokens(child.key, key, pos * 8))
             if m < child.num_tokens:
                 child = self.split(child, m)
-            if child.start < swa_from < child.end and child.data[0].value is None:
+            if child.start < swa_from < child.end and self._lacks_swa(child):
+                # Cut where the request's SWA pages begin: the part after it can be filled
+                # (host-only) or can adopt them (an SWA tombstone on the device).
                 child = self.split(child, swa_from - child.start)
                 m = child.num_tokens
             if child.data[0].value is not None:
                 dup = slots[max(pos, prev_prefix_len) : pos + m]
                 if dup.size:
-                    self.pools.free_kv_pages(dup[:: self.page_size] // self.page_size)
+                    dup_pages = dup[:: self.page_size] // self.page_size
+                    if pos >= prev_prefix_len:
+                        self._adopt_swa(child, dup_pages)
+                    self.pools.free_kv_pages(dup_pages)
                 cached = pos + m
             else:
                 self._fill_node(child, slots[pos : pos + m], swa_from)
@@ -268,6 +273,24 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         if not has[first:].all():
             raise ValueError("insert: SWA pages are missing after the window start")
         return prev_prefix_len + first * self.page_size
+
+    def _lacks_swa(self, node: TreeNode) -> bool:
+        swa = self.by_type.get(ComponentType.SWA)
+        return node.data[0].value is None or (swa is not None and node.data[swa.idx].value is None)
+
+    def _adopt_swa(self, node: TreeNode, own_pages: np.ndarray) -> None:
+        """``node`` lost its SWA pages, and the request inserting the same tokens holds
+        its own (``own_pages`` are its FULL pages there): the node takes them, so the
+        request, which goes on with the node's slots, keeps the SWA KV of its window."""
+        swa = self.by_type.get(ComponentType.SWA)
+        if swa is None or node.data[swa.idx].value is not None:
+            return
+        swa_pages = self.pools.full_to_swa[own_pages]
+        if (swa_pages < 0).any():
+            return
+        self.pools.full_to_swa[own_pages] = -1
+        self.pools.full_to_swa[self.full.pages(node.data[0].value)] = swa_pages
+        self.set_value(node, swa, swa_pages.copy())
 
     def _fill_node(self, node: TreeNode, slots: np.ndarray, swa_from: int) -> None:
         """Install request-owned ``slots`` as ``node``'s FULL (and SWA, when it has them)."""

@@ -338,3 +338,27 @@ def test_alloc_evicts_when_the_pool_is_short():
     cache.check_invariants()
     cache.cache_finished_req(req, insert=False)
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("ps,window", [(1, 3), (4, 6), (16, 20)])
+def test_insert_over_an_swa_tombstone_hands_the_request_s_pages_to_the_node(ps, window):
+    cache = make_cache("full+swa", page_size=ps, window=window, full_slots=ps * 128)
+    engine = MarkerEngine(cache)
+    a = seq(4 * ps)
+    engine.run(a)
+    head = cache.match_prefix(a).last_node
+    engine.run(np.concatenate([a, seq(4 * ps, base=70)]))
+    cache.evict(swa_tokens=1)  # the head (internal, least recent) loses its SWA pages
+    assert head.data[1].value is None and head.data[0].value is not None
+    req = engine.start(a)
+    assert req.prefix_len == 0  # the window at the head's end is broken
+    engine.compute(req, a, a.size)
+    cache.release_swa_outside_window(req)
+    cache.cache_unfinished_req(req)  # the tree keeps its FULL slots, takes the SWA pages
+    cache.check_invariants()
+    assert req.prefix_len == a.size
+    engine.verify_prefix(req, a, req.prefix_len, state=False)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    assert cache.match_prefix(a).prefix_len == a.size
+    assert_all_free_after_reset(cache)

@@ -42,7 +42,7 @@ import torch
 from hicache.cache import UnifiedRadixCache
 from hicache.engine.model import HybridModel, SequenceChunk, page_boundaries
 from hicache.request import Request
-from hicache.types import ComponentType, ConfigError, PoolExhaustedError
+from hicache.types import ConfigError, PoolExhaustedError
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
@@ -453,39 +453,10 @@ class Scheduler:
             self.cache.checkpoint_mamba(req)
 
     def _cache_progress(self, req: Request) -> None:
-        if not self._window_survives_caching(req):
-            return
         # Caching progress is an optimisation; without a state slot the request simply
         # keeps its own slots until it finishes.
         with contextlib.suppress(PoolExhaustedError):
             self.cache.cache_unfinished_req(req)
-
-    def _window_survives_caching(self, req: Request) -> bool:
-        """Whether ``cache_unfinished_req`` leaves ``req`` the SWA KV of its window.
-
-        Where the tree already holds a span on the device, inserting keeps the tree's
-        slots and frees the request's; a span whose SWA pages were evicted (an SWA
-        tombstone) would then leave the request's window without SWA KV, and its next
-        chunk could not be computed. Read-only walk of the request's path.
-        """
-        swa = self.cache.by_type.get(ComponentType.SWA)
-        if swa is None:
-            return True
-        root = self.cache.namespace_root(req.extra_key)
-        if root is None:
-            return True
-        end = req.computed_len - req.computed_len % self.page_size
-        window_start = req.computed_len - self.cache.config.sliding_window
-        path, partial, matched = self.cache.walk(root, req.token_ids[:end].tobytes())
-        spans = [(n, n.end) for n in path]
-        if partial is not None:
-            spans.append((partial, partial.start + matched))
-        return not any(
-            stop > window_start
-            and node.data[0].value is not None
-            and node.data[swa.idx].value is None
-            for node, stop in spans
-        )
 
     def _finish(self, run: _Running, insert: bool) -> RequestResult:
         if run.req is not None:
