@@ -1,32 +1,47 @@
-"""hicache: a three-tier (GPU / pinned host / LMDB disk) prefix cache for hybrid LLM engines."""
+"""hicache: a three-tier (GPU / pinned host / LMDB disk) prefix cache for hybrid LLM engines.
 
-from hicache.cache import UnifiedRadixCache
-from hicache.config import CacheConfig, EvictionPolicyKind, PrefetchPolicy, WritePolicy
-from hicache.controller_api import CacheController
-from hicache.layout import LayerKind, ModelLayout
-from hicache.pools import DevicePools
-from hicache.request import CacheStats, EvictResult, LockReceipt, MatchResult, Request
-from hicache.types import ComponentType, ConfigError, Tier
+The public names load their modules on first use: ``import hicache`` alone does not import
+torch, so light tools (``hicachectl``, health probes) start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CacheConfig",
-    "CacheController",
-    "CacheStats",
-    "ComponentType",
-    "ConfigError",
-    "DevicePools",
-    "EvictResult",
-    "EvictionPolicyKind",
-    "LayerKind",
-    "LockReceipt",
-    "MatchResult",
-    "ModelLayout",
-    "PrefetchPolicy",
-    "Request",
-    "Tier",
-    "UnifiedRadixCache",
-    "WritePolicy",
-    "__version__",
-]
+_EXPORTS = {
+    "CacheConfig": "hicache.config",
+    "EvictionPolicyKind": "hicache.config",
+    "PrefetchPolicy": "hicache.config",
+    "WritePolicy": "hicache.config",
+    "LayerKind": "hicache.layout",
+    "ModelLayout": "hicache.layout",
+    "DevicePools": "hicache.pools",
+    "UnifiedRadixCache": "hicache.cache",
+    "CacheController": "hicache.controller_api",
+    "CacheStats": "hicache.request",
+    "EvictResult": "hicache.request",
+    "LockReceipt": "hicache.request",
+    "MatchResult": "hicache.request",
+    "Request": "hicache.request",
+    "ComponentType": "hicache.types",
+    "ConfigError": "hicache.types",
+    "Tier": "hicache.types",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
