@@ -55,6 +55,9 @@ class Streamer:
         self.dst = self.pools.alloc_kv_pages(CHAIN_PAGES)
         self.acked: list[int] = []
         self.attempts = 0
+        # Backups stop being started past this many acknowledgements, so the data stays
+        # well inside the disk budget: a page the tier evicted for room is not "lost".
+        self.limit = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -75,6 +78,9 @@ class Streamer:
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
+            if len(self.acked) >= self.limit:
+                time.sleep(0.01)
+                continue
             i += 1
             self.pools.full.buffer[:, :, self._slots(self.src)] = self.expected(i)
             self.attempts += 1
@@ -132,6 +138,7 @@ def _kill_cycles(cycles: int) -> None:
     try:
         for cycle in range(cycles):
             floor = len(streamer.acked) + int(rng.integers(2, 8))
+            streamer.limit = floor + 50  # still streaming when the kill comes
             wait_for(lambda f=floor: len(streamer.acked) >= f, 120, f"backups (cycle {cycle})")
             connects = streamer.client.counters["connected"]
             sidecar.kill()  # mid-stream: a backup is almost always in flight here
