@@ -274,7 +274,7 @@ class Sidecar:
 
 def register_raw(endpoint: str, desc: dict) -> str | None:
     """Handshake and register ``desc`` on a fresh connection; the refusal, or None."""
-    from hicache.controller.client import Channel, RemoteError, SidecarClientConfig
+    from hicache.controller.channel import Channel, RemoteError, SidecarClientConfig
     from hicache.controller.protocol import Role, Verb
 
     lay = layout()

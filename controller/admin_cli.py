@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache.controller.client import (
+from hicache.controller.channel import (
     Channel,
     RemoteError,
     SidecarClientConfig,

@@ -19,7 +19,6 @@ its device prefix is short of the query), when it backs a prefix up, and at load
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import secrets
@@ -27,26 +26,29 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zmq
 
-from hicache.controller.device_share import export_pools
+from hicache.controller.channel import (
+    FATAL_CODES,
+    POLL_SLICE_S,
+    Channel,
+    RemoteError,
+    RemoteLayoutMismatch,
+    SidecarClientConfig,
+    SidecarUnavailable,
+    result_of,
+)
 from hicache.controller.protocol import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     ErrorCode,
     Role,
     Verb,
     default_endpoint,
     encode_keys,
     encode_refs,
-    encode_request,
     normalize_endpoint,
-    unpack,
 )
 from hicache.controller_api import (
     CompletedTransfer,
@@ -58,257 +60,21 @@ from hicache.controller_api import (
     Presence,
     TransferHandle,
 )
-from hicache.types import ComponentType, ConfigError, LayoutMismatchError
+from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
+__all__ = [
+    "RemoteError",
+    "RemoteLayoutMismatch",
+    "SidecarClientConfig",
+    "SidecarController",
+    "SidecarUnavailable",
+]
+
 log = logging.getLogger("hicache.sidecar.client")
-
-_POLL_SLICE_S = 0.05  # a waiting thread releases the socket this often
-
-
-class SidecarUnavailable(ControllerError):
-    """The sidecar did not answer in time, or cannot be reached, or the breaker is open."""
-
-
-class RemoteError(ControllerError):
-    """The sidecar answered with an error; ``code`` is its :class:`ErrorCode` value."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class RemoteLayoutMismatch(RemoteError, LayoutMismatchError):
-    """The sidecar serves another layout."""
-
-
-# Errors that no retry can fix: the engine's configuration is wrong.
-_FATAL = {
-    ErrorCode.LAYOUT_MISMATCH.value,
-    ErrorCode.VERSION_MISMATCH.value,
-    ErrorCode.REGISTRATION_REFUSED.value,
-    ErrorCode.FORBIDDEN.value,
-    ErrorCode.BAD_ARGS.value,
-}
-
-
-@dataclass
-class SidecarClientConfig:
-    """Timeouts, breaker and credentials of a sidecar client (seconds, files)."""
-
-    request_timeout_s: float = 5.0
-    lookup_timeout_s: float = 0.25
-    backup_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    load_timeout_margin_s: float = 1.0  # added to a load's own timeout for the round trip
-    breaker_failures: int = 3
-    reconnect_interval_s: float = 1.0
-    heartbeat_interval_s: float | None = None  # None: as the sidecar asks in its handshake
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    tcp_token_file: str | Path | None = None
-    curve_server_public_key_file: str | Path | None = None
-    curve_client_cert_file: str | Path | None = None  # the client's secret cert
-
-    def __post_init__(self) -> None:
-        for name in (
-            "request_timeout_s",
-            "lookup_timeout_s",
-            "backup_timeout_s",
-            "connect_timeout_s",
-            "reconnect_interval_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.breaker_failures < 1:
-            raise ConfigError("breaker_failures must be >= 1")
-
-
-def configure_auth(sock: zmq.Socket, endpoint: str, config: SidecarClientConfig) -> None:
-    """Set a DEALER's TCP credentials from ``config`` (Unix sockets need none)."""
-    if not endpoint.startswith("tcp://"):
-        return
-    if config.curve_server_public_key_file and config.curve_client_cert_file:
-        import zmq.auth
-
-        server_public, _ = zmq.auth.load_certificate(str(config.curve_server_public_key_file))
-        public, secret = zmq.auth.load_certificate(str(config.curve_client_cert_file))
-        if secret is None:
-            raise ConfigError(f"{config.curve_client_cert_file} holds no secret key")
-        sock.curve_serverkey = server_public
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
-    elif config.tcp_token_file:
-        sock.plain_username = b"hicache"
-        sock.plain_password = Path(config.tcp_token_file).read_text().strip().encode()
-    else:
-        raise ConfigError(
-            f"{endpoint} is TCP: give tcp_token_file or the CURVE key files; the sidecar "
-            "answers nothing to a TCP connection without credentials"
-        )
-
-
-class Channel:
-    """One DEALER socket with request ids: several requests may be in flight.
-
-    Thread-safe: the socket is only touched under a lock, and a thread waiting for its
-    reply polls in short slices, filing whatever replies arrive by request id.
-    """
-
-    def __init__(self, endpoint: str, config: SidecarClientConfig) -> None:
-        self.endpoint = endpoint
-        self.config = config
-        self._ctx = zmq.Context.instance()
-        self._lock = threading.RLock()
-        self._ids = itertools.count(1)
-        self._replies: dict[int, dict] = {}
-        self._expected: set[int] = set()
-        self._progress: dict[int, Callable[[int, int], None]] = {}
-        self._sock: zmq.Socket | None = None
-        self.generation = 0
-        self.last_reply = 0.0
-
-    def reset(self) -> None:
-        """A fresh socket; requests in flight on the old one will never be answered."""
-        with self._lock:
-            self.close()
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer that is not connected
-            s.setsockopt(zmq.RECONNECT_IVL, 100)
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            configure_auth(s, self.endpoint, self.config)
-            s.connect(self.endpoint)
-            self._sock = s
-            self.generation += 1
-
-    def close(self) -> None:
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
-            self._replies.clear()
-            self._expected.clear()
-            self._progress.clear()
-
-    def send(
-        self,
-        verb: Verb,
-        args: dict[str, Any],
-        ttl_s: float,
-        progress: Callable[[int, int], None] | None = None,
-        connect_wait_s: float = 0.0,
-    ) -> int:
-        """Send a request; returns its id. Raises SidecarUnavailable when it cannot go
-        (no connection to the sidecar within ``connect_wait_s``)."""
-        req_id = next(self._ids)
-        data = encode_request(req_id, verb, args, ttl_s)
-        with self._lock:
-            if self._sock is None:
-                self.reset()
-            try:
-                try:
-                    self._sock.send(data, zmq.NOBLOCK)
-                except zmq.Again:
-                    # With IMMEDIATE, POLLOUT means a connection is up (a fresh socket
-                    # connects asynchronously).
-                    if not self._sock.poll(int(connect_wait_s * 1000), zmq.POLLOUT):
-                        raise
-                    self._sock.send(data, zmq.NOBLOCK)
-            except zmq.Again:
-                raise SidecarUnavailable(
-                    f"the sidecar at {self.endpoint} is not reachable (is it running?)"
-                ) from None
-            self._expected.add(req_id)
-            if progress is not None:
-                self._progress[req_id] = progress
-        return req_id
-
-    def _drain(self, timeout_s: float) -> None:
-        """Read every reply that is there (waiting up to ``timeout_s`` for the first)."""
-        if self._sock is None:
-            return
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return
-        while True:
-            try:
-                data = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = unpack(data, self.config.max_message_bytes)
-                req_id = msg.get("id")
-            except Exception:
-                log.warning("undecodable reply from the sidecar dropped")
-                continue
-            self.last_reply = time.monotonic()
-            if "progress" in msg:
-                cb = self._progress.get(req_id)
-                p = msg["progress"]
-                if cb is not None and isinstance(p, dict):
-                    cb(int(p.get("done", 0)), int(p.get("total", 0)))
-            elif req_id in self._expected:
-                self._expected.discard(req_id)
-                self._progress.pop(req_id, None)
-                self._replies[req_id] = msg
-            # else: the reply to a request given up on; dropped
-
-    def poll(self, req_id: int) -> dict | None:
-        """The reply to ``req_id`` if it has come (never blocks)."""
-        with self._lock:
-            if req_id not in self._replies:
-                self._drain(0)
-            return self._replies.pop(req_id, None)
-
-    def forget(self, req_id: int) -> None:
-        with self._lock:
-            self._expected.discard(req_id)
-            self._progress.pop(req_id, None)
-            self._replies.pop(req_id, None)
-
-    def wait(self, req_id: int, timeout_s: float) -> dict[str, Any]:
-        """The result of ``req_id``; raises RemoteError for an error reply and
-        SidecarUnavailable when none came within ``timeout_s``."""
-        end = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                msg = self._replies.pop(req_id, None)
-                if msg is None:
-                    left = end - time.monotonic()
-                    if left <= 0 or (req_id not in self._expected):
-                        self.forget(req_id)
-                        raise SidecarUnavailable(
-                            f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
-                        )
-                    self._drain(min(left, _POLL_SLICE_S))
-                    msg = self._replies.pop(req_id, None)
-            if msg is not None:
-                return _result(msg)
-
-    def call(
-        self,
-        verb: Verb,
-        args: dict[str, Any],
-        timeout_s: float,
-        progress: Callable[[int, int], None] | None = None,
-        connect_wait_s: float = 0.0,
-    ) -> dict[str, Any]:
-        """Send and wait (``timeout_s`` counts from the send)."""
-        return self.wait(self.send(verb, args, timeout_s, progress, connect_wait_s), timeout_s)
-
-
-def _result(msg: dict) -> dict[str, Any]:
-    if msg.get("ok") is True:
-        res = msg.get("result")
-        return res if isinstance(res, dict) else {}
-    err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
-    code, message = str(err.get("code", "internal")), str(err.get("message", "no message"))
-    if code == ErrorCode.LAYOUT_MISMATCH.value:
-        raise RemoteLayoutMismatch(code, message)
-    raise RemoteError(code, message)
 
 
 def _current_stream(device: Any) -> Any:
@@ -331,7 +97,7 @@ class _RemoteTransfer:
     def _settle(self, msg: dict | None, failed: bool = False) -> None:
         if msg is not None:
             try:
-                self._ok = bool(_result(msg).get("ok"))
+                self._ok = bool(result_of(msg).get("ok"))
                 self._client._succeeded()
             except RemoteError as exc:
                 self._client._failed(exc)
@@ -362,7 +128,7 @@ class _RemoteTransfer:
         end = time.monotonic() + max(left, 0.0)
         while not self.done() and time.monotonic() < end:
             with self._client._channel._lock:
-                self._client._channel._drain(min(_POLL_SLICE_S, max(end - time.monotonic(), 0)))
+                self._client._channel._drain(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
         return bool(self._ok)
 
 
@@ -476,7 +242,7 @@ class SidecarController:
         try:
             self._connect()
         except RemoteError as exc:
-            if exc.code in _FATAL:
+            if exc.code in FATAL_CODES:
                 log.error("the sidecar refused this engine: %s", exc)
             self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
         except (SidecarUnavailable, ControllerError):
@@ -503,7 +269,7 @@ class SidecarController:
             if msg is not None:
                 self._hb_pending = None
                 try:
-                    _result(msg)
+                    result_of(msg)
                     self._succeeded()
                 except RemoteError as exc:
                     self._failed(exc)
@@ -529,12 +295,14 @@ class SidecarController:
             raise ControllerError(
                 f"page_size={page_size} but the pools use {pools.config.page_size}"
             )
+        from hicache.controller.device_share import export_pools
+
         self._registration = (layout, page_size, export_pools(pools))
         self._device = pools.full.buffer.device
         try:
             self._connect()
         except RemoteError as exc:
-            if exc.code in _FATAL:
+            if exc.code in FATAL_CODES:
                 raise
             self._next_attempt = time.monotonic() + self.config.reconnect_interval_s
         except SidecarUnavailable as exc:
