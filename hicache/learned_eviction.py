@@ -1,50 +1,46 @@
 """A device-tier leaf eviction policy that learns from history which leaves are dead.
 
 On prefix-cache traces most pages are never used again, and LRU keeps them exactly as long
-as the pages that are. This policy ranks leaves by their *hit density*: the hits a token of
-the leaf can still expect per unit of cache space-time it would occupy, learned online for
-each class of leaf and each age, and evicts the worst of a small random sample of
-evictable leaves (the ranking idea of "least hit density", Beckmann et al., NSDI'18; the
-estimator below differs).
+as the pages that are: a leaf used by twenty requests and a leaf no request will ever ask
+for again leave the cache in the order they were last touched. This policy ranks each
+evictable leaf by an estimate of its *reuse rate*, the uses per tick it can expect,
 
-* **Classes** sort leaves by what their history says: how many times the prefix was used
-  since it was first cached (0, 1, 2, 3+), and whether the node was appended below a
-  prefix that was already cached (a new turn of a conversation) or started a new chain.
-* **Age** is the time since the leaf's last use, on the tree's clock (one tick per
-  touch: every match, insert and release), in log-spaced buckets (``buckets_per_octave``
-  per doubling), so that one table covers reuse after a few requests and after a million.
-* **History**: reuse often comes long after LRU would have evicted a page, so the policy
-  cannot learn it from what it keeps. Every evicted leaf goes into a bounded ring of
-  ``history_entries`` (fingerprint = start position and first tokens, class, time of
-  last use, tokens): its lifetime goes on *virtually*. When a node with a remembered
-  fingerprint is inserted again (or a host-only node is loaded back), that lifetime ends
-  with a hit at its age, and the node starts in the next class. An entry pushed out of
-  the ring is censored at its age (seen alive until then, no hit).
-* **Learning**: per class and age bucket, the tokens of lifetimes that ended by a hit
-  there, and of lifetimes that ended or were censored there. Every
-  ``recompute_every_evictions`` evictions, the hazard of a hit per bucket is estimated
-  from them, with the lifetimes still open (leaves, and history entries) counted as at
-  risk up to their current age, and a backward pass turns hazards into, per bucket, the
-  expected hits and the expected space-time of a leaf kept from that age on; their ratio
-  is the density.
+    rate = (uses + prior_uses) / (age + prior_ticks)
 
-Costs: O(1) per add/remove/touch/hit/insert (a swap-remove array of members, a dict into
-the ring), O(sample) per eviction, and per recompute O(members + history) vectorised
-work, run every ``max(recompute_every_evictions, members + history / 8)`` evictions so
-that its amortised cost per eviction stays O(1). Memory: a small record per node, and the
-fixed ring.
+and evicts the lowest of a small random sample of evictable leaves.
+
+* ``uses`` counts the requests that used the leaf's prefix since it was first cached:
+  matches that covered it, and returns seen through the history below. A leaf nobody
+  used since it was inserted has ``uses = 0`` and goes first; on the traces this policy
+  is measured on, most of those never come back, while a prefix used twice is used again
+  four times out of five.
+* ``age`` is the time since its last use, on the tree's clock (one tick per touch:
+  every match, insert and release), so a leaf whose requests stopped coming loses its
+  rank in proportion, however often it was used before.
+* ``prior_ticks`` is learned: ``prior_turnovers`` times the cache's *turnover*, the
+  running mean age of the leaves it evicts. It puts ``age`` on the scale of this cache
+  (a 1 %-of-trace device and a 20 % one differ by 30x in turnover), so the same rule fits
+  every capacity. ``prior_uses`` keeps never-used leaves ordered by age among
+  themselves.
+* **History**: an evicted leaf is remembered in a bounded ring of ``history_entries``
+  (a fingerprint of its start position and first tokens, and its uses). When a node with
+  a remembered fingerprint is inserted again, the prefix came back: the node starts
+  with the old count + 1 instead of 0. Nodes that stay in the tree as host-only (a host
+  tier backs them) keep their own state, and a load-back counts as a use the same way.
+  Without the history, a prefix evicted between its uses would look new at every
+  return and never earn its rank.
+
+Costs: O(1) per add/remove/touch/hit/insert (a swap-remove array of members, a dict
+into the ring), O(sample) per eviction. Memory: a small record per node, and the ring.
 
 Only evictable leaves are members (the tree guarantees it), so a chain is always cut from
-its tail: a parent is never a candidate while it has a device child. Determinism: the
-sample comes from ``random.Random(seed)`` over a member order that depends only on the
-sequence of calls, so equal call sequences evict equal nodes.
-
-Until the first recompute (no history yet) the order is least recently used.
+its tail: a parent is never a candidate while it has a device child, whatever its rate.
+Determinism: the sample comes from ``random.Random(seed)`` over a member order that
+depends only on the sequence of calls, so equal call sequences evict equal nodes.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,80 +60,76 @@ _TOKEN_BYTES = 8
 class LearnedPolicyParams:
     """Tuning of :class:`LearnedLeafPolicy`; every number has its unit in its name."""
 
-    max_class_uses: int = 3  # uses beyond this share a class
-    buckets_per_octave: int = 4
-    age_buckets: int = 84  # with 4 per octave: ages up to 2**21 ticks
-    history_entries: int = 1 << 15
-    recompute_every_evictions: int = 256
+    prior_uses: float = 0.05
+    prior_turnovers: float = 0.5  # prior_ticks = this × the mean age of evicted leaves
+    initial_prior_ticks: float = 50.0  # until the first eviction measured the turnover
+    turnover_window_evictions: int = 256  # horizon of the running mean of eviction ages
+    history_entries: int = 1 << 16
     fingerprint_tokens: int = 8  # first tokens of a node that, with its start, identify it
 
     def __post_init__(self) -> None:
-        if self.max_class_uses < 1 or self.buckets_per_octave < 1 or self.age_buckets < 4:
-            raise ValueError("max_class_uses >= 1, buckets_per_octave >= 1, age_buckets >= 4")
-        if self.history_entries < 1 or self.recompute_every_evictions < 1:
-            raise ValueError("history_entries >= 1 and recompute_every_evictions >= 1")
+        if not self.prior_uses > 0 or not self.prior_turnovers > 0:
+            raise ValueError("prior_uses and prior_turnovers must be > 0")
+        if not self.initial_prior_ticks > 0:
+            raise ValueError("initial_prior_ticks must be > 0")
+        if self.turnover_window_evictions < 1 or self.history_entries < 1:
+            raise ValueError("turnover_window_evictions and history_entries must be >= 1")
         if self.fingerprint_tokens < 1:
-            raise ValueError("fingerprint_tokens >= 1")
+            raise ValueError("fingerprint_tokens must be >= 1")
 
 
 class _LeafState:
     """What the policy keeps on a node (in ``node.policy_state``)."""
 
-    __slots__ = ("appended", "evicted", "slot", "stamp", "uses")
+    __slots__ = ("evicted", "slot", "stamp", "uses")
 
-    def __init__(self, stamp: int, uses: int, appended: bool) -> None:
+    def __init__(self, stamp: int, uses: int) -> None:
         self.stamp = stamp  # tree clock of the last use (insert, hit or return)
         self.uses = uses
-        self.appended = appended
         self.slot = -1  # index in the member array, -1 when not a member
-        self.evicted = False  # left the device; its lifetime goes on in the history
+        self.evicted = False  # left the device (and may come back from the host tier)
 
 
 class _History:
-    """A ring of evicted leaves whose lifetimes go on virtually, found by fingerprint."""
+    """A ring of evicted leaves, found by fingerprint: their uses and where they ended."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.fp = np.zeros(size, dtype=np.uint64)
-        self.stamp = np.zeros(size, dtype=np.int64)
-        self.end = np.zeros(size, dtype=np.int64)  # token position where the leaf ended
-        self.cls = np.zeros(size, dtype=np.int64)
         self.uses = np.zeros(size, dtype=np.int64)
-        self.tokens = np.zeros(size, dtype=np.float64)
+        self.end = np.zeros(size, dtype=np.int64)  # token position where the leaf ended
         self.live = np.zeros(size, dtype=bool)
         self.slot_of: dict[int, int] = {}
         self.head = 0
 
-    def push(
-        self, fp: int, stamp: int, end: int, cls: int, uses: int, tokens: int
-    ) -> tuple[int, int, float] | None:
-        """Remember a leaf; returns (class, stamp, tokens) of the entry it pushed out."""
+    def push(self, fp: int, uses: int, end: int) -> None:
+        """Remember a leaf, forgetting the oldest entry when the ring is full."""
         i = self.head
         self.head = (i + 1) % self.size
-        out = None
         if self.live[i]:
-            out = (int(self.cls[i]), int(self.stamp[i]), float(self.tokens[i]))
             del self.slot_of[int(self.fp[i])]
         old = self.slot_of.pop(fp, None)
-        if old is not None:
-            self.live[old] = False  # a fingerprint collision: the newer leaf wins
-        self.fp[i], self.stamp[i], self.end[i] = fp, stamp, end
-        self.cls[i], self.uses[i], self.tokens[i] = cls, uses, tokens
+        if old is not None:  # the same fingerprint again: the newer entry wins
+            self.live[old] = False
+        self.fp[i], self.uses[i], self.end[i] = fp, uses, end
         self.live[i] = True
         self.slot_of[fp] = i
-        return out
 
-    def take(self, fp: int) -> int | None:
-        """The slot of the live entry with fingerprint ``fp``, now dead; None if absent."""
+    def take(self, fp: int) -> tuple[int, int] | None:
+        """(uses, end) of the entry with fingerprint ``fp``, forgotten now; None if absent."""
         i = self.slot_of.pop(fp, None)
-        if i is not None:
-            self.live[i] = False
-        return i
+        if i is None:
+            return None
+        self.live[i] = False
+        return int(self.uses[i]), int(self.end[i])
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
 
 
 class LearnedLeafPolicy(LeafEvictionPolicy):
-    """Evicts, of ``sample_size`` random evictable leaves, the one of lowest learned hit
-    density (see the module docstring)."""
+    """Evicts, of ``sample_size`` random evictable leaves, the one with the lowest
+    estimated reuse rate (see the module docstring)."""
 
     def __init__(
         self, sample_size: int = 8, seed: int = 0, params: LearnedPolicyParams | None = None
@@ -145,97 +137,102 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         if sample_size < 1:
             raise ValueError(f"sample_size must be >= 1, got {sample_size}")
         self.sample_size = sample_size
-        self.params = p = params or LearnedPolicyParams()
+        self.params = params or LearnedPolicyParams()
         self._rng = random.Random(seed)
         self._members: list[TreeNode] = []
         self._now = 0
-        self._classes = 2 * (p.max_class_uses + 1)
-        shape = (self._classes, p.age_buckets)
-        self._hit_tokens = np.zeros(shape)  # lifetimes that ended by a hit, per bucket
-        self._end_tokens = np.zeros(shape)  # lifetimes that ended (hit or censored)
-        self._density: np.ndarray | None = None  # None: no history yet, evict LRU
-        self._since_recompute = 0
-        self._history = _History(p.history_entries)
-        lower = 2.0 ** (np.arange(p.age_buckets) / p.buckets_per_octave) - 1.0
-        upper = 2.0 ** (np.arange(1, p.age_buckets + 1) / p.buckets_per_octave) - 1.0
-        self._bucket_width = upper - lower
-        self._fp_bytes = p.fingerprint_tokens * _TOKEN_BYTES
+        self._turnover_ticks = 0.0
+        self._evictions = 0
+        self._history = _History(self.params.history_entries)
+        self._fp_bytes = self.params.fingerprint_tokens * _TOKEN_BYTES
+
+    # -- introspection (tests, docs) -----------------------------------------------------
+
+    @property
+    def prior_ticks(self) -> float:
+        """The learned time scale of ``age`` (ticks)."""
+        if not self._evictions:
+            return self.params.initial_prior_ticks
+        return max(1.0, self.params.prior_turnovers * self._turnover_ticks)
+
+    def rate(self, node: TreeNode) -> float:
+        """The estimated reuse rate of a node the policy has seen (uses per tick)."""
+        st = self._state(node)
+        return (st.uses + self.params.prior_uses) / (self._now - st.stamp + self.prior_ticks)
+
+    def uses(self, node: TreeNode) -> int:
+        """The uses the policy counts for ``node`` (history included)."""
+        return self._state(node).uses
+
+    @property
+    def history_size(self) -> int:
+        """Evicted leaves currently remembered (at most ``history_entries``)."""
+        return len(self._history)
 
     # -- node state ----------------------------------------------------------------------
 
     def _state(self, node: TreeNode) -> _LeafState:
-        """``node``'s state, created on first sight (a node the tree made by a split gets
-        its suffix's class, since both parts were used by the same requests)."""
+        """``node``'s state, created on first sight: a node the tree made by a split (the
+        only nodes created without ``on_insert``) gets its suffix's count, since both
+        parts were used by the same requests until now."""
         st = node.policy_state
         if st is None:
-            uses, appended = 0, node.parent is not None and node.parent.parent is not None
+            uses = 0
             for child in node.children.values():
-                cst = child.policy_state
-                if cst is not None:
-                    uses, appended = cst.uses, cst.appended
+                if child.policy_state is not None:
+                    uses = child.policy_state.uses
                     break
-            st = node.policy_state = _LeafState(node.last_access, uses, appended)
+            st = node.policy_state = _LeafState(node.last_access, uses)
         return st
-
-    def _class(self, st: _LeafState) -> int:
-        return 2 * min(st.uses, self.params.max_class_uses) + st.appended
-
-    def _bucket(self, age: int) -> int:
-        b = int(math.log2(age + 1) * self.params.buckets_per_octave) if age > 0 else 0
-        return min(b, self.params.age_buckets - 1)
 
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         off = offset_tokens * _TOKEN_BYTES
-        chunk = node.key[off : off + self._fp_bytes]
-        return xxhash.xxh3_64_intdigest(chunk, seed=node.start + offset_tokens)
+        return xxhash.xxh3_64_intdigest(
+            node.key[off : off + self._fp_bytes], seed=node.start + offset_tokens
+        )
 
-    def _returned(self, node: TreeNode, st: _LeafState) -> None:
-        """``node`` came (back) onto the device: end the virtual lifetimes of the evicted
-        leaves it covers with a hit, and put it in the class after theirs."""
-        hist = self._history
+    def _recall(self, node: TreeNode) -> int | None:
+        """Uses of the evicted leaves that ``node`` covers from its start (the history
+        forgets them: they are back), or None when its start is not remembered."""
+        first = None
         offset = 0
         while offset < node.num_tokens:
-            i = hist.take(self._fingerprint(node, offset))
-            if i is None:
-                return
-            cls, age = int(hist.cls[i]), self._now - int(hist.stamp[i])
-            b = self._bucket(age)
-            self._hit_tokens[cls, b] += hist.tokens[i]
-            self._end_tokens[cls, b] += hist.tokens[i]
-            if offset == 0:
-                st.uses = max(st.uses, int(hist.uses[i]) + 1)
-            offset = int(hist.end[i]) - node.start
+            found = self._history.take(self._fingerprint(node, offset))
+            if found is None:
+                break
+            uses, end = found
+            first = uses if first is None else first
+            offset = end - node.start
+        return first
+
+    def _saw(self, node: TreeNode) -> None:
+        self._now = max(self._now, node.last_access)
 
     # -- hooks from the tree -------------------------------------------------------------
 
     def on_insert(self, node: TreeNode) -> None:
-        self._now = max(self._now, node.last_access)
-        parent = node.parent
-        appended = parent is not None and parent.parent is not None
-        st = node.policy_state = _LeafState(self._now, 0, appended)
-        self._returned(node, st)
+        self._saw(node)
+        past = self._recall(node) if len(self._history) else None
+        node.policy_state = _LeafState(self._now, 0 if past is None else past + 1)
 
     def on_hit(self, node: TreeNode) -> None:
-        self._now = max(self._now, node.last_access)
+        self._saw(node)
         st = self._state(node)
-        b = self._bucket(self._now - st.stamp)
-        c = self._class(st)
-        self._hit_tokens[c, b] += node.num_tokens
-        self._end_tokens[c, b] += node.num_tokens
         st.uses += 1
         st.stamp = self._now
 
     def add(self, node: TreeNode) -> None:
-        self._now = max(self._now, node.last_access)
+        self._saw(node)
         st = self._state(node)
-        if st.evicted:  # loaded back from the host tier: a use seen through the history
+        if st.evicted:  # back on the device from the host tier: a use of the prefix
             st.evicted = False
-            self._returned(node, st)
+            st.uses += 1
             st.stamp = self._now
-        if st.slot >= 0:
-            return
-        st.slot = len(self._members)
-        self._members.append(node)
+            if len(self._history):
+                self._history.take(self._fingerprint(node))
+        if st.slot < 0:
+            st.slot = len(self._members)
+            self._members.append(node)
 
     def remove(self, node: TreeNode) -> None:
         st = node.policy_state
@@ -248,7 +245,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         st.slot = -1
 
     def touch(self, node: TreeNode) -> None:
-        self._now = max(self._now, node.last_access)
+        self._saw(node)
 
     def members(self) -> set[int]:
         return {n.id for n in self._members}
@@ -264,89 +261,24 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         else:
             rand = self._rng.randrange
             candidates = [self._members[rand(n)] for _ in range(self.sample_size)]
-        victim = min(candidates, key=self._rank)
+        prior_uses, prior_ticks, now = self.params.prior_uses, self.prior_ticks, self._now
+        victim = min(
+            candidates,
+            key=lambda m: (
+                (m.policy_state.uses + prior_uses) / (now - m.policy_state.stamp + prior_ticks),
+                m.last_access,
+            ),
+        )
         self.remove(victim)
         self._evicted(victim)
         return victim
 
-    def _rank(self, node: TreeNode) -> tuple[float, int]:
-        """Lower goes first: learned density, then least recently used."""
-        if self._density is None:
-            return (0.0, node.last_access)
-        st = node.policy_state
-        return (
-            self._density[self._class(st), self._bucket(self._now - st.stamp)],
-            node.last_access,
-        )
-
     def _evicted(self, node: TreeNode) -> None:
         st = node.policy_state
         st.evicted = True
-        pushed_out = self._history.push(
-            self._fingerprint(node),
-            st.stamp,
-            node.end,
-            self._class(st),
-            st.uses,
-            node.num_tokens,
-        )
-        if pushed_out is not None:  # censored: seen alive until now, never hit
-            cls, stamp, tokens = pushed_out
-            self._end_tokens[cls, self._bucket(self._now - stamp)] += tokens
-        self._since_recompute += 1
-        period = max(
-            self.params.recompute_every_evictions,
-            (len(self._members) + len(self._history.slot_of)) // 8,
-        )
-        if self._since_recompute >= period:
-            self._recompute()
-
-    def _open_tokens(self) -> np.ndarray:
-        """Tokens of lifetimes still open (leaves on the device, live history entries)
-        per class and bucket of their current age."""
-        p = self.params
-        hist = self._history
-        cls = [hist.cls[hist.live]]
-        ages = [self._now - hist.stamp[hist.live]]
-        tokens = [hist.tokens[hist.live]]
-        if self._members:
-            states = [m.policy_state for m in self._members]
-            cls.append(np.array([self._class(s) for s in states], dtype=np.int64))
-            ages.append(np.array([self._now - s.stamp for s in states], dtype=np.int64))
-            tokens.append(np.array([m.num_tokens for m in self._members], dtype=np.float64))
-        c, a, t = np.concatenate(cls), np.concatenate(ages), np.concatenate(tokens)
-        b = np.zeros(a.size, dtype=np.int64)
-        pos = a > 0
-        b[pos] = np.floor(np.log2(a[pos] + 1.0) * p.buckets_per_octave).astype(np.int64)
-        np.minimum(b, p.age_buckets - 1, out=b)
-        out = np.zeros((self._classes, p.age_buckets))
-        np.add.at(out, (c, b), t)
-        return out
-
-    def _recompute(self) -> None:
-        """Re-estimate each class's hit hazard per age bucket and turn it into the
-        density of a leaf kept from each age on."""
-        self._since_recompute = 0
-        # At risk in bucket x: lifetimes that ended or were censored at x or later, and
-        # open ones now at x or later.
-        ended_or_open = self._end_tokens + self._open_tokens()
-        at_risk = np.cumsum(ended_or_open[:, ::-1], axis=1)[:, ::-1]
-        pooled_hits = self._hit_tokens.sum(axis=0)
-        pooled_risk = at_risk.sum(axis=0)
-        hazard = np.where(at_risk > 0, self._hit_tokens / np.maximum(at_risk, 1e-12), np.nan)
-        pooled = np.where(pooled_risk > 0, pooled_hits / np.maximum(pooled_risk, 1e-12), 0.0)
-        hazard = np.where(np.isnan(hazard), pooled[None, :], hazard)
-        hazard = np.clip(hazard, 0.0, 1.0)
-        # Backward over buckets: expected hits and space-time of a leaf alive at the start
-        # of bucket x and kept until it is hit (or ages out of the table).
-        width = self._bucket_width
-        hits = np.zeros_like(hazard)
-        space_time = np.zeros_like(hazard)
-        nxt_h = np.zeros(self._classes)
-        nxt_s = np.zeros(self._classes)
-        for x in range(hazard.shape[1] - 1, -1, -1):
-            h = hazard[:, x]
-            nxt_h = h + (1.0 - h) * nxt_h
-            nxt_s = width[x] * (1.0 - 0.5 * h) + (1.0 - h) * nxt_s
-            hits[:, x], space_time[:, x] = nxt_h, nxt_s
-        self._density = hits / np.maximum(space_time, 1e-12)
+        self._history.push(self._fingerprint(node), st.uses, node.end)
+        # A running mean of the age at eviction over about the last window of evictions.
+        age = self._now - st.stamp
+        self._evictions += 1
+        weight = 1.0 / min(self._evictions, self.params.turnover_window_evictions)
+        self._turnover_ticks += weight * (age - self._turnover_ticks)
