@@ -65,7 +65,7 @@ def run_case(prompt_len: int, page_size: int, conversations: int) -> dict:
         fresh = pools.full.pages_to_slots(
             pools.alloc_kv_pages((aligned - m.prefix_len) // page_size)
         )
-        slots = np.concatenate([m.device_indices.numpy(), fresh])
+        slots = np.concatenate([m.device_slots, fresh])
         t2 = time.perf_counter()
         cache.insert(tokens[:aligned], slots, prev_prefix_len=m.prefix_len)
         t3 = time.perf_counter()

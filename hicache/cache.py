@@ -98,13 +98,14 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         root = self.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
         if root is None or n == 0:
-            result = MatchResult(torch.from_numpy(_EMPTY), 0, root or self._null_root)
+            result = MatchResult(_EMPTY, 0, root or self._null_root)
         else:
             path, partial, k = self.walk(root, key)
             last_node, prefix_nodes = self._device_match(root, path, partial, k)
-            result = MatchResult(
-                torch.from_numpy(self._concat_slots(prefix_nodes)), last_node.end, last_node
-            )
+            slots = self._concat_slots(prefix_nodes)
+            if len(prefix_nodes) == 1:
+                slots = slots.copy()  # never hand out a node's own array
+            result = MatchResult(slots, last_node.end, last_node)
             if prefix_nodes:
                 self.touch(prefix_nodes)
                 self.on_prefix_hit(prefix_nodes)
@@ -172,7 +173,7 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
                 self.pools.mamba.copy_state(src, slot)
             req.mamba_slot = slot
             result.mamba_slot = slot
-        req.kv_slots = result.device_indices.numpy().copy()
+        req.kv_slots = result.device_slots.copy()
         req.token_ids = tokens[: result.prefix_len].copy()
         req.prefix_len = result.prefix_len
         req.last_node = result.last_node

@@ -85,19 +85,25 @@ class Request:
 class MatchResult:
     """The outcome of ``match_prefix``.
 
-    ``device_indices`` are the FULL slots of the first ``prefix_len`` tokens, usable now.
+    ``device_slots`` (numpy) / ``device_indices`` (the same as a torch tensor) are the FULL
+    slots of the first ``prefix_len`` tokens, usable now; they are the caller's copy.
     ``host_hit_len`` tokens after them can be loaded from the host tier, and
     ``disk_hit_len`` tokens after those from disk; ``load_node`` is where ``load_back``
     would end (None when there is nothing to load).
     """
 
-    device_indices: torch.Tensor
+    device_slots: np.ndarray
     prefix_len: int
     last_node: TreeNode
     host_hit_len: int = 0
     disk_hit_len: int = 0
     load_node: TreeNode | None = None
     mamba_slot: int | None = None
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """``device_slots`` as an int64 tensor (sharing memory with it)."""
+        return torch.from_numpy(self.device_slots)
 
     @property
     def total_hit_len(self) -> int:
