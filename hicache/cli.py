@@ -31,6 +31,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "run_serve",
     ),
     Subcommand(
+        "bench",
+        "benchmarks: `bench replay` replays a Mooncake trace against the offline bounds",
+        "hicache.replay_bench",
+        "add_bench_arguments",
+        "run_bench",
+    ),
+    Subcommand(
         "demo",
         "run a sidecar and two engines on a chat workload; show hits per tier, prove exactness",
         "hicache.demo",
