@@ -30,7 +30,7 @@ _FSCK_BATCH = 1024  # values per read transaction: a long read would pin old LMD
 def _entries_deepest_first(ctl: LocalController, namespace_root: bytes | None) -> list[PageEntry]:
     """Entries (every component) ordered so that a page comes before its chain parent;
     only those under ``namespace_root`` when given. Lock held by the caller."""
-    index = ctl._store.index
+    index = ctl.store.index
     entries = list(index)
     fulls = {e.page_hash: e for e in entries if e.component is ComponentType.FULL}
     children: dict[bytes, list[bytes]] = {}
@@ -65,7 +65,7 @@ def _entries_deepest_first(ctl: LocalController, namespace_root: bytes | None) -
 
 
 def _drop_disk_locked(ctl: LocalController, e: PageEntry) -> list[bytes]:
-    index = ctl._store.index
+    index = ctl.store.index
     group = [e]
     if e.component is ComponentType.FULL:
         group = [*index.aux_in(e, Tier.DISK), e]
@@ -106,7 +106,7 @@ def clear(
     Pinned and in-flight pages are kept, and so are the chain heads above them.
     """
     tiers = set(tiers)
-    store = ctl._store
+    store = ctl.store
     out = ClearResult()
     if store.host is None:
         return out
@@ -122,7 +122,7 @@ def clear(
             if Tier.HOST in tiers and e.attached and e.host_state is HostState.READY:
                 if store.index.evictable(e, Tier.HOST):
                     before = store.host[e.component].used_pages
-                    store._evict_host_locked(e)
+                    store.evict_host_locked(e)
                     out.host_pages += before - store.host[e.component].used_pages
                 else:
                     out.kept_pages += 1
@@ -143,7 +143,7 @@ def evict(
 ) -> dict[str, int]:
     """Evict least-recently-used pages of ``tier`` until ``nbytes`` are freed (or nothing
     evictable is left). Host eviction is per component (FULL when none is given)."""
-    store = ctl._store
+    store = ctl.store
     if store.host is None:
         return {"pages": 0, "bytes": 0}
     if tier is Tier.DISK:
@@ -162,7 +162,7 @@ def evict(
                 if victim is None:
                     break
                 before = {c: store.host[c].used_pages for c in store.host.components}
-                store._evict_host_locked(victim)
+                store.evict_host_locked(victim)
                 for c, used in before.items():
                     n = used - store.host[c].used_pages
                     freed_pages += n
@@ -180,8 +180,8 @@ def prefix_keys(
     """Keys of the leading pages of a prefix that the controller holds, every component."""
     hashes = page_hashes(tokens, fingerprint, page_size, namespace)
     keys: list[PageKey] = []
-    index = ctl._store.index
-    with ctl._store.lock:
+    index = ctl.store.index
+    with ctl.store.lock:
         for h in hashes:
             full = index.get(h + bytes((int(ComponentType.FULL),)))
             if full is None or not full.held:
@@ -229,7 +229,7 @@ def fsck(
     in flight is left to the read path, which never serves a bad checksum either).
     ``progress(done, total)`` is called every few hundred values.
     """
-    store = ctl._store
+    store = ctl.store
     out = FsckResult()
     if store.disk is None:
         return out
@@ -291,7 +291,7 @@ def fsck(
 def residency(ctl: LocalController) -> dict[str, dict[str, dict[str, int]]]:
     """Pages per tier and component: ``resident`` (held there) and ``pinned`` (the part of
     resident that an active pin holds)."""
-    store = ctl._store
+    store = ctl.store
     out: dict[str, dict[str, dict[str, int]]] = {"host": {}, "disk": {}}
     with store.lock:
         if store.host is None:
@@ -303,7 +303,7 @@ def residency(ctl: LocalController) -> dict[str, dict[str, dict[str, int]]]:
                 if c in store.host.components:
                     out["disk"][component_label(c)] = {"resident": n, "pinned": 0}
         pinned: dict[int, PageEntry] = {}
-        for rec in store.pins._pins.values():
+        for rec in store.pins.records():
             for e in rec.entries:
                 pinned[id(e)] = e
         for e in pinned.values():

@@ -292,7 +292,7 @@ class VerbHandlers:
         Args(req.verb, req.args, ())
         srv = self.server
         checks = {"serving": not srv.stopping}
-        if self.ctl._store.disk is not None:
+        if self.ctl.store.disk is not None:
             # The writer thread is the disk tier's only way in: without it nothing lands.
             checks["disk_writer"] = any(
                 t.name == "hicache-lmdb-writer" and t.is_alive() for t in threading.enumerate()

@@ -118,11 +118,11 @@ class PageStore:
             victim = self.index.pop_victim(Tier.HOST, component)
             if victim is None:
                 return None
-            self._evict_host_locked(victim)
+            self.evict_host_locked(victim)
             page = pool.alloc()
         return page
 
-    def _evict_host_locked(self, entry: PageEntry) -> None:
+    def evict_host_locked(self, entry: PageEntry) -> None:
         """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host)."""
         group = [entry]
         if entry.component is ComponentType.FULL:
