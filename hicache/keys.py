@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 TOKEN_BYTES = 8
 HASH_BYTES = 16
 _TOKEN_DTYPE = np.dtype("<i8")
 
-TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+TokenInput = Union[Sequence[int], np.ndarray, "torch.Tensor"]
 
 
 def token_array(tokens: TokenInput) -> np.ndarray:
     """``tokens`` as a 1-D little-endian int64 array (no copy when it already is one)."""
-    if isinstance(tokens, torch.Tensor):
+    if hasattr(tokens, "detach"):  # a torch tensor (torch is not imported for light tools)
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens, dtype=_TOKEN_DTYPE)
     if arr.ndim != 1:
