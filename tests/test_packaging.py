@@ -4,6 +4,7 @@ installed editable (this venv) and from a built wheel in a fresh venv."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig

@@ -11,14 +11,26 @@ from hicache.engine.model import (
     tiny_hybrid,
 )
 from hicache.engine.reference import Generation, generate
+from hicache.engine.scheduler import (
+    GenerationRequest,
+    RequestResult,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+)
 
 __all__ = [
     "DEFAULT_KINDS",
     "ChunkOutput",
     "Generation",
+    "GenerationRequest",
     "HybridModel",
     "MambaSnapshot",
     "ModelConfig",
+    "RequestResult",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
     "SequenceChunk",
     "TinyHybrid",
     "generate",
