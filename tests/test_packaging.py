@@ -42,9 +42,13 @@ def test_editable_install_maps_the_top_level_folders():
 @pytest.mark.timeout(600)
 def test_wheel_in_a_fresh_venv_imports_the_mapped_packages(tmp_path):
     dist = tmp_path / "dist"
+    # Build from a copy of the sources: setuptools writes build/ and *.egg-info beside them.
+    src = tmp_path / "src"
+    skip = (".git", ".venv", "build", "demo-out", "*.egg-info", "__pycache__", ".whl")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*skip, "hicache-data"))
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist)],
-        cwd=ROOT,
+        cwd=src,
         check=True,
         capture_output=True,
     )
