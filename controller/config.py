@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hicache.config import parse_enum
 from hicache.types import ComponentType, ConfigError
 
 MIB = 1 << 20
@@ -54,16 +55,6 @@ class HostPinning(enum.Enum):
     AUTO = "auto"  # pinned when CUDA is available, plain memory otherwise
     PINNED = "pinned"  # pinned, or an error when it cannot be
     PAGEABLE = "pageable"  # never pinned
-
-
-def _enum(cls: type[enum.Enum], value: object, name: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        choices = ", ".join(m.value for m in cls)
-        raise ConfigError(f"{name}={value!r} is not one of: {choices}") from None
 
 
 @dataclass
@@ -106,8 +97,10 @@ class ControllerConfig:
     close_timeout_s: float = 60.0  # close() waits this long for queued writes
 
     def __post_init__(self) -> None:
-        self.host_pinning = _enum(HostPinning, self.host_pinning, "host_pinning")
-        self.disk_write_policy = _enum(DiskWritePolicy, self.disk_write_policy, "disk_write_policy")
+        self.host_pinning = parse_enum(HostPinning, self.host_pinning, "host_pinning")
+        self.disk_write_policy = parse_enum(
+            DiskWritePolicy, self.disk_write_policy, "disk_write_policy"
+        )
         if self.disk_path is not None:
             self.disk_path = Path(self.disk_path)
         self.validate()

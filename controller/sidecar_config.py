@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.config import parse_enum
 from hicache.controller.protocol import (
     ADMIN_TOKEN_NAME,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -40,16 +41,6 @@ class BackupAck(enum.Enum):
     DISK = "disk"  # the pages are committed to LMDB (needs write_through and a disk tier)
 
 
-def _enum(cls: type[enum.Enum], value: object, name: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        choices = ", ".join(m.value for m in cls)
-        raise ConfigError(f"{name}={value!r} is not one of: {choices}") from None
-
-
 @dataclass
 class SidecarConfig:
     """Everything about the sidecar process that is not the controller's tiers."""
@@ -75,8 +66,8 @@ class SidecarConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        self.tcp_auth = _enum(TcpAuth, self.tcp_auth, "tcp_auth")
-        self.backup_ack = _enum(BackupAck, self.backup_ack, "backup_ack")
+        self.tcp_auth = parse_enum(TcpAuth, self.tcp_auth, "tcp_auth")
+        self.backup_ack = parse_enum(BackupAck, self.backup_ack, "backup_ack")
         for name in (
             "socket_path",
             "tcp_token_file",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 from hicache.layout import ModelLayout
 from hicache.types import ConfigError
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class WritePolicy(enum.Enum):
@@ -32,13 +35,15 @@ class EvictionPolicyKind(enum.Enum):
     LEARNED = "learned"
 
 
-def _enum_field(enum_cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
+def parse_enum(enum_cls: type[E], value: object, name: str) -> E:
+    """``value`` as a member of ``enum_cls`` (given a member or its value); a ConfigError
+    naming ``name`` and the choices otherwise."""
     if isinstance(value, enum_cls):
         return value
     try:
         return enum_cls(value)
     except ValueError:
-        choices = ", ".join(m.value for m in enum_cls)
+        choices = ", ".join(str(m.value) for m in enum_cls)
         raise ConfigError(f"{name}={value!r} is not one of: {choices}") from None
 
 
@@ -80,9 +85,9 @@ class CacheConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.write_policy = _enum_field(WritePolicy, self.write_policy, "write_policy")
-        self.prefetch_policy = _enum_field(PrefetchPolicy, self.prefetch_policy, "prefetch_policy")
-        self.eviction_policy = _enum_field(
+        self.write_policy = parse_enum(WritePolicy, self.write_policy, "write_policy")
+        self.prefetch_policy = parse_enum(PrefetchPolicy, self.prefetch_policy, "prefetch_policy")
+        self.eviction_policy = parse_enum(
             EvictionPolicyKind, self.eviction_policy, "eviction_policy"
         )
         if self.swa_slots is None:

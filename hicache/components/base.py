@@ -145,3 +145,51 @@ class TreeComponent(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(idx={self.idx})"
+
+
+class PagedComponent(TreeComponent):
+    """A component whose value is one pool page per page of the node (FULL, SWA): the
+    load-back hooks are the same for both, only the pool and the installing differ."""
+
+    def pool(self) -> Any:
+        """The device pool this component's pages come from."""
+        raise NotImplementedError
+
+    def load_from(self, plan: LoadPlan) -> int:
+        """First token position whose pages a load-back brings (the nodes before it are
+        left without this component on the device)."""
+        return 0
+
+    def install(self, node: TreeNode, pages: np.ndarray) -> None:
+        """Make freshly loaded ``pages`` ``node``'s value."""
+        raise NotImplementedError
+
+    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
+        start = self.load_from(plan)
+        need = [n for n in plan.nodes if n.start >= start and n.data[self.idx].value is None]
+        plan.parts[self.idx] = need
+        return [PageKey(self.ctype, h) for n in need for h in self.tree.node_hashes(n)]
+
+    def _by_node(self, plan: LoadPlan, pages: np.ndarray) -> list[tuple[TreeNode, np.ndarray]]:
+        out, off = [], 0
+        for n in plan.parts[self.idx]:
+            k = n.num_tokens // self.page_size
+            out.append((n, pages[off : off + k]))
+            off += k
+        return out
+
+    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
+        need = plan.parts[self.idx]
+        pages = self.pool().alloc_pages(sum(n.num_tokens for n in need) // self.page_size)
+        refs = [r for n, p in self._by_node(plan, pages) for r in self.page_refs(n, p.tolist())]
+        return LoadPrep(refs, pages)
+
+    def finalize_load_back(
+        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
+    ) -> None:
+        if not ok:
+            self.pool().free_pages(prep.allocated)
+            return
+        for node, pages in self._by_node(plan, prep.allocated):
+            self.install(node, pages)
+            node.data[self.idx].backed = True

@@ -6,16 +6,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep, TreeComponent
-from hicache.controller_api import PageKey, PageRef
+from hicache.components.base import PagedComponent
+from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.request import Request
     from hicache.tree import ComponentData, TreeNode
 
 
-class FullComponent(TreeComponent):
+class FullComponent(PagedComponent):
     """Value: the FULL token slots of the node's span (whole pages, in order)."""
 
     ctype = ComponentType.FULL
@@ -56,32 +55,8 @@ class FullComponent(TreeComponent):
         value = node.data[self.idx].value
         return [] if value is None else self.page_refs(node, self.pages(value).tolist())
 
-    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
-        need = [n for n in plan.nodes if n.data[self.idx].value is None]
-        plan.parts[self.idx] = need
-        return [PageKey(self.ctype, h) for n in need for h in self.tree.node_hashes(n)]
+    def pool(self) -> Any:
+        return self.pools.full
 
-    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
-        need = plan.parts[self.idx]
-        pages = self.pools.full.alloc_pages(sum(n.num_tokens for n in need) // self.page_size)
-        refs: list[PageRef] = []
-        off = 0
-        for n in need:
-            k = n.num_tokens // self.page_size
-            refs += self.page_refs(n, pages[off : off + k].tolist())
-            off += k
-        return LoadPrep(refs, pages)
-
-    def finalize_load_back(
-        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
-    ) -> None:
-        if not ok:
-            self.pools.full.free_pages(prep.allocated)
-            return
-        off = 0
-        for n in plan.parts[self.idx]:
-            k = n.num_tokens // self.page_size
-            slots = self.pools.full.pages_to_slots(prep.allocated[off : off + k])
-            self.tree.set_value(n, self, slots)
-            n.data[self.idx].backed = True
-            off += k
+    def install(self, node: TreeNode, pages: np.ndarray) -> None:
+        self.tree.set_value(node, self, self.pools.full.pages_to_slots(pages))

@@ -11,16 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep, MatchCheck, TreeComponent
-from hicache.controller_api import PageKey, PageRef
+from hicache.components.base import LoadPlan, MatchCheck, PagedComponent
+from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.request import Request
     from hicache.tree import ComponentData, TreeNode
 
 
-class SWAComponent(TreeComponent):
+class SWAComponent(PagedComponent):
     ctype = ComponentType.SWA
     priority = 1
 
@@ -98,34 +97,12 @@ class SWAComponent(TreeComponent):
     def load_cut(self, end: int) -> int | None:
         return self.window_start(end)
 
-    def plan_load(self, plan: LoadPlan) -> list[PageKey]:
-        start = self.window_start(plan.end)
-        need = [n for n in plan.nodes if n.start >= start and n.data[self.idx].value is None]
-        plan.parts[self.idx] = need
-        return [PageKey(self.ctype, h) for n in need for h in self.tree.node_hashes(n)]
+    def pool(self) -> Any:
+        return self.pools.swa
 
-    def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
-        need = plan.parts[self.idx]
-        pages = self.pools.swa.alloc_pages(sum(n.num_tokens for n in need) // self.page_size)
-        refs: list[PageRef] = []
-        off = 0
-        for n in need:
-            k = n.num_tokens // self.page_size
-            refs += self.page_refs(n, pages[off : off + k].tolist())
-            off += k
-        return LoadPrep(refs, pages)
+    def load_from(self, plan: LoadPlan) -> int:
+        return self.window_start(plan.end)
 
-    def finalize_load_back(
-        self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
-    ) -> None:
-        if not ok:
-            self.pools.swa.free_pages(prep.allocated)
-            return
-        off = 0
-        for n in plan.parts[self.idx]:
-            k = n.num_tokens // self.page_size
-            swa_pages = prep.allocated[off : off + k]
-            self.pools.full_to_swa[self._full_pages(n)] = swa_pages
-            self.tree.set_value(n, self, swa_pages)
-            n.data[self.idx].backed = True
-            off += k
+    def install(self, node: TreeNode, pages: np.ndarray) -> None:
+        self.pools.full_to_swa[self._full_pages(node)] = pages
+        self.tree.set_value(node, self, pages)
