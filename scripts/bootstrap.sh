@@ -7,6 +7,25 @@ venv="${VENV:-.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.hicache-installed"
 
+# System tools some tests run for real: prometheus (and its promtool) for the metrics and
+# alert tests, systemd-analyze/systemd-sysusers for the unit files, curl for the docs.
+# Installed when missing and this user may (root with apt); otherwise those tests skip and
+# say why.
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: installing ${missing[*]} (Debian packages)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >/dev/null
+    else
+        echo "bootstrap: ${missing[*]} missing (install them to run every test)" >&2
+    fi
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
     echo "bootstrap: creating $venv with $("$python" --version)"
     "$python" -m venv "$venv"
