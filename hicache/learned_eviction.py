@@ -22,6 +22,10 @@ and evicts the lowest of a small random sample of evictable leaves.
   (a 1 %-of-trace device and a 20 % one differ by 30x in turnover), so the same rule fits
   every capacity. ``prior_uses`` keeps never-used leaves ordered by age among
   themselves.
+* With a host (or disk) tier, a leaf whose pages the controller also holds costs only a
+  load-back to drop, not a recomputation: its rate is multiplied by ``backed_discount``.
+  With write-back, this keeps on the device the leaves the host does not have, so the
+  two tiers hold more distinct prefixes between them.
 * **History**: an evicted leaf is remembered in a bounded ring of ``history_entries``
   (a fingerprint of its start position and first tokens, and its uses). When a node with
   a remembered fingerprint is inserted again, the prefix came back: the node starts
@@ -61,6 +65,7 @@ class LearnedPolicyParams:
     """Tuning of :class:`LearnedLeafPolicy`; every number has its unit in its name."""
 
     prior_uses: float = 0.05
+    backed_discount: float = 0.1  # rate factor of a leaf the host/disk tier also holds
     prior_turnovers: float = 0.5  # prior_ticks = this × the mean age of evicted leaves
     initial_prior_ticks: float = 50.0  # until the first eviction measured the turnover
     turnover_window_evictions: int = 256  # horizon of the running mean of eviction ages
@@ -70,6 +75,8 @@ class LearnedPolicyParams:
     def __post_init__(self) -> None:
         if not self.prior_uses > 0 or not self.prior_turnovers > 0:
             raise ValueError("prior_uses and prior_turnovers must be > 0")
+        if not 0 <= self.backed_discount <= 1:
+            raise ValueError("backed_discount must be within [0, 1]")
         if not self.initial_prior_ticks > 0:
             raise ValueError("initial_prior_ticks must be > 0")
         if self.turnover_window_evictions < 1 or self.history_entries < 1:
@@ -160,6 +167,14 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         st = self._state(node)
         return (st.uses + self.params.prior_uses) / (self._now - st.stamp + self.prior_ticks)
 
+    def _rank(self, node: TreeNode) -> tuple[float, int]:
+        """Lower goes first: the rate, discounted when a lower tier holds the pages too
+        (dropping them costs a load-back, not a recomputation), then LRU order."""
+        rate = self.rate(node)
+        if node.data[0].backed:
+            rate *= self.params.backed_discount
+        return (rate, node.last_access)
+
     def uses(self, node: TreeNode) -> int:
         """The uses the policy counts for ``node`` (history included)."""
         return self._state(node).uses
@@ -173,16 +188,16 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
 
     def _state(self, node: TreeNode) -> _LeafState:
         """``node``'s state, created on first sight: a node the tree made by a split (the
-        only nodes created without ``on_insert``) gets its suffix's count, since both
-        parts were used by the same requests until now."""
+        only nodes created without ``on_insert``) takes its suffix's history (uses, last
+        use, whether it left the device), since both parts shared it until the split."""
         st = node.policy_state
         if st is None:
-            uses = 0
+            st = node.policy_state = _LeafState(node.last_access, 0)
             for child in node.children.values():
-                if child.policy_state is not None:
-                    uses = child.policy_state.uses
+                cst = child.policy_state
+                if cst is not None:
+                    st.uses, st.stamp, st.evicted = cst.uses, cst.stamp, cst.evicted
                     break
-            st = node.policy_state = _LeafState(node.last_access, uses)
         return st
 
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
@@ -261,14 +276,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         else:
             rand = self._rng.randrange
             candidates = [self._members[rand(n)] for _ in range(self.sample_size)]
-        prior_uses, prior_ticks, now = self.params.prior_uses, self.prior_ticks, self._now
-        victim = min(
-            candidates,
-            key=lambda m: (
-                (m.policy_state.uses + prior_uses) / (now - m.policy_state.stamp + prior_ticks),
-                m.last_access,
-            ),
-        )
+        victim = min(candidates, key=self._rank)
         self.remove(victim)
         self._evicted(victim)
         return victim
