@@ -169,7 +169,7 @@ def test_a_load_never_outlasts_its_deadline(workdir):
         # Disk only, and every disk read now takes 2 s.
         with side.controller._store.lock:
             for e in list(side.controller._store.index):
-                side.controller._store._evict_host_locked(e)
+                side.controller._store.evict_host_locked(e)
         side.controller.faults = FaultPlan(disk_read_delay_s=2.0)
         pin = engine.client.pin([r.key for r in refs], 30)
         assert pin is not None
