@@ -217,6 +217,8 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
                 break
             uses, end = found
             first = uses if first is None else first
+            if end - node.start <= offset:  # a colliding fingerprint: stop following
+                break
             offset = end - node.start
         return first
 
