@@ -5,15 +5,18 @@ hicache's core; hicache need not be installed):
 
     python3 benchmarks/gpu_kernels.py [--out DIR] [--checks-only] [--sweep]
 
-Part 1 checks, bit for bit on fresh random inputs with poisoned outputs, the Triton and
-copy-engine transfers and the Triton scatters against the torch reference (and the
-scatters against a plain loop too). Part 2 measures device->host and host->device page
-transfers for a Llama-3-8B-like layout and a hybrid layout at page sizes 1/16/64 against
-a pinned memcpy of the same bytes and the naive torch gather-then-copy, all in this run,
-each with Triton, the copy engines and the default dispatch; a backup and a load running
-at once (also with the methods mixed); Mamba state transfers; the speculative-decoding
-scatters against a boolean-mask + index_select version; with --sweep, Triton's launch
-parameters. The tables are printed last; DIR/kernels_gpu.json holds every number.
+Part 1 checks, bit for bit on fresh random inputs with poisoned outputs, the Triton,
+copy-engine and staged transfers and the Triton scatters against the torch reference (and
+the scatters against a plain loop too). Part 2 measures device->host and host->device
+page transfers for a Llama-3-8B-like layout and a hybrid layout at page sizes 1/16/64,
+with random and with consecutive host pages, against a pinned memcpy of the same bytes
+and the naive torch gather-then-copy, all in this run, each with Triton, the copy
+engines, the staged path and the default dispatch; a backup and a load running at once;
+the staging ring's chunk size and slots, and small transfers (Llama layout, page 16);
+Mamba state transfers; the speculative-decoding scatters against a boolean-mask +
+index_select version; with --sweep, Triton's launch parameters; with --matrix, backup and
+load methods mixed. The tables are printed last; DIR/kernels_gpu.json holds every
+number.
 """
 
 from __future__ import annotations
@@ -126,43 +129,53 @@ class Checks:
 
 
 def check_kv(
-    dtype, page_size: int, backend: str | None, device: str, pin: bool, big: bool = False
+    dtype,
+    page_size: int,
+    backend: str | None,
+    device: str,
+    pin: bool,
+    big: bool = False,
+    tuning=None,
+    pad: int = 64,
+    consecutive: bool = False,
 ) -> bool:
     """Round trip through host pages; ``big`` pages (Llama-3-8B, 8 MiB at page 64) take
-    the copy engines under the default dispatch."""
+    the copy engines under the default dispatch. ``pad`` bytes follow each host page
+    (0: pages back to back, so the staged path merges consecutive ones); ``consecutive``
+    host pages are an ascending subset (runs of neighbours) instead of a permutation."""
     layers, heads, head_dim, num_pages, host_n, n = 4, 4, 64, 40, 24, 12
     if big:
         layers, heads, head_dim, num_pages, host_n, n = 32, 8, 128, 10, 6, 4
+    kw = {"backend": backend}
+    if tuning is not None:
+        kw["tuning"] = tuning
     device_kv = randomize(
         torch.empty(2, layers, num_pages * page_size, heads, head_dim, dtype=dtype, device=device)
     )
     page_shape = (2, layers, page_size, heads, head_dim)
     page_bytes = dtype.itemsize * 2 * layers * page_size * heads * head_dim
-    buf = randomize(empty_bytes(host_n * (page_bytes + 64), "cpu", pin))
+    buf = randomize(empty_bytes(host_n * (page_bytes + pad), "cpu", pin))
     dpages = torch.randperm(num_pages)[:n]
     dpages[1] = dpages[0]  # one device page to two host pages
     hpages = torch.randperm(host_n)[:n]
+    if consecutive:
+        hpages = torch.sort(hpages).values
 
     got, want = clone_like(buf, pin), clone_like(buf, pin)
     K.kv_pages_to_host(
-        device_kv,
-        paged_view(got, host_n, page_shape, dtype, 64),
-        dpages,
-        hpages,
-        page_size,
-        backend=backend,
+        device_kv, paged_view(got, host_n, page_shape, dtype, pad), dpages, hpages, page_size, **kw
     )
     ref.kv_pages_to_host_ref(
-        device_kv, paged_view(want, host_n, page_shape, dtype, 64), dpages, hpages, page_size
+        device_kv, paged_view(want, host_n, page_shape, dtype, pad), dpages, hpages, page_size
     )
     sync()
     ok = torch.equal(got, want) and not torch.equal(got, buf)
 
-    host_kv = paged_view(got, host_n, page_shape, dtype, 64)
+    host_kv = paged_view(got, host_n, page_shape, dtype, pad)
     back = torch.randperm(num_pages)[:n]
     target = randomize(torch.empty_like(device_kv))
     dev_got, dev_want = target.clone(), target.clone()
-    K.kv_pages_to_device(host_kv, dev_got, hpages, back, page_size, backend=backend)
+    K.kv_pages_to_device(host_kv, dev_got, hpages, back, page_size, **kw)
     ref.kv_pages_to_device_ref(host_kv, dev_want, hpages, back, page_size)
     sync()
     ok &= torch.equal(bits(dev_got), bits(dev_want))
@@ -170,6 +183,71 @@ def check_kv(
     orig = device_kv.view(2, layers, num_pages, page_size, heads, head_dim)
     dev = device_kv.device
     ok &= torch.equal(bits(paged[:, :, back.to(dev)]), bits(orig[:, :, dpages.to(dev)]))
+    return ok
+
+
+def small_chunks(page_size: int, dtype=torch.bfloat16, **kw):
+    """A staging ring of 2 slots of 3 test pages (``check_kv``'s small layout), so that 12
+    pages take 4 chunks and every slot is reused."""
+    page_bytes = 2 * 4 * page_size * 4 * 64 * dtype.itemsize
+    return K.TransferTuning(staging_chunk_bytes=3 * page_bytes, staging_chunks=2, **kw)
+
+
+def check_staged_default_dispatch(device: str, pin: bool) -> bool:
+    """With the staged thresholds at 0 the default dispatch stages a KV transfer, and only
+    when its indices are on the CPU and the host pages pinned."""
+    tuning = K.TransferTuning(staged_min_transfer_bytes=0, staged_min_dma_bytes=1)
+    dev = torch.zeros(2, 2, 64, 2, 32, dtype=torch.float16, device=device)
+    host = torch.zeros(8, 2, 2, 16, 2, 32, dtype=torch.float16, pin_memory=pin)
+    cpu_idx = torch.tensor([1, 2])
+    args = (dev, host, cpu_idx, cpu_idx, 16)
+    picked = K.kv_transfer_backend(*args, to_host=True, tuning=tuning)
+    gpu_idx = K.kv_transfer_backend(
+        dev, host, cpu_idx.to(device), cpu_idx, 16, to_host=True, tuning=tuning
+    )
+    pageable = K.kv_transfer_backend(
+        dev,
+        torch.zeros_like(host, device="cpu"),
+        cpu_idx,
+        cpu_idx,
+        16,
+        to_host=False,
+        tuning=tuning,
+    )
+    ok = picked is K.Backend.STAGED and gpu_idx is not K.Backend.STAGED
+    ok &= pageable is not K.Backend.STAGED
+    return ok and check_kv(torch.bfloat16, 16, None, device, pin, tuning=tuning, pad=0)
+
+
+def check_staged_concurrent(device: str, pin: bool, rounds: int = 3) -> bool:
+    """A staged backup (stream A) and a staged load (stream B) at once, several rounds on
+    the same two streams (so the rings are reused), each checked against the reference."""
+    layers, heads, dim, ps, pages, n = 8, 4, 128, 16, 64, 24
+    tuning = K.TransferTuning(staging_chunk_bytes=4 * 2 * layers * ps * heads * dim * 2)
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    ok = True
+    for _ in range(rounds):
+        dev = randomize(
+            torch.empty(2, layers, pages * ps, heads, dim, dtype=torch.bfloat16, device=device)
+        )
+        host = randomize(
+            torch.empty(2 * n, 2, layers, ps, heads, dim, dtype=torch.bfloat16, pin_memory=pin)
+        )
+        perm, hperm = torch.randperm(pages), torch.randperm(2 * n)
+        d_a, d_b, h_a, h_b = perm[:n], perm[n : 2 * n], hperm[:n], hperm[n:]
+        want_host, want_dev = host.clone(), dev.clone()
+        ref.kv_pages_to_host_ref(dev, want_host, d_a, h_a, ps)
+        ref.kv_pages_to_device_ref(host, want_dev, h_b, d_b, ps)
+        sync()
+        cur = torch.cuda.current_stream()
+        sa.wait_stream(cur)
+        sb.wait_stream(cur)
+        with torch.cuda.stream(sa):
+            K.kv_pages_to_host(dev, host, d_a, h_a, ps, backend="staged", tuning=tuning)
+        with torch.cuda.stream(sb):
+            K.kv_pages_to_device(host, dev, h_b, d_b, ps, backend="staged", tuning=tuning)
+        sync()
+        ok &= torch.equal(bits(host), bits(want_host)) and torch.equal(bits(dev), bits(want_dev))
     return ok
 
 
@@ -350,12 +428,62 @@ def run_checks(device: str = "cuda") -> Checks:
                 f"mamba round trip {backend} {str(dtype)[6:]}",
                 partial(check_mamba, dtype, backend, device, pin),
             )
+    staged_cases = [
+        ("random host pages, padded", {"tuning_fn": small_chunks}),
+        (
+            "consecutive host pages, back to back",
+            {"tuning_fn": small_chunks, "pad": 0, "consecutive": True},
+        ),
+    ]
+    for dtype in DTYPES:
+        for ps in (1, 16, 64):
+            for label, case in staged_cases:
+                kw = {k: v for k, v in case.items() if k != "tuning_fn"}
+                checks.record(
+                    f"kv round trip staged {str(dtype)[6:]} page {ps}, {label}, 4 chunks",
+                    partial(
+                        check_kv,
+                        dtype,
+                        ps,
+                        "staged",
+                        device,
+                        pin,
+                        tuning=case["tuning_fn"](ps, dtype),
+                        **kw,
+                    ),
+                )
     if device == "cuda":
+        checks.record(
+            "kv round trip staged, one cudaMemcpyAsync per DMA",
+            partial(
+                check_kv,
+                torch.bfloat16,
+                16,
+                "staged",
+                device,
+                pin,
+                tuning=small_chunks(16, torch.bfloat16, staged_batched_dma=False),
+                pad=0,
+                consecutive=True,
+            ),
+        )
         for ps in (16, 64):
             checks.record(
                 f"kv round trip default dispatch, llama pages of {ps}",
                 partial(check_kv, torch.bfloat16, ps, None, device, pin, big=True),
             )
+            checks.record(
+                f"kv round trip staged, llama pages of {ps}",
+                partial(check_kv, torch.bfloat16, ps, "staged", device, pin, big=True),
+            )
+        checks.record(
+            "default dispatch stages large transfers (thresholds at 0)",
+            partial(check_staged_default_dispatch, device, pin),
+        )
+        checks.record(
+            "staged backup and staged load at once on two streams, 3 rounds",
+            partial(check_staged_concurrent, device, pin),
+        )
     for dtype in DTYPES:
         for kind in ("state", "conv"):
             checks.record(
@@ -487,71 +615,65 @@ class KVBench:
             flush=True,
         )
 
-    def pages(self, ps: int) -> None:
-        """Set up page size ``ps``: host view, disjoint page sets A (backup) and B (load)."""
+    def pages(self, ps: int, in_order: bool = False) -> None:
+        """Set up page size ``ps``: host view, disjoint page sets A (backup) and B (load).
+        Device pages are random; host pages are a random permutation, or with
+        ``in_order`` consecutive (A = the first n host pages, B = the next n), as a host
+        pool hands out pages when it is not fragmented."""
         self.ps = ps
         n = self.n = self.tokens // ps
         self.nbytes = n * ps * self.token_bytes
         shape = (2, self.layers, ps, self.heads, self.head_dim)
         self.host_kv = paged_view(self.host_buf, 2 * n, shape, self.dtype, 0)
         dpages = torch.randperm(self.dev_slots // ps)[: 2 * n]
-        hpages = torch.randperm(2 * n)
+        hpages = torch.arange(2 * n) if in_order else torch.randperm(2 * n)
         self.d_a, self.d_b = pinned_index(dpages[:n]), pinned_index(dpages[n:])
         self.h_a, self.h_b = pinned_index(hpages[:n]), pinned_index(hpages[n:])
 
     def backup(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
-        """A backup of page set A with ``backend`` ("auto": the default dispatch)."""
-        if backend == "naive":
-            return partial(
-                ref.kv_pages_to_host_ref,
-                self.device_kv,
-                self.host_kv,
-                self.d_a[:count],
-                self.h_a[:count],
-                self.ps,
-            )
-        return partial(
-            K.kv_pages_to_host,
-            self.device_kv,
-            self.host_kv,
-            self.d_a,
-            self.h_a,
-            self.ps,
-            backend=None if backend == "auto" else backend,
-            **kw,
-        )
+        """A backup of page set A (its first ``count`` pages) with ``backend`` ("auto":
+        the default dispatch)."""
+        fn = ref.kv_pages_to_host_ref if backend == "naive" else K.kv_pages_to_host
+        if backend not in ("naive", "auto"):
+            kw["backend"] = backend
+        args = (self.device_kv, self.host_kv, self.d_a[:count], self.h_a[:count], self.ps)
+        return partial(fn, *args, **kw)
 
     def load(self, backend: str, count: int | None = None, **kw) -> Callable[[], object]:
-        """A load of page set B with ``backend`` ("auto": the default dispatch)."""
-        if backend == "naive":
-            return partial(
-                ref.kv_pages_to_device_ref,
-                self.host_kv,
-                self.device_kv,
-                self.h_b[:count],
-                self.d_b[:count],
-                self.ps,
-            )
-        return partial(
-            K.kv_pages_to_device,
-            self.host_kv,
-            self.device_kv,
-            self.h_b,
-            self.d_b,
-            self.ps,
-            backend=None if backend == "auto" else backend,
-            **kw,
-        )
+        """A load of page set B (its first ``count`` pages) with ``backend``."""
+        fn = ref.kv_pages_to_device_ref if backend == "naive" else K.kv_pages_to_device
+        if backend not in ("naive", "auto"):
+            kw["backend"] = backend
+        args = (self.host_kv, self.device_kv, self.h_b[:count], self.d_b[:count], self.ps)
+        return partial(fn, *args, **kw)
 
-    def measure(self, ps: int) -> dict:
-        self.pages(ps)
+    def default_backends(self, row: dict) -> None:
+        """Which backend the default dispatch picks for the backup and the load."""
+        row["default_d2h_is"] = K.kv_transfer_backend(
+            self.device_kv, self.host_kv, self.d_a, self.h_a, self.ps, to_host=True
+        ).value
+        row["default_h2d_is"] = K.kv_transfer_backend(
+            self.device_kv, self.host_kv, self.d_b, self.h_b, self.ps, to_host=False
+        ).value
+
+    def memcpy_baseline(self, row: dict) -> None:
         nbytes = self.nbytes
-        row = {"layout": self.name, "page_size": ps, "bytes": nbytes}
         flat_host = self.host_buf[:nbytes]
         flat_dev = self.dev_bytes[self.dev_bytes.numel() - nbytes :]
         row["memcpy_d2h"] = gbps(nbytes, time_ms(copy_of(flat_host, flat_dev), 7))
         row["memcpy_h2d"] = gbps(nbytes, time_ms(copy_of(flat_dev, flat_host), 7))
-        for backend in ("triton", "copy_engine", "auto"):
+        other_host = self.host_buf[nbytes : 2 * nbytes]
+        memcpy_pair = (copy_of(flat_host, flat_dev), copy_of(self.dev_bytes[:nbytes], other_host))
+        self.both(row, "memcpy", *memcpy_pair)
+
+    def measure(self, ps: int) -> dict:
+        """Random host pages: every method one way and two ways, with the memcpy baseline."""
+        self.pages(ps)
+        nbytes = self.nbytes
+        row = {"layout": self.name, "page_size": ps, "hosts": "random", "bytes": nbytes}
+        self.memcpy_baseline(row)
+        self.default_backends(row)
+        for backend in ("triton", "copy_engine", "staged", "auto"):
             row[f"{backend}_d2h"] = gbps(nbytes, time_ms(self.backup(backend), 7))
             row[f"{backend}_h2d"] = gbps(nbytes, time_ms(self.load(backend), 7))
         # The naive version runs on a quarter of the pages: it is slow, and its rate (a
@@ -560,12 +682,72 @@ class KVBench:
         qbytes = q * ps * self.token_bytes
         row["naive_d2h"] = gbps(qbytes, time_ms(self.backup("naive", q), 2, 1))
         row["naive_h2d"] = gbps(qbytes, time_ms(self.load("naive", q), 2, 1))
-        other_host = self.host_buf[nbytes : 2 * nbytes]
-        memcpy_pair = (copy_of(flat_host, flat_dev), copy_of(self.dev_bytes[:nbytes], other_host))
-        self.both(row, "memcpy", *memcpy_pair)
-        for backend in ("triton", "copy_engine", "auto"):
+        for backend in ("triton", "copy_engine", "staged", "auto"):
             self.both(row, backend, self.backup(backend), self.load(backend))
         return row
+
+    def measure_in_order(self, ps: int) -> dict:
+        """Consecutive host pages (one DMA per staging chunk): Triton, staged and the
+        default, one way and two ways."""
+        self.pages(ps, in_order=True)
+        nbytes = self.nbytes
+        row = {"layout": self.name, "page_size": ps, "hosts": "in order", "bytes": nbytes}
+        self.memcpy_baseline(row)
+        self.default_backends(row)
+        for backend in ("staged", "auto"):
+            row[f"{backend}_d2h"] = gbps(nbytes, time_ms(self.backup(backend), 7))
+            row[f"{backend}_h2d"] = gbps(nbytes, time_ms(self.load(backend), 7))
+        for backend in ("triton", "staged", "auto"):
+            self.both(row, backend, self.backup(backend), self.load(backend))
+        return row
+
+    def staging_sweep(self, ps: int) -> list[dict]:
+        """Staged two-way totals over the ring's chunk size and slot count, and with one
+        ``cudaMemcpyAsync`` per DMA instead of the batched call."""
+        rows = []
+        configs = [(8, 3, True), (16, 3, True), (32, 2, True), (32, 3, True), (32, 4, True)]
+        configs += [(64, 3, True), (32, 3, False)]
+        for in_order in (False, True):
+            self.pages(ps, in_order)
+            for chunk_mib, slots, batched in configs:
+                tuning = K.TransferTuning(
+                    staging_chunk_bytes=chunk_mib << 20,
+                    staging_chunks=slots,
+                    staged_batched_dma=batched,
+                )
+                row = {
+                    "layout": self.name,
+                    "page_size": ps,
+                    "hosts": "in order" if in_order else "random",
+                    "chunk_mib": chunk_mib,
+                    "slots": slots,
+                    "batched": batched,
+                }
+                kw = {"tuning": tuning}
+                self.both(row, "staged", self.backup("staged", **kw), self.load("staged", **kw))
+                rows.append(row)
+                show(row)
+        return rows
+
+    def size_sweep(self, ps: int, sizes_mib=(16, 64, 256)) -> list[dict]:
+        """Triton against staged on smaller transfers (consecutive host pages): where the
+        staged path's per-chunk cost stops paying."""
+        self.pages(ps, in_order=True)
+        page_bytes = ps * self.token_bytes
+        rows = []
+        for mib in sizes_mib:
+            count = min(self.n, max(1, (mib << 20) // page_bytes))
+            nbytes = count * page_bytes
+            row = {"layout": self.name, "page_size": ps, "bytes": nbytes}
+            for backend in ("triton", "staged"):
+                backup, load = self.backup(backend, count), self.load(backend, count)
+                row[f"{backend}_d2h"] = gbps(nbytes, time_ms(backup, 9))
+                row[f"{backend}_h2d"] = gbps(nbytes, time_ms(load, 9))
+                total, _, _ = time_concurrent_ms(backup, load, 7)
+                row[f"{backend}_both"] = gbps(2 * nbytes, total)
+            rows.append(row)
+            show(row)
+        return rows
 
     def both(self, row: dict, key: str, backup, load, reps: int = 5) -> None:
         """A backup (stream A) and a load (stream B) at once: total and per-direction GB/s."""
@@ -640,16 +822,25 @@ def bench_kv(
     tokens: int,
     sweep: bool,
     matrix: bool,
+    staging: bool,
 ) -> None:
     bench = KVBench(name, layers, heads, head_dim, tokens)
     for ps in (1, 16, 64):
-        row = bench.measure(ps)
-        results["kv"].append(row)
-        show(row)
+        for measure in (bench.measure, bench.measure_in_order):
+            try:
+                row = measure(ps)
+            except Exception:  # one failing configuration must not hide the others
+                traceback.print_exc()
+                continue
+            results["kv"].append(row)
+            show(row)
         if matrix:
             results["matrix"] += bench.concurrency_matrix(ps)
         if sweep and ps in (1, 16):
             results["sweep"] += bench.sweep(ps)
+    if staging:
+        results["staging"] += bench.staging_sweep(16)
+        results["sizes"] += bench.size_sweep(16)
 
 
 def bench_mamba(results: dict) -> None:
@@ -792,17 +983,22 @@ def print_tables(results: dict) -> None:
     m = results["machine"]
     print(f"\n### {m['gpu']}, {m['date_utc']}, torch {m['torch']}, triton {m['triton']}")
     print(f"nvidia-smi (driver, PCIe gen now, width, gen max): {m['nvidia_smi']}")
-    methods = ("triton", "copy_engine", "auto", "naive")
+    methods = ("triton", "copy_engine", "staged", "auto", "naive")
     rows = []
     for r in results["kv"]:
+        if r["hosts"] != "random":
+            continue
         for d in ("d2h", "h2d"):
             base = r[f"memcpy_{d}"]
             rows.append(
                 [r["layout"], r["page_size"], d, f"{base:.1f}"]
-                + [pct(r[f"{b}_{d}"], base) for b in methods]
+                + [pct(r[f"{b}_{d}"], base) for b in methods[:3]]
+                + [pct(r[f"auto_{d}"], base) + f" {r[f'default_{d}_is']}"]
+                + [pct(r[f"naive_{d}"], base)]
             )
     table(
-        "KV page transfers, GB/s (percent of a pinned memcpy of the same bytes, same run)",
+        "KV page transfers, random host pages, GB/s (percent of a pinned memcpy of the same "
+        "bytes, same run)",
         [
             "layout",
             "page",
@@ -810,25 +1006,94 @@ def print_tables(results: dict) -> None:
             "memcpy",
             "triton (UVA)",
             "copy engine",
-            "default",
+            "staged",
+            "default (picks)",
             "naive torch",
         ],
         rows,
     )
+    rows = []
+    for r in results["kv"]:
+        if r["hosts"] == "random":
+            continue
+        for d in ("d2h", "h2d"):
+            base = r[f"memcpy_{d}"]
+            default = pct(r[f"auto_{d}"], base) + f" {r[f'default_{d}_is']}"
+            rows.append(
+                [
+                    r["layout"],
+                    r["page_size"],
+                    d,
+                    f"{base:.1f}",
+                    pct(r[f"staged_{d}"], base),
+                    default,
+                ]
+            )
+    table(
+        "KV page transfers, host pages in order, GB/s",
+        ["layout", "page", "dir", "memcpy", "staged", "default (picks)"],
+        rows,
+    )
+
+    def two_way(r: dict, key: str) -> str:
+        if f"{key}_both" not in r:
+            return "-"
+        return pct(r[f"{key}_both"], r["memcpy_both"]) + (
+            f" [{r[f'{key}_both_d2h']:.0f} + {r[f'{key}_both_h2d']:.0f}]"
+        )
+
     rows = [
-        [r["layout"], r["page_size"], f"{r['memcpy_both']:.1f}"]
-        + [
-            pct(r[f"{b}_both"], r["memcpy_both"])
-            + f" [{r[f'{b}_both_d2h']:.0f} + {r[f'{b}_both_h2d']:.0f}]"
-            for b in ("triton", "copy_engine", "auto")
-        ]
+        [r["layout"], r["page_size"], r["hosts"], f"{r['memcpy_both']:.1f}"]
+        + [two_way(r, b) for b in ("triton", "copy_engine", "staged", "auto")]
+        + [f"{r['default_d2h_is']} / {r['default_h2d_is']}"]
         for r in results["kv"]
     ]
     table(
         "A backup and a load at once (two streams), total GB/s [backup + load]",
-        ["layout", "page", "memcpy both ways", "triton", "copy engine", "default"],
+        [
+            "layout",
+            "page",
+            "host pages",
+            "memcpy both ways",
+            "triton",
+            "copy engine",
+            "staged",
+            "default",
+            "default picks",
+        ],
         rows,
     )
+    if results["staging"]:
+        rows = [
+            [r["page_size"], r["hosts"], r["chunk_mib"], r["slots"], r["batched"]]
+            + [f"{r[k]:.1f}" for k in ("staged_both", "staged_both_d2h", "staged_both_h2d")]
+            for r in results["staging"]
+        ]
+        table(
+            "Staging ring (llama3-8b), backup and load at once, GB/s",
+            ["page", "host pages", "chunk MiB", "slots", "batched DMA", "total", "backup", "load"],
+            rows,
+        )
+    if results["sizes"]:
+        rows = [
+            [r["page_size"], f"{r['bytes'] / 2**20:.0f} MiB"]
+            + [f"{r[f'{b}_{d}']:.1f}" for d in ("d2h", "h2d", "both") for b in ("triton", "staged")]
+            for r in results["sizes"]
+        ]
+        table(
+            "Transfer size (llama3-8b, host pages in order), GB/s",
+            [
+                "page",
+                "size",
+                "d2h triton",
+                "d2h staged",
+                "h2d triton",
+                "h2d staged",
+                "both triton",
+                "both staged",
+            ],
+            rows,
+        )
     if results["matrix"]:
         rows = [
             [r["layout"], r["page_size"], r["backup"], r["load"]]
@@ -890,6 +1155,9 @@ def main() -> int:
     )
     parser.add_argument("--checks-only", action="store_true", help="run part 1 only")
     parser.add_argument("--sweep", action="store_true", help="add the launch-parameter sweep")
+    parser.add_argument(
+        "--matrix", action="store_true", help="add the mixed backup/load method matrix"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this script measures a GPU", file=sys.stderr)
@@ -902,14 +1170,18 @@ def main() -> int:
         "scatter": [],
         "sweep": [],
         "matrix": [],
+        "staging": [],
+        "sizes": [],
     }
     print(json.dumps(results["machine"]), flush=True)
     checks = run_checks("cuda")
     results["checks"] = checks.rows
     if not args.checks_only:
         sections = [
-            partial(bench_kv, results, "llama3-8b", 32, 8, 128, 8192, args.sweep, True),
-            partial(bench_kv, results, "hybrid full-attn", 12, 2, 256, 32768, False, False),
+            partial(
+                bench_kv, results, "llama3-8b", 32, 8, 128, 8192, args.sweep, args.matrix, True
+            ),
+            partial(bench_kv, results, "hybrid full-attn", 12, 2, 256, 32768, False, False, False),
             partial(bench_mamba, results),
             partial(bench_scatters, results, 32, (8, 128, 128)),
             partial(bench_scatters, results, 256, (8, 64, 64)),

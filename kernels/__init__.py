@@ -1,11 +1,12 @@
 """Triton copy kernels with torch reference versions (imported as hicache.kernels).
 
 Every function here checks its arguments, then dispatches: on CUDA tensors to the fast
-path (Triton, or the copy engines where measured faster; see
-:mod:`hicache.kernels.tuning`), on CPU tensors to the torch reference. ``backend=``
-overrides the choice; ``Backend.TRITON`` on CPU tensors runs Triton's interpreter, which
-is how the tests compare the Triton kernels with the reference on a machine without a
-GPU. GPU launches run on the current CUDA stream and return without waiting.
+path (Triton, the copy engines, or for large KV transfers the staged path, where
+measured faster; see :mod:`hicache.kernels.tuning`), on CPU tensors to the torch
+reference. ``backend=`` overrides the choice; ``Backend.TRITON`` on CPU tensors runs
+Triton's interpreter and ``Backend.STAGED`` its plan with host memcpys for the DMAs,
+which is how the tests compare them with the reference on a machine without a GPU. GPU
+work runs on (or is waited for by) the current CUDA stream and returns without waiting.
 
 Layouts are those of :mod:`hicache.kernels.reference`.
 """
@@ -17,6 +18,7 @@ import torch
 from hicache.kernels import reference
 from hicache.kernels.geometry import (
     RowCopy,
+    RowSide,
     kv_row_copy,
     mamba_index_pair,
     scatter_shapes,
@@ -39,6 +41,7 @@ __all__ = [
     "fused_mamba_state_scatter_with_mask",
     "kv_pages_to_device",
     "kv_pages_to_host",
+    "kv_transfer_backend",
     "mamba_states_to_device",
     "mamba_states_to_host",
 ]
@@ -74,6 +77,10 @@ def _transfer(
         chosen = tuning.auto_backend(copy.item_bytes, to_host)
     if chosen is Backend.TORCH:
         return chosen
+    if chosen is Backend.STAGED:
+        raise ValueError(
+            "backend='staged' moves KV pages only; use 'triton' or 'copy_engine' for Mamba states"
+        )
     if chosen is Backend.COPY_ENGINE:
         if device.type != "cuda":
             raise ValueError("backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'")
@@ -85,6 +92,82 @@ def _transfer(
 
         copy_rows(copy, src_items, dst_items, tuning)
     return chosen
+
+
+def _staged_dma_bytes(
+    copy: RowCopy, host: RowSide, device_pages: torch.Tensor, host_pages: torch.Tensor
+) -> int:
+    """Mean bytes per host-side DMA if this transfer were staged; 0 where the default
+    does not stage it (indices on the GPU, pageable host memory)."""
+    if host_pages.device.type != "cpu" or device_pages.device.type != "cpu":
+        return 0
+    if host_pages.numel() == 0:
+        return 0
+    if not host.tensor.is_pinned():
+        return 0
+    from hicache.kernels.staged import host_dma_count
+
+    elem = host.tensor.element_size()
+    count = host_dma_count(host_pages.numpy(), host.item_stride * elem, copy.item_bytes)
+    return host_pages.numel() * copy.item_bytes // count
+
+
+def _kv_backend(
+    copy: RowCopy,
+    device_pages: torch.Tensor,
+    host_pages: torch.Tensor,
+    backend: BackendArg,
+    tuning: TransferTuning,
+    to_host: bool,
+) -> Backend:
+    chosen = _backend(backend)
+    if chosen is not None:
+        return chosen
+    dev, host = (copy.src, copy.dst) if to_host else (copy.dst, copy.src)
+    if dev.tensor.device.type != "cuda":
+        return Backend.TORCH
+    transfer_bytes = host_pages.numel() * copy.item_bytes
+    dma_bytes = 0
+    if transfer_bytes >= tuning.staged_min_transfer_bytes:
+        dma_bytes = _staged_dma_bytes(copy, host, device_pages, host_pages)
+    return tuning.auto_backend(
+        copy.item_bytes, to_host, transfer_bytes=transfer_bytes, dma_bytes=dma_bytes
+    )
+
+
+def _kv_transfer(
+    copy: RowCopy,
+    device_pages: torch.Tensor,
+    host_pages: torch.Tensor,
+    backend: BackendArg,
+    tuning: TransferTuning,
+    to_host: bool,
+) -> Backend:
+    chosen = _kv_backend(copy, device_pages, host_pages, backend, tuning, to_host)
+    if chosen is Backend.STAGED:
+        from hicache.kernels.staged import kv_staged
+
+        kv_staged(copy, device_pages, host_pages, to_host, tuning)
+        return chosen
+    src_items, dst_items = (device_pages, host_pages) if to_host else (host_pages, device_pages)
+    return _transfer(copy, src_items, dst_items, chosen, tuning, to_host)
+
+
+def kv_transfer_backend(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_pages: torch.Tensor,
+    host_pages: torch.Tensor,
+    page_size: int,
+    *,
+    to_host: bool,
+    tuning: TransferTuning = DEFAULT_TUNING,
+) -> Backend:
+    """The backend :func:`kv_pages_to_host` (``to_host=True``) or
+    :func:`kv_pages_to_device` would pick without ``backend=`` for these arguments
+    (checked as they would check them); moves nothing."""
+    copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=to_host)
+    return _kv_backend(copy, device_pages, host_pages, None, tuning, to_host)
 
 
 def kv_pages_to_host(
@@ -105,7 +188,7 @@ def kv_pages_to_host(
     complete only once the current stream has passed this point.
     """
     copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=True)
-    if _transfer(copy, device_pages, host_pages, backend, tuning, True) is Backend.TORCH:
+    if _kv_transfer(copy, device_pages, host_pages, backend, tuning, True) is Backend.TORCH:
         reference.kv_pages_to_host_ref(device_kv, host_kv, device_pages, host_pages, page_size)
 
 
@@ -124,7 +207,7 @@ def kv_pages_to_device(
     The inverse of :func:`kv_pages_to_host`; the device slots of other pages are untouched.
     """
     copy = kv_row_copy(device_kv, host_kv, device_pages, host_pages, page_size, to_host=False)
-    if _transfer(copy, host_pages, device_pages, backend, tuning, False) is Backend.TORCH:
+    if _kv_transfer(copy, device_pages, host_pages, backend, tuning, False) is Backend.TORCH:
         reference.kv_pages_to_device_ref(host_kv, device_kv, host_pages, device_pages, page_size)
 
 
@@ -176,8 +259,9 @@ def mamba_states_to_device(
 
 def _pick_scatter(backend: BackendArg, device: torch.device) -> Backend:
     chosen = _backend(backend)
-    if chosen is Backend.COPY_ENGINE:
-        raise ValueError("the scatters have no copy-engine backend; use 'torch' or 'triton'")
+    if chosen in (Backend.COPY_ENGINE, Backend.STAGED):
+        name = "copy-engine" if chosen is Backend.COPY_ENGINE else "staged"
+        raise ValueError(f"the scatters have no {name} backend; use 'torch' or 'triton'")
     if chosen is None:
         return Backend.TRITON if device.type == "cuda" else Backend.TORCH
     return chosen

@@ -4,7 +4,8 @@ The alternative to the Triton kernel that the benchmark measures against it. An 
 rows are equally spaced on both sides (the layer stride on the device, the row size in a
 page-first host page), so one 2-D copy moves a whole page across all layers. The CUDA
 runtime is reached through ctypes on the ``libcudart`` that torch has already loaded, so
-no extra Python package is needed.
+no extra Python package is needed. The staged path (:mod:`hicache.kernels.staged`) uses
+the 1-D copies, the batched copy and the stream calls defined here too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from hicache.kernels.geometry import RowCopy
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
+_CUDA_STREAM_NON_BLOCKING = 1  # no implicit sync with the legacy default stream
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read sources in stream order
 
 
 @functools.cache
@@ -43,6 +46,17 @@ def _cudart() -> ctypes.CDLL:
         fn.argtypes += [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        fn = lib.cudaMemcpyAsync
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.argtypes += [ctypes.c_void_p]
+        lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaStreamDestroy.restype = ctypes.c_int
+        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaRuntimeGetVersion.restype = ctypes.c_int
+        lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
         return lib
     raise RuntimeError(
         "the copy-engine backend needs the CUDA runtime (libcudart), which was not found; "
@@ -107,3 +121,115 @@ def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: tor
         err = memcpy2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
         if err:
             raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}")
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        lib = _cudart()
+        raise RuntimeError(f"{what} failed: {lib.cudaGetErrorString(err).decode()}")
+
+
+def create_stream() -> int:
+    """A new non-blocking CUDA stream on the current device, as its raw handle.
+
+    Made with the runtime rather than taken from torch's stream pool, whose streams are
+    handed out round-robin and can coincide with a caller's stream.
+    """
+    handle = ctypes.c_void_p()
+    _check(
+        _cudart().cudaStreamCreateWithFlags(ctypes.byref(handle), _CUDA_STREAM_NON_BLOCKING),
+        "cudaStreamCreateWithFlags",
+    )
+    return int(handle.value or 0)
+
+
+def destroy_stream(handle: int) -> None:
+    """Release a stream from :func:`create_stream` (work still queued on it completes)."""
+    _check(_cudart().cudaStreamDestroy(ctypes.c_void_p(handle)), "cudaStreamDestroy")
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (CUDA 12.8+): the location hints stay zero, which the
+    runtime ignores for pinned host and device memory."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+@functools.cache
+def _batch_copy() -> tuple[object, bool] | None:
+    """``cudaMemcpyBatchAsync`` and whether it takes the ``failIdx`` argument (12.8 and
+    12.9 do, 13.0 dropped it); None where the runtime has no batched copy."""
+    lib = _cudart()
+    version = ctypes.c_int()
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) or version.value < 12080:
+        return None
+    try:
+        fn = lib.cudaMemcpyBatchAsync
+    except AttributeError:
+        return None
+    with_fail_idx = version.value < 13000
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    fn.restype = ctypes.c_int
+    fn.argtypes = [vp, vp, vp, sz, vp, vp, sz] + ([vp] if with_fail_idx else []) + [vp]
+    return fn, with_fail_idx
+
+
+_batch_failed: list[str] = []  # the first error of the batched copy, after which it is not used
+
+
+def batched_copy_available() -> bool:
+    """True when chunks of DMAs go out as one ``cudaMemcpyBatchAsync`` each."""
+    return _batch_copy() is not None and not _batch_failed
+
+
+def copy_1d(
+    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, batched: bool
+) -> None:
+    """Issue the 1-D copies ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes each; contiguous
+    uint64 arrays of addresses) on ``stream``, asynchronously.
+
+    ``batched`` sends them as one ``cudaMemcpyBatchAsync`` where the runtime has it; should
+    that call fail, the copies go out one by one, and so do all later ones (with a warning).
+    """
+    count = int(sizes.size)
+    if count == 0:
+        return
+    lib = _cudart()
+    batch = _batch_copy() if batched and not _batch_failed else None
+    if batch is not None and stream:
+        fn, with_fail_idx = batch
+        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        attr_idx = ctypes.c_size_t(0)
+        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count]
+        args += [ctypes.addressof(attrs), ctypes.addressof(attr_idx), 1]
+        fail_idx = ctypes.c_size_t(0)
+        if with_fail_idx:
+            args.append(ctypes.addressof(fail_idx))
+        err = fn(*args, ctypes.c_void_p(stream))
+        if not err:
+            return
+        lib.cudaGetLastError()  # clear it: the copies are issued again one by one below
+        _batch_failed.append(lib.cudaGetErrorString(err).decode())
+        import warnings
+
+        warnings.warn(
+            f"cudaMemcpyBatchAsync failed ({_batch_failed[0]}); staged transfers issue one "
+            f"cudaMemcpyAsync per DMA from now on",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    memcpy = lib.cudaMemcpyAsync
+    handle = ctypes.c_void_p(stream)
+    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        err = memcpy(dst, src, size, _CUDA_MEMCPY_DEFAULT, handle)
+        if err:
+            raise RuntimeError(f"cudaMemcpyAsync failed: {lib.cudaGetErrorString(err).decode()}")

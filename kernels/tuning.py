@@ -18,12 +18,18 @@ class Backend(enum.Enum):
       directly through its device-mapped address, on CPU tensors it runs under Triton's
       interpreter (the test path);
     * ``COPY_ENGINE``: one ``cudaMemcpy2DAsync`` per page on the GPU's copy engines
-      (KV and Mamba transfers only, CUDA only).
+      (KV and Mamba transfers only, CUDA only);
+    * ``STAGED``: KV pages only. A bounded ring of device staging chunks: the row-copy
+      kernel gathers (or scatters) pages between the pool and a dense chunk at device
+      speed, and the copy engines move each chunk across PCIe in large DMAs, one per run
+      of consecutive host pages (:mod:`hicache.kernels.staged`). On CPU tensors it runs
+      the same plan with host memcpys standing in for the DMAs (the test path).
     """
 
     TORCH = "torch"
     TRITON = "triton"
     COPY_ENGINE = "copy_engine"
+    STAGED = "staged"
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,18 @@ class TransferTuning:
     win on large items. On an H200 they were 3-6% ahead of Triton one way for 8 MiB KV
     pages and 7-8% for 75 MB SSM states, 95 against 77 GB/s with a load and a backup at
     once on 8 MiB pages, and behind for pages of 2 MiB and less (docs/performance.md).
+
+    The staged KV path (``Backend.STAGED``): ``staging_chunk_bytes`` is one staging chunk
+    (at least one page), ``staging_chunks`` the chunks in a ring, so a ring holds at most
+    ``staging_chunks * max(staging_chunk_bytes, page bytes)`` of device memory; one ring
+    exists per (device, caller stream) that ran a staged transfer, at most
+    ``staging_max_rings`` of them (the least recently used is freed first).
+    ``staged_batched_dma`` issues a chunk's DMAs with one ``cudaMemcpyBatchAsync`` where
+    the CUDA runtime has it (12.8 and later), else one ``cudaMemcpyAsync`` per DMA. By
+    default a KV transfer on CUDA is staged when it moves at least
+    ``staged_min_transfer_bytes`` and its host pages form runs of consecutive pages
+    averaging at least ``staged_min_dma_bytes`` (each run is one DMA); the host indices
+    must be on the CPU and the host pages pinned.
     """
 
     tile_bytes: int = 16384
@@ -52,9 +70,44 @@ class TransferTuning:
     interpreter_programs: int = 3
     copy_engine_min_item_bytes_to_host: int = 4 << 20
     copy_engine_min_item_bytes_to_device: int = 4 << 20
+    staging_chunk_bytes: int = 32 << 20
+    staging_chunks: int = 3
+    staging_max_rings: int = 4
+    staged_batched_dma: bool = True
+    staged_min_transfer_bytes: int = 64 << 20
+    staged_min_dma_bytes: int = 1 << 20
 
-    def auto_backend(self, item_bytes: int, to_host: bool) -> Backend:
-        """The backend a CUDA transfer of items of ``item_bytes`` uses by default."""
+    def __post_init__(self) -> None:
+        counts = (
+            "tile_bytes",
+            "num_warps",
+            "programs_per_sm",
+            "scatter_block_bytes",
+            "interpreter_programs",
+            "staging_chunk_bytes",
+            "staging_chunks",
+            "staging_max_rings",
+        )
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransferTuning.{name} must be >= 1, got {getattr(self, name)}")
+
+    def auto_backend(
+        self, item_bytes: int, to_host: bool, *, transfer_bytes: int = 0, dma_bytes: int = 0
+    ) -> Backend:
+        """The backend a CUDA transfer of items of ``item_bytes`` uses by default.
+
+        ``transfer_bytes`` is the whole transfer and ``dma_bytes`` the mean bytes per
+        host-side DMA the staged path would issue (0 where it cannot run: Mamba states,
+        host indices on the GPU, pageable host memory); both stay 0 for callers that do
+        not consider the staged path.
+        """
+        if (
+            dma_bytes > 0
+            and transfer_bytes >= self.staged_min_transfer_bytes
+            and dma_bytes >= self.staged_min_dma_bytes
+        ):
+            return Backend.STAGED
         if to_host:
             threshold = self.copy_engine_min_item_bytes_to_host
         else:

@@ -52,3 +52,26 @@ def test_default_backend_round_trips_pinned_pages() -> None:
     others[pages] = False
     untouched = poison.view(2, 4, 16, 16, 8, 128)[:, :, others.cuda()]
     assert torch.equal(paged[:, :, others.cuda()], untouched)
+
+
+def test_large_transfer_of_consecutive_host_pages_is_staged_and_exact() -> None:
+    """128 MiB of pages whose host ids are consecutive: the default dispatch stages it."""
+    import hicache.kernels as kernels
+
+    device_kv = torch.randn(2, 8, 4096, 8, 128, device="cuda").bfloat16()  # 32 KiB/token
+    pages = torch.randperm(256)[:128]  # pages of 16 tokens: 512 KiB each, 64 MiB
+    host_kv = torch.empty(256, 2, 8, 16, 8, 128, dtype=torch.bfloat16).pin_memory()
+    host_pages = torch.arange(64, 192)
+    tuning = kernels.TransferTuning(staged_min_transfer_bytes=32 << 20)
+    args = (device_kv, host_kv, pages, host_pages, 16)
+    assert kernels.kv_transfer_backend(*args, to_host=True, tuning=tuning) is (
+        kernels.Backend.STAGED
+    )
+    kernels.kv_pages_to_host(*args, tuning=tuning)
+    target = torch.randn_like(device_kv)
+    back = torch.randperm(256)[:128]
+    kernels.kv_pages_to_device(host_kv, target, host_pages, back, 16, tuning=tuning)
+    torch.cuda.synchronize()
+    paged = target.view(2, 8, 256, 16, 8, 128)
+    original = device_kv.view(2, 8, 256, 16, 8, 128)
+    assert torch.equal(paged[:, :, back.cuda()], original[:, :, pages.cuda()])
