@@ -29,6 +29,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from functools import partial
@@ -543,6 +544,21 @@ def time_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+@measured(math.nan)
+def issue_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median host milliseconds that ``fn`` takes to return (to queue its work) on an idle
+    GPU: the time a transfer issued next on another stream starts late by."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 @measured((math.nan, math.nan, math.nan))
 def time_concurrent_ms(
     fn_a: Callable[[], object], fn_b: Callable[[], object], reps: int
@@ -684,6 +700,9 @@ class KVBench:
         row["naive_h2d"] = gbps(qbytes, time_ms(self.load("naive", q), 2, 1))
         for backend in ("triton", "copy_engine", "staged", "auto"):
             self.both(row, backend, self.backup(backend), self.load(backend))
+        for backend in ("triton", "staged"):
+            row[f"{backend}_d2h_issue_ms"] = issue_ms(self.backup(backend))
+            row[f"{backend}_h2d_issue_ms"] = issue_ms(self.load(backend))
         return row
 
     def measure_in_order(self, ps: int) -> dict:
@@ -705,8 +724,8 @@ class KVBench:
         """Staged two-way totals over the ring's chunk size and slot count, and with one
         ``cudaMemcpyAsync`` per DMA instead of the batched call."""
         rows = []
-        configs = [(8, 3, True), (16, 3, True), (32, 2, True), (32, 3, True), (32, 4, True)]
-        configs += [(64, 3, True), (32, 3, False)]
+        configs = [(32, 3, True), (64, 2, True), (64, 3, True), (128, 2, True)]
+        configs += [(64, 2, False)]
         for in_order in (False, True):
             self.pages(ps, in_order)
             for chunk_mib, slots, batched in configs:
@@ -729,7 +748,7 @@ class KVBench:
                 show(row)
         return rows
 
-    def size_sweep(self, ps: int, sizes_mib=(16, 64, 256)) -> list[dict]:
+    def size_sweep(self, ps: int, sizes_mib=(64, 256, 512)) -> list[dict]:
         """Triton against staged on smaller transfers (consecutive host pages): where the
         staged path's per-chunk cost stops paying."""
         self.pages(ps, in_order=True)
@@ -954,6 +973,12 @@ def machine() -> dict:
         "triton": __import__("triton").__version__,
     }
     try:
+        from hicache.kernels.copy_engine import batched_copy_available
+
+        info["batched_dma"] = batched_copy_available()
+    except Exception as exc:  # the report says why rather than failing
+        info["batched_dma"] = f"unavailable: {exc}"
+    try:
         query = "driver_version,pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max"
         out = subprocess.run(
             ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
@@ -983,6 +1008,7 @@ def print_tables(results: dict) -> None:
     m = results["machine"]
     print(f"\n### {m['gpu']}, {m['date_utc']}, torch {m['torch']}, triton {m['triton']}")
     print(f"nvidia-smi (driver, PCIe gen now, width, gen max): {m['nvidia_smi']}")
+    print(f"cudaMemcpyBatchAsync for staged DMAs: {m.get('batched_dma')}")
     methods = ("triton", "copy_engine", "staged", "auto", "naive")
     rows = []
     for r in results["kv"]:
@@ -1063,6 +1089,17 @@ def print_tables(results: dict) -> None:
         ],
         rows,
     )
+    rows = [
+        [r["layout"], r["page_size"]]
+        + [f"{r[f'{b}_{d}_issue_ms']:.2f}" for d in ("d2h", "h2d") for b in ("triton", "staged")]
+        for r in results["kv"]
+        if "staged_d2h_issue_ms" in r
+    ]
+    table(
+        "Host time to issue one transfer (random host pages), ms",
+        ["layout", "page", "d2h triton", "d2h staged", "h2d triton", "h2d staged"],
+        rows,
+    )
     if results["staging"]:
         rows = [
             [r["page_size"], r["hosts"], r["chunk_mib"], r["slots"], r["batched"]]
@@ -1111,7 +1148,7 @@ def print_tables(results: dict) -> None:
             base = r[f"memcpy_{d}"]
             rows.append(
                 [f"{r['slots']} ({r['bytes'] / GB:.2f} GB)", d, f"{base:.1f}"]
-                + [pct(r[f"{b}_{d}"], base) for b in methods]
+                + [pct(r[f"{b}_{d}"], base) for b in ("triton", "copy_engine", "auto", "naive")]
             )
     table(
         "Mamba state transfers (hybrid), GB/s",
@@ -1192,10 +1229,11 @@ def main() -> int:
             except Exception:
                 traceback.print_exc()
             torch.cuda.empty_cache()
-        print_tables(results)
-    if args.out is not None:
+    if args.out is not None:  # before the tables, so that a table bug loses no numbers
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels_gpu.json").write_text(json.dumps(results, indent=1))
+    if not args.checks_only:
+        print_tables(results)
     print(f"\nchecks: {len(checks.rows) - checks.failures}/{len(checks.rows)} passed")
     return 1 if checks.failures else 0
 

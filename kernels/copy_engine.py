@@ -57,6 +57,18 @@ def _cudart() -> ctypes.CDLL:
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaRuntimeGetVersion.restype = ctypes.c_int
         lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        vp = ctypes.c_void_p
+        for name, args in (
+            ("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint]),
+            ("cudaEventDestroy", [vp]),
+            ("cudaEventRecord", [vp, vp]),
+            ("cudaEventSynchronize", [vp]),
+            ("cudaStreamWaitEvent", [vp, vp, ctypes.c_uint]),
+            ("cudaStreamSynchronize", [vp]),
+        ):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = args
         return lib
     raise RuntimeError(
         "the copy-engine backend needs the CUDA runtime (libcudart), which was not found; "
@@ -148,6 +160,51 @@ def destroy_stream(handle: int) -> None:
     _check(_cudart().cudaStreamDestroy(ctypes.c_void_p(handle)), "cudaStreamDestroy")
 
 
+class RawEvents:
+    """``count`` CUDA events without timing, driven through the runtime directly: a
+    staged transfer records and waits on a few per chunk, and torch's Python event calls
+    cost several times more host time than these."""
+
+    _DISABLE_TIMING = 2  # cudaEventDisableTiming
+
+    def __init__(self, count: int) -> None:
+        lib = _cudart()
+        self._record, self._wait = lib.cudaEventRecord, lib.cudaStreamWaitEvent
+        self.handles: list[int] = []
+        for _ in range(count):
+            handle = ctypes.c_void_p()
+            _check(
+                lib.cudaEventCreateWithFlags(ctypes.byref(handle), self._DISABLE_TIMING),
+                "cudaEventCreateWithFlags",
+            )
+            self.handles.append(int(handle.value or 0))
+
+    def record(self, index: int, stream: int) -> None:
+        """Record event ``index`` on the raw stream handle ``stream``."""
+        err = self._record(self.handles[index], stream)
+        if err:
+            _check(err, "cudaEventRecord")
+
+    def wait(self, stream: int, index: int) -> None:
+        """Make ``stream`` wait for the latest record of event ``index``."""
+        err = self._wait(stream, self.handles[index], 0)
+        if err:
+            _check(err, "cudaStreamWaitEvent")
+
+    def synchronize(self, index: int) -> None:
+        _check(_cudart().cudaEventSynchronize(self.handles[index]), "cudaEventSynchronize")
+
+    def destroy(self) -> None:
+        lib = _cudart()
+        for handle in self.handles:
+            lib.cudaEventDestroy(handle)
+        self.handles = []
+
+
+def synchronize_stream(handle: int) -> None:
+    _check(_cudart().cudaStreamSynchronize(handle), "cudaStreamSynchronize")
+
+
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -191,45 +248,57 @@ def batched_copy_available() -> bool:
     return _batch_copy() is not None and not _batch_failed
 
 
-def copy_1d(
-    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, batched: bool
-) -> None:
-    """Issue the 1-D copies ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes each; contiguous
-    uint64 arrays of addresses) on ``stream``, asynchronously.
+class Copies1D:
+    """A transfer's 1-D copies ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes; uint64
+    addresses), issued a range at a time on one stream.
 
-    ``batched`` sends them as one ``cudaMemcpyBatchAsync`` where the runtime has it; should
-    that call fail, the copies go out one by one, and so do all later ones (with a warning).
+    ``batched`` sends a range as one ``cudaMemcpyBatchAsync`` where the runtime has it
+    (the stream must not be the legacy default stream); should that call fail, the copies
+    go out one by one, and so do all later ones (with a warning).
     """
-    count = int(sizes.size)
-    if count == 0:
-        return
-    lib = _cudart()
-    batch = _batch_copy() if batched and not _batch_failed else None
-    if batch is not None and stream:
-        fn, with_fail_idx = batch
-        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
-        attr_idx = ctypes.c_size_t(0)
-        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count]
-        args += [ctypes.addressof(attrs), ctypes.addressof(attr_idx), 1]
-        fail_idx = ctypes.c_size_t(0)
-        if with_fail_idx:
-            args.append(ctypes.addressof(fail_idx))
-        err = fn(*args, ctypes.c_void_p(stream))
-        if not err:
-            return
-        lib.cudaGetLastError()  # clear it: the copies are issued again one by one below
-        _batch_failed.append(lib.cudaGetErrorString(err).decode())
-        import warnings
 
-        warnings.warn(
-            f"cudaMemcpyBatchAsync failed ({_batch_failed[0]}); staged transfers issue one "
-            f"cudaMemcpyAsync per DMA from now on",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    memcpy = lib.cudaMemcpyAsync
-    handle = ctypes.c_void_p(stream)
-    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-        err = memcpy(dst, src, size, _CUDA_MEMCPY_DEFAULT, handle)
-        if err:
-            raise RuntimeError(f"cudaMemcpyAsync failed: {lib.cudaGetErrorString(err).decode()}")
+    def __init__(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, batched: bool
+    ) -> None:
+        # Kept referenced: the runtime reads these arrays during each call.
+        self.dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
+        self.srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
+        self.sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        self.addrs = (self.dsts.ctypes.data, self.srcs.ctypes.data, self.sizes.ctypes.data)
+        self.stream = ctypes.c_void_p(stream)
+        self.batch = _batch_copy() if batched and stream else None
+        self.attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        self.attr_idx = ctypes.c_size_t(0)
+        self.fail_idx = ctypes.c_size_t(0)
+        self.tail = [ctypes.addressof(self.attrs), ctypes.addressof(self.attr_idx), 1]
+        if self.batch is not None and self.batch[1]:
+            self.tail.append(ctypes.addressof(self.fail_idx))
+
+    def issue(self, lo: int, hi: int) -> None:
+        """Queue copies ``lo..hi-1``."""
+        if hi <= lo:
+            return
+        lib = _cudart()
+        if self.batch is not None and not _batch_failed:
+            d, s, z = self.addrs
+            off = 8 * lo
+            err = self.batch[0](d + off, s + off, z + off, hi - lo, *self.tail, self.stream)
+            if not err:
+                return
+            lib.cudaGetLastError()  # clear it: the copies are issued again one by one below
+            _batch_failed.append(lib.cudaGetErrorString(err).decode())
+            import warnings
+
+            warnings.warn(
+                f"cudaMemcpyBatchAsync failed ({_batch_failed[0]}); staged transfers issue "
+                f"one cudaMemcpyAsync per DMA from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        memcpy = lib.cudaMemcpyAsync
+        dsts, srcs = self.dsts[lo:hi].tolist(), self.srcs[lo:hi].tolist()
+        for dst, src, size in zip(dsts, srcs, self.sizes[lo:hi].tolist()):
+            err = memcpy(dst, src, size, _CUDA_MEMCPY_DEFAULT, self.stream)
+            if err:
+                msg = lib.cudaGetErrorString(err).decode()
+                raise RuntimeError(f"cudaMemcpyAsync failed: {msg}")

@@ -125,22 +125,24 @@ class StagingRing:
         ]
         self.stage_items: torch.Tensor | None = None
         self.stream_handle = 0
-        self.stream: torch.cuda.ExternalStream | None = None
+        self.events = None
         if device.type == "cuda":
-            from hicache.kernels.copy_engine import create_stream
+            from hicache.kernels.copy_engine import RawEvents, create_stream
 
             with torch.cuda.device(device):
                 self.stream_handle = create_stream()
-            self.stream = torch.cuda.ExternalStream(self.stream_handle, device=device)
-            # ready[s]: slot s holds a chunk for the next step; free[s]: the step that read
-            # slot s is done; done: recorded on the caller's stream after each transfer.
-            self.ready = [torch.cuda.Event() for _ in range(slots)]
-            self.free = [torch.cuda.Event() for _ in range(slots)]
-            self.done = torch.cuda.Event()
+                # Event s: slot s holds a chunk for the next step ("ready"); event
+                # slots + s: the step that read slot s is done ("free"); the last one is
+                # recorded on the caller's stream after each transfer ("done").
+                self.events = RawEvents(2 * slots + 1)
 
     @property
     def slots(self) -> int:
         return len(self.buffers)
+
+    @property
+    def done(self) -> int:
+        return 2 * self.slots
 
     def items(self, count: int) -> torch.Tensor:
         """``arange(count)`` on the ring's device: the staging side's item indices."""
@@ -149,15 +151,16 @@ class StagingRing:
         return self.stage_items[:count]
 
     def release(self) -> None:
-        """Wait until no queued work uses the ring, then free its stream (the buffers go
-        back to torch's allocator with the object)."""
-        if self.stream is not None:
-            self.done.synchronize()
-            self.stream.synchronize()
-            from hicache.kernels.copy_engine import destroy_stream
+        """Wait until no queued work uses the ring, then free its stream and events (the
+        buffers go back to torch's allocator with the object)."""
+        if self.events is not None:
+            from hicache.kernels.copy_engine import destroy_stream, synchronize_stream
 
+            self.events.synchronize(self.done)
+            synchronize_stream(self.stream_handle)
+            self.events.destroy()
             destroy_stream(self.stream_handle)
-            self.stream = None
+            self.events = None
 
 
 _RINGS: OrderedDict[tuple[str, int, int], StagingRing] = OrderedDict()
@@ -229,7 +232,7 @@ def kv_staged(
     untouched), so the default dispatch stages only transfers whose indices are on the
     CPU, where they were checked. The host pages must be pinned.
     """
-    from hicache.kernels.triton_transfer import copy_rows
+    from hicache.kernels.triton_transfer import RowLauncher
 
     dev_side, host_side = (copy.src, copy.dst) if to_host else (copy.dst, copy.src)
     host, device_kv = host_side.tensor, dev_side.tensor
@@ -275,8 +278,10 @@ def kv_staged(
 
     stage_sides = [_staging_side(b, host, chunk_pages) for b in ring.buffers]
     grid = (copy.rows_a, copy.rows_b, copy.row_elems)
-    kernels = [
-        RowCopy(dev_side, side, *grid) if to_host else RowCopy(side, dev_side, *grid)
+    launchers = [
+        RowLauncher(
+            RowCopy(dev_side, side, *grid) if to_host else RowCopy(side, dev_side, *grid), tuning
+        )
         for side in stage_sides
     ]
     dev_items = device_pages.to(device, non_blocking=True)
@@ -286,69 +291,62 @@ def kv_staged(
         for c in range(plan.num_chunks):
             lo, hi = int(plan.page_bounds[c]), int(plan.page_bounds[c + 1])
             d_lo, d_hi = int(plan.dma_bounds[c]), int(plan.dma_bounds[c + 1])
-            slot_copy = kernels[c % slots]
+            launcher = launchers[c % slots]
             if to_host:
-                copy_rows(slot_copy, dev_items[lo:hi], stage_items[: hi - lo], tuning)
+                launcher.launch(dev_items[lo:hi], stage_items[: hi - lo])
                 _emulated_dmas(dsts[d_lo:d_hi], srcs[d_lo:d_hi], sizes[d_lo:d_hi])
             else:
                 _emulated_dmas(dsts[d_lo:d_hi], srcs[d_lo:d_hi], sizes[d_lo:d_hi])
-                copy_rows(slot_copy, stage_items[: hi - lo], dev_items[lo:hi], tuning)
+                launcher.launch(stage_items[: hi - lo], dev_items[lo:hi])
         return
 
+    from hicache.kernels.copy_engine import Copies1D
+
+    dmas = Copies1D(dsts, srcs, sizes, ring.stream_handle, tuning.staged_batched_dma)
     with torch.cuda.device(device):
-        _issue_on_gpu(
-            plan, ring, kernels, dev_items, stage_items, dsts, srcs, sizes, to_host, tuning
-        )
+        caller = torch.cuda.current_stream(device).cuda_stream
+        _issue_on_gpu(plan, ring, launchers, dev_items, stage_items, dmas, caller, to_host)
 
 
 def _issue_on_gpu(
     plan: DmaPlan,
     ring: StagingRing,
-    kernels: list[RowCopy],
+    launchers: list,
     dev_items: torch.Tensor,
     stage_items: torch.Tensor,
-    dsts: np.ndarray,
-    srcs: np.ndarray,
-    sizes: np.ndarray,
+    dmas,
+    caller: int,
     to_host: bool,
-    tuning: TransferTuning,
 ) -> None:
-    """Queue the chunks: kernels on the current stream, DMAs on the ring's stream."""
-    from hicache.kernels.copy_engine import copy_1d
-    from hicache.kernels.triton_transfer import copy_rows
-
-    slots = ring.slots
-    caller = torch.cuda.current_stream(ring.device)
-    helper = ring.stream
-    assert helper is not None
-    batched = tuning.staged_batched_dma
+    """Queue the chunks: kernels on the caller's stream, DMAs on the ring's stream."""
+    slots, helper, events = ring.slots, ring.stream_handle, ring.events
+    assert events is not None
+    page_bounds, dma_bounds = plan.page_bounds.tolist(), plan.dma_bounds.tolist()
     if not to_host:
         # The DMAs read host pages and overwrite slots: both wait for what the caller's
         # stream has queued so far (earlier writers of those pages, earlier scatters).
-        ring.done.record(caller)
-        helper.wait_event(ring.done)
+        events.record(ring.done, caller)
+        events.wait(helper, ring.done)
     for c in range(plan.num_chunks):
-        lo, hi = int(plan.page_bounds[c]), int(plan.page_bounds[c + 1])
-        d_lo, d_hi = int(plan.dma_bounds[c]), int(plan.dma_bounds[c + 1])
+        lo, hi = page_bounds[c], page_bounds[c + 1]
         slot = c % slots
-        dma = (dsts[d_lo:d_hi], srcs[d_lo:d_hi], sizes[d_lo:d_hi])
         if to_host:
             if c >= slots:
-                caller.wait_event(ring.free[slot])  # the DMA out of this slot is done
-            copy_rows(kernels[slot], dev_items[lo:hi], stage_items[: hi - lo], tuning)
-            ring.ready[slot].record(caller)
-            helper.wait_event(ring.ready[slot])
-            copy_1d(*dma, stream=ring.stream_handle, batched=batched)
-            ring.free[slot].record(helper)
+                events.wait(caller, slots + slot)  # the DMA out of this slot is done
+            launchers[slot].launch(dev_items[lo:hi], stage_items[: hi - lo])
+            events.record(slot, caller)
+            events.wait(helper, slot)
+            dmas.issue(dma_bounds[c], dma_bounds[c + 1])
+            events.record(slots + slot, helper)
         else:
             if c >= slots:
-                helper.wait_event(ring.free[slot])  # the scatter out of this slot is done
-            copy_1d(*dma, stream=ring.stream_handle, batched=batched)
-            ring.ready[slot].record(helper)
-            caller.wait_event(ring.ready[slot])
-            copy_rows(kernels[slot], stage_items[: hi - lo], dev_items[lo:hi], tuning)
-            ring.free[slot].record(caller)
+                events.wait(helper, slots + slot)  # the scatter out of this slot is done
+            dmas.issue(dma_bounds[c], dma_bounds[c + 1])
+            events.record(slot, helper)
+            events.wait(caller, slot)
+            launchers[slot].launch(stage_items[: hi - lo], dev_items[lo:hi])
+            events.record(slots + slot, caller)
     if to_host:
         # DMAs on the helper run in order: the last one done means all are.
-        caller.wait_event(ring.free[(plan.num_chunks - 1) % slots])
-    ring.done.record(caller)
+        events.wait(caller, slots + (plan.num_chunks - 1) % slots)
+    events.record(ring.done, caller)

@@ -57,10 +57,12 @@ class TransferTuning:
     ``staging_max_rings`` of them (the least recently used is freed first).
     ``staged_batched_dma`` issues a chunk's DMAs with one ``cudaMemcpyBatchAsync`` where
     the CUDA runtime has it (12.8 and later), else one ``cudaMemcpyAsync`` per DMA. By
-    default a KV transfer on CUDA is staged when it moves at least
-    ``staged_min_transfer_bytes`` and its host pages form runs of consecutive pages
-    averaging at least ``staged_min_dma_bytes`` (each run is one DMA); the host indices
-    must be on the CPU and the host pages pinned.
+    default a KV transfer on CUDA whose pages are below the copy-engine threshold is
+    staged when it moves at least ``staged_min_transfer_bytes`` and its host pages form
+    runs of consecutive pages averaging at least ``staged_min_dma_bytes`` (each run is one
+    DMA); the indices must be on the CPU and the host pages pinned. Each chunk costs
+    host time to issue (a kernel launch, a batched copy, four event calls), which delays
+    whatever the caller issues next; large chunks keep that small.
     """
 
     tile_bytes: int = 16384
@@ -70,11 +72,11 @@ class TransferTuning:
     interpreter_programs: int = 3
     copy_engine_min_item_bytes_to_host: int = 4 << 20
     copy_engine_min_item_bytes_to_device: int = 4 << 20
-    staging_chunk_bytes: int = 32 << 20
-    staging_chunks: int = 3
+    staging_chunk_bytes: int = 64 << 20
+    staging_chunks: int = 2
     staging_max_rings: int = 4
     staged_batched_dma: bool = True
-    staged_min_transfer_bytes: int = 64 << 20
+    staged_min_transfer_bytes: int = 256 << 20
     staged_min_dma_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -102,17 +104,21 @@ class TransferTuning:
         host indices on the GPU, pageable host memory); both stay 0 for callers that do
         not consider the staged path.
         """
+        if to_host:
+            threshold = self.copy_engine_min_item_bytes_to_host
+        else:
+            threshold = self.copy_engine_min_item_bytes_to_device
+        if item_bytes >= threshold:
+            # Pages this large are one 2-D copy each with no gather: as fast as staging
+            # them and less host work per byte (docs/performance.md).
+            return Backend.COPY_ENGINE
         if (
             dma_bytes > 0
             and transfer_bytes >= self.staged_min_transfer_bytes
             and dma_bytes >= self.staged_min_dma_bytes
         ):
             return Backend.STAGED
-        if to_host:
-            threshold = self.copy_engine_min_item_bytes_to_host
-        else:
-            threshold = self.copy_engine_min_item_bytes_to_device
-        return Backend.COPY_ENGINE if item_bytes >= threshold else Backend.TRITON
+        return Backend.TRITON
 
 
 DEFAULT_TUNING = TransferTuning()
