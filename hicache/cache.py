@@ -491,45 +491,6 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         """Check every invariant of ARCHITECTURE §3; raises AssertionError naming the first
         broken one. Slot ownership: every allocated page of every pool is owned by exactly
         one of the tree, a request, and the free list."""
-        self.check_tree_invariants()
-        self.check_transfer_invariants()
-        owners: dict[str, list[np.ndarray]] = {p.name: [] for p in self.pools.all()}
-        for node in self.iter_nodes():
-            for comp in self.components:
-                value = node.data[comp.idx].value
-                if value is None:
-                    continue
-                owners[comp.ctype.name.lower()].append(comp.owned_pages(node, value))
-            swa = self.by_type.get(ComponentType.SWA)
-            if swa is not None and node.data[0].value is not None:
-                mapped = self.pools.full_to_swa[self.full.pages(node.data[0].value)]
-                value = node.data[swa.idx].value
-                expect = np.full(mapped.size, -1) if value is None else value
-                assert np.array_equal(mapped, expect), f"{node}: SWA mapping differs"
-        for req in self.requests.values():
-            own = req.kv_slots[req.prefix_len :]
-            if own.size:
-                pages = self.pools.full.slots_to_pages(own)
-                owners["full"].append(pages)
-                if self.pools.swa is not None:
-                    swa_pages = self.pools.full_to_swa[pages]
-                    owners["swa"].append(swa_pages[swa_pages >= 0])
-            if req.prefix_len:
-                assert req.lock_receipt is not None and not req.lock_receipt.released
-                tree_slots = self._concat_slots(self.path_to_root(req.last_node))
-                assert np.array_equal(tree_slots, req.kv_slots[: req.prefix_len]), (
-                    f"{req!r}: prefix slots differ from the tree's"
-                )
-            assert req.computed_len <= req.kv_slots.size
-            for slot in (req.mamba_slot, req.mamba_ckpt_slot):
-                if slot is not None:
-                    owners["mamba"].append(np.array([slot], dtype=np.int64))
-        for pool in self.pools.all():
-            owned = np.concatenate(owners[pool.name]) if owners[pool.name] else _EMPTY
-            assert np.unique(owned).size == owned.size, f"{pool.name}: a page has two owners"
-            allocated = pool.allocated_pages()
-            assert np.array_equal(np.sort(owned), allocated), (
-                f"{pool.name}: {allocated.size} pages allocated, {owned.size} owned "
-                f"(leaked: {np.setdiff1d(allocated, owned)[:8].tolist()}, "
-                f"owned but free: {np.setdiff1d(owned, allocated)[:8].tolist()})"
-            )
+        from hicache.invariants import check_cache
+
+        check_cache(self)

@@ -545,59 +545,6 @@ class RadixTree:
 
     def check_tree_invariants(self) -> None:
         """Recompute every derived structure of the tree and compare; raises AssertionError."""
-        evictable = {c.ctype: 0 for c in self.components}
-        protected = {c.ctype: 0 for c in self.components}
-        leaves: set[int] = set()
-        lru_members = {idx: set() for idx in self.aux_lru}
-        ps = self.page_size
-        for ns, root in self.roots.items():
-            assert root.parent is None and root.key == b"" and root.namespace == ns
-            assert root.children, f"empty namespace root {ns!r} kept"
-        for node in self.iter_nodes():
-            parent = node.parent
-            assert node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node}: partial page"
-            assert parent.children.get(node.key[: self.page_bytes]) is node, f"{node}: bad link"
-            assert node.start == (parent.end if parent.parent else 0), f"{node}: bad start"
-            full = node.data[0]
-            if full.value is not None:
-                assert parent.on_device, f"{node}: on device below a node that is not"
-            assert full.lock_ref >= max(
-                (c.data[0].lock_ref for c in node.children.values()), default=0
-            ), f"{node}: FULL lock smaller than a child's"
-            on_dev_children = sum(1 for c in node.children.values() if c.data[0].value is not None)
-            assert node.device_children == on_dev_children, f"{node}: device_children"
-            for comp in self.components:
-                cd = node.data[comp.idx]
-                assert cd.node is node
-                assert cd.lock_ref >= 0, f"{node}: negative lock on {comp}"
-                if cd.value is None:
-                    assert cd.lock_ref == 0, f"{node}: tombstoned {comp} holds a lock"
-                    assert not cd.in_lru
-                    continue
-                if not comp.leaf_only:
-                    assert full.value is not None, f"{node}: {comp} on device without FULL"
-                if cd.backed and not comp.leaf_only:
-                    assert full.backed, f"{node}: {comp} backed without FULL"
-                amount = comp.size(cd.value)
-                (protected if cd.lock_ref else evictable)[comp.ctype] += amount
-                if not comp.leaf_only and cd.lock_ref == 0:
-                    lru_members[comp.idx].add(node.id)
-            if full.value is not None and full.lock_ref == 0 and node.device_children == 0:
-                leaves.add(node.id)
-            assert node.in_policy == (node.id in leaves), f"{node}: leaf policy membership"
-        assert evictable == self.evictable, f"evictable {self.evictable} != {evictable}"
-        assert protected == self.protected, f"protected {self.protected} != {protected}"
-        assert self.leaf_policy.members() == leaves, "leaf policy members differ"
-        host_only = sum(
-            n.num_tokens for n in self.iter_nodes() if n.data[0].value is None and n.data[0].backed
-        )
-        assert host_only == self.host_only_tokens, (
-            f"host-only {self.host_only_tokens} != {host_only}"
-        )
-        assert all(n.data[0].backed for n in self.iter_nodes() if n.data[0].value is None), (
-            "a node holds FULL on no tier"
-        )
-        for idx, lru in self.aux_lru.items():
-            listed = [cd.node.id for cd in lru]
-            assert len(listed) == len(lru) == len(set(listed)), "LRU list size or duplicates"
-            assert set(listed) == lru_members[idx], "LRU list members differ"
+        from hicache.invariants import check_tree
+
+        check_tree(self)
