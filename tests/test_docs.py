@@ -257,3 +257,11 @@ def test_performance_doc_says_how_to_run_every_benchmark():
         defined = set(re.findall(r"add_argument\(\s*\"(--[a-z-]+)\"", source.read_text()))
         shown = set(re.findall(r"--[a-z][a-z-]*", command))
         assert shown <= defined, f"{command}: flags {shown - defined} are not defined"
+
+
+def test_integration_guide_names_every_cache_option():
+    from hicache import CacheConfig
+
+    text = (DOCS / "integration.md").read_text()
+    missing = [name for name in CacheConfig.field_names() if f"`{name}`" not in text]
+    assert not missing, f"CacheConfig options missing from docs/integration.md: {missing}"
