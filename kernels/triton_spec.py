@@ -149,6 +149,15 @@ def _prepare(
     return claim, dst_indices, step_indices
 
 
+def _block(dst: torch.Tensor, elems: int, tuning: TransferTuning) -> int:
+    """Elements per program: the tuned byte budget, at most the state rounded up to a
+    power of two, at least 16."""
+    return min(
+        max(16, tuning.scatter_block_bytes // dst.element_size()),
+        1 << max(4, (elems - 1).bit_length()),
+    )
+
+
 def state_scatter(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -166,10 +175,7 @@ def state_scatter(
         return
     claim, dst_indices, step_indices = prepared
     state_elems = math.prod(dst.shape[2:])
-    block = min(
-        max(16, tuning.scatter_block_bytes // dst.element_size()),
-        1 << max(4, (state_elems - 1).bit_length()),
-    )
+    block = _block(dst, state_elems, tuning)
     grid = (-(-state_elems // block), src.shape[0], src.shape[1])
     kernel_for(_state_scatter_kernel, dst.device)[grid](
         dst,
@@ -207,10 +213,7 @@ def conv_window_scatter(
     claim, dst_indices, step_indices = prepared
     conv_dim, width = dst.shape[2], dst.shape[3]
     elems = conv_dim * width
-    block = min(
-        max(16, tuning.scatter_block_bytes // dst.element_size()),
-        1 << max(4, (elems - 1).bit_length()),
-    )
+    block = _block(dst, elems, tuning)
     grid = (-(-elems // block), src.shape[0], src.shape[1])
     kernel_for(_conv_window_scatter_kernel, dst.device)[grid](
         dst,
