@@ -362,3 +362,29 @@ def test_insert_over_an_swa_tombstone_hands_the_request_s_pages_to_the_node(ps, 
     cache.check_invariants()
     assert cache.match_prefix(a).prefix_len == a.size
     assert_all_free_after_reset(cache)
+
+
+@pytest.mark.parametrize("ps,window", [(1, 2), (4, 2), (16, 20)])
+def test_caching_a_request_that_released_pages_behind_its_window(ps, window):
+    """A request decodes past its window, gives back the SWA pages behind it, then caches
+    its progress: it keeps its own window, and nobody is served the released pages."""
+    cache = make_cache("full+swa", page_size=ps, window=window, full_slots=ps * 64)
+    engine = MarkerEngine(cache)
+    tokens = seq(6 * ps + ps // 2 + 1, base=5)
+    req = engine.start(tokens)
+    engine.compute(req, tokens, tokens.size)
+    assert cache.release_swa_outside_window(req) > 0
+    cache.check_invariants()
+    cache.cache_unfinished_req(req)
+    cache.check_invariants()
+    assert req.prefix_len == tokens.size - tokens.size % ps
+    own = cache.pools.swa_slots_of(req.kv_slots[tokens.size - window :])
+    assert (own >= 0).all(), "the request lost the window it decodes with"
+    other = engine.start(tokens)  # verifies every FULL and SWA slot it was given
+    released = (tokens.size - window) - (tokens.size - window) % ps
+    whole = req.prefix_len - window >= released  # the window at the prefix's end survived
+    assert other.prefix_len == (req.prefix_len if whole else 0)
+    cache.cache_finished_req(other, insert=False)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    assert_all_free_after_reset(cache)

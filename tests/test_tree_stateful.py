@@ -161,6 +161,7 @@ class TreeMachine(RuleBasedStateMachine):
         aligned = req.computed_len - req.computed_len % ps
         tokens = req.token_ids.copy()
         self.cache.cache_finished_req(req, insert=insert)
+        self.engine.swa_released.discard(id(req))  # ids are reused after a request dies
         if insert and aligned:
             self.model.cached(req.extra_key, tokens, aligned)
 
@@ -170,6 +171,7 @@ class TreeMachine(RuleBasedStateMachine):
             return
         if self.cache.release_swa_outside_window(req):
             self.swa_released = True
+            self.engine.swa_released.add(id(req))
 
     @rule(full=st.integers(0, 64), swa=st.integers(0, 64), mamba=st.integers(0, 4))
     def evict(self, full, swa, mamba):

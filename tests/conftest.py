@@ -1,0 +1,18 @@
+"""Hypothesis profiles of the suite.
+
+The default suite is deterministic: every property and state-machine test draws the same
+examples on every run (``derandomize``), so a red CI is a regression, not a new draw.
+Exploration with fresh random examples is the ``slow`` soak (tests/test_stateful_soak.py),
+or any test run with ``HICACHE_HYPOTHESIS_PROFILE=explore``. A failure prints the
+``@reproduce_failure`` blob that replays it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HICACHE_HYPOTHESIS_PROFILE", "ci"))
