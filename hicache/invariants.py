@@ -81,6 +81,7 @@ def check_cache(cache: UnifiedRadixCache) -> None:
     one of the tree, a request, and the free list."""
     check_tree(cache)
     cache.check_transfer_invariants()
+    assert not cache.loading, f"nodes {sorted(cache.loading)} still marked as loading"
     owners: dict[str, list[np.ndarray]] = {p.name: [] for p in cache.pools.all()}
     for node in cache.iter_nodes():
         for comp in cache.components:

@@ -394,8 +394,12 @@ class TieringMixin:
         receipt = self.lock(deepest_device)
         preps: dict[int, LoadPrep] = {}
         ok, reason = False, "copy"
+        loading = {n.id for n in nodes} - self.loading
+        self.loading |= loading
         try:
             self._make_room_for(plan, need_full)
+            if not self._attached(node):  # a controller callback dropped the path meanwhile
+                raise _PrefixDropped("the prefix left the tree while room was made for it")
             for comp in self.components:
                 preps[comp.idx] = comp.prepare_load_back(plan, req)
             refs = [r for p in preps.values() for r in p.refs]
@@ -405,9 +409,10 @@ class TieringMixin:
                 else bool(self.controller.load(refs, pin, self.config.load_timeout_s))
             )
         except Exception as exc:
-            reason = type(exc).__name__
+            reason = "evicted" if isinstance(exc, _PrefixDropped) else type(exc).__name__
             log.warning("load-back of %d tokens failed: %s", node.end - base.end, exc)
         finally:
+            self.loading -= loading
             for comp in self.components:
                 if comp.idx in preps:
                     comp.finalize_load_back(plan, req, preps[comp.idx], ok)
@@ -434,6 +439,12 @@ class TieringMixin:
         if req.kv_slots.size != req.prefix_len or req.last_node is None:
             raise ValueError(f"{req!r}: load_back must come right after match_prefix")
         return req.last_node
+
+    def _attached(self: UnifiedRadixCache, node: TreeNode) -> bool:
+        """``node`` is still reachable from its namespace's root."""
+        while node.parent is not None:
+            node = node.parent
+        return self.roots.get(node.namespace) is node
 
     @staticmethod
     def _nodes_between(base: TreeNode, node: TreeNode) -> list[TreeNode]:
@@ -470,6 +481,10 @@ class TieringMixin:
         req.prefix_len = node.end
         if old is not None:
             self.unlock(old)
+
+
+class _PrefixDropped(LookupError):
+    """The prefix a load-back was bringing left the tree before its pages were allocated."""
 
 
 def _last_at_most(tiers: np.ndarray, tier: int) -> int:

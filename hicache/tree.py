@@ -133,6 +133,9 @@ class RadixTree:
         self.clock = 0
         self.evicted = EvictResult()  # running totals of what eviction freed
         self.host_only_tokens = 0  # tokens of nodes held only by the controller
+        # ids of nodes a load-back in progress is bringing to the device: never forgotten
+        # as host-only leaves meanwhile (the eviction that makes room for the load prunes)
+        self.loading: set[int] = set()
 
     # -- namespaces and structure --------------------------------------------------------
 
@@ -509,7 +512,7 @@ class RadixTree:
         heap = [
             (n.last_access, n.id, n)
             for n in self.iter_nodes()
-            if n.data[0].value is None and not n.children
+            if n.data[0].value is None and not n.children and n.id not in self.loading
         ]
         heapq.heapify(heap)
         before = self.host_only_tokens
@@ -517,7 +520,12 @@ class RadixTree:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self.remove_subtree(node)
-            if parent.parent is not None and parent.data[0].value is None and not parent.children:
+            if (
+                parent.parent is not None
+                and parent.data[0].value is None
+                and not parent.children
+                and parent.id not in self.loading
+            ):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return before - self.host_only_tokens
 

@@ -246,3 +246,82 @@ def test_host_only_nodes_are_bounded_and_forgotten_when_their_pages_are_gone():
     assert m.host_hit_len == 0 and m.load_node is None
     cache.check_invariants()
     assert cache.stats().host_only_tokens < 40
+
+
+@pytest.mark.parametrize("mix", ["full", "full+swa+mamba"])
+@pytest.mark.parametrize("ps", [1, 4])
+def test_room_made_for_a_load_back_never_forgets_the_prefix_being_loaded(mix, ps):
+    """Making room for a load evicts device prefixes to the host tier; the record of
+    host-only prefixes then overflows and its least recently used leaves are forgotten.
+    The prefix being loaded is such a leaf: it must survive, load and be exact."""
+    ctrl = FakeController()
+    cache = make_cache(
+        mix,
+        page_size=ps,
+        window=max(1, ps // 2),
+        full_slots=ps * 8,
+        controller=ctrl,
+        max_host_only_tokens=6 * ps,
+    )
+    engine = MarkerEngine(cache)
+    a, b = seq(6 * ps), seq(6 * ps, base=400)
+    engine.run(a)
+    cache.flush_backups()
+    cache.evict(full_tokens=10**6)  # a: host-only, the oldest record
+    engine.run(b)  # b: on the device, backed up
+    cache.flush_backups()
+    cache.check_invariants()
+    scribble(cache)
+    req = Request("r")
+    m = cache.match_prefix(a, req=req)
+    assert m.prefix_len == 0 and m.host_hit_len == a.size
+    # The load needs 6 pages of 8 with b holding 6: b goes to the host, the host-only
+    # record reaches 12 pages of 6 allowed, and a is the least recently used leaf.
+    assert cache.load_back(m.load_node, req=req)
+    cache.check_invariants()
+    assert req.prefix_len == a.size
+    engine.verify_prefix(req, a, req.prefix_len)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+    cache.reset()
+    assert cache.pools.free_counts() == {p.name: p.capacity for p in cache.pools.all()}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_prepare_that_raises_after_allocating_keeps_nothing(mix, monkeypatch):
+    cache, engine, ctrl, tokens = demoted_cache(mix, 4)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    before = cache.pools.free_counts()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: page refs failed")
+
+    for comp in cache.components:
+        monkeypatch.setattr(comp, "page_refs", broken)
+        monkeypatch.setattr(comp, "state_ref", broken, raising=False)
+    assert cache.load_back(m.load_node, req=req) is False
+    assert cache.counters["load_back_failed_RuntimeError"] == 1
+    assert cache.pools.free_counts() == before
+    assert not ctrl.pins
+    cache.check_invariants()
+
+
+def test_a_prefix_dropped_while_room_is_made_fails_the_load_cleanly(monkeypatch):
+    cache, engine, ctrl, tokens = demoted_cache("full+mamba", 4)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    before = cache.pools.free_counts()
+    make_room = cache._make_room_for
+
+    def make_room_and_drop(plan, need_full):  # as if the controller reported the pages lost
+        make_room(plan, need_full)
+        top = plan.nodes[0]
+        cache.remove_subtree(top)
+
+    monkeypatch.setattr(cache, "_make_room_for", make_room_and_drop)
+    assert cache.load_back(m.load_node, req=req) is False
+    assert cache.counters["load_back_failed_evicted"] == 1
+    assert cache.pools.free_counts() == before
+    assert not ctrl.pins
+    cache.check_invariants()

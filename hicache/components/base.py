@@ -131,7 +131,8 @@ class TreeComponent(ABC):
     @abstractmethod
     def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
         """Allocate the device slots the load needs. Raises PoolExhaustedError having
-        allocated nothing when the pool is full."""
+        allocated nothing when the pool is full; whatever it raises, it keeps nothing
+        allocated (``finalize_load_back`` is called only for a prepare that returned)."""
 
     @abstractmethod
     def finalize_load_back(
@@ -181,7 +182,11 @@ class PagedComponent(TreeComponent):
     def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
         need = plan.parts[self.idx]
         pages = self.pool().alloc_pages(sum(n.num_tokens for n in need) // self.page_size)
-        refs = [r for n, p in self._by_node(plan, pages) for r in self.page_refs(n, p.tolist())]
+        try:
+            refs = [r for n, p in self._by_node(plan, pages) for r in self.page_refs(n, p.tolist())]
+        except BaseException:
+            self.pool().free_pages(pages)  # no finalize follows a prepare that raised
+            raise
         return LoadPrep(refs, pages)
 
     def finalize_load_back(

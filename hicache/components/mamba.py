@@ -78,11 +78,15 @@ class MambaComponent(TreeComponent):
     def prepare_load_back(self, plan: LoadPlan, req: Request | None) -> LoadPrep:
         node = plan.end_node
         slot = self.pools.mamba.alloc_state()
-        if plan.parts[self.idx]:
-            # The state is on the device already: the request gets its own copy.
-            self.pools.mamba.copy_state(node.data[self.idx].value, slot)
-            return LoadPrep([], slot)
-        return LoadPrep([self.state_ref(node, slot)], slot)
+        try:
+            if plan.parts[self.idx]:
+                # The state is on the device already: the request gets its own copy.
+                self.pools.mamba.copy_state(node.data[self.idx].value, slot)
+                return LoadPrep([], slot)
+            return LoadPrep([self.state_ref(node, slot)], slot)
+        except BaseException:
+            self.pools.mamba.free_state(slot)  # no finalize follows a prepare that raised
+            raise
 
     def finalize_load_back(
         self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool
