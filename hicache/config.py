@@ -56,7 +56,9 @@ class CacheConfig:
     ``max_host_only_tokens`` bounds the tree's record of prefixes that live only in the
     host/disk tiers (default: 8 × ``full_slots``); past it the least recently used such
     leaves are forgotten (their pages stay in the controller and are found again by
-    lookup).
+    lookup), except the node a match is handing out and the nodes a load-back is
+    bringing in, so the bound can be passed by one match's worth for a moment. A
+    load-back of a prefix forgotten since its match is a miss, not an error.
 
     With ``speculative_draft_tokens`` D > 0 the Mamba pool also holds, for
     ``speculative_slots`` requests (default: ``mamba_slots``), the conv windows and SSM

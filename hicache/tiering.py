@@ -345,7 +345,7 @@ class TieringMixin:
                 new.data[comp.idx].backed = bool(p[pages.stop - 1] != Presence.ABSENT)
             else:
                 new.data[comp.idx].backed = bool(np.all(p[pages] != Presence.ABSENT))
-        self.prune_host_only()
+        self.prune_host_only(keep=new)
         return new
 
     # -- load-back -----------------------------------------------------------------------
@@ -366,6 +366,10 @@ class TieringMixin:
         self.poll_transfers()
         if self.controller is None:
             return False
+        if not self._attached(node):
+            # Forgotten since the match (another match pruned the host-only record, or
+            # the controller lost the pages): a miss, the request recomputes.
+            return self._load_failed("evicted")
         base = self._load_base(node, req)
         nodes = self._nodes_between(base, node)
         for comp in self.components:

@@ -502,9 +502,11 @@ class RadixTree:
             node.data[0].backed = True
             self.host_only_tokens += node.num_tokens
 
-    def prune_host_only(self) -> int:
+    def prune_host_only(self, keep: TreeNode | None = None) -> int:
         """Forget least recently used host-only leaves while their tokens exceed
-        ``max_host_only_tokens`` (down to 90% of it); returns the tokens forgotten."""
+        ``max_host_only_tokens`` (down to 90% of it), never ``keep`` (a node a caller is
+        about to hand out) nor a node a load-back is bringing; returns the tokens
+        forgotten."""
         cap = self.config.max_host_only_tokens
         if self.host_only_tokens <= cap:
             return 0
@@ -512,7 +514,10 @@ class RadixTree:
         heap = [
             (n.last_access, n.id, n)
             for n in self.iter_nodes()
-            if n.data[0].value is None and not n.children and n.id not in self.loading
+            if n.data[0].value is None
+            and not n.children
+            and n.id not in self.loading
+            and n is not keep
         ]
         heapq.heapify(heap)
         before = self.host_only_tokens

@@ -325,3 +325,55 @@ def test_a_prefix_dropped_while_room_is_made_fails_the_load_cleanly(monkeypatch)
     assert cache.pools.free_counts() == before
     assert not ctrl.pins
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("mix", ["full", "full+swa+mamba"])
+def test_a_hit_beyond_the_tree_larger_than_the_host_only_record_still_loads(mix):
+    """After a restart the tree is empty and the controller holds a prefix longer than
+    the tree may record as host-only: the match must not forget the node it returns."""
+    ps = 4
+    ctrl = FakeController()
+    engine = MarkerEngine(
+        make_cache(mix, page_size=ps, window=6, full_slots=ps * 64, controller=ctrl)
+    )
+    tokens = seq(6 * ps)
+    engine.run(tokens)
+    engine.cache.flush_backups()
+    cache = make_cache(
+        mix,
+        page_size=ps,
+        window=6,
+        full_slots=ps * 64,
+        controller=ctrl,
+        max_host_only_tokens=2 * ps,
+    )
+    engine = MarkerEngine(cache)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    assert m.prefix_len == 0 and m.host_hit_len == tokens.size
+    assert cache.load_back(m.load_node, req=req)
+    cache.check_invariants()
+    engine.verify_prefix(req, tokens, req.prefix_len)
+    cache.cache_finished_req(req)
+    cache.check_invariants()
+
+
+def test_a_load_node_forgotten_after_the_match_is_a_clean_miss():
+    """Between a request's match and its load-back, another match (or the controller)
+    may make the tree forget the host-only prefix: the load-back is a miss, no error."""
+    cache, engine, ctrl, tokens = demoted_cache("full+mamba", 4)
+    req = Request("r")
+    m = cache.match_prefix(tokens, req=req)
+    top = m.load_node
+    while top.parent.parent is not None and top.parent.data[0].value is None:
+        top = top.parent
+    cache.remove_subtree(top)
+    before = cache.pools.free_counts()
+    assert cache.load_back(m.load_node, req=req) is False
+    assert cache.counters["load_back_failed_evicted"] == 1
+    assert cache.pools.free_counts() == before and not ctrl.pins
+    assert req.prefix_len == 0
+    cache.check_invariants()
+    engine.compute(req, tokens, tokens.size)  # the request recomputes and finishes
+    cache.cache_finished_req(req)
+    cache.check_invariants()
