@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from test_tree_stateful import Model, TreeMachine
 
+from hicache import Request
 from hicache.config import PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
+from hicache.types import PoolExhaustedError
 
 FAULTS = ["pin", "copy_to_device", "copy_to_host", "evict_before_load", "disk_read"]
 
@@ -59,6 +61,32 @@ class TieredMachine(TreeMachine):
         plan = self.ctrl.faults or FaultPlan()
         setattr(plan, fault, getattr(plan, fault) + 1)
         self.ctrl.faults = plan
+
+    @rule(
+        first=st.tuples(st.integers(0, 3), st.integers(1, 6)),
+        second=st.tuples(st.integers(0, 3), st.integers(1, 6)),
+    )
+    def match_both_then_load(self, first, second):
+        """Two requests match before either loads back (a scheduler batching its
+        admissions): the second match may make the tree forget what the first one was
+        told to load. Each load-back is exact or a clean miss."""
+        started = []
+        try:
+            for prefix, pages in (first, second):
+                tokens = self.tokens(prefix, [], pages)
+                req = Request(rid=f"batched-{len(started)}")
+                m = self.cache.match_prefix(tokens, req=req)
+                started.append((req, m, tokens))
+            for req, m, tokens in reversed(started):
+                if m.load_node is not None:
+                    self.cache.load_back(m.load_node, req=req)
+                self.cache.check_invariants()
+                self.engine.verify_prefix(req, tokens, req.prefix_len)
+        except PoolExhaustedError:
+            pass
+        finally:
+            for req, _, _ in started:
+                self.cache.cache_finished_req(req, insert=False)
 
     @rule()
     def settle_backups(self):
