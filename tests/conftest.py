@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+try:
+    from hypothesis import settings
+except ImportError:  # a bare GPU host running only `-m gpu` files has no hypothesis
+    settings = None
 
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-settings.register_profile("explore", derandomize=False, print_blob=True)
-settings.load_profile(os.environ.get("HICACHE_HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+    settings.register_profile("explore", derandomize=False, print_blob=True)
+    settings.load_profile(os.environ.get("HICACHE_HYPOTHESIS_PROFILE", "ci"))
