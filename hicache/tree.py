@@ -415,7 +415,10 @@ class RadixTree:
                 victim = self._next_victim(comp)
                 if victim is None:
                     break
-                if comp.leaf_only or self.is_device_leaf(victim):
+                # An aux victim is unlocked in its own component, but a lock taken before
+                # it got that component (a load-back or a request's state arriving later)
+                # may still hold its FULL pages: then only the aux data goes.
+                if comp.leaf_only or (self.is_device_leaf(victim) and victim.data[0].lock_ref == 0):
                     self.evict_device_leaf(victim, result)
                 else:
                     self._tombstone(victim, comp, result)
@@ -439,11 +442,13 @@ class RadixTree:
         return node.data[0].value is not None and node.device_children == 0
 
     def _tombstone(self, node: TreeNode, comp: TreeComponent, result: EvictResult) -> None:
-        """Drop ``comp`` and every lower-priority component from internal ``node``."""
+        """Drop ``comp`` and every unlocked lower-priority component from ``node`` (an
+        internal node, or a leaf whose FULL pages a lock holds)."""
         for other in self.free_order:
             if other.priority > comp.priority or other.leaf_only:
                 continue
-            if node.data[other.idx].value is not None:
+            cd = node.data[other.idx]
+            if cd.value is not None and cd.lock_ref == 0:  # a held lower one stays
                 value = self.take_value(node, other)
                 result.add(other.ctype, other.free(node, value))
 

@@ -233,6 +233,32 @@ def test_mamba_tombstone_on_internal_node_and_leaf_cleanup(ps):
     assert cache.pools.free_counts() == capacity(cache)
 
 
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_a_state_that_arrives_after_a_lock_is_evicted_without_the_held_pages(ps):
+    """A lock taken on a node without a Mamba state holds its FULL pages only; a state
+    that reaches the node later is evictable, and evicting it must leave the held FULL
+    pages alone even though the node is a device leaf."""
+    cache = make_cache("full+mamba", page_size=ps, full_slots=ps * 32)
+    tokens = seq(4 * ps)
+    slots = cache.pools.full.pages_to_slots(cache.pools.alloc_kv_pages(4))
+    cache.insert(tokens, slots)  # no state: the end node holds FULL only
+    path, _, _ = cache.walk(cache.namespace_root(None), tokens.tobytes())
+    node = path[-1]
+    receipt = cache.lock(node)
+    assert node.data[0].lock_ref == 1 and node.data[cache.mamba.idx].value is None
+    cache.insert(tokens, slots, mamba_slot=cache.pools.mamba.alloc_state(), prev_prefix_len=4 * ps)
+    assert cache.mamba.state_of(node) is not None
+    cache.check_invariants()
+    freed = cache.evict(mamba_states=1)
+    cache.check_invariants()
+    assert freed.mamba_states == 1 and freed.full_tokens == 0
+    assert node.data[0].value is not None and np.array_equal(node.data[0].value, slots)
+    cache.unlock(receipt)
+    cache.check_invariants()
+    assert cache.evict(full_tokens=4 * ps).full_tokens == 4 * ps
+    assert_all_free_after_reset(cache)
+
+
 @pytest.mark.parametrize("ps,window", [(1, 3), (4, 2), (4, 4), (4, 9), (16, 8), (16, 40)])
 def test_swa_match_needs_an_unbroken_window(ps, window):
     cache = make_cache("full+swa", page_size=ps, window=window, full_slots=ps * 128)
