@@ -2,7 +2,8 @@
 
 The default suite replays a fixed set of examples (see conftest.py); this draws new ones
 on every run, many more of them, to find what the fixed set does not cover. Set
-``HICACHE_SOAK_EXAMPLES`` to change how many each machine runs.
+``HICACHE_SOAK_EXAMPLES`` to change how many each machine runs and ``HICACHE_SOAK_STEPS``
+how many steps each example takes (longer runs reach deeper states).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from test_tiers_stateful import TieredMachine
 from test_tree_stateful import TreeMachine
 
 EXAMPLES = int(os.environ.get("HICACHE_SOAK_EXAMPLES", "1000"))
+STEPS = int(os.environ.get("HICACHE_SOAK_STEPS", "50"))
 
 
 @pytest.mark.slow
@@ -26,7 +28,7 @@ def test_state_machine_soak(machine):
         machine,
         settings=settings(
             max_examples=EXAMPLES,
-            stateful_step_count=50,
+            stateful_step_count=STEPS,
             derandomize=False,
             database=None,
             deadline=None,
