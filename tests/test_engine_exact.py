@@ -113,7 +113,8 @@ class Reference:
     def of(self, request: GenerationRequest) -> torch.Tensor:
         key = (*request.prompt_ids, -request.max_new_tokens)
         if key not in self.logits:
-            chunk = 64 if self.page_size == 16 else 7  # another chunking than the engine's
+            # another chunking than the engine's
+            chunk = {1: 7, 16: 64}.get(self.page_size, 7 * self.page_size)
             self.logits[key] = generate(
                 self.model,
                 self.pools,
