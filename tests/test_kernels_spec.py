@@ -7,24 +7,12 @@ from fractions import Fraction
 
 import pytest
 import torch
+from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache.kernels import ConvWindowBuffer, ConvWindowLayout, reference
 
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def randomize(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns, NaNs included: equality is checked on bits, not values."""
-    b = bits(t)
-    info = torch.iinfo(b.dtype)
-    b.copy_(torch.randint(info.min, info.max, b.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def loop_scatter(dst, src, dst_indices, step_indices) -> None:

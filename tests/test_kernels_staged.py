@@ -7,24 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache.kernels import Backend, TransferTuning, reference
 from hicache.kernels.staged import host_dma_count, plan_dmas
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def randomize(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns (NaNs included), so only bit equality passes."""
-    b = bits(t)
-    info = torch.iinfo(b.dtype)
-    b.copy_(torch.randint(info.min, info.max, b.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def test_plan_merges_neighbouring_host_pages_within_a_chunk() -> None:

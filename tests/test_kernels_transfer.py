@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache import CacheConfig, DevicePools, ModelLayout
@@ -19,21 +20,7 @@ from hicache.kernels import Backend, reference
 from hicache.kernels.copy_engine import plan_2d_copies
 from hicache.kernels.geometry import kv_row_copy
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` (NaN payloads compare equal, -0.0 differs from 0.0)."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def randomize(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill ``t`` with random bit patterns (every pattern, NaNs included)."""
-    b = bits(t)
-    info = torch.iinfo(b.dtype)
-    b.copy_(torch.randint(info.min, info.max, b.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def host_pages_view(n_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
