@@ -24,6 +24,7 @@ from hicache.types import ComponentType, Tier
 log = logging.getLogger(__name__)
 
 ADMIN_ENGINE = "admin"  # the owner of pins made by hicachectl
+_REPAIR_WAIT_S = 30.0  # how long a repair waits for its deletes to be committed
 _FSCK_BATCH = 1024  # values per read transaction: a long read would pin old LMDB pages
 
 
@@ -226,7 +227,8 @@ def fsck(
 
     A value of another layout is counted as foreign (never served, not corrupt). With
     ``repair``, corrupt values are dropped from the index and deleted from LMDB (a page
-    in flight is left to the read path, which never serves a bad checksum either).
+    in flight is left to the read path, which never serves a bad checksum either);
+    ``repaired`` counts the deletes committed when the call returns.
     ``progress(done, total)`` is called every few hundred values.
     """
     store = ctl.store
@@ -284,7 +286,13 @@ def fsck(
                 ctl.counters.fail(Failure.CHECKSUM)
                 deletes.append(skey)
         store.disk.submit_delete(deletes)
-        out.repaired = len(deletes)
+        # Repaired means gone from LMDB: wait for the writer to commit the deletes, so a
+        # check right after the repair does not find them again.
+        if store.disk.flush(_REPAIR_WAIT_S):
+            left = store.disk.pending_deletes  # deletes the writer must retry
+            out.repaired = sum(1 for k in deletes if k not in left)
+        else:
+            log.warning("fsck: %d deletes still queued after %ss", len(deletes), _REPAIR_WAIT_S)
     return out
 
 

@@ -181,6 +181,36 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     ctl.close()
 
 
+def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
+    """A repair reports a value repaired only when its delete is committed: a check right
+    after it (``hicachectl fsck`` twice in a row) must not find the value again. A slow
+    writer batch interval makes the old behaviour (return with the delete still queued)
+    fail every time."""
+    from hicache.controller.admin_ops import fsck
+
+    _, engine, ctl = _setup(tmp_path, writer_flush_interval_s=0.5)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    assert ctl.flush(10.0)
+    bad = chain.refs([FULL])[1].key.storage_key()
+    env = ctl.store.disk.env
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(bad))
+        value[HEADER_BYTES + 3] ^= 0x10
+        txn.put(bad, bytes(value))
+    first = fsck(ctl, repair=True)
+    assert (first.corrupt, first.repaired) == (1, 1)
+    with env.begin() as txn:
+        assert txn.get(bad) is None
+    again = fsck(ctl)
+    assert again.corrupt == 0 and again.ok == first.ok
+    # The host copy was never corrupt and stays; the disk copy is gone from the index too.
+    tiers = ctl.tiers_of([r.key for r in chain.refs([FULL])])
+    assert tiers == [{Tier.HOST, Tier.DISK}, {Tier.HOST}, {Tier.HOST, Tier.DISK}]
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
     layout, engine, ctl = _setup(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
