@@ -24,7 +24,7 @@ from hicache.types import ComponentType, Tier
 log = logging.getLogger(__name__)
 
 ADMIN_ENGINE = "admin"  # the owner of pins made by hicachectl
-_REPAIR_WAIT_S = 30.0  # how long a repair waits for its deletes to be committed
+_REPAIR_WAIT_S = 30.0  # how long an admin command waits for its deletes to be committed
 _FSCK_BATCH = 1024  # values per read transaction: a long read would pin old LMDB pages
 
 
@@ -135,8 +135,20 @@ def clear(
                 elif e.disk_state is not DiskState.NONE:
                     out.kept_pages += 1
     if deletes:
-        store.disk.submit_delete(deletes)
+        _delete_from_disk(store, deletes)
     return out
+
+
+def _delete_from_disk(store, keys: list[bytes]) -> bool:
+    """Queue the deletes of ``keys`` (already dropped from the index) and wait until the
+    writer has committed them, so that what an admin command reports gone is gone from
+    LMDB (a check or a crash right after it does not find it again). False when the writer
+    did not get to them within the wait; they stay queued and are committed later."""
+    store.disk.submit_delete(keys)
+    if store.disk.flush(_REPAIR_WAIT_S):
+        return True
+    log.warning("%d LMDB deletes still queued after %ss", len(keys), _REPAIR_WAIT_S)
+    return False
 
 
 def evict(
@@ -152,7 +164,8 @@ def evict(
             raise ControllerError("this sidecar has no disk tier")
         before = store.index.disk_live_bytes
         keys = store.evict_disk(nbytes)
-        store.disk.submit_delete(keys)
+        if keys:
+            _delete_from_disk(store, keys)
         return {"pages": len(keys), "bytes": before - store.index.disk_live_bytes}
     comps = [component] if component is not None else list(store.host.components)
     freed_pages = freed_bytes = 0
@@ -285,14 +298,10 @@ def fsck(
                     store.index.discard_if_unused(e)
                 ctl.counters.fail(Failure.CHECKSUM)
                 deletes.append(skey)
-        store.disk.submit_delete(deletes)
-        # Repaired means gone from LMDB: wait for the writer to commit the deletes, so a
-        # check right after the repair does not find them again.
-        if store.disk.flush(_REPAIR_WAIT_S):
+        # Repaired means gone from LMDB, not only queued.
+        if deletes and _delete_from_disk(store, deletes):
             left = store.disk.pending_deletes  # deletes the writer must retry
             out.repaired = sum(1 for k in deletes if k not in left)
-        else:
-            log.warning("fsck: %d deletes still queued after %ss", len(deletes), _REPAIR_WAIT_S)
     return out
 
 

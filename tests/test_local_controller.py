@@ -211,6 +211,36 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
     ctl.close()
 
 
+def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
+    """What ``clear`` and ``evict`` report dropped from disk is gone from LMDB when they
+    return (a crash right after them must not bring it back), however slow the writer."""
+    from hicache.controller.admin_ops import clear, evict
+
+    _, engine, ctl = _setup(tmp_path, writer_flush_interval_s=0.5)
+    a = engine.write_chain(range(3 * PAGE))
+    b = engine.write_chain(range(100, 100 + 2 * PAGE))
+    _store(ctl, a)
+    _store(ctl, b)
+    assert ctl.flush(10.0)
+    env = ctl.store.disk.env
+
+    def on_disk(chain) -> list[bool]:
+        with env.begin() as txn:
+            return [txn.get(r.key.storage_key()) is not None for r in chain.refs()]
+
+    assert all(on_disk(a)) and all(on_disk(b))
+    page = ctl.store.index.get(a.refs([FULL])[0].key.storage_key()).disk_nbytes
+    freed = evict(ctl, Tier.DISK, page)  # the least recently used chain's tail first
+    assert freed["pages"] >= 1
+    assert sum(not x for x in on_disk(a) + on_disk(b)) == freed["pages"]
+    ctl.check_invariants(deep=True)
+    res = clear(ctl, None, [Tier.DISK])
+    assert res.disk_pages + freed["pages"] == len(a.refs()) + len(b.refs())
+    assert not any(on_disk(a)) and not any(on_disk(b))
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
     layout, engine, ctl = _setup(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
