@@ -73,6 +73,9 @@ class ControllerConfig:
     host_weight_swa: float = 1.0
     host_weight_mamba: float = 0.25
     host_pinning: HostPinning = HostPinning.AUTO
+    # A host page that served a load-back is evicted as if it had been used this many
+    # host-tier lifetimes later (0: plain LRU). See controller/page_index.py.
+    host_hit_retention_turnovers: float = 1.0
 
     # Disk tier: None runs without one. The budget counts stored values (header + page).
     disk_path: str | Path | None = None
@@ -143,6 +146,12 @@ class ControllerConfig:
                 raise ConfigError(f"host_weight_{c.name.lower()} must be a finite number >= 0")
         if self.host_weight_full <= 0:
             raise ConfigError("host_weight_full must be > 0: FULL pages are the cache's backbone")
+        r = self.host_hit_retention_turnovers
+        if not (isinstance(r, (int, float)) and r >= 0 and math.isfinite(r)):
+            raise ConfigError(
+                f"host_hit_retention_turnovers must be a finite number >= 0 (0: plain LRU), "
+                f"got {r!r}"
+            )
         if self.disk_enabled:
             if self.disk_budget_bytes <= 0:
                 raise ConfigError(

@@ -471,7 +471,7 @@ class LocalController:
                 for e in entries:
                     self._store.unhold_locked(e)
                     if ok:
-                        self._store.index.touch(e)
+                        self._store.index.served(e)
         if ok:
             self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
             self.counters.inc("load", "ok")

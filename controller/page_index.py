@@ -18,6 +18,14 @@ or is touched; a popped item that no longer matches the entry's latest push is s
 skipped. Every operation is O(log n); heaps are compacted when stale items outnumber
 live ones, which is amortised O(1).
 
+Host pages that served a load-back are kept longer (``host_hit_retention``): most pages
+a device evicts to the host are never asked for again, and plain LRU keeps them exactly
+as long as the ones that are. A page that served a load is queued at its last access
+plus ``host_hit_retention`` times the host tier's *turnover* (the running mean of the
+clock ticks a host victim had gone unused), so it outlives an unused page of the same
+age by about that many host lifetimes; 0 is plain LRU. The order stays tail-first: only
+leaves of the host tier are candidates, whatever their key.
+
 Every method here is called with the controller's lock held.
 """
 
@@ -34,6 +42,7 @@ from hicache.types import ComponentType, Tier
 _FULL_TAG = bytes((int(ComponentType.FULL),))
 _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _TIERS = (Tier.HOST, Tier.DISK)
+_TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
 
 
 class HostState(enum.IntEnum):
@@ -68,6 +77,7 @@ class PageEntry:
         "parent_hash",
         "pending_payload",
         "pins",
+        "retain",
         "skey",
     )
 
@@ -88,6 +98,7 @@ class PageEntry:
         # (last_access, seq) of this entry's newest heap item, None when it has none.
         self.children = [0, 0, 0]
         self.heap_key: list[tuple[int, int] | None] = [None, None, None]
+        self.retain = 0  # clock ticks added to its host eviction key (it served a load)
         self.attached = False
         # A future that resolves when an in-flight host fill ends (True: filled).
         self.fill = None
@@ -117,9 +128,15 @@ class PageEntry:
 
 
 class PageIndex:
-    """Entries by storage key, FULL chains, and per-tier prefix-aware LRU heaps."""
+    """Entries by storage key, FULL chains, and per-tier prefix-aware LRU heaps
+    (``host_hit_retention``: see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_hit_retention: float = 0.0) -> None:
+        if not host_hit_retention >= 0:
+            raise ValueError(f"host_hit_retention must be >= 0, got {host_hit_retention}")
+        self.host_hit_retention = host_hit_retention
+        self.host_turnover = 0.0  # running mean of a host victim's ticks since its use
+        self._host_victims = 0
         self._entries: dict[bytes, PageEntry] = {}
         # FULL entries by their parent hash: lets a parent created after its children
         # (a restart, a re-backup of a dropped page) count them.
@@ -173,6 +190,12 @@ class PageIndex:
     def tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def served(self, entry: PageEntry) -> None:
+        """``entry`` was loaded from the host tier into a device: most recently used, and
+        kept ``host_hit_retention`` host turnovers longer than an unused page."""
+        entry.retain = int(self.host_hit_retention * self.host_turnover)
+        self.touch(entry)
 
     def touch(self, entry: PageEntry) -> None:
         """Mark ``entry`` most recently used."""
@@ -318,14 +341,20 @@ class PageIndex:
         if not entry.attached or not self.evictable(entry, tier):
             return
         current = entry.heap_key[tier]
-        if current is not None and current[0] == entry.last_access:
+        key = self._order_key(entry, tier)
+        if current is not None and current[0] == key:
             return  # its newest heap item is still valid
         seq = next(self._seq)
-        entry.heap_key[tier] = (entry.last_access, seq)
+        entry.heap_key[tier] = (key, seq)
         heap = self._heap(entry, tier)
-        heapq.heappush(heap, (entry.last_access, seq, entry))
+        heapq.heappush(heap, (key, seq, entry))
         if len(heap) > 2 * len(self._entries) + 1024:
             self._compact(heap, tier)
+
+    @staticmethod
+    def _order_key(entry: PageEntry, tier: Tier) -> int:
+        """Where ``entry`` stands in ``tier``'s eviction order (lowest goes first)."""
+        return entry.last_access + entry.retain if tier is Tier.HOST else entry.last_access
 
     @staticmethod
     def _compact(heap: list, tier: Tier) -> None:
@@ -351,6 +380,11 @@ class PageIndex:
                 continue  # stale: a newer item (or none) stands for this entry
             entry.heap_key[tier] = None
             if self.evictable(entry, tier):
+                if tier is Tier.HOST:
+                    self._host_victims += 1
+                    age = self._clock - entry.last_access
+                    weight = 1.0 / min(self._host_victims, _TURNOVER_WINDOW)
+                    self.host_turnover += weight * (age - self.host_turnover)
                 return entry
         return None
 
@@ -385,7 +419,7 @@ class PageIndex:
             for tier in _TIERS:
                 if self.evictable(e, tier):
                     key = e.heap_key[tier]
-                    assert key is not None and key[0] == e.last_access, (
+                    assert key is not None and key[0] == self._order_key(e, tier), (
                         f"{e} is evictable from {tier.name} but not queued at its last access"
                     )
                     assert key[1] in heap_seqs[tier], f"{e}: its {tier.name} heap item is gone"

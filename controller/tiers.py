@@ -51,7 +51,7 @@ class PageStore:
         self.counters = counters
         self.faults: FaultPlan | None = None
         self.lock = threading.RLock()
-        self.index = PageIndex()
+        self.index = PageIndex(config.host_hit_retention_turnovers)
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None

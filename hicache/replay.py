@@ -209,6 +209,7 @@ class ReplaySettings:
     eviction_sample_size: int = 8
     seed: int = 0
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    host_hit_retention: float = 1.0  # ControllerConfig.host_hit_retention_turnovers
     time_scale: float = 1.0
     decode_ms_per_token: float = 0.0
     check_invariants_every: int = 0
@@ -218,6 +219,8 @@ class ReplaySettings:
             raise ConfigError(f"device_blocks must be >= 1, got {self.device_blocks}")
         if self.host_blocks < 0:
             raise ConfigError(f"host_blocks must be >= 0, got {self.host_blocks}")
+        if not self.host_hit_retention >= 0:
+            raise ConfigError(f"host_hit_retention must be >= 0, got {self.host_hit_retention}")
         if not self.time_scale > 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
         if self.decode_ms_per_token < 0:
@@ -295,6 +298,7 @@ class TraceReplayer:
             ccfg = ControllerConfig(
                 host_pool_bytes=settings.host_blocks * self.shape.pages_per_block * page_bytes,
                 host_pinning=HostPinning.PAGEABLE,
+                host_hit_retention_turnovers=settings.host_hit_retention,
                 disk_path=None,
             )
             self.controller = LocalController(ccfg)

@@ -75,6 +75,7 @@ class BenchRow:
     host_blocks: int
     policy: str
     write_policy: str
+    host_retention: float | None  # host_hit_retention_turnovers (None: no host tier)
     device_hit: float
     host_hit: float
     total_hit: float
@@ -129,6 +130,7 @@ def run_row(
         host_blocks=settings.host_blocks,
         policy=settings.policy.value,
         write_policy=settings.write_policy.value if settings.host_blocks else "-",
+        host_retention=settings.host_hit_retention if settings.host_blocks else None,
         device_hit=result.device_hit_ratio,
         host_hit=result.host_hit_ratio,
         total_hit=result.total_hit_ratio,
@@ -150,6 +152,7 @@ _COLUMNS = (
     ("host", lambda r: str(r.host_blocks) if r.host_blocks else "-"),
     ("policy", lambda r: r.policy),
     ("write", lambda r: r.write_policy),
+    ("retain", lambda r: f"{r.host_retention:g}" if r.host_retention is not None else "-"),
     ("dev hit", lambda r: f"{100 * r.device_hit:.2f}%"),
     ("host hit", lambda r: f"{100 * r.host_hit:.2f}%" if r.host_blocks else "-"),
     ("total", lambda r: f"{100 * r.total_hit:.2f}%"),
@@ -200,6 +203,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=WritePolicy.WRITE_THROUGH.value,
         help="when device pages are backed up to the host tier: "
         + ", ".join(w.value for w in WritePolicy),
+    )
+    p.add_argument(
+        "--host-retention",
+        default="1",
+        help="host_hit_retention_turnovers values, comma-separated (0: plain LRU host tier); "
+        "one row each when there is a host tier",
     )
     p.add_argument("--sample-size", type=int, default=8, help="leaves the learned policy samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the learned policy's sampling")
@@ -260,6 +269,19 @@ def _enum_list(text: str, cls: type, what: str) -> list:
     return out
 
 
+def _float_list(text: str, what: str) -> list[float]:
+    out = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"{what} {item.strip()!r} is not a number") from None
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{what} {item.strip()!r} must be a finite number >= 0")
+        out.append(value)
+    return out
+
+
 def bench_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hicache bench replay`` with parsed ``args``; prints to ``out`` (stdout) and
     returns the exit status."""
@@ -275,6 +297,7 @@ def bench_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     host = parse_capacity(args.host, unique, allow_zero=True)
     policies = _enum_list(args.policy, EvictionPolicyKind, "--policy")
     write_policy = _enum_list(args.write_policy, WritePolicy, "--write-policy")[0]
+    retentions = _float_list(args.host_retention, "--host-retention") if host.blocks else [0.0]
     bounds = BoundsCache(trace, shape)
     longest = -(-bounds.longest_pages // shape.pages_per_block)
     for cap in devices:
@@ -286,21 +309,26 @@ def bench_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     rows = []
     for cap in devices:
         for policy in policies:
-            settings = ReplaySettings(
-                device_blocks=cap.blocks,
-                host_blocks=host.blocks,
-                shape=shape,
-                policy=policy,
-                eviction_sample_size=args.sample_size,
-                seed=args.seed,
-                write_policy=write_policy,
-                time_scale=args.time_scale,
-                decode_ms_per_token=args.decode_ms_per_token,
-                check_invariants_every=args.check_invariants_every,
-            )
-            rows.append(run_row(trace, settings, bounds, cap.spec))
-            if args.format == "text":
-                print(f"  {cap.spec} {policy.value}: {rows[-1].seconds:.1f} s", file=sys.stderr)
+            for retention in retentions:
+                settings = ReplaySettings(
+                    device_blocks=cap.blocks,
+                    host_blocks=host.blocks,
+                    shape=shape,
+                    policy=policy,
+                    eviction_sample_size=args.sample_size,
+                    seed=args.seed,
+                    write_policy=write_policy,
+                    host_hit_retention=retention,
+                    time_scale=args.time_scale,
+                    decode_ms_per_token=args.decode_ms_per_token,
+                    check_invariants_every=args.check_invariants_every,
+                )
+                rows.append(run_row(trace, settings, bounds, cap.spec))
+                if args.format == "text":
+                    what = f"{cap.spec} {policy.value}"
+                    if host.blocks:
+                        what += f" retain {retention:g}"
+                    print(f"  {what}: {rows[-1].seconds:.1f} s", file=sys.stderr)
     header = (
         f"trace {args.trace}: {len(trace)} requests, {unique} distinct blocks of "
         f"{shape.block_tokens} tokens, {shape.pages_per_block} page(s) per block, "

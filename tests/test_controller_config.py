@@ -28,6 +28,8 @@ def test_policies_parse_from_strings_and_reject_unknown_values():
         ({"host_pool_bytes": 0}, "host_pool_bytes must be > 0"),
         ({"host_weight_full": 0}, "host_weight_full must be > 0"),
         ({"host_weight_swa": -1}, "host_weight_swa"),
+        ({"host_hit_retention_turnovers": -0.5}, "host_hit_retention_turnovers must be"),
+        ({"host_hit_retention_turnovers": float("nan")}, "host_hit_retention_turnovers must be"),
         ({"disk_path": "/x", "disk_budget_bytes": 0}, "disk_budget_bytes must be > 0"),
         (
             {"disk_path": "/x", "disk_budget_bytes": 100 * MIB, "lmdb_map_size_bytes": 110 * MIB},

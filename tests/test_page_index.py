@@ -174,3 +174,57 @@ def test_pins_expire_release_once_and_go_with_their_engine():
     assert pins.get(p2.pin_id) is None and b.pins == 0
     pins.check_invariants()
     index.check_invariants()
+
+
+def _turn_over(index: PageIndex, names: str, age_ticks: int) -> None:
+    """Measure a host turnover: single pages ``names`` evicted ``age_ticks`` after their use."""
+    for n in names:
+        (e,) = chain(index, n)
+        for _ in range(age_ticks):
+            index.tick()
+        assert index.pop_victim(Tier.HOST, FULL) is e
+        index.clear_host(e)
+        index.discard_if_unused(e)
+
+
+@pytest.mark.parametrize("retention", [0.0, 1.0, 3.0])
+def test_a_host_page_that_served_a_load_outlives_unused_pages_by_the_retention(retention):
+    """With retention R, a page that served a load ranks as if used R host turnovers
+    later: pages unused since before that point go first, newer ones after; with 0 it
+    is plain LRU. Tail-first order holds regardless."""
+    index = PageIndex(host_hit_retention=retention)
+    _turn_over(index, "uvw", age_ticks=100)  # a turnover of about 100 ticks
+    turnover = index.host_turnover
+    assert 95 <= turnover <= 105
+    (served,) = chain(index, "s")
+    index.served(served)  # loaded into a device: retained
+    stamp = served.last_access
+    older = chain(index, "o")  # used just after the served page
+    for _ in range(int(retention * turnover) + 5):
+        index.tick()
+    newer = chain(index, "n")  # used after the served page's retained point
+    index.check_invariants()
+    order = drain(index, Tier.HOST)
+    if retention == 0:
+        assert order == ["s", "o", "n"]
+    else:
+        assert order == ["o", "s", "n"]
+        assert served.retain == int(retention * turnover)
+    assert older[0].last_access > stamp and newer[0].last_access > stamp + served.retain
+
+
+def test_retention_never_breaks_tail_first_order():
+    """A served head of a chain still waits for its unserved tail, and the tail's own
+    (unretained) key decides when the chain starts to go."""
+    index = PageIndex(host_hit_retention=10.0)
+    _turn_over(index, "uvw", age_ticks=50)
+    a, b = chain(index, "ab")
+    index.served(a)
+    (c,) = chain(index, "c")
+    index.check_invariants()
+    assert drain(index, Tier.HOST) == ["b", "c", "a"]
+
+
+def test_negative_retention_is_refused():
+    with pytest.raises(ValueError, match="host_hit_retention"):
+        PageIndex(host_hit_retention=-1.0)
