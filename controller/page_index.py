@@ -95,7 +95,8 @@ class PageEntry:
         self.copies = 0  # device copies in flight: the part of ``busy`` they hold
         self.last_access = 0
         # Per tier (indexed by Tier value): FULL children present there, and the
-        # (last_access, seq) of this entry's newest heap item, None when it has none.
+        # (order key, seq) of this entry's newest heap item per tier, None when it has none;
+        # the order key is the last access, plus ``retain`` in the host tier.
         self.children = [0, 0, 0]
         self.heap_key: list[tuple[int, int] | None] = [None, None, None]
         self.retain = 0  # clock ticks added to its host eviction key (it served a load)
@@ -420,7 +421,7 @@ class PageIndex:
                 if self.evictable(e, tier):
                     key = e.heap_key[tier]
                     assert key is not None and key[0] == self._order_key(e, tier), (
-                        f"{e} is evictable from {tier.name} but not queued at its last access"
+                        f"{e} is evictable from {tier.name} but not queued at its order key"
                     )
                     assert key[1] in heap_seqs[tier], f"{e}: its {tier.name} heap item is gone"
         for parent, kids in self._children_of.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -276,7 +277,7 @@ def _float_list(text: str, what: str) -> list[float]:
             value = float(item)
         except ValueError:
             raise ConfigError(f"{what} {item.strip()!r} is not a number") from None
-        if not value >= 0 or value == float("inf"):
+        if not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"{what} {item.strip()!r} must be a finite number >= 0")
         out.append(value)
     return out
