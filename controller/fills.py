@@ -23,12 +23,20 @@ from hicache.controller_api import PageRef
 
 
 class QueuedBackup:
-    """A backup's page plan, and the CUDA events after which its bytes are on host."""
+    """A backup's page plan, the CUDA events after which its bytes are on host, and the
+    one future its pages share as their ``fill``."""
 
-    def __init__(self, plan: list[tuple[PageEntry, PageRef]], events: list[Any], t0: float):
+    def __init__(
+        self,
+        plan: list[tuple[PageEntry, PageRef]],
+        events: list[Any],
+        t0: float,
+        fill: Future,
+    ):
         self.plan = plan
         self.events = events
         self.t0 = t0
+        self.fill = fill
         self.published = False
 
 
@@ -42,19 +50,24 @@ class FillTracker:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def begin_locked(self, e: PageEntry, page: int) -> None:
-        """``e`` gets host page ``page``, filling, held until published or aborted."""
+    def begin_locked(self, e: PageEntry, page: int, fill: Future) -> None:
+        """``e`` gets host page ``page``, filling, held until published or aborted.
+
+        ``fill`` is the future of the whole backup: every page of one backup is published
+        or aborted at once, so they share it (one future per page cost more than the rest
+        of a page's bookkeeping)."""
         self._store.index.set_host(e, page, ready=False)
         self._store.index.acquire(e)
-        e.fill = Future()
+        e.fill = fill
 
-    def abort_locked(self, e: PageEntry) -> None:
-        """The copy into ``e``'s host page failed: give the page back."""
+    def abort_locked(self, plan: list[tuple[PageEntry, PageRef]], fill: Future) -> None:
+        """The copy into the host pages of ``plan`` failed: give the pages back."""
         store = self._store
-        fill, e.fill = e.fill, None
-        store.host[e.component].free(store.index.clear_host(e))
-        store.index.release(e)
-        store.index.discard_if_unused(e)
+        for e, _ in plan:
+            e.fill = None
+            store.host[e.component].free(store.index.clear_host(e))
+            store.index.release(e)
+            store.index.discard_if_unused(e)
         fill.set_result(False)
 
     def publish_locked(self, backup: QueuedBackup) -> None:
@@ -65,10 +78,10 @@ class FillTracker:
         for e, _ in backup.plan:
             store.index.mark_host_ready(e)
             store.index.release(e)
-            fill, e.fill = e.fill, None
-            fill.set_result(True)
+            e.fill = None
             store.write_through_locked(e)
             nbytes += store.host[e.component].page_bytes
+        backup.fill.set_result(True)
         n = len(backup.plan)
         store.counters.add(n, "backup", "stored_pages")
         store.counters.transfer("device_to_host", n, nbytes, time.perf_counter() - backup.t0)

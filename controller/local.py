@@ -258,6 +258,7 @@ class LocalController:
         self._fills.reap(block=False)
         plan: list[tuple[PageEntry, PageRef]] = []
         all_held = True
+        fill: Future = Future()
         with self._store.lock:
             seen: set[bytes] = set()
             for ref in refs:
@@ -277,7 +278,7 @@ class LocalController:
                     continue
                 if e is None:
                     e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
-                self._fills.begin_locked(e, page)
+                self._fills.begin_locked(e, page, fill)
                 plan.append((e, ref))
         if not plan:
             return CompletedTransfer(all_held)
@@ -300,16 +301,15 @@ class LocalController:
             log.error("backup copy failed: %s", exc)
             self.counters.fail(Failure.COPY_ERROR)
             with self._store.lock:
-                for e, _ in plan:
-                    self._fills.abort_locked(e)
+                self._fills.abort_locked(plan, fill)
             return CompletedTransfer(False)
-        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0)
+        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill)
         with self._store.lock:
             if not queued.events:
                 self._fills.publish_locked(queued)
                 return CompletedTransfer(all_held)
             self._fills.queue_locked(queued)
-        return self._fills.handle([e.fill for e, _ in plan], all_held, self.config.load_timeout_s)
+        return self._fills.handle([fill], all_held, self.config.load_timeout_s)
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE

@@ -219,9 +219,10 @@ class PageIndex:
         self._entries[entry.skey] = entry
         if component is ComponentType.FULL:
             self._children_of.setdefault(parent_hash, set()).add(entry)
-            kids = self._children_of.get(page_hash, ())
-            for tier in _TIERS:
-                entry.children[tier] = sum(1 for k in kids if k.present(tier))
+            kids = self._children_of.get(page_hash)
+            if kids:  # children indexed before their parent (a restart, a re-backup)
+                for tier in _TIERS:
+                    entry.children[tier] = sum(1 for k in kids if k.present(tier))
         return entry
 
     def discard_if_unused(self, entry: PageEntry) -> bool:
@@ -245,7 +246,8 @@ class PageIndex:
         entry.host_page = page
         entry.host_state = HostState.READY if ready else HostState.FILLING
         self._presence_changed(entry, Tier.HOST, +1)
-        self._maybe_push(entry, Tier.HOST)
+        if ready:  # a filling page is never evictable; mark_host_ready queues it
+            self._maybe_push(entry, Tier.HOST)
 
     def mark_host_ready(self, entry: PageEntry) -> None:
         assert entry.host_state is HostState.FILLING, f"{entry} is not being filled"
