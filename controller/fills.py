@@ -21,6 +21,9 @@ from hicache.controller.page_index import HostState, PageEntry
 from hicache.controller.tiers import PageStore
 from hicache.controller_api import PageRef
 
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 1e-3
+
 
 class QueuedBackup:
     """A backup's page plan, the CUDA events after which its bytes are on host, and the
@@ -107,14 +110,20 @@ class FillTracker:
                     self._queued.remove(b)
 
     def wait(self, fills: list[Future], deadline: float | None) -> bool | None:
-        """Wait for fills: True all ready, False one failed, None at ``deadline``."""
+        """Wait for fills: True all ready, False one failed, None at ``deadline``.
+
+        Queued CUDA backups publish only when polled: the poll interval starts at
+        ``_POLL_MIN_S`` and doubles up to ``_POLL_MAX_S``, so a copy that ends soon is
+        seen soon and a long wait costs few wake-ups."""
+        poll = _POLL_MIN_S
         while True:
             if self._queued:
                 self.reap(block=False)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             step = remaining
-            if self._queued:  # CUDA backups publish only when polled
-                step = 0.001 if remaining is None else min(remaining, 0.001)
+            if self._queued:
+                step = poll if remaining is None else min(remaining, poll)
+                poll = min(2 * poll, _POLL_MAX_S)
             done, not_done = futures.wait(fills, timeout=step)
             if not not_done:
                 return all(f.result() for f in done)
