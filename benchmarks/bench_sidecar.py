@@ -10,6 +10,8 @@ through the sidecar against the in-process controller, all measured in the same 
 * Load-back: pin + load of P pages (K and V of every full-attention layer) into the
   engine's shared-memory pools through the sidecar, against ``LocalController.load`` of
   the same pages in this process.
+* Backup: P pages the controller does not hold yet, from those pools into the host pool,
+  until the handle reports them held: through the sidecar against ``LocalController``.
 """
 
 from __future__ import annotations
@@ -181,9 +183,19 @@ def main() -> int:
         echo_p50, echo_p99 = bench_echo(work, args.lookups)
         side_p50, side_p99 = bench_lookup(client, hashes, args.lookups)
 
+        # -- backup: new pages each time (a backup of held pages is a no-op) --------------
+        src_slots = pools.alloc_kv_pages(args.pages)
+
+        def fresh_backup(ctl, round_: int) -> bool:
+            tokens = np.arange(args.pages * PAGE) + (20 + round_) * 10_000_000
+            return ctl.backup(_refs(pools, tokens, src_slots)).wait(120)
+
+        rounds = iter(range(10_000))
+        side_backup_s = _time_loads(lambda: fresh_backup(client, next(rounds)), args.repeat)
+
         # -- load-back throughput ----------------------------------------------------------
         tokens = np.arange(args.pages * PAGE) + 10_000_000
-        src = _refs(pools, tokens, pools.alloc_kv_pages(args.pages))
+        src = _refs(pools, tokens, src_slots)
         assert client.backup(src).wait(120)
         dst = _refs(pools, tokens, pools.alloc_kv_pages(args.pages))
         pin = client.pin([r.key for r in dst], 600)
@@ -194,6 +206,7 @@ def main() -> int:
 
         local = LocalController(ControllerConfig(host_pool_bytes=host_bytes, disk_path=None))
         local.register(lay, PAGE, pools)
+        local_backup_s = _time_loads(lambda: fresh_backup(local, next(rounds)), args.repeat)
         assert local.backup(src).wait(120)
         lpin = local.pin([r.key for r in dst], 600)
         local_s = _time_loads(lambda: local.load(dst, lpin, 60), args.repeat)
@@ -219,6 +232,9 @@ def main() -> int:
         "sidecar_load_MBps": mb / side_s,
         "in_process_load_MBps": mb / local_s,
         "load_ratio": local_s / side_s,
+        "sidecar_backup_MBps": mb / side_backup_s,
+        "in_process_backup_MBps": mb / local_backup_s,
+        "backup_ratio": local_backup_s / side_backup_s,
     }
     print(f"lookup round trip, {CHAIN}-page chain, {args.lookups} calls (after warm-up)")
     print(f"  {'':28} {'p50 us':>9} {'p99 us':>9}")
@@ -229,6 +245,10 @@ def main() -> int:
     print(f"  through the sidecar: {figures['sidecar_load_MBps']:9.1f} MB/s")
     print(f"  in-process:          {figures['in_process_load_MBps']:9.1f} MB/s")
     print(f"  sidecar / in-process: {figures['load_ratio']:.2f}")
+    print(f"backup of {args.pages} new pages ({mb:.1f} MB), median of {args.repeat}")
+    print(f"  through the sidecar: {figures['sidecar_backup_MBps']:9.1f} MB/s")
+    print(f"  in-process:          {figures['in_process_backup_MBps']:9.1f} MB/s")
+    print(f"  sidecar / in-process: {figures['backup_ratio']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

@@ -6,7 +6,10 @@ Afterwards the whole tree is evicted a leaf at a time.
 
 The floor, measured in the same run on the same inputs, is the least any paged prefix
 cache must do per request: cut the tokens into page keys. The table prints each operation's
-mean cost, ops/s, and match_prefix's cost as a multiple of that floor.
+mean cost, ops/s, and match_prefix's cost as a multiple of that floor. A second table
+matches a prompt the device evicted and the host tier holds (the lookup of every page
+through an in-process ``LocalController``), against the same match while it is on the
+device.
 
     .venv/bin/python benchmarks/bench_tree.py [--quick]
 """
@@ -97,6 +100,41 @@ def run_case(prompt_len: int, page_size: int, conversations: int) -> dict:
     }
 
 
+def run_host_case(prompt_len: int, page_size: int, kinds: tuple[str, ...]) -> dict:
+    """match_prefix of a prompt the device evicted and the host tier (an in-process
+    ``LocalController``) holds: the tree walk plus the controller lookup of every page,
+    against a match of the same prompt while it is on the device."""
+    from hicache.controller.config import ControllerConfig
+    from hicache.controller.local import LocalController
+
+    layout = ModelLayout(kinds, num_kv_heads=1, head_dim=1, dtype="float32")
+    cfg = CacheConfig(page_size=page_size, full_slots=2 * prompt_len, sliding_window=1024)
+    pools = DevicePools.allocate(layout, cfg)
+    ctl = LocalController(ControllerConfig(host_pool_bytes=64 << 20))
+    cache = UnifiedRadixCache(layout, cfg, pools, controller=ctl)
+    tokens = make_workload(prompt_len, 1)[-1]
+    tokens = tokens[: tokens.size - tokens.size % page_size]
+    slots = pools.full.pages_to_slots(pools.alloc_kv_pages(tokens.size // page_size))
+    cache.insert(tokens, slots)
+    reps = 200
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            cache.match_prefix(tokens)
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    device_us = timed()
+    cache.flush_backups()
+    cache.evict(full_tokens=10**9)
+    m = cache.match_prefix(tokens)
+    assert m.prefix_len == 0 and m.host_hit_len == tokens.size, "the prompt must be on host"
+    host_us = timed()
+    cache.check_invariants()
+    ctl.close()
+    return {"device_us": device_us, "host_us": host_us, "pages": tokens.size // page_size}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer conversations")
@@ -122,6 +160,15 @@ def main() -> None:
                 f"{1e6 / r['insert_us']:>9.0f} {r['evict_us']:>8.1f} "
                 f"{1e6 / r['evict_us']:>9.0f} {r['floor_us']:>8.1f} "
                 f"{r['match_warm_us'] / r['floor_us']:>10.2f}"
+            )
+    print("\n# match of a prompt on the host tier (LocalController), page 16")
+    print(f"{'prompt':>6} {'layout':>9} {'pages':>5} {'host-hit µs':>11} {'device-hit µs':>13}")
+    for prompt_len in (1024, 8192):
+        for kinds in (("full",), ("full", "swa")):
+            r = run_host_case(prompt_len, 16, kinds)
+            print(
+                f"{prompt_len:>6} {'+'.join(kinds):>9} {r['pages']:>5} "
+                f"{r['host_us']:>11.1f} {r['device_us']:>13.1f}"
             )
 
 

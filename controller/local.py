@@ -49,13 +49,15 @@ from hicache.controller.session import EngineSession
 from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
 from hicache.controller_api import (
+    P_ABSENT,
+    P_DISK,
+    P_HOST,
     CompletedTransfer,
     ControllerError,
     LookupResult,
     PageKey,
     PageRef,
     PinReceipt,
-    Presence,
     TransferHandle,
 )
 from hicache.keys import HASH_BYTES
@@ -219,26 +221,16 @@ class LocalController:
     ) -> LookupResult:
         """Presence per component of each page of the chain; only the index is read."""
         self._check_open()
-        out: dict[ComponentType, np.ndarray] = {}
+        rows: dict[ComponentType, list[int]] = {}
         with self._store.lock:
             for comp in components:
-                tag = bytes((int(comp),))
-                pres = np.zeros(len(page_hashes), dtype=np.int8)
-                for i, h in enumerate(page_hashes):
-                    e = self._store.index.get(h + tag)
-                    if e is None:
-                        continue
-                    if e.host_state is HostState.READY:
-                        pres[i] = Presence.HOST
-                    elif e.disk_state is not DiskState.NONE:
-                        pres[i] = Presence.DISK
-                out[comp] = pres
-        for comp, pres in out.items():
+                rows[comp] = self._store.index.presence(page_hashes, comp)
+        for comp, row in rows.items():
             label = component_label(comp)
-            self.counters.add(int(np.sum(pres == Presence.HOST)), "lookup", "host", label)
-            self.counters.add(int(np.sum(pres == Presence.DISK)), "lookup", "disk", label)
-            self.counters.add(int(np.sum(pres == Presence.ABSENT)), "lookup", "miss", label)
-        return LookupResult(out)
+            self.counters.add(row.count(P_HOST), "lookup", "host", label)
+            self.counters.add(row.count(P_DISK), "lookup", "disk", label)
+            self.counters.add(row.count(P_ABSENT), "lookup", "miss", label)
+        return LookupResult({c: np.array(row, dtype=np.int8) for c, row in rows.items()})
 
     def backup(
         self,

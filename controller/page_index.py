@@ -34,9 +34,9 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from hicache.controller_api import PageKey
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, PageKey
 from hicache.types import ComponentType, Tier
 
 _FULL_TAG = bytes((int(ComponentType.FULL),))
@@ -55,6 +55,10 @@ class DiskState(enum.IntEnum):
     NONE = 0
     PENDING = 1  # queued to the LMDB writer, not committed yet
     READY = 2  # committed
+
+
+_HOST_READY = HostState.READY
+_DISK_NONE = DiskState.NONE
 
 
 class PageEntry:
@@ -159,6 +163,25 @@ class PageIndex:
 
     def get(self, skey: bytes) -> PageEntry | None:
         return self._entries.get(skey)
+
+    def presence(self, page_hashes: Sequence[bytes], component: ComponentType) -> list[int]:
+        """Per page of ``component``: ``Presence`` as a plain int (host when ready there,
+        else disk when stored or queued, else absent). One pass, no per-page calls: a
+        lookup asks this for every page of a chain."""
+        get = self._entries.get
+        tag = bytes((int(component),))
+        row = []
+        for h in page_hashes:
+            e = get(h + tag)
+            if e is None:
+                row.append(P_ABSENT)
+            elif e.host_state is _HOST_READY:
+                row.append(P_HOST)
+            elif e.disk_state is not _DISK_NONE:
+                row.append(P_DISK)
+            else:
+                row.append(P_ABSENT)
+        return row
 
     def full_of(self, entry: PageEntry) -> PageEntry | None:
         """The FULL entry of the same hash (the one an SWA/Mamba page hangs off)."""

@@ -30,6 +30,11 @@ class Presence(enum.IntEnum):
     DISK = 2
 
 
+# Presence as plain ints, for numpy: an array compared with an IntEnum member takes numpy's
+# slow path (about 11 µs for a small array, against 2 µs with an int; numpy 2.4).
+P_ABSENT, P_HOST, P_DISK = int(Presence.ABSENT), int(Presence.HOST), int(Presence.DISK)
+
+
 @dataclass(frozen=True)
 class PageKey:
     """One page of one component in the host and disk tiers."""
@@ -71,7 +76,7 @@ class LookupResult:
     def leading(self, component: ComponentType, max_tier: Presence = Presence.DISK) -> int:
         """How many leading pages of ``component`` are present at ``max_tier`` or faster."""
         p = self.presence[component]
-        ok = (p != Presence.ABSENT) & (p <= max_tier)
+        ok = (p != P_ABSENT) & (p <= int(max_tier))
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if bad.size else int(p.size)
 

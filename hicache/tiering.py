@@ -17,7 +17,7 @@ import torch
 
 from hicache.components.base import LoadPlan, LoadPrep
 from hicache.config import PrefetchPolicy, WritePolicy
-from hicache.controller_api import CacheController, LookupResult, PageKey, Presence
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, CacheController, LookupResult, PageKey
 from hicache.keys import chain_page_hashes
 from hicache.request import EvictResult, LockReceipt, MatchResult, Request
 from hicache.tree import TreeNode
@@ -204,8 +204,8 @@ class TieringMixin:
             return
         self._forget_lost(sub_path, sub_partial, sub_k, lookup)
         tiers = self._end_tiers(lookup, device, start)
-        host_pages = _last_at_most(tiers, Presence.HOST)
-        disk_pages = _last_at_most(tiers, Presence.DISK)
+        host_pages = _last_at_most(tiers, P_HOST)
+        disk_pages = _last_at_most(tiers, P_DISK)
         result.host_hit_len = host_pages * ps
         result.disk_hit_len = (disk_pages - host_pages) * ps
         load_pages = host_pages
@@ -217,7 +217,7 @@ class TieringMixin:
                 handle = self.controller.prefetch(self._disk_keys(lookup, disk_pages, hashes))
                 if policy is PrefetchPolicy.TIMEOUT and handle.wait(self.config.prefetch_timeout_s):
                     again = self.controller.lookup(hashes[:disk_pages], comps)
-                    load_pages = _last_at_most(self._end_tiers(again, device, start), Presence.HOST)
+                    load_pages = _last_at_most(self._end_tiers(again, device, start), P_HOST)
         if load_pages:
             result.load_node = self._materialize(
                 last, key, sub_path, sub_partial, sub_k, start + load_pages * ps, lookup
@@ -269,7 +269,7 @@ class TieringMixin:
         full = lookup.presence[ComponentType.FULL]
         off = 0
         for node in [*sub_path, *([sub_partial] if sub_partial is not None and sub_k else [])]:
-            if node.data[0].value is None and full[off] == Presence.ABSENT:
+            if node.data[0].value is None and full[off] == P_ABSENT:
                 if node.parent is not None:
                     self.remove_subtree(node)
                 return
@@ -290,7 +290,7 @@ class TieringMixin:
         worst = None
         for comp in self.components:
             t = lookup.presence[comp.ctype].astype(np.int64)
-            t = np.where(t == Presence.ABSENT, _ABSENT_TIER, t)
+            t = np.where(t == P_ABSENT, _ABSENT_TIER, t)
             t[device[comp.idx][: t.size]] = 0
             if comp.ctype is ComponentType.FULL:
                 t = np.maximum.accumulate(t) if t.size else t
@@ -306,7 +306,7 @@ class TieringMixin:
     ) -> list[PageKey]:
         keys = []
         for comp in self.components:
-            on_disk = np.flatnonzero(lookup.presence[comp.ctype][:pages] == Presence.DISK)
+            on_disk = np.flatnonzero(lookup.presence[comp.ctype][:pages] == P_DISK)
             keys += [PageKey(comp.ctype, hashes[j]) for j in on_disk.tolist()]
         return keys
 
@@ -342,9 +342,9 @@ class TieringMixin:
         for comp in self.components[1:]:
             p = lookup.presence[comp.ctype]
             if comp.ctype is ComponentType.MAMBA:
-                new.data[comp.idx].backed = bool(p[pages.stop - 1] != Presence.ABSENT)
+                new.data[comp.idx].backed = bool(p[pages.stop - 1] != P_ABSENT)
             else:
-                new.data[comp.idx].backed = bool(np.all(p[pages] != Presence.ABSENT))
+                new.data[comp.idx].backed = bool(np.all(p[pages] != P_ABSENT))
         self.prune_host_only(keep=new)
         return new
 
