@@ -240,6 +240,53 @@ def bench_load_back(
     }
 
 
+def bench_restart(pages: int, root: Path) -> dict[str, float]:
+    """A controller's start on an LMDB tier holding ``pages`` pages of 1 KiB (the index is
+    rebuilt from the stored headers), against one raw cursor pass over the same
+    environment that copies every key and value header."""
+    layout = ModelLayout(("full",) * 2, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    page_size, batch = 16, 2048
+    page_bytes = layout.page_bytes(ComponentType.FULL, page_size)
+    path = root / "restart"
+    cfg = CacheConfig(page_size=page_size, full_slots=batch * page_size, device="cpu")
+    pools = DevicePools.allocate(layout, cfg)
+
+    def controller() -> LocalController:
+        ctl = LocalController(
+            ControllerConfig(
+                host_pool_bytes=2 * batch * page_bytes,
+                disk_path=path,
+                disk_budget_bytes=2 * pages * (page_bytes + 4096),
+                disk_sync=False,
+            )
+        )
+        ctl.register(layout, page_size, pools)
+        return ctl
+
+    ctl = controller()
+    fp = layout.fingerprint(page_size)
+    src = pools.alloc_kv_pages(batch)
+    for start in range(0, pages, batch):
+        hashes = page_hashes(list(range(start * page_size, (start + batch) * page_size)), fp, 16)
+        parents = [namespace_hash(fp, None), *hashes[:-1]]
+        refs = [PageRef(ComponentType.FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, src)]
+        assert ctl.backup(refs).wait(60) and ctl.flush(120)
+    ctl.close()
+    t0 = time.perf_counter()
+    ctl = controller()
+    open_s = time.perf_counter() - t0
+    found = len(ctl.store.index)
+    ctl.close()
+    env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=False)
+    t0 = time.perf_counter()
+    with env.begin(buffers=True) as txn:
+        raw = sum(1 for k, v in txn.cursor() if bytes(k) and bytes(v[:HEADER_BYTES]))
+    raw_s = time.perf_counter() - t0
+    env.close()
+    assert raw == found, f"{found} pages indexed, {raw} stored"
+    return {"pages": found, "open_s": open_s, "raw_s": raw_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total-mib", type=int, default=256, help="bytes per page size (MiB)")
@@ -250,6 +297,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--load-back-only", action="store_true", help="skip the LMDB runs (load-back, backup)"
+    )
+    ap.add_argument(
+        "--restart-pages",
+        type=int,
+        default=0,
+        help="also time a start on an LMDB tier holding this many pages (0: skip)",
     )
     args = ap.parse_args()
     total = args.total_mib * MIB
@@ -287,6 +340,17 @@ def main() -> None:
         f"{lb['backup_call_us'] * lb['pages'] / 1000:.2f} ms, "
         f"done after {lb['backup_us'] * lb['pages'] / 1000:.2f} ms"
     )
+    if args.restart_pages:
+        root = Path(tempfile.mkdtemp(prefix="bench-restart-", dir=args.path))
+        try:
+            rs = bench_restart(args.restart_pages, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(
+            f"start on an LMDB tier of {rs['pages']} pages: {rs['open_s']:.2f} s "
+            f"({rs['open_s'] / rs['pages'] * 1e6:.1f} µs per page); a raw cursor pass over "
+            f"its keys and headers: {rs['raw_s']:.2f} s ({rs['open_s'] / rs['raw_s']:.1f}x)"
+        )
     # 1 KiB pages: the copy is nearly free, so the rest is the controller's cost per page.
     sm = bench_load_back(4 * MIB, args.device, layers=2, heads=1, head_dim=8)
     print(

@@ -13,6 +13,7 @@ others take it themselves. The writer thread calls :meth:`evict_disk` and
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -41,6 +42,20 @@ _READ_FAILURES = {
     ReadStatus.MISSING: Failure.DISK_MISSING,
     ReadStatus.ERROR: Failure.DISK_READ_ERROR,
 }
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No automatic garbage collection inside: for the index rebuild at start, which makes
+    millions of long-lived, acyclic objects. Every collection the growing heap would
+    trigger scans all of them, and that doubled the rebuild's time (200 k pages: 9 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PageStore:
@@ -73,16 +88,14 @@ class PageStore:
                 evict=self.evict_disk,
                 on_written=self.on_written,
             )
-            try:
-                records = tier.scan()
-            except BaseException:
-                tier.close()
-                raise
-            for r in records:  # oldest first, so the LRU order survives the restart
-                e = self.index.get(r.skey) or self.index.create(
-                    r.component, r.page_hash, r.parent_hash
-                )
-                self.index.set_disk(e, DiskState.READY, r.nbytes)
+            with _gc_paused():
+                try:
+                    records = tier.scan()
+                except BaseException:
+                    tier.close()
+                    raise
+                # oldest first, so the LRU order survives the restart
+                self.index.restore_disk(records)
             self.disk = tier
             over = self.index.disk_live_bytes - self.config.disk_budget_bytes
             if over > 0:  # the budget shrank since the last run

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,3 +230,64 @@ def test_retention_never_breaks_tail_first_order():
 def test_negative_retention_is_refused():
     with pytest.raises(ValueError, match="host_hit_retention"):
         PageIndex(host_hit_retention=-1.0)
+
+
+def _disk_forest(seed: int) -> list[SimpleNamespace]:
+    """Records of a random forest of FULL chains with SWA and Mamba pages on some of them,
+    oldest first, as a disk scan returns them (children may come before their parent)."""
+    rng = random.Random(seed)
+    full: list[bytes] = []
+    records = []
+    for i in range(300):
+        parent = rng.choice(full) if full and rng.random() < 0.8 else ROOT
+        page = h(f"{seed}-{i}")
+        full.append(page)
+        records.append((FULL, page, parent))
+        for comp in (SWA, MAMBA):
+            if rng.random() < 0.3:
+                records.append((comp, page, parent))
+    rng.shuffle(records)
+    return [
+        SimpleNamespace(
+            skey=p + bytes((int(c),)), component=c, page_hash=p, parent_hash=par, nbytes=100 + i
+        )
+        for i, (c, p, par) in enumerate(records)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_restore_disk_builds_what_page_by_page_indexing_builds(seed):
+    records = _disk_forest(seed)
+    slow = PageIndex()
+    for r in records:
+        e = slow.get(r.skey) or slow.create(r.component, r.page_hash, r.parent_hash)
+        slow.set_disk(e, DiskState.READY, r.nbytes)
+    fast = PageIndex()
+    fast.restore_disk(records)
+    slow.check_invariants()
+    fast.check_invariants()
+    assert fast.disk_live_bytes == slow.disk_live_bytes == sum(r.nbytes for r in records)
+    assert fast.disk_pages == slow.disk_pages
+    by_key = {e.skey: e for e in slow}
+    assert {e.skey for e in fast} == set(by_key)
+    for e in fast:
+        twin = by_key[e.skey]
+        assert (e.children, e.last_access) == (twin.children, twin.last_access)
+    # The same eviction order: tails first, the least recently restored first.
+    order = []
+    for index in (slow, fast):
+        seen = []
+        while (v := index.pop_victim(Tier.DISK)) is not None:
+            seen.append(v.skey)
+            index.clear_disk(v)
+            index.discard_if_unused(v)
+            index.check_invariants()
+        order.append(seen)
+    assert order[0] == order[1] and len(order[0]) == len(records)
+
+
+def test_restore_disk_wants_an_empty_index():
+    index = PageIndex()
+    chain(index, "a")
+    with pytest.raises(AssertionError):
+        index.restore_disk([])
