@@ -168,6 +168,11 @@ class LocalController:
             self.counters.add(n, "pins", "released_with_engine")
 
     @property
+    def opened(self) -> bool:
+        """Whether the tiers are built (the layout is known, the index rebuilt from disk)."""
+        return self._fingerprint is not None
+
+    @property
     def store(self) -> PageStore:
         """The index, pins and tiers behind this controller, for admin verbs (fsck, evict,
         clear) that work on them directly under ``store.lock``."""

@@ -44,6 +44,7 @@ _FULL_TAG = bytes((int(ComponentType.FULL),))
 _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _TIERS = (Tier.HOST, Tier.DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
+_SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
 
 
 class HostState(enum.IntEnum):
@@ -160,6 +161,7 @@ class PageIndex:
         self._host_heaps: dict[ComponentType, list] = {c: [] for c in ComponentType}
         self._disk_heap: list = []
         self._seq = itertools.count(1)
+        self._sweep_at: dict[int, int] = {}  # per heap (by id): where the stale sweep is
         self._clock = 0
         self.disk_live_bytes = 0
         self.disk_pages = dict.fromkeys(ComponentType, 0)
@@ -426,8 +428,28 @@ class PageIndex:
         entry.heap_key[tier] = (key, seq)
         heap = self._heap(entry, tier)
         heapq.heappush(heap, (key, seq, entry))
-        if len(heap) > 2 * len(self._entries) + 1024:
-            self._compact(heap, tier)
+        if 2 * len(heap) > 3 * len(self._entries) + 2048:
+            self._sweep(heap, tier)
+            if len(heap) > 2 * len(self._entries) + 1024:
+                self._compact(heap, tier)
+
+    def _sweep(self, heap: list, tier: Tier) -> None:
+        """Look at the next ``_SWEEP_ITEMS`` items of ``heap`` (a cursor cycles through it)
+        and remove the stale ones. A push makes at most one item stale, so a heap that has
+        grown past 1.5 items per entry shrinks a little with every push and never reaches
+        the whole compaction below, which stalled the controller for a second at a
+        million pages."""
+        pos = self._sweep_at.get(id(heap), 0)
+        for _ in range(_SWEEP_ITEMS):
+            if pos >= len(heap):
+                pos = 0
+            _, seq, e = heap[pos]
+            key = e.heap_key[tier]
+            if e.attached and key is not None and key[1] == seq:
+                pos += 1
+            else:
+                _remove_at(heap, pos)  # the item moved into ``pos`` is looked at next
+        self._sweep_at[id(heap)] = pos
 
     @staticmethod
     def _order_key(entry: PageEntry, tier: Tier) -> int:
@@ -476,6 +498,9 @@ class PageIndex:
             Tier.HOST: {it[1] for h in self._host_heaps.values() for it in h},
             Tier.DISK: {it[1] for it in self._disk_heap},
         }
+        for heap in (*self._host_heaps.values(), self._disk_heap):
+            for i in range(1, len(heap)):
+                assert heap[(i - 1) // 2][:2] <= heap[i][:2], f"heap order broken at {i}"
         for skey, e in self._entries.items():
             assert e.attached and e.skey == skey, f"{e} filed under the wrong key"
             assert e.held or e.busy, f"{e} is in no tier yet still indexed"
@@ -506,3 +531,31 @@ class PageIndex:
                 assert k.attached and k.parent_hash == parent, f"{k} in a wrong chain set"
         assert live == self.disk_live_bytes, f"disk live bytes {self.disk_live_bytes} != {live}"
         assert pages == self.disk_pages, f"disk pages {self.disk_pages} != {pages}"
+
+
+def _remove_at(heap: list, i: int) -> None:
+    """Remove ``heap[i]`` and restore the heap property (the last item takes its place and
+    moves down, or up, to where it belongs)."""
+    last = heap.pop()
+    n = len(heap)
+    if i == n:
+        return
+    pos = i
+    while True:
+        child = 2 * pos + 1
+        if child >= n:
+            break
+        if child + 1 < n and heap[child + 1] < heap[child]:
+            child += 1
+        if not heap[child] < last:
+            break
+        heap[pos] = heap[child]
+        pos = child
+    if pos == i:
+        while pos > 0:
+            parent = (pos - 1) // 2
+            if not last < heap[parent]:
+                break
+            heap[pos] = heap[parent]
+            pos = parent
+    heap[pos] = last

@@ -334,7 +334,9 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot start the controller: %s", exc)
         return 1
     controller.faults = _faults_from_env()
-    server = SidecarServer(controller, settings.sidecar, layout=layout)
+    server = SidecarServer(controller, settings.sidecar, layout=layout, own_process=True)
+    if controller.opened:
+        server.freeze_long_lived()
     metrics_port = 0
     try:
         endpoints = server.bind()

@@ -216,8 +216,11 @@ class VerbHandlers:
         except RegistrationRefused as exc:
             srv.metrics.registrations.labels("refused").inc()
             raise ProtocolError(ErrorCode.REGISTRATION_REFUSED, str(exc)) from None
+        first = not self.ctl.opened
         try:
             self.ctl.register_buffers(conn.layout, page_size, mapped.buffers, conn.engine_id)
+            if first:  # the tiers were built just now, the index rebuilt from disk
+                srv.freeze_long_lived()
         except BaseException:
             srv.metrics.registrations.labels("refused").inc()
             srv.unmap_later(mapped)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 import random
 from types import SimpleNamespace
 
 import pytest
 
-from hicache.controller.page_index import DiskState, PageEntry, PageIndex
+from hicache.controller.page_index import DiskState, PageEntry, PageIndex, _remove_at
 from hicache.controller.pins import PinTable
 from hicache.types import ComponentType, Tier
 
@@ -291,3 +292,47 @@ def test_restore_disk_wants_an_empty_index():
     chain(index, "a")
     with pytest.raises(AssertionError):
         index.restore_disk([])
+
+
+def test_a_heap_that_grew_is_swept_a_few_items_per_push_never_compacted_whole(monkeypatch):
+    index = PageIndex()
+    leaves = [chain(index, f"{c}", tier=Tier.HOST)[0] for c in "abcdefgh"]
+    many = [index.create(FULL, h(f"x{i}"), ROOT) for i in range(3000)]
+    for i, e in enumerate(many):
+        index.set_host(e, 100 + i, ready=True)
+    monkeypatch.setattr(PageIndex, "_compact", staticmethod(_no_compaction))
+    rng = random.Random(0)
+    everyone = leaves + many
+    for step in range(60_000):
+        index.touch(rng.choice(everyone))
+        if step % 20_000 == 0:
+            index.check_invariants()
+    heap = index._host_heaps[FULL]
+    assert len(heap) <= 1.5 * len(index) + 1024 + 8
+    index.check_invariants()
+    # LRU order is intact: every entry comes out, least recently touched first.
+    last_access = []
+    while (v := index.pop_victim(Tier.HOST, FULL)) is not None:
+        last_access.append(v.last_access)
+        index.clear_host(v)
+        index.discard_if_unused(v)
+    assert len(last_access) == len(everyone) and last_access == sorted(last_access)
+
+
+def _no_compaction(heap, tier):
+    raise AssertionError("a whole-heap compaction ran")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_remove_at_keeps_the_heap_order_and_the_other_items(seed):
+    rng = random.Random(seed)
+    heap = [(rng.randrange(50), i, None) for i in range(400)]
+    heapq.heapify(heap)
+    items = sorted(heap[:])
+    while heap:
+        i = rng.randrange(len(heap))
+        gone = heap[i]
+        _remove_at(heap, i)
+        items.remove(gone)
+        assert sorted(heap) == items
+        assert all(heap[(j - 1) // 2] <= heap[j] for j in range(1, len(heap)))

@@ -82,6 +82,8 @@ def test_engine_b_loads_engine_a_prefix_from_host_then_from_disk_after_restart(w
             log = sidecar.log_text()
             assert log.count("engine engine-A registered cpu pools") == 2
             assert log.count("engine engine-B registered cpu pools") == 2
+            # Each start rebuilt the index and then left it out of garbage collection.
+            assert log.count("long-lived objects left out of garbage collection") == 2
         finally:
             for e in (a, b):
                 e.close()
