@@ -64,6 +64,7 @@ log = logging.getLogger("hicache.sidecar")
 
 _REPLY = b"R"
 _PROGRESS = b"P"
+_REFREEZE_MIN_ENTRIES = 100_000  # index growth that earns another gc.freeze()
 _MAX_BATCH = 256  # messages read per socket per loop turn, so no socket starves another
 _POLL_MS = 100
 _ZAP_DOMAIN = "hicache"
@@ -116,6 +117,7 @@ class SidecarServer:
         collector (:meth:`freeze_long_lived`)."""
         self.controller = controller
         self.own_process = own_process
+        self.frozen_at_entries = -1  # index size at the last freeze_long_lived, -1: never
         self.config = config or SidecarConfig()
         self.verbs = VerbHandlers(self)
         self.metrics = metrics or SidecarMetrics(self.verbs.metrics_snapshot)
@@ -255,7 +257,18 @@ class SidecarServer:
             return  # a server inside another program leaves its collector alone
         gc.collect(1)  # young garbage first, so that little of it is kept for good
         gc.freeze()
+        self.frozen_at_entries = len(self.controller.store.index)
         log.info("%d long-lived objects left out of garbage collection", gc.get_freeze_count())
+
+    def _refreeze_if_grown(self) -> None:
+        """Freeze again once the index has grown by half (and by ``_REFREEZE_MIN_ENTRIES``)
+        since the last freeze: a sidecar that started empty and filled its disk would
+        otherwise be back to collections that scan most of its index."""
+        if self.frozen_at_entries < 0:
+            return
+        n = len(self.controller.store.index)
+        if n - self.frozen_at_entries >= max(_REFREEZE_MIN_ENTRIES, self.frozen_at_entries // 2):
+            self.freeze_long_lived()
 
     # -- the I/O loop --------------------------------------------------------------------
 
@@ -483,6 +496,7 @@ class SidecarServer:
             self._to_unmap = [m for m in self._to_unmap if not m.close()]
 
     def _reap(self, now: float) -> None:
+        self._refreeze_if_grown()
         lease = self.config.lease_s
         for conn in list(self.conns.values()):
             if conn.inflight == 0 and now - conn.last_seen > lease:

@@ -161,3 +161,59 @@ def test_default_start_serves_privately_and_sigterm_drains_backups_to_lmdb():
             proc.kill()
         pools.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _CollectorStub:
+    """Stands in for the ``gc`` module inside the server: counts freezes, so that the test
+    process's own collector is left alone."""
+
+    def __init__(self) -> None:
+        self.freezes = 0
+
+    def collect(self, generation: int = 2) -> int:
+        return 0
+
+    def freeze(self) -> None:
+        self.freezes += 1
+
+    def get_freeze_count(self) -> int:
+        return self.freezes
+
+
+@pytest.mark.parametrize("own_process", [True, False])
+def test_the_sidecar_freezes_its_index_once_built_and_again_when_it_has_grown(
+    monkeypatch, tmp_path, own_process
+):
+    from hicache.controller import server as server_mod
+    from hicache.controller.config import ControllerConfig
+    from hicache.controller.local import LocalController
+    from hicache.controller.page_index import DiskState
+    from hicache.controller.server import SidecarServer
+    from hicache.controller.sidecar_config import SidecarConfig
+
+    stub = _CollectorStub()
+    monkeypatch.setattr(server_mod, "gc", stub)
+    monkeypatch.setattr(server_mod, "_REFREEZE_MIN_ENTRIES", 10)
+    ctl = LocalController(ControllerConfig(host_pool_bytes=1 << 20), make_layout("full"), 4)
+    srv = SidecarServer(
+        ctl, SidecarConfig(socket_path=tmp_path / "s.sock"), own_process=own_process
+    )
+    index = ctl.store.index
+
+    def grow(n: int) -> None:
+        for _ in range(n):
+            e = index.create(ComponentType.FULL, os.urandom(16), b"\0" * 16)
+            index.set_disk(e, DiskState.READY, 100)
+
+    try:
+        srv.freeze_long_lived()  # what serve does once the tiers are built
+        grow(9)
+        srv._refreeze_if_grown()  # less than the minimum growth: nothing
+        assert stub.freezes == (1 if own_process else 0)
+        grow(1)
+        srv._refreeze_if_grown()
+        assert stub.freezes == (2 if own_process else 0)
+        assert srv.frozen_at_entries == (10 if own_process else -1)
+        index.check_invariants()
+    finally:
+        ctl.close()
