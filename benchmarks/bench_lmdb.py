@@ -9,10 +9,14 @@
   and ``LocalController.backup`` of device slots into host pages, each against a plain
   ``Tensor.copy_`` of the same number of bytes (pinned host memory on a GPU); the copy
   kernel alone on the same pages is printed too, and the difference per page is what the
-  controller's bookkeeping adds.
+  controller's bookkeeping adds; the same with 1 KiB pages, where the copy is nearly free,
+  gives the controller's cost per page.
 * "pool read": the tier's reads through its reader pool (``reader_threads``), for scale.
+* ``--restart-pages N``: a controller's start on an LMDB tier of N pages (the index rebuilt
+  from the headers) against one raw cursor pass over the same keys and headers.
 
-Usage: ``python benchmarks/bench_lmdb.py [--total-mib 256] [--path DIR] [--sync]``
+Usage: ``python benchmarks/bench_lmdb.py [--total-mib 256] [--path DIR] [--sync]
+[--load-back-only] [--restart-pages N]``
 """
 
 from __future__ import annotations
@@ -267,7 +271,8 @@ def bench_restart(pages: int, root: Path) -> dict[str, float]:
     fp = layout.fingerprint(page_size)
     src = pools.alloc_kv_pages(batch)
     for start in range(0, pages, batch):
-        hashes = page_hashes(list(range(start * page_size, (start + batch) * page_size)), fp, 16)
+        tokens = list(range(start * page_size, (start + batch) * page_size))
+        hashes = page_hashes(tokens, fp, page_size)
         parents = [namespace_hash(fp, None), *hashes[:-1]]
         refs = [PageRef(ComponentType.FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, src)]
         assert ctl.backup(refs).wait(60) and ctl.flush(120)

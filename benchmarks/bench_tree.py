@@ -162,13 +162,17 @@ def main() -> None:
                 f"{r['match_warm_us'] / r['floor_us']:>10.2f}"
             )
     print("\n# match of a prompt on the host tier (LocalController), page 16")
-    print(f"{'prompt':>6} {'layout':>9} {'pages':>5} {'host-hit µs':>11} {'device-hit µs':>13}")
+    print(
+        f"{'prompt':>6} {'layout':>9} {'pages':>5} {'host-hit µs':>11} {'device-hit µs':>13} "
+        f"{'host/device':>11}"
+    )
     for prompt_len in (1024, 8192):
         for kinds in (("full",), ("full", "swa")):
             r = run_host_case(prompt_len, 16, kinds)
             print(
                 f"{prompt_len:>6} {'+'.join(kinds):>9} {r['pages']:>5} "
-                f"{r['host_us']:>11.1f} {r['device_us']:>13.1f}"
+                f"{r['host_us']:>11.1f} {r['device_us']:>13.1f} "
+                f"{r['host_us'] / r['device_us']:>11.1f}"
             )
 
 

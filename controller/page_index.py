@@ -15,8 +15,10 @@ Eviction order is least recently used, kept in lazy min-heaps keyed by a logical
 one heap per host component (host pages are pooled per component) and one for the disk
 tier (one byte budget for all components). An entry is pushed when it becomes evictable
 or is touched; a popped item that no longer matches the entry's latest push is stale and
-skipped. Every operation is O(log n); heaps are compacted when stale items outnumber
-live ones, which is amortised O(1).
+skipped. Every operation is O(log n). Once a heap holds over 1.5 items per entry, each
+push also removes the stale ones among the next few items of a cursor that cycles through
+it, so the heap stays bounded without ever being compacted whole (a pause of a second at
+a million pages); the whole compaction remains only as a backstop.
 
 Host pages that served a load-back are kept longer (``host_hit_retention``): most pages
 a device evicts to the host are never asked for again, and plain LRU keeps them exactly
@@ -273,18 +275,14 @@ class PageIndex:
         children_of = self._children_of
         pages = self.disk_pages
         live = 0
-        for r in records:
-            e = entries.get(r.skey)
-            if e is None:
-                e = PageEntry(r.component, r.page_hash, r.parent_hash)
-                e.attached = True
-                self._clock += 1
-                e.last_access = self._clock
-                entries[e.skey] = e
-                if e.component is ComponentType.FULL:
-                    children_of.setdefault(e.parent_hash, set()).add(e)
-            elif e.disk_state is DiskState.READY:
-                continue  # the same key twice: the first one counts
+        for r in records:  # one per LMDB key: keys are unique
+            e = PageEntry(r.component, r.page_hash, r.parent_hash)
+            e.attached = True
+            self._clock += 1
+            e.last_access = self._clock
+            entries[e.skey] = e
+            if e.component is ComponentType.FULL:
+                children_of.setdefault(e.parent_hash, set()).add(e)
             e.disk_state = DiskState.READY
             e.disk_nbytes = r.nbytes
             live += r.nbytes
