@@ -311,6 +311,75 @@ def fitted_table(
     }
 
 
+def drift(
+    chains: Sequence[list[int]], capacity: int, total: int, horizon: int, sample: int, seeds: int
+) -> int:
+    """Whether what a table learns early still holds later: the online ``uses`` table as
+    known at requests 1,000 / 2,000 / 3,000 / the end (age bucket 0, i.e. P(next use within
+    ``horizon`` | uses)) and each snapshot fixed for the whole replay; then, per quarter of
+    the trace and class of the first request's length, how often a new block is used again
+    within 300 requests and at all."""
+    marks = [t for t in (1000, 2000, 3000) if t < len(chains)]
+    snaps: dict[object, dict[object, list[float]]] = {}
+
+    class Snapshots(Online):
+        def rebuild(self, now: int) -> None:
+            super().rebuild(now)
+            for t in marks:
+                if t not in snaps and now >= t:
+                    snaps[t] = dict(self.table)
+
+    classify = CLASSES["uses"]
+    learner = Snapshots(horizon)
+    online = simulate(chains, capacity, learner, classify, sample, 0) / total
+    learner.rebuild(len(chains) + horizon)
+    snaps["end"] = learner.table
+    print(f"online:uses {100 * online:.2f}% (seed 0)")
+    print(
+        f"{'table known at':>14} "
+        + " ".join(f"{'uses=' + str(u):>7}" for u in range(1, 6))
+        + f" {'fixed, hit %':>13}"
+    )
+    for t, table in snaps.items():
+        cells = [table.get(u) for u in range(1, 6)]
+        hit = (
+            sum(simulate(chains, capacity, Table(table), classify, sample, s) for s in range(seeds))
+            / seeds
+            / total
+        )
+        print(
+            f"{t!s:>14} "
+            + " ".join(f"{'-' if c is None else format(c[0], '.2f'):>7}" for c in cells)
+            + f" {100 * hit:13.2f}"
+        )
+    first: dict[int, int] = {}
+    length: dict[int, int] = {}
+    again: dict[int, int] = {}
+    for now, chain in enumerate(chains):
+        for b in chain:
+            if b not in first:
+                first[b], length[b] = now, len(chain)
+            elif b not in again:
+                again[b] = now
+    counts: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for b, t in first.items():
+        row = counts[(t * 4 // len(chains), min(age_bucket(length[b]) - 1, 7))]
+        row[0] += 1
+        if b in again:
+            row[1] += again[b] - t <= 300
+            row[2] += 1
+    print("new blocks used again within 300 requests / ever, by quarter and first length")
+    lengths = sorted({c for _, c in counts})
+    print(f"{'quarter':>7} " + " ".join(f"{'>=' + str(1 << c):>11}" for c in lengths))
+    for q in range(4):
+        cells = []
+        for c in lengths:
+            n, soon, ever = counts.get((q, c), (0, 0, 0))
+            cells.append(f"{soon / n:.2f}/{ever / n:.2f}" if n else "-")
+        print(f"{q:>7} " + " ".join(f"{c:>11}" for c in cells))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace", required=True)
@@ -319,12 +388,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=8)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--classes", default="uses,uses+length,uses+gap")
+    p.add_argument(
+        "--drift",
+        action="store_true",
+        help="print how the online table and new blocks' first reuse change along the trace",
+    )
     args = p.parse_args(argv)
 
     trace = load_trace(args.trace)
     chains = [list(r.hash_ids) for r in trace]
     total = sum(len(c) for c in chains)
     capacity = max(1, round(args.device / 100 * unique_blocks(trace)))
+    if args.drift:
+        return drift(chains, capacity, total, args.horizon, args.sample, args.seeds)
     optimum = optimal_hits(page_chains(trace, BlockShape()), capacity) / total
     print(
         f"{len(chains)} requests, {total} blocks, device {args.device:g}% = {capacity} blocks, "
