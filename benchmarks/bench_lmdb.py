@@ -22,6 +22,7 @@ Usage: ``python benchmarks/bench_lmdb.py [--total-mib 256] [--path DIR] [--sync]
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import tempfile
 import threading
@@ -154,7 +155,13 @@ def _sync(device: str) -> None:
 
 
 def bench_load_back(
-    total: int, device: str, layers: int = 8, heads: int = 8, head_dim: int = 128
+    total: int,
+    device: str,
+    layers: int = 8,
+    heads: int = 8,
+    head_dim: int = 128,
+    backup_chunk_bytes: int | None = None,
+    gc_freeze: bool = False,
 ) -> dict[str, float]:
     """Device slots → host pages (backup) and back (load) through the controller, vs one
     plain copy of the bytes and vs the copy kernel alone on the same pages. The default
@@ -173,9 +180,15 @@ def bench_load_back(
     # A backup of pages the controller holds already is a no-op: each timed backup is of
     # new pages (a new token range); the last one is then loaded back. The host pool is
     # written once first, as a running controller's would have been (pinned memory is).
-    ctl = LocalController(ControllerConfig(host_pool_bytes=(reps * n + 4) * page_bytes))
+    cfg = ControllerConfig(host_pool_bytes=(reps * n + 4) * page_bytes)
+    if backup_chunk_bytes is not None:
+        cfg.backup_chunk_bytes = backup_chunk_bytes
+    ctl = LocalController(cfg)
     ctl.register(layout, page_size, pools)
     ctl.store.host.kv(ComponentType.FULL).zero_()
+    if gc_freeze:  # as the sidecar does once its index is built
+        gc.collect()
+        gc.freeze()
     best_backup = best_call = float("inf")
     for rep in range(reps):
         tokens = list(range(rep * n * page_size, (rep + 1) * n * page_size))
@@ -309,8 +322,21 @@ def main() -> None:
         default=0,
         help="also time a start on an LMDB tier holding this many pages (0: skip)",
     )
+    ap.add_argument(
+        "--backup-chunk-mib",
+        default=f"0,{ControllerConfig.backup_chunk_bytes // MIB}",
+        help="backup_chunk_bytes values to time backups with, MiB, comma-separated "
+        "(0: the whole backup in one copy per component; default: 0 and the default)",
+    )
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="freeze the garbage collector's objects before the timed backups and loads, "
+        "as the sidecar does (an engine embedding the controller may not)",
+    )
     args = ap.parse_args()
     total = args.total_mib * MIB
+    chunks = [int(float(c) * MIB) for c in args.backup_chunk_mib.split(",")]
     if not args.load_back_only:
         root = Path(tempfile.mkdtemp(prefix="bench-lmdb-", dir=args.path))
         try:
@@ -332,19 +358,25 @@ def main() -> None:
                 )
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    lb = bench_load_back(total, args.device)
+    lb = bench_load_back(total, args.device, backup_chunk_bytes=chunks[0], gc_freeze=args.gc_freeze)
     print(
         f"host-pool load-back to {args.device}: {lb['pages']} pages of 512 KiB, "
         f"{lb['load']:.0f} MB/s vs plain copy {lb['copy']:.0f} MB/s "
         f"({lb['load'] / lb['copy']:.0%}); the copy kernel alone: {lb['kernel']:.0f} MB/s"
     )
-    print(
-        f"backup from {args.device} into the host pool: {lb['backup']:.0f} MB/s vs plain copy "
-        f"{lb['copy_out']:.0f} MB/s ({lb['backup'] / lb['copy_out']:.0%}); the copy kernel "
-        f"alone: {lb['kernel_out']:.0f} MB/s; the call returns after "
-        f"{lb['backup_call_us'] * lb['pages'] / 1000:.2f} ms, "
-        f"done after {lb['backup_us'] * lb['pages'] / 1000:.2f} ms"
-    )
+    for i, chunk in enumerate(chunks):
+        if i:
+            lb = bench_load_back(
+                total, args.device, backup_chunk_bytes=chunk, gc_freeze=args.gc_freeze
+            )
+        print(
+            f"backup from {args.device} into the host pool, backup_chunk_bytes "
+            f"{chunk / MIB:g} MiB: {lb['backup']:.0f} MB/s vs plain copy "
+            f"{lb['copy_out']:.0f} MB/s ({lb['backup'] / lb['copy_out']:.0%}); the copy "
+            f"kernel alone: {lb['kernel_out']:.0f} MB/s; the call returns after "
+            f"{lb['backup_call_us'] * lb['pages'] / 1000:.2f} ms, "
+            f"done after {lb['backup_us'] * lb['pages'] / 1000:.2f} ms"
+        )
     if args.restart_pages:
         root = Path(tempfile.mkdtemp(prefix="bench-restart-", dir=args.path))
         try:
@@ -357,7 +389,9 @@ def main() -> None:
             f"its keys and headers: {rs['raw_s']:.2f} s ({rs['open_s'] / rs['raw_s']:.1f}x)"
         )
     # 1 KiB pages: the copy is nearly free, so the rest is the controller's cost per page.
-    sm = bench_load_back(4 * MIB, args.device, layers=2, heads=1, head_dim=8)
+    sm = bench_load_back(
+        4 * MIB, args.device, layers=2, heads=1, head_dim=8, gc_freeze=args.gc_freeze
+    )
     print(
         f"per page, {sm['pages']} pages of 1 KiB: backup {sm['backup_us']:.1f} µs "
         f"(the call {sm['backup_call_us']:.1f}) "

@@ -33,6 +33,7 @@ that was ever backed up; a crash loses at most what was queued and not yet commi
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -253,33 +254,65 @@ class LocalController:
         buffers = self._buffers(engine_id)
         self._check_refs(refs, buffers)
         self._fills.reap(block=False)
-        plan: list[tuple[PageEntry, PageRef]] = []
+        # The copies are issued ``backup_chunk_bytes`` at a time: on a GPU the copy of one
+        # chunk runs while the next chunk's pages are found, so the bookkeeping hides
+        # behind the copy instead of coming before it. Each chunk is published (marked
+        # ready) on its own, when its copy ends; its pages share one future.
+        chunk_bytes = self.config.backup_chunk_bytes or sys.maxsize
+        page_bytes = {c: p.page_bytes for c, p in self._store.host.components.items()}
+        fills: list[Future] = []
         all_held = True
-        fill: Future = Future()
-        with self._store.lock:
-            seen: set[bytes] = set()
-            for ref in refs:
-                skey = ref.page_hash + _TAG[ref.component]
-                if skey in seen:
-                    continue
-                seen.add(skey)
-                e = self._store.index.get(skey)
-                if e is not None and e.held:
-                    self._store.index.touch(e)
-                    self.counters.inc("backup", "deduped_pages")
-                    continue
-                page = self._store.alloc_host_locked(ref.component)
-                if page is None:
-                    self.counters.fail(Failure.HOST_FULL)
-                    all_held = False
-                    continue
-                if e is None:
-                    e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
-                self._fills.begin_locked(e, page, fill)
-                plan.append((e, ref))
-        if not plan:
+        seen: set[bytes] = set()
+        i, n = 0, len(refs)
+        while i < n:
+            plan: list[tuple[PageEntry, PageRef]] = []
+            fill: Future = Future()
+            t0 = time.perf_counter()
+            planned = 0
+            with self._store.lock:
+                while i < n and planned < chunk_bytes:
+                    ref = refs[i]
+                    i += 1
+                    skey = ref.page_hash + _TAG[ref.component]
+                    if skey in seen:
+                        continue
+                    seen.add(skey)
+                    e = self._store.index.get(skey)
+                    if e is not None and e.held:
+                        self._store.index.touch(e)
+                        self.counters.inc("backup", "deduped_pages")
+                        continue
+                    page = self._store.alloc_host_locked(ref.component)
+                    if page is None:
+                        self.counters.fail(Failure.HOST_FULL)
+                        all_held = False
+                        continue
+                    if e is None:
+                        e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
+                    self._fills.begin_locked(e, page, fill)
+                    plan.append((e, ref))
+                    planned += page_bytes[ref.component]
+            if not plan:
+                continue
+            if not self._issue_backup(plan, fill, buffers, ready_event, t0):
+                all_held = False
+                break
+            fills.append(fill)
+        if not fills:
             return CompletedTransfer(all_held)
-        t0 = time.perf_counter()
+        return self._fills.handle(fills, all_held, self.config.load_timeout_s)
+
+    def _issue_backup(
+        self,
+        plan: list[tuple[PageEntry, PageRef]],
+        fill: Future,
+        buffers: EngineBuffers,
+        ready_event: Any,
+        t0: float,
+    ) -> bool:
+        """Copy the device pages of ``plan`` into their host pages: published here when
+        the copy is done on return (CPU), queued until its events complete (CUDA). False,
+        with the plan's host pages given back, when a copy could not be issued."""
         events = []
         try:
             for comp, group in _by_component(plan).items():
@@ -299,14 +332,14 @@ class LocalController:
             self.counters.fail(Failure.COPY_ERROR)
             with self._store.lock:
                 self._fills.abort_locked(plan, fill)
-            return CompletedTransfer(False)
+            return False
         queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill)
         with self._store.lock:
-            if not queued.events:
+            if queued.events:
+                self._fills.queue_locked(queued)
+            else:
                 self._fills.publish_locked(queued)
-                return CompletedTransfer(all_held)
-            self._fills.queue_locked(queued)
-        return self._fills.handle([fill], all_held, self.config.load_timeout_s)
+        return True
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE

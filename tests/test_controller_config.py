@@ -36,6 +36,7 @@ def test_policies_parse_from_strings_and_reject_unknown_values():
             "below 1.25 x disk_budget_bytes",
         ),
         ({"reader_threads": 0}, "reader_threads must be >= 1"),
+        ({"backup_chunk_bytes": -1}, "backup_chunk_bytes must be >= 0"),
         ({"load_timeout_s": 0}, "load_timeout_s must be > 0 seconds"),
         ({"pin_ttl_default_s": 700.0}, "exceeds pin_ttl_max_s"),
     ],

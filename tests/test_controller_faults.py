@@ -15,6 +15,7 @@ from test_controller_support import (
     ALL,
     FULL,
     PAGE,
+    SWA,
     Engine,
     assert_same_bytes,
     controller_config,
@@ -109,6 +110,46 @@ def test_copy_to_host_error_fails_the_backup_and_indexes_nothing(tmp_path):
     _no_holds(ctl)
     assert ctl.backup(chain.refs()).wait(5.0)
     assert ctl.lookup(chain.hashes, [FULL]).leading(FULL, Presence.HOST) == 3
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_path):
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    ctl.config.backup_chunk_bytes = 2 * ctl.store.host[FULL].page_bytes
+    chain = engine.write_chain(range(6 * PAGE), mamba_every=6)
+    snap = engine.snapshot(chain)
+    inner = ctl._transfer.to_host
+    calls = []
+
+    def to_host(component, buffers, device_index, host_pages, ready_event=None):
+        calls.append(component)
+        if len(calls) == 3:
+            raise RuntimeError("the device is gone")
+        return inner(component, buffers, device_index, host_pages, ready_event)
+
+    ctl._transfer.to_host = to_host
+    refs = chain.refs()  # page 0 FULL, SWA; page 1 FULL, SWA; ...; page 5 FULL, SWA, MAMBA
+    assert ctl.backup(refs).wait(5.0) is False
+    assert ctl.stats()["failures"]["copy_error"] == 1
+    assert ctl.flush(5.0)  # the kept chunk's disk write-through, which holds its pages
+    _no_holds(ctl)
+    # The first chunk closed at 2 FULL pages' bytes: FULL 0, SWA 0 (half a FULL page in
+    # this layout), FULL 1; its two copies ran and it is kept. The second chunk's first
+    # copy failed: its host pages were given back, and the rest was never started.
+    full, swa = (ctl.store.host[c].page_bytes for c in (FULL, SWA))
+    assert swa * 2 == full
+    held = ctl.lookup(chain.hashes, ALL)
+    assert held.leading(FULL, Presence.HOST) == 2 and held.leading(SWA, Presence.HOST) == 1
+    assert ctl.stats()["entries"] == 3
+    assert ctl.stats()["host"]["used_bytes"] == 2 * full + swa
+    ctl._transfer.to_host = inner
+    assert ctl.backup(refs).wait(5.0)
+    assert ctl.stats()["backup"]["deduped_pages"] == 3
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
     ctl.check_invariants(deep=True)
     ctl.close()
 

@@ -69,6 +69,47 @@ def test_backup_then_load_into_other_slots_is_bit_for_bit(tmp_path):
     ctl.close()
 
 
+def _count_copies(ctl) -> list[int]:
+    """Wrap the controller's device → host copy; the list gets each copy's page count."""
+    calls: list[int] = []
+    inner = ctl._transfer.to_host
+
+    def to_host(component, buffers, device_index, host_pages, ready_event=None):
+        calls.append(len(host_pages))
+        return inner(component, buffers, device_index, host_pages, ready_event)
+
+    ctl._transfer.to_host = to_host
+    return calls
+
+
+def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_path):
+    _, engine, ctl = _setup(tmp_path)
+    full_bytes = ctl.store.host[FULL].page_bytes
+    ctl.config.backup_chunk_bytes = 2 * full_bytes  # a chunk closes at 2 FULL pages' bytes
+    copies = _count_copies(ctl)
+    chain = engine.write_chain(range(8 * PAGE), mamba_every=2)
+    before = engine.snapshot(chain)
+    refs = chain.refs()
+    # A duplicate of the first page in a later chunk is found already being backed up.
+    assert ctl.backup([*refs, refs[0]]).wait(10.0)
+    ctl.check_invariants(deep=True)
+    assert len(copies) > 3 and sum(copies) == len(refs)
+    assert max(copies) < len(refs) // 2
+    stats = ctl.stats()
+    assert stats["backup"]["stored_pages"] == len(refs) == 8 + 8 + 4
+    assert stats["transfer"]["device_to_host"]["pages"] == len(refs)
+    engine.scribble(chain)
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), before)
+    # 0 turns chunking off: one copy per component.
+    ctl.config.backup_chunk_bytes = 0
+    copies.clear()
+    other = engine.write_chain(range(100 * PAGE, 108 * PAGE), mamba_every=2)
+    assert ctl.backup(other.refs()).wait(10.0)
+    assert sorted(copies) == [4, 8, 8]
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def test_backup_dedupes_pages_already_held(tmp_path):
     _, engine, ctl = _setup(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
