@@ -36,6 +36,7 @@ def workloads(draw):
     pool_pages = draw(st.integers(96 // ps + 2, 384 // ps))
     chunk = ps * draw(st.integers(1, max(1, 32 // ps)))
     host = draw(st.sampled_from([0, 64 << 10, 1 << 20, 16 << 20]))
+    backup_chunk = draw(st.sampled_from([1, 4096, 64 << 20]))  # bytes per backup part
     rng_seed = draw(st.integers(0, 2**31 - 1))
     rounds = draw(st.integers(2, 3))
     per_round = draw(st.integers(2, 6))
@@ -48,6 +49,7 @@ def workloads(draw):
         "chunk": chunk,
         "max_running": draw(st.integers(1, 6)),
         "host": host,
+        "backup_chunk": backup_chunk,
         "write_policy": draw(st.sampled_from(list(WritePolicy))),
         "prefetch": draw(st.sampled_from(list(PrefetchPolicy))),
         "seed": rng_seed,
@@ -101,6 +103,7 @@ def test_random_workloads_stay_exact_and_leak_nothing(w, tmp_path_factory):
                 host_pool_bytes=w["host"],
                 disk_path=tmp_path_factory.mktemp("lmdb"),
                 disk_budget_bytes=8 << 20,
+                backup_chunk_bytes=w["backup_chunk"],
             )
         )
     engine = Engine(

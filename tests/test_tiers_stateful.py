@@ -31,12 +31,18 @@ class TieredMachine(TreeMachine):
         pool_pages=st.integers(8, 40),
         write_policy=st.sampled_from(list(WritePolicy)),
         host_kib=st.sampled_from([16, 64, 1024]),
+        # 1: every page of a backup is a part of its own (a failed copy keeps the parts
+        # before it); 0: one copy per component.
+        backup_chunk=st.sampled_from([1, 4096, 0]),
     )
-    def setup(self, mix, ps, window_pages, pool_pages, write_policy, host_kib):
+    def setup(self, mix, ps, window_pages, pool_pages, write_policy, host_kib, backup_chunk):
         self.tmp = tempfile.mkdtemp(prefix="hicache-stateful-")
         self.ctrl = LocalController(
             ControllerConfig(
-                host_pool_bytes=host_kib << 10, disk_path=self.tmp, disk_budget_bytes=4 << 20
+                host_pool_bytes=host_kib << 10,
+                disk_path=self.tmp,
+                disk_budget_bytes=4 << 20,
+                backup_chunk_bytes=backup_chunk,
             )
         )
         window = max(1, int(ps * window_pages))
