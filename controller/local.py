@@ -298,6 +298,8 @@ class LocalController:
                 all_held = False
                 break
             fills.append(fill)
+            if i < n:  # publish the parts whose copies ended while this one was booked
+                self._fills.reap(block=False)
         if not fills:
             return CompletedTransfer(all_held)
         return self._fills.handle(fills, all_held, self.config.load_timeout_s)
