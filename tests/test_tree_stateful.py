@@ -158,12 +158,17 @@ class TreeMachine(RuleBasedStateMachine):
         if req is None or req.finished:
             return
         ps = self.cache.page_size
-        aligned = req.computed_len - req.computed_len % ps
+        end = req.computed_len - req.computed_len % ps
+        if self.model.mamba and req.computed_len != end:
+            # With Mamba layers a prefix is cached only up to a Mamba state: here the
+            # checkpoint, which is missing when checkpointing found no free state slot.
+            ckpt = req.mamba_ckpt_len if req.mamba_ckpt_slot is not None else 0
+            end = ckpt if req.prefix_len < ckpt <= end else 0
         tokens = req.token_ids.copy()
         self.cache.cache_finished_req(req, insert=insert)
         self.engine.swa_released.discard(id(req))  # ids are reused after a request dies
-        if insert and aligned:
-            self.model.cached(req.extra_key, tokens, aligned)
+        if insert and end:
+            self.model.cached(req.extra_key, tokens, end)
 
     @rule(req=requests)
     def release_swa(self, req):
