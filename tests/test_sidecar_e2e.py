@@ -45,6 +45,9 @@ def test_engine_b_loads_engine_a_prefix_from_host_then_from_disk_after_restart(w
             str(layout_file(workdir)),
             "--set",
             "heartbeat_interval_s=0.3",
+            # Every page of a backup is a part of its own: the parts path end to end.
+            "--set",
+            "backup_chunk_bytes=1",
             "--lease-s",
             "10",
         ],
