@@ -95,8 +95,8 @@ class ControllerConfig:
 
     # A backup issues its copies this many bytes at a time, so that on a GPU the copy of
     # one part runs while the controller books the next (0: the whole backup at once).
-    # Each part costs about 0.3 ms of host time to issue: much smaller parts cost more
-    # than they hide.
+    # Each part costs about 0.3 ms of host time per component in it (one copy each):
+    # much smaller parts cost more than they hide.
     backup_chunk_bytes: int = 64 * MIB
 
     pin_ttl_default_s: float = 30.0  # a pin without a ttl lasts this long

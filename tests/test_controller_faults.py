@@ -132,23 +132,22 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
         return inner(component, buffers, device_index, host_pages, ready_event)
 
     ctl._transfer.to_host = to_host
-    refs = chain.refs()  # page 0 FULL, SWA; page 1 FULL, SWA; ...; page 5 FULL, SWA, MAMBA
+    refs = chain.refs()  # per page FULL, SWA; page 5 also MAMBA
     assert ctl.backup(refs).wait(5.0) is False
     assert ctl.stats()["failures"]["copy_error"] == 1
-    assert ctl.flush(5.0)  # the kept chunk's disk write-through, which holds its pages
+    assert ctl.flush(5.0)  # the kept parts' disk write-through, which holds their pages
     _no_holds(ctl)
-    # The first chunk closed at 2 FULL pages' bytes: FULL 0, SWA 0 (half a FULL page in
-    # this layout), FULL 1; its two copies ran and it is kept. The second chunk's first
-    # copy failed: its host pages were given back, and the rest was never started.
-    full, swa = (ctl.store.host[c].page_bytes for c in (FULL, SWA))
-    assert swa * 2 == full
+    # Parts go one component after the other and close at 2 FULL pages' bytes: FULL 0-1,
+    # FULL 2-3 were copied and are kept; the copy of FULL 4-5 failed and gave its host
+    # pages back; the SWA and Mamba parts were never started.
+    assert calls == [FULL, FULL, FULL]
     held = ctl.lookup(chain.hashes, ALL)
-    assert held.leading(FULL, Presence.HOST) == 2 and held.leading(SWA, Presence.HOST) == 1
-    assert ctl.stats()["entries"] == 3
-    assert ctl.stats()["host"]["used_bytes"] == 2 * full + swa
+    assert held.leading(FULL, Presence.HOST) == 4 and held.leading(SWA, Presence.HOST) == 0
+    assert ctl.stats()["entries"] == 4
+    assert ctl.stats()["host"]["used_bytes"] == 4 * ctl.store.host[FULL].page_bytes
     ctl._transfer.to_host = inner
     assert ctl.backup(refs).wait(5.0)
-    assert ctl.stats()["backup"]["deduped_pages"] == 3
+    assert ctl.stats()["backup"]["deduped_pages"] == 4
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
     ctl.check_invariants(deep=True)
     ctl.close()

@@ -69,13 +69,14 @@ def test_backup_then_load_into_other_slots_is_bit_for_bit(tmp_path):
     ctl.close()
 
 
-def _count_copies(ctl) -> list[int]:
-    """Wrap the controller's device → host copy; the list gets each copy's page count."""
-    calls: list[int] = []
+def _count_copies(ctl) -> list[tuple]:
+    """Wrap the controller's device → host copy; the list gets each copy's component and
+    page count."""
+    calls: list[tuple] = []
     inner = ctl._transfer.to_host
 
     def to_host(component, buffers, device_index, host_pages, ready_event=None):
-        calls.append(len(host_pages))
+        calls.append((component, len(host_pages)))
         return inner(component, buffers, device_index, host_pages, ready_event)
 
     ctl._transfer.to_host = to_host
@@ -93,8 +94,12 @@ def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_pa
     # A duplicate of the first page in a later chunk is found already being backed up.
     assert ctl.backup([*refs, refs[0]]).wait(10.0)
     ctl.check_invariants(deep=True)
-    assert len(copies) > 3 and sum(copies) == len(refs)
-    assert max(copies) < len(refs) // 2
+    # Parts go one component after the other: FULL pages two to a part, SWA pages (half
+    # the bytes here) four, then the Mamba states.
+    assert [c for c, _ in copies] == sorted(c for c, _ in copies)
+    assert [k for c, k in copies if c is FULL] == [2, 2, 2, 2]
+    assert [k for c, k in copies if c is SWA] == [4, 4]
+    assert sum(k for _, k in copies) == len(refs)
     stats = ctl.stats()
     assert stats["backup"]["stored_pages"] == len(refs) == 8 + 8 + 4
     assert stats["transfer"]["device_to_host"]["pages"] == len(refs)
@@ -105,7 +110,7 @@ def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_pa
     copies.clear()
     other = engine.write_chain(range(100 * PAGE, 108 * PAGE), mamba_every=2)
     assert ctl.backup(other.refs()).wait(10.0)
-    assert sorted(copies) == [4, 8, 8]
+    assert sorted(k for _, k in copies) == [4, 8, 8]
     ctl.check_invariants(deep=True)
     ctl.close()
 
