@@ -336,6 +336,15 @@ class LocalController:
         except Exception as exc:
             log.error("backup copy failed: %s", exc)
             self.counters.fail(Failure.COPY_ERROR)
+            # The copies of this part's other components may be running still: their host
+            # pages go back only once they end, or a disk read given one of those pages
+            # could be overwritten by a late copy.
+            for ev in events:
+                if ev is not None:
+                    try:
+                        ev.synchronize()
+                    except Exception as sync_exc:  # a broken device: nothing runs any more
+                        log.error("waiting for a backup copy failed: %s", sync_exc)
             with self._store.lock:
                 self._fills.abort_locked(plan, fill)
             return False

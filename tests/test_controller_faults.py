@@ -153,6 +153,44 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     ctl.close()
 
 
+def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
+    """A part's second copy fails while its first may still run on the GPU: the host pages
+    go back only after the first copy's event has been waited for."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    ctl.config.backup_chunk_bytes = 0  # one part: a FULL copy, then an SWA copy
+    chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
+    inner = ctl._transfer.to_host
+    order = []
+
+    class RunningCopy:  # a CUDA event of a copy still in flight
+        def synchronize(self):
+            order.append(("waited", ctl.stats()["host"]["used_bytes"]))
+
+        def query(self):
+            return False
+
+    def to_host(component, buffers, device_index, host_pages, ready_event=None):
+        if component is SWA:
+            raise RuntimeError("the second copy of the part failed")
+        inner(component, buffers, device_index, host_pages, ready_event)
+        return RunningCopy()
+
+    ctl._transfer.to_host = to_host
+    assert ctl.backup(chain.refs()).wait(5.0) is False
+    # Waited while the part's host pages were still taken; given back only afterwards.
+    assert order and order[0][1] > 0
+    assert ctl.stats()["host"]["used_bytes"] == 0
+    assert ctl.stats()["entries"] == 0
+    _no_holds(ctl)
+    ctl._transfer.to_host = inner
+    assert ctl.backup(chain.refs()).wait(5.0)
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def test_slow_disk_times_the_load_out_and_the_reads_finish_later(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.disk_read_delay_s = 0.3
