@@ -26,8 +26,8 @@ _POLL_MAX_S = 1e-3
 
 
 class QueuedBackup:
-    """A backup's page plan, the CUDA events after which its bytes are on host, and the
-    one future its pages share as their ``fill``."""
+    """One part of a backup: its page plan, the CUDA events after which its bytes are on
+    host, and the one future its pages share as their ``fill``."""
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class FillTracker:
     def begin_locked(self, e: PageEntry, page: int, fill: Future) -> None:
         """``e`` gets host page ``page``, filling, held until published or aborted.
 
-        ``fill`` is the future of the whole backup: every page of one backup is published
+        ``fill`` is the future of the backup's part: every page of one part is published
         or aborted at once, so they share it (one future per page cost more than the rest
         of a page's bookkeeping)."""
         self._store.index.set_host(e, page, ready=False)

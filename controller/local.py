@@ -254,9 +254,9 @@ class LocalController:
         buffers = self._buffers(engine_id)
         self._check_refs(refs, buffers)
         self._fills.reap(block=False)
-        # The copies are issued ``backup_chunk_bytes`` at a time: on a GPU the copy of one
-        # chunk runs while the next chunk's pages are found, so the bookkeeping hides
-        # behind the copy instead of coming before it. Each chunk is published (marked
+        # The copies are issued in parts of ``backup_chunk_bytes``: on a GPU the copy of
+        # one part runs while the next part's pages are booked, so the bookkeeping hides
+        # behind the copy instead of coming before it. Each part is published (marked
         # ready) on its own, when its copy ends; its pages share one future.
         chunk_bytes = self.config.backup_chunk_bytes or sys.maxsize
         page_bytes = {c: p.page_bytes for c, p in self._store.host.components.items()}
