@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -43,6 +44,7 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: Counter[tuple[str, ...]] = Counter()
+        self._busy_until: dict[str, float] = {}  # per transfer direction
 
     def add(self, amount: float, *key: str) -> None:
         with self._lock:
@@ -55,10 +57,21 @@ class Counters:
         self.add(n, "failures", reason.value)
 
     def transfer(self, direction: str, pages: int, nbytes: int, seconds: float) -> None:
+        """Count a transfer that took the ``seconds`` up to now.
+
+        Transfers of one direction overlap (the parts of a backup, several engines' loads,
+        the reader threads): the seconds counted are those of the union of their
+        intervals, so that bytes / seconds is the direction's throughput, not a fraction
+        of it."""
+        end = time.perf_counter()
         with self._lock:
+            busy = self._busy_until.get(direction, 0.0)
+            self._busy_until[direction] = max(busy, end)
             self._values[("transfer", direction, "pages")] += pages
             self._values[("transfer", direction, "bytes")] += nbytes
-            self._values[("transfer", direction, "seconds")] += seconds
+            self._values[("transfer", direction, "seconds")] += max(
+                0.0, end - max(end - seconds, busy)
+            )
 
     def get(self, *key: str) -> float:
         with self._lock:

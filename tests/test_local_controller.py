@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
+
 import lmdb
 import numpy as np
 import pytest
@@ -113,6 +116,50 @@ def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_pa
     assert sorted(k for _, k in copies) == [4, 8, 8]
     ctl.check_invariants(deep=True)
     ctl.close()
+
+
+def test_backup_time_counts_overlapping_parts_once(tmp_path):
+    """Parts in flight at once (or backups of two engines) count their union as transfer
+    time, so bytes / seconds is the throughput, not a fraction of it."""
+    from hicache.controller.fills import QueuedBackup
+
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(4 * PAGE))
+    refs = chain.refs([FULL])
+    store, fills = ctl.store, ctl._fills
+    t_start = time.perf_counter() - 1.0  # both parts began a second ago
+    parts = []
+    with store.lock:
+        for ref in (refs[:2], refs[2:]):
+            fill = Future()
+            plan = []
+            for r in ref:
+                e = store.index.create(r.component, r.page_hash, r.parent_hash)
+                fills.begin_locked(e, store.alloc_host_locked(r.component), fill)
+                plan.append((e, r))
+            parts.append(QueuedBackup(plan, [], t_start, fill))
+        for part in parts:
+            fills.publish_locked(part)
+    ctl.check_invariants()
+    d2h = ctl.stats()["transfer"]["device_to_host"]
+    assert d2h["pages"] == 4
+    assert 1.0 <= d2h["seconds"] < 1.5  # not 2: the second part's second overlapped
+    ctl.close()
+
+
+def test_transfer_seconds_are_the_union_of_overlapping_transfers():
+    from hicache.controller.counters import Counters
+
+    c = Counters()
+    c.transfer("disk_to_host", 1, 100, 1.0)  # two reads of a second, at once
+    c.transfer("disk_to_host", 1, 100, 1.0)
+    c.transfer("host_to_disk", 1, 100, 1.0)  # another direction counts on its own
+    time.sleep(0.05)
+    c.transfer("disk_to_host", 1, 100, 0.01)  # after a gap: all of it counts
+    snap = c.snapshot()["transfer"]
+    assert snap["disk_to_host"]["bytes"] == 300 and snap["disk_to_host"]["pages"] == 3
+    assert 1.01 <= snap["disk_to_host"]["seconds"] < 1.05
+    assert 1.0 <= snap["host_to_disk"]["seconds"] < 1.05
 
 
 def test_backup_dedupes_pages_already_held(tmp_path):
