@@ -179,7 +179,7 @@ class ControllerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.backup_chunk_bytes < 0:
             raise ConfigError(
-                f"backup_chunk_bytes must be >= 0 (0: one chunk per backup), "
+                f"backup_chunk_bytes must be >= 0 (0: each backup as one part), "
                 f"got {self.backup_chunk_bytes}"
             )
         if self.disk_map_full_retries < 0:
