@@ -52,8 +52,11 @@ def test_host_pages_are_pinned_on_a_gpu_machine(tmp_path):
     ctl.close()
 
 
-def test_backup_waits_for_the_ready_event_then_loads_back_bit_for_bit(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+@pytest.mark.parametrize("chunk", [64 << 20, 1], ids=["one-part", "part-per-page"])
+def test_backup_waits_for_the_ready_event_then_loads_back_bit_for_bit(tmp_path, chunk):
+    # With a part per page, every part's copy must wait for the event, and the handle for
+    # every part.
+    _, engine, ctl = _setup(tmp_path, backup_chunk_bytes=chunk)
     chain = engine.place(*_hashes(engine, 8), mamba_at=[7])
     views = [v for vs in engine._regions(chain).values() for v in vs]
     fresh = [_random_like(v, engine.gen).cuda() for v in views]
