@@ -160,7 +160,7 @@ def bench_load_back(
     layers: int = 8,
     heads: int = 8,
     head_dim: int = 128,
-    backup_chunk_bytes: int | None = None,
+    backup_chunk_bytes: int = ControllerConfig.backup_chunk_bytes,
     gc_freeze: bool = False,
 ) -> dict[str, float]:
     """Device slots → host pages (backup) and back (load) through the controller, vs one
@@ -180,10 +180,11 @@ def bench_load_back(
     # A backup of pages the controller holds already is a no-op: each timed backup is of
     # new pages (a new token range); the last one is then loaded back. The host pool is
     # written once first, as a running controller's would have been (pinned memory is).
-    cfg = ControllerConfig(host_pool_bytes=(reps * n + 4) * page_bytes)
-    if backup_chunk_bytes is not None:
-        cfg.backup_chunk_bytes = backup_chunk_bytes
-    ctl = LocalController(cfg)
+    ctl = LocalController(
+        ControllerConfig(
+            host_pool_bytes=(reps * n + 4) * page_bytes, backup_chunk_bytes=backup_chunk_bytes
+        )
+    )
     ctl.register(layout, page_size, pools)
     ctl.store.host.kv(ComponentType.FULL).zero_()
     if gc_freeze:  # as the sidecar does once its index is built

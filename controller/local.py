@@ -260,7 +260,7 @@ class LocalController:
         # ready) on its own, when its copy ends; its pages share one future.
         chunk_bytes = self.config.backup_chunk_bytes or sys.maxsize
         page_bytes = {c: p.page_bytes for c, p in self._store.host.components.items()}
-        if chunk_bytes < sys.maxsize and len(page_bytes) > 1:
+        if self.config.backup_chunk_bytes and len(page_bytes) > 1:
             # One component after the other, so that a part is mostly one copy: each copy
             # a part issues costs as much host time as booking dozens of pages.
             refs = [r for c in ComponentType for r in refs if r.component is c]
