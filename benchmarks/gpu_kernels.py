@@ -139,11 +139,14 @@ def check_kv(
     tuning=None,
     pad: int = 64,
     consecutive: bool = False,
+    prepared: bool = False,
 ) -> bool:
     """Round trip through host pages; ``big`` pages (Llama-3-8B, 8 MiB at page 64) take
     the copy engines under the default dispatch. ``pad`` bytes follow each host page
     (0: pages back to back, so the staged path merges consecutive ones); ``consecutive``
-    host pages are an ascending subset (runs of neighbours) instead of a permutation."""
+    host pages are an ascending subset (runs of neighbours) instead of a permutation.
+    ``prepared``: through a :class:`PreparedTransfer` (index lists) instead of the
+    functions."""
     layers, heads, head_dim, num_pages, host_n, n = 4, 4, 64, 40, 24, 12
     if big:
         layers, heads, head_dim, num_pages, host_n, n = 32, 8, 128, 10, 6, 4
@@ -163,7 +166,10 @@ def check_kv(
         hpages = torch.sort(hpages).values
 
     got, want = clone_like(buf, pin), clone_like(buf, pin)
-    K.kv_pages_to_host(
+    to_host, to_device = K.kv_pages_to_host, K.kv_pages_to_device
+    if prepared:
+        to_host, to_device = prepared_kv(True), prepared_kv(False)
+    to_host(
         device_kv, paged_view(got, host_n, page_shape, dtype, pad), dpages, hpages, page_size, **kw
     )
     ref.kv_pages_to_host_ref(
@@ -176,7 +182,7 @@ def check_kv(
     back = torch.randperm(num_pages)[:n]
     target = randomize(torch.empty_like(device_kv))
     dev_got, dev_want = target.clone(), target.clone()
-    K.kv_pages_to_device(host_kv, dev_got, hpages, back, page_size, **kw)
+    to_device(host_kv, dev_got, hpages, back, page_size, **kw)
     ref.kv_pages_to_device_ref(host_kv, dev_want, hpages, back, page_size)
     sync()
     ok &= torch.equal(bits(dev_got), bits(dev_want))
@@ -185,6 +191,36 @@ def check_kv(
     dev = device_kv.device
     ok &= torch.equal(bits(paged[:, :, back.to(dev)]), bits(orig[:, :, dpages.to(dev)]))
     return ok
+
+
+def prepared_kv(to_host: bool):
+    """A PreparedTransfer of KV pages called like ``kv_pages_to_host`` / ``_to_device``."""
+
+    def run(src, dst, src_items, dst_items, page_size, **kw):
+        if to_host:
+            copy = K.PreparedTransfer.kv(src, dst, page_size, to_host=True, **kw)
+            copy(src_items.tolist(), dst_items.tolist())
+        else:
+            copy = K.PreparedTransfer.kv(dst, src, page_size, to_host=False, **kw)
+            copy(dst_items.tolist(), src_items.tolist())
+
+    return run
+
+
+def prepared_states(to_host: bool):
+    """A PreparedTransfer of Mamba states called like ``mamba_states_to_host`` / ..."""
+
+    def run(a, b, c, d, src_items, dst_items, **kw):
+        if to_host:  # conv, ssm, host_conv, host_ssm, slots, host_pages
+            K.PreparedTransfer.states(a, b, c, d, to_host=True, **kw)(
+                src_items.tolist(), dst_items.tolist()
+            )
+        else:  # host_conv, host_ssm, conv, ssm, host_pages, slots
+            K.PreparedTransfer.states(c, d, a, b, to_host=False, **kw)(
+                dst_items.tolist(), src_items.tolist()
+            )
+
+    return run
 
 
 def small_chunks(page_size: int, dtype=torch.bfloat16, **kw):
@@ -272,7 +308,10 @@ def check_kv_gpu_indices_out_of_range(device: str, pin: bool) -> bool:
     return torch.equal(buf, want)
 
 
-def check_mamba(dtype, backend: str, device: str, pin: bool) -> bool:
+def check_mamba(dtype, backend: str, device: str, pin: bool, prepared: bool = False) -> bool:
+    to_host, to_device = K.mamba_states_to_host, K.mamba_states_to_device
+    if prepared:
+        to_host, to_device = prepared_states(True), prepared_states(False)
     layers, slots, host_n = 3, 10, 6
     conv_shape, ssm_shape = (64, 3), (4, 16, 8)
     conv = randomize(torch.empty(layers, slots, *conv_shape, dtype=dtype, device=device))
@@ -290,14 +329,14 @@ def check_mamba(dtype, backend: str, device: str, pin: bool) -> bool:
     buf = randomize(empty_bytes(host_n * page, "cpu", pin))
     got, want = clone_like(buf, pin), clone_like(buf, pin)
     s_idx, h_idx = torch.tensor([9, 0, 4]), torch.tensor([1, 5, 2])
-    K.mamba_states_to_host(conv, ssm, *views(got), s_idx, h_idx, backend=backend)
+    to_host(conv, ssm, *views(got), s_idx, h_idx, backend=backend)
     ref.mamba_states_to_host_ref(conv, ssm, *views(want), s_idx, h_idx)
     sync()
     ok = torch.equal(got, want) and not torch.equal(got, buf)
     back = torch.tensor([3, 7, 1])
     tc, ts = randomize(torch.empty_like(conv)), randomize(torch.empty_like(ssm))
     gc, gs, wc, ws = tc.clone(), ts.clone(), tc.clone(), ts.clone()
-    K.mamba_states_to_device(*views(got), gc, gs, h_idx, back, backend=backend)
+    to_device(*views(got), gc, gs, h_idx, back, backend=backend)
     ref.mamba_states_to_device_ref(*views(got), wc, ws, h_idx, back)
     sync()
     ok &= torch.equal(bits(gc), bits(wc)) and torch.equal(bits(gs), bits(ws))
@@ -477,6 +516,34 @@ def run_checks(device: str = "cuda") -> Checks:
                 f"kv round trip staged, llama pages of {ps}",
                 partial(check_kv, torch.bfloat16, ps, "staged", device, pin, big=True),
             )
+        for backend in (None, "triton", "copy_engine"):
+            name = backend or "default dispatch"
+            for ps in (1, 16):
+                checks.record(
+                    f"prepared kv round trip {name} bfloat16 page {ps}",
+                    partial(check_kv, torch.bfloat16, ps, backend, device, pin, prepared=True),
+                )
+            checks.record(
+                f"prepared mamba round trip {name} float32",
+                partial(check_mamba, torch.float32, backend, device, pin, prepared=True),
+            )
+        checks.record(
+            "prepared kv round trip staged, 4 chunks",
+            partial(
+                check_kv,
+                torch.bfloat16,
+                16,
+                "staged",
+                device,
+                pin,
+                tuning=small_chunks(16),
+                prepared=True,
+            ),
+        )
+        checks.record(
+            "prepared kv round trip default dispatch, llama pages of 64",
+            partial(check_kv, torch.bfloat16, 64, None, device, pin, big=True, prepared=True),
+        )
         checks.record(
             "default dispatch stages large transfers (thresholds at 0)",
             partial(check_staged_default_dispatch, device, pin),

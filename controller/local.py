@@ -550,7 +550,7 @@ class LocalController:
         with self._store.lock:
             out.update(self._store.stats_locked())
             out["engines"] = len(self._engines)
-            out["kernels"] = None if self._transfer is None else self._transfer.kernels.source
+            out["kernels"] = None if self._transfer is None else self._transfer.source
         return out
 
     def check_invariants(self, deep: bool = False) -> None:

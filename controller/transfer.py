@@ -1,9 +1,9 @@
 """Device ↔ host page copies: the engine's pools on one side, the host pool on the other.
 
-Copies go through the transfer functions of :mod:`hicache.kernels` (one launch per
-component per request, all layers at once). Which implementation runs is resolved once,
-by :func:`resolve_kernels`: the dispatching functions of ``hicache.kernels`` when that
-package provides them, else the torch references of :mod:`hicache.kernels.reference`.
+Copies go through :class:`hicache.kernels.PreparedTransfer` (one launch per component per
+request, all layers at once): one per engine's buffers, component and direction, made on
+the first copy and kept while the engine's :class:`EngineBuffers` live, so a copy's host
+time is its index checks and its launch, not the tensors' shape checks.
 
 On CUDA, backups run on a backup stream that first waits for the engine's
 ``ready_event`` (or, without one, for the engine's current stream), and return an event
@@ -17,8 +17,8 @@ pool (:mod:`hicache.controller.lmdb_tier`).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,52 +26,21 @@ import torch
 
 from hicache.controller.host_pool import HostPool
 from hicache.controller_api import ControllerError
+from hicache.kernels import PreparedTransfer
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.pools import DevicePools
 
-log = logging.getLogger(__name__)
 
-_KERNEL_NAMES = (
-    "kv_pages_to_host",
-    "kv_pages_to_device",
-    "mamba_states_to_host",
-    "mamba_states_to_device",
-)
-
-
-@dataclass(frozen=True)
-class KernelSet:
-    kv_pages_to_host: Callable[..., None]
-    kv_pages_to_device: Callable[..., None]
-    mamba_states_to_host: Callable[..., None]
-    mamba_states_to_device: Callable[..., None]
-    source: str
-
-
-def resolve_kernels() -> KernelSet:
-    """The transfer functions to use: ``hicache.kernels``'s, else the torch references."""
-    try:
-        import hicache.kernels as kernels
-
-        fns = [getattr(kernels, name) for name in _KERNEL_NAMES]
-        return KernelSet(*fns, source="hicache.kernels")
-    except (ImportError, AttributeError) as exc:
-        log.info("transfer: using the torch reference copies (%s)", exc)
-    from hicache.kernels import reference
-
-    fns = [getattr(reference, name + "_ref") for name in _KERNEL_NAMES]
-    return KernelSet(*fns, source="hicache.kernels.reference")
-
-
-@dataclass
+@dataclass(eq=False)
 class EngineBuffers:
     """The device tensors of one engine that the controller copies to and from.
 
     Built from a :class:`DevicePools` in-process, or from mapped IPC / shared-memory
     tensors by the sidecar. ``full_kv`` and ``swa_kv`` are ``[2, layers, slots, heads,
-    head_dim]``; ``mamba_conv`` / ``mamba_ssm`` are ``[layers, slots, ...]``.
+    head_dim]``; ``mamba_conv`` / ``mamba_ssm`` are ``[layers, slots, ...]``. Compared
+    and hashed by identity: the transfer engine keys its prepared copies on the object.
     """
 
     page_size: int
@@ -103,17 +72,20 @@ class EngineBuffers:
         return 0 if self.mamba_conv is None else self.mamba_conv.shape[1]
 
 
-def _index(values: Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.int64)
+_Plans = dict[tuple[ComponentType, bool], PreparedTransfer]
 
 
 class TransferEngine:
     """Runs page copies between engines' device buffers and the host pool."""
 
-    def __init__(self, host_pool: HostPool, kernels: KernelSet | None = None) -> None:
+    #: Where the copies come from, as reported by the controller's stats.
+    source = "hicache.kernels"
+
+    def __init__(self, host_pool: HostPool) -> None:
         self.host_pool = host_pool
-        self.kernels = kernels or resolve_kernels()
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        # Dropped with the engine's buffers (so a gone engine's tensors are not held).
+        self._plans: weakref.WeakKeyDictionary[EngineBuffers, _Plans] = weakref.WeakKeyDictionary()
 
     def _streams_for(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """(load stream, backup stream) of a CUDA device, created on first use."""
@@ -122,36 +94,35 @@ class TransferEngine:
             self._streams[idx] = (torch.cuda.Stream(idx), torch.cuda.Stream(idx))
         return self._streams[idx]
 
-    def _copy(
-        self,
-        component: ComponentType,
-        buffers: EngineBuffers,
-        device_index: torch.Tensor,
-        host_pages: torch.Tensor,
-        to_host: bool,
-    ) -> None:
-        k = self.kernels
+    def _plan(
+        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+    ) -> PreparedTransfer:
+        plans = self._plans.get(buffers)
+        if plans is None:
+            plans = self._plans.setdefault(buffers, {})
+        plan = plans.get((component, to_host))
+        if plan is None:
+            plan = plans[(component, to_host)] = self._prepare(component, buffers, to_host)
+        return plan
+
+    def _prepare(
+        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+    ) -> PreparedTransfer:
         if component is ComponentType.MAMBA:
             if buffers.mamba_conv is None or buffers.mamba_ssm is None:
                 raise ControllerError("this engine registered no Mamba pool")
-            hc, hs = self.host_pool.conv(), self.host_pool.ssm()
-            if to_host:
-                k.mamba_states_to_host(
-                    buffers.mamba_conv, buffers.mamba_ssm, hc, hs, device_index, host_pages
-                )
-            else:
-                k.mamba_states_to_device(
-                    hc, hs, buffers.mamba_conv, buffers.mamba_ssm, host_pages, device_index
-                )
-            return
+            return PreparedTransfer.states(
+                buffers.mamba_conv,
+                buffers.mamba_ssm,
+                self.host_pool.conv(),
+                self.host_pool.ssm(),
+                to_host=to_host,
+            )
         dev = buffers.full_kv if component is ComponentType.FULL else buffers.swa_kv
         if dev is None:
             raise ControllerError("this engine registered no sliding-window pool")
         host = self.host_pool.kv(component)
-        if to_host:
-            k.kv_pages_to_host(dev, host, device_index, host_pages, buffers.page_size)
-        else:
-            k.kv_pages_to_device(host, dev, host_pages, device_index, buffers.page_size)
+        return PreparedTransfer.kv(dev, host, buffers.page_size, to_host=to_host)
 
     def to_host(
         self,
@@ -166,11 +137,11 @@ class TransferEngine:
         CPU: done on return, returns None. CUDA: queued on the backup stream after
         ``ready_event``; returns a CUDA event recorded after the copy.
         """
-        dev_idx, host_idx = _index(device_index), _index(host_pages)
+        copy = self._plan(component, buffers, to_host=True)
         if buffers.device.type != "cuda":
             if ready_event is not None and hasattr(ready_event, "synchronize"):
                 ready_event.synchronize()
-            self._copy(component, buffers, dev_idx, host_idx, to_host=True)
+            copy(device_index, host_pages)
             return None
         _, backup = self._streams_for(buffers.device)
         if ready_event is not None:
@@ -178,7 +149,7 @@ class TransferEngine:
         else:
             backup.wait_stream(torch.cuda.current_stream(buffers.device))
         with torch.cuda.stream(backup):
-            self._copy(component, buffers, dev_idx, host_idx, to_host=True)
+            copy(device_index, host_pages)
             done = torch.cuda.Event()
             done.record(backup)
         return done
@@ -191,16 +162,16 @@ class TransferEngine:
         device_index: Sequence[int],
     ) -> None:
         """Copy host pages into device pages/slots; the bytes are there on return."""
-        dev_idx, host_idx = _index(device_index), _index(host_pages)
+        copy = self._plan(component, buffers, to_host=False)
         if buffers.device.type != "cuda":
-            self._copy(component, buffers, dev_idx, host_idx, to_host=False)
+            copy(device_index, host_pages)
             return
         load, _ = self._streams_for(buffers.device)
         # The slots were just handed out by the engine; work it queued earlier on them
         # (by their previous owner) must finish before they are overwritten.
         load.wait_stream(torch.cuda.current_stream(buffers.device))
         with torch.cuda.stream(load):
-            self._copy(component, buffers, dev_idx, host_idx, to_host=False)
+            copy(device_index, host_pages)
             done = torch.cuda.Event()
             done.record(load)
         done.synchronize()

@@ -24,17 +24,19 @@ from hicache.kernels.geometry import (
     scatter_shapes,
     state_row_copy,
 )
+from hicache.kernels.prepared import PreparedTransfer
 from hicache.kernels.spec_buffers import (
     ConvWindowBuffer,
     ConvWindowLayout,
     choose_conv_window_layout,
 )
-from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning
+from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning, parse_backend
 
 __all__ = [
     "Backend",
     "ConvWindowBuffer",
     "ConvWindowLayout",
+    "PreparedTransfer",
     "TransferTuning",
     "choose_conv_window_layout",
     "fused_conv_window_scatter_with_mask",
@@ -49,16 +51,6 @@ __all__ = [
 BackendArg = Backend | str | None
 
 
-def _backend(backend: BackendArg) -> Backend | None:
-    if backend is None:
-        return None
-    try:
-        return Backend(backend)
-    except ValueError:
-        choices = ", ".join(b.value for b in Backend)
-        raise ValueError(f"backend={backend!r} is not one of: {choices}") from None
-
-
 def _transfer(
     copy: RowCopy,
     src_items: torch.Tensor,
@@ -70,7 +62,7 @@ def _transfer(
     """Run one row copy on the chosen backend, or return ``Backend.TORCH`` for the caller
     to run the reference (which moves all tensors of a transfer at once)."""
     device = (copy.src if to_host else copy.dst).tensor.device
-    chosen = _backend(backend)
+    chosen = parse_backend(backend)
     if chosen is None:
         if device.type != "cuda":
             return Backend.TORCH
@@ -101,15 +93,9 @@ def _staged_dma_bytes(
     does not stage it (indices on the GPU, pageable host memory)."""
     if host_pages.device.type != "cpu" or device_pages.device.type != "cpu":
         return 0
-    if host_pages.numel() == 0:
-        return 0
-    if not host.tensor.is_pinned():
-        return 0
-    from hicache.kernels.staged import host_dma_count
+    from hicache.kernels.staged import mean_dma_bytes
 
-    elem = host.tensor.element_size()
-    count = host_dma_count(host_pages.numpy(), host.item_stride * elem, copy.item_bytes)
-    return host_pages.numel() * copy.item_bytes // count
+    return mean_dma_bytes(copy, host, host_pages.numpy())
 
 
 def _kv_backend(
@@ -120,7 +106,7 @@ def _kv_backend(
     tuning: TransferTuning,
     to_host: bool,
 ) -> Backend:
-    chosen = _backend(backend)
+    chosen = parse_backend(backend)
     if chosen is not None:
         return chosen
     dev, host = (copy.src, copy.dst) if to_host else (copy.dst, copy.src)
@@ -258,7 +244,7 @@ def mamba_states_to_device(
 
 
 def _pick_scatter(backend: BackendArg, device: torch.device) -> Backend:
-    chosen = _backend(backend)
+    chosen = parse_backend(backend)
     if chosen in (Backend.COPY_ENGINE, Backend.STAGED):
         name = "copy-engine" if chosen is Backend.COPY_ENGINE else "staged"
         raise ValueError(f"the scatters have no {name} backend; use 'torch' or 'triton'")

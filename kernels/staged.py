@@ -34,7 +34,15 @@ import torch
 from hicache.kernels.geometry import RowCopy, RowSide
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
-__all__ = ["DmaPlan", "StagingRing", "host_dma_count", "kv_staged", "plan_dmas", "release_rings"]
+__all__ = [
+    "DmaPlan",
+    "StagingRing",
+    "host_dma_count",
+    "kv_staged",
+    "mean_dma_bytes",
+    "plan_dmas",
+    "release_rings",
+]
 
 
 def host_dma_count(host_pages: np.ndarray, host_stride_bytes: int, page_bytes: int) -> int:
@@ -47,6 +55,16 @@ def host_dma_count(host_pages: np.ndarray, host_stride_bytes: int, page_bytes: i
         return n
     h = host_pages.astype(np.int64, copy=False)
     return 1 + int(np.count_nonzero(h[1:] != h[:-1] + 1))
+
+
+def mean_dma_bytes(copy: RowCopy, host: RowSide, host_pages: np.ndarray) -> int:
+    """Mean bytes per host-side DMA if these pages were staged; 0 where staging cannot
+    run (no pages, pageable host memory)."""
+    if host_pages.size == 0 or not host.tensor.is_pinned():
+        return 0
+    elem = host.tensor.element_size()
+    count = host_dma_count(host_pages, host.item_stride * elem, copy.item_bytes)
+    return int(host_pages.size) * copy.item_bytes // count
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,14 @@ class TransferTuning:
 
 
 DEFAULT_TUNING = TransferTuning()
+
+
+def parse_backend(backend: Backend | str | None) -> Backend | None:
+    """``backend=`` of the transfer functions as a :class:`Backend` (None: choose)."""
+    if backend is None:
+        return None
+    try:
+        return Backend(backend)
+    except ValueError:
+        choices = ", ".join(b.value for b in Backend)
+        raise ValueError(f"backend={backend!r} is not one of: {choices}") from None

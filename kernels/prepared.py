@@ -1,0 +1,224 @@
+"""Transfers between one fixed pair of buffers: checked once, issued many times.
+
+A controller copies between the same device pool and the same host tensor for its whole
+life, a few pages at a time. The functions of :mod:`hicache.kernels` check both tensors'
+shapes, work out the row geometry and build a launcher on every call, which for a few
+pages costs more host time than the copy's launch. A :class:`PreparedTransfer` does that
+once; each call then checks only its indices (given as plain integer sequences, which is
+what a controller holds), moves the two index lists to the GPU in one copy, picks the
+backend by the same rule as the functions, and launches with launchers built once.
+
+The bytes moved are those of the functions: the same kernels, copy-engine plan, staged
+path and torch reference run behind it (``tests/test_kernels_prepared.py`` compares them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hicache.kernels import reference
+from hicache.kernels.geometry import RowCopy, kv_row_copy, state_row_copy
+from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning, parse_backend
+
+Indices = Sequence[int] | np.ndarray
+
+_NO_INDEX = torch.empty(0, dtype=torch.int64)
+
+
+class PreparedTransfer:
+    """Copies between one device buffer set and one host buffer set, in one direction.
+
+    Build it with :meth:`kv` (a KV pool and its host pages) or :meth:`states` (a Mamba
+    pool's conv and SSM states and their host pages); call it with the device items
+    (pages or state slots) and the host pages, paired one to one. The tensors are held
+    for the object's life, so drop it when the pool goes away.
+
+    ``backend`` forces one backend as ``backend=`` of the functions does (tests run the
+    Triton interpreter and the staged plan on CPU tensors that way); left None, CUDA
+    transfers pick theirs by ``tuning`` and CPU ones run the torch reference.
+    """
+
+    def __init__(
+        self,
+        copies: tuple[RowCopy, ...],
+        tensors: tuple[torch.Tensor, ...],
+        page_size: int,
+        to_host: bool,
+        device_items: str,
+        tuning: TransferTuning,
+        backend: Backend | None,
+    ) -> None:
+        self.copies = copies
+        self.to_host = to_host
+        self.tuning = tuning
+        self.backend = backend
+        self._tensors = tensors  # the reference's arguments, in its order
+        self._page_size = page_size
+        self._device_items = device_items
+        dev_side = copies[0].src if to_host else copies[0].dst
+        self.device = dev_side.tensor.device
+        self.device_limit = dev_side.num_items
+        self.host_limit = min((c.dst if to_host else c.src).num_items for c in copies)
+        self._launchers: list = [None] * len(copies)
+
+    @classmethod
+    def kv(
+        cls,
+        device_kv: torch.Tensor,
+        host_kv: torch.Tensor,
+        page_size: int,
+        *,
+        to_host: bool,
+        tuning: TransferTuning = DEFAULT_TUNING,
+        backend: Backend | str | None = None,
+    ) -> PreparedTransfer:
+        """KV pages between ``device_kv`` ``[2, layers, slots, heads, head_dim]`` and
+        ``host_kv`` ``[host_pages, 2, layers, page_size, heads, head_dim]``; the shape
+        checks of :func:`~hicache.kernels.kv_pages_to_host` run here, once."""
+        copy = kv_row_copy(device_kv, host_kv, _NO_INDEX, _NO_INDEX, page_size, to_host=to_host)
+        tensors = (device_kv, host_kv) if to_host else (host_kv, device_kv)
+        return cls(
+            (copy,), tensors, page_size, to_host, "device pages", tuning, parse_backend(backend)
+        )
+
+    @classmethod
+    def states(
+        cls,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        host_conv: torch.Tensor,
+        host_ssm: torch.Tensor,
+        *,
+        to_host: bool,
+        tuning: TransferTuning = DEFAULT_TUNING,
+        backend: Backend | str | None = None,
+    ) -> PreparedTransfer:
+        """Mamba states (conv and SSM) between a pool's slots and host pages; the checks
+        of :func:`~hicache.kernels.mamba_states_to_host` run here, once."""
+        conv_copy = state_row_copy("conv", conv, host_conv, _NO_INDEX, _NO_INDEX, to_host)
+        ssm_copy = state_row_copy("ssm", ssm, host_ssm, _NO_INDEX, _NO_INDEX, to_host)
+        if to_host:
+            tensors = (conv, ssm, host_conv, host_ssm)
+        else:
+            tensors = (host_conv, host_ssm, conv, ssm)
+        chosen = parse_backend(backend)
+        if chosen is Backend.STAGED:
+            raise ValueError(
+                "backend='staged' moves KV pages only; use 'triton' or 'copy_engine' for "
+                "Mamba states"
+            )
+        return cls((conv_copy, ssm_copy), tensors, 0, to_host, "state slots", tuning, chosen)
+
+    # -- one transfer ---------------------------------------------------------------------
+
+    def _indices(self, device_items: Indices, host_items: Indices) -> np.ndarray:
+        """Both index lists as one ``[2, n]`` int64 array (device row first), checked."""
+        if len(device_items) != len(host_items):
+            raise ValueError(
+                f"{len(device_items)} {self._device_items} but {len(host_items)} host pages; "
+                f"they pair up one to one"
+            )
+        if len(device_items) == 0:
+            return np.empty((2, 0), dtype=np.int64)
+        try:
+            idx = np.array((device_items, host_items))
+        except ValueError as exc:
+            raise ValueError(f"indices must be flat sequences of integers: {exc}") from None
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise TypeError(
+                f"indices must be flat sequences of integers, got {idx.dtype} of shape {idx.shape}"
+            )
+        idx = idx.astype(np.int64, copy=False)
+        lo, hi = idx.min(axis=1).tolist(), idx.max(axis=1).tolist()
+        for row, (name, limit) in enumerate(
+            ((self._device_items, self.device_limit), ("host pages", self.host_limit))
+        ):
+            if lo[row] < 0 or hi[row] >= limit:
+                bad = lo[row] if lo[row] < 0 else hi[row]
+                raise IndexError(
+                    f"{name} holds {bad}, outside the {limit} {name}; pass ids handed "
+                    f"out by the pool that owns the tensor"
+                )
+        return idx
+
+    def _choose(self, copy: RowCopy, idx: np.ndarray) -> Backend:
+        if self.backend is not None:
+            return self.backend
+        if self.device.type != "cuda":
+            return Backend.TORCH
+        n = idx.shape[1]
+        transfer_bytes = dma_bytes = 0
+        if len(self.copies) == 1:  # KV: the staged path is open to it
+            transfer_bytes = n * copy.item_bytes
+            if transfer_bytes >= self.tuning.staged_min_transfer_bytes:
+                from hicache.kernels.staged import mean_dma_bytes
+
+                host = copy.dst if self.to_host else copy.src
+                dma_bytes = mean_dma_bytes(copy, host, idx[1])
+        return self.tuning.auto_backend(
+            copy.item_bytes, self.to_host, transfer_bytes=transfer_bytes, dma_bytes=dma_bytes
+        )
+
+    def __call__(self, device_items: Indices, host_items: Indices) -> None:
+        """Copy device item ``device_items[i]`` to or from host page ``host_items[i]``.
+
+        Raises IndexError for an index outside its buffer and ValueError for lists of
+        different lengths, before anything moves. On a GPU the work is queued on the
+        current stream and the call returns without waiting; on CPU tensors it has
+        finished on return.
+        """
+        idx = self._indices(device_items, host_items)
+        if idx.shape[1] == 0:
+            return
+        cpu = torch.from_numpy(idx)
+        on_device = None
+        for i, copy in enumerate(self.copies):
+            chosen = self._choose(copy, idx)
+            if chosen is Backend.TORCH:
+                self._reference(cpu)
+                return
+            if chosen is Backend.TRITON:
+                if on_device is None:
+                    on_device = cpu.to(self.device, non_blocking=True).unbind(0)
+                self._launch(i, copy, on_device)
+            elif chosen is Backend.COPY_ENGINE:
+                if self.device.type != "cuda":
+                    raise ValueError(
+                        "backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'"
+                    )
+                from hicache.kernels.copy_engine import copy_rows_copy_engine
+
+                src, dst = (cpu[0], cpu[1]) if self.to_host else (cpu[1], cpu[0])
+                copy_rows_copy_engine(copy, src, dst)
+            else:  # STAGED, KV only
+                from hicache.kernels.staged import kv_staged
+
+                kv_staged(copy, cpu[0], cpu[1], self.to_host, self.tuning)
+
+    def _launch(self, i: int, copy: RowCopy, on_device: tuple[torch.Tensor, ...]) -> None:
+        launcher = self._launchers[i]
+        if launcher is None:
+            from hicache.kernels.triton_transfer import RowLauncher
+
+            launcher = self._launchers[i] = RowLauncher(copy, self.tuning)
+        dev, host = on_device
+        if self.to_host:
+            launcher.launch(dev, host)
+        else:
+            launcher.launch(host, dev)
+
+    def _reference(self, cpu: torch.Tensor) -> None:
+        dev, host = cpu[0], cpu[1]
+        t = self._tensors
+        if len(self.copies) == 1:
+            if self.to_host:
+                reference.kv_pages_to_host_ref(t[0], t[1], dev, host, self._page_size)
+            else:
+                reference.kv_pages_to_device_ref(t[0], t[1], host, dev, self._page_size)
+        elif self.to_host:
+            reference.mamba_states_to_host_ref(*t, dev, host)
+        else:
+            reference.mamba_states_to_device_ref(*t, host, dev)
