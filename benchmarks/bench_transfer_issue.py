@@ -16,7 +16,10 @@ list on its own), in the same run, on the same buffers.
 Layout: 32 full-attention layers of 8 KV heads × 128 (bf16), page 1, and a hybrid
 layout's Mamba states. Runs on CPU too (there both sides run the torch reference).
 
-Usage: ``python benchmarks/bench_transfer_issue.py [--calls 2000] [--pages 1,8,64]``
+``--steps``: each step of a prepared 8-page KV backup timed alone (GPU only).
+
+Usage: ``python benchmarks/bench_transfer_issue.py [--calls 2000] [--pages 1,8,64]
+[--steps]``
 """
 
 from __future__ import annotations
@@ -106,14 +109,71 @@ def measure(engine: TransferEngine, buffers, comp, n: int, calls: int, device: s
     }
 
 
+def steps(buffers, host, calls: int) -> None:
+    """Each step of one prepared 8-page FULL backup, timed alone over ``calls`` calls."""
+    engine = TransferEngine(host)
+    dev, hp = list(range(3, 11)), list(range(5, 13))
+    engine.to_host(FULL, buffers, dev, hp)
+    plan = engine._plan(FULL, buffers, to_host=True)
+    idx = plan._indices(dev, hp)
+    on_gpu = torch.from_numpy(idx).to("cuda").unbind(0)
+    launcher = plan._launchers[0]
+    _, backup = engine._streams_for(buffers.device)
+    current = torch.cuda.current_stream()
+    ready = torch.cuda.Event()
+    ready.record(current)
+
+    def enter_stream():
+        with torch.cuda.stream(backup):
+            pass
+
+    from hicache.kernels.copy_engine import RawEvents
+
+    raw = RawEvents(1)
+    cur_handle, backup_handle = current.cuda_stream, backup.cuda_stream
+
+    def raw_wait():
+        raw.record(0, cur_handle)
+        raw.wait(backup_handle, 0)
+
+    def event():
+        done = torch.cuda.Event()
+        done.record(backup)
+
+    table = {
+        "whole to_host": lambda: engine.to_host(FULL, buffers, dev, hp),
+        "to_host with a ready event": lambda: engine.to_host(FULL, buffers, dev, hp, ready),
+        "plan lookup": lambda: engine._plan(FULL, buffers, to_host=True),
+        "index checks (numpy)": lambda: plan._indices(dev, hp),
+        "indices to the GPU": lambda: torch.from_numpy(idx).to("cuda", non_blocking=True).unbind(0),
+        "backend choice": lambda: plan._choose(plan.copies[0], idx),
+        "Triton launch": lambda: launcher.launch(*on_gpu),
+        "enter + leave the stream": enter_stream,
+        "wait on the engine's stream": lambda: backup.wait_stream(current),
+        "wait on a ready event": lambda: backup.wait_event(ready),
+        "the same wait through raw runtime events": raw_wait,
+        "event create + record": event,
+    }
+    print("| step of an 8-page prepared backup | µs per call |")
+    print("|---|---|")
+    for name, fn in table.items():
+        print(f"| {name} | {per_call_us(fn, calls, 'cuda'):.1f} |")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--pages", default="1,8,64")
     parser.add_argument("--rounds", type=int, default=3, help="alternate the two this often")
+    parser.add_argument("--steps", action="store_true", help="time each step (GPU only)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     buffers, host = setup(device)
+    if args.steps:
+        if device != "cuda":
+            parser.error("--steps needs a CUDA GPU")
+        steps(buffers, host, args.calls)
     prepared, checked = TransferEngine(host), CheckedEveryCall(host)
     print(f"device {device}, {args.calls} calls per figure, best of {args.rounds} rounds (µs)")
     print()
