@@ -8,6 +8,10 @@ Triton's interpreter and ``Backend.STAGED`` its plan with host memcpys for the D
 which is how the tests compare them with the reference on a machine without a GPU. GPU
 work runs on (or is waited for by) the current CUDA stream and returns without waiting.
 
+A caller that copies between the same tensors many times (the controller) builds a
+:class:`PreparedTransfer` once instead: the same dispatch and bytes, with the tensor checks
+and launchers done up front (:mod:`hicache.kernels.prepared`).
+
 Layouts are those of :mod:`hicache.kernels.reference`.
 """
 
