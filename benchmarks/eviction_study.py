@@ -22,8 +22,10 @@ know:
   were known from its first request).
 
 Classes: ``uses`` (uses so far, buckets 0..5, 6-10, 11+), ``uses+length`` (and the
-log2 bucket of the length of the request that first cached the block), ``uses+gap`` (and
-the log4 bucket of the time between the last two uses). Run::
+log2 bucket of the length of the request that first cached the block), ``uses+output``
+(and the log2 bucket of that request's output length, which an engine knows when it
+inserts a finished request), ``uses+gap`` (and the log4 bucket of the time between the
+last two uses). Run::
 
     .venv/bin/python benchmarks/eviction_study.py \
         --trace ../shared/data/mooncake_synthetic_trace.jsonl
@@ -60,19 +62,21 @@ def uses_bucket(uses: int) -> int:
 class Block:
     """What a ranker may know of a cached (or evicted and remembered) block."""
 
-    __slots__ = ("cls", "first_len", "gap", "stamp", "uses")
+    __slots__ = ("cls", "first_len", "first_out", "gap", "stamp", "uses")
 
-    def __init__(self, stamp: int, first_len: int) -> None:
+    def __init__(self, stamp: int, first_len: int, first_out: int = 0) -> None:
         self.uses = 0
         self.stamp = stamp  # request index of the last use
         self.gap = 0  # requests between the last two uses (0 before the second)
         self.first_len = first_len  # blocks of the request that first cached it
+        self.first_out = first_out  # output tokens of that request
         self.cls: object = None
 
 
 CLASSES: dict[str, Callable[[Block], object]] = {
     "uses": lambda b: uses_bucket(b.uses),
     "uses+length": lambda b: (uses_bucket(b.uses), age_bucket(b.first_len)),
+    "uses+output": lambda b: (uses_bucket(b.uses), age_bucket(b.first_out)),
     "uses+gap": lambda b: (uses_bucket(b.uses), age_bucket(b.gap) // 2),
 }
 
@@ -196,9 +200,11 @@ def simulate(
     classify: Callable[[Block], object],
     sample: int = 8,
     seed: int = 0,
+    outputs: Sequence[int] | None = None,
 ) -> int:
     """Blocks hit; every use interval is reported to the ranker (evicted blocks are
-    remembered, so a return closes its interval like a hit)."""
+    remembered, so a return closes its interval like a hit). ``outputs``: each request's
+    output length, for the ``first_out`` of the blocks it caches first."""
     rng = random.Random(seed)
     cached: dict[int, Block] = {}
     remembered: dict[int, Block] = {}
@@ -259,7 +265,7 @@ def simulate(
             b = chain[j]
             state = remembered.pop(b, None)
             if state is None:
-                state = Block(now, n)
+                state = Block(now, n, outputs[now] if outputs else 0)
                 state.cls = classify(state)
                 ranker.opened(state, now)
             else:
@@ -276,7 +282,10 @@ def simulate(
 
 
 def fitted_table(
-    chains: Sequence[list[int]], classify: Callable[[Block], object], horizon: int
+    chains: Sequence[list[int]],
+    classify: Callable[[Block], object],
+    horizon: int,
+    outputs: Sequence[int] | None = None,
 ) -> dict[object, list[float]]:
     """The table over the whole trace: every use interval of every block, classified by
     the state the block had when the interval opened."""
@@ -288,7 +297,7 @@ def fitted_table(
         for b in chain:
             st = state.get(b)
             if st is None:
-                st = state[b] = Block(now, len(chain))
+                st = state[b] = Block(now, len(chain), outputs[now] if outputs else 0)
             else:
                 starts[st.cls].append(st.stamp)
                 gaps[st.cls].append(now - st.stamp)
@@ -312,13 +321,19 @@ def fitted_table(
 
 
 def drift(
-    chains: Sequence[list[int]], capacity: int, total: int, horizon: int, sample: int, seeds: int
+    chains: Sequence[list[int]],
+    capacity: int,
+    total: int,
+    horizon: int,
+    sample: int,
+    seeds: int,
+    outputs: Sequence[int] | None = None,
 ) -> int:
     """Whether what a table learns early still holds later: the online ``uses`` table as
     known at requests 1,000 / 2,000 / 3,000 / the end (age bucket 0, i.e. P(next use within
     ``horizon`` | uses)) and each snapshot fixed for the whole replay; then, per quarter of
-    the trace and class of the first request's length, how often a new block is used again
-    within 300 requests and at all."""
+    the trace and class of the first request's length (and of its output length), how
+    often a new block is used again within 300 requests and at all."""
     marks = [t for t in (1000, 2000, 3000) if t < len(chains)]
     snaps: dict[object, dict[object, list[float]]] = {}
 
@@ -361,23 +376,42 @@ def drift(
                 first[b], length[b] = now, len(chain)
             elif b not in again:
                 again[b] = now
+    by_length = {b: length[b] for b in first}
+    _reuse_by_quarter("first length", first, again, by_length, len(chains), 7)
+    if outputs:
+        by_output = {b: outputs[t] for b, t in first.items()}
+        what = "first request's output length"
+        _reuse_by_quarter(what, first, again, by_output, len(chains), 9)
+    return 0
+
+
+def _reuse_by_quarter(
+    what: str,
+    first: dict[int, int],
+    again: dict[int, int],
+    size: dict[int, int],
+    n: int,
+    top: int,
+) -> None:
+    """How often a new block is used again within 300 requests / ever, per quarter of the
+    trace and log2 class of ``size`` (a number known of each block when it is cached;
+    classes from ``2**top`` up are one)."""
     counts: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0])
     for b, t in first.items():
-        row = counts[(t * 4 // len(chains), min(age_bucket(length[b]) - 1, 7))]
+        row = counts[(t * 4 // n, min(max(age_bucket(size[b]) - 1, 0), top))]
         row[0] += 1
         if b in again:
             row[1] += again[b] - t <= 300
             row[2] += 1
-    print("new blocks used again within 300 requests / ever, by quarter and first length")
-    lengths = sorted({c for _, c in counts})
-    print(f"{'quarter':>7} " + " ".join(f"{'>=' + str(1 << c):>11}" for c in lengths))
+    print(f"new blocks used again within 300 requests / ever, by quarter and {what}")
+    classes = sorted({c for _, c in counts})
+    print(f"{'quarter':>7} " + " ".join(f"{'>=' + str(1 << c):>11}" for c in classes))
     for q in range(4):
         cells = []
-        for c in lengths:
-            n, soon, ever = counts.get((q, c), (0, 0, 0))
-            cells.append(f"{soon / n:.2f}/{ever / n:.2f}" if n else "-")
+        for c in classes:
+            m, soon, ever = counts.get((q, c), (0, 0, 0))
+            cells.append(f"{soon / m:.2f}/{ever / m:.2f}" if m else "-")
         print(f"{q:>7} " + " ".join(f"{c:>11}" for c in cells))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -397,10 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     trace = load_trace(args.trace)
     chains = [list(r.hash_ids) for r in trace]
+    outputs = [r.output_length for r in trace]
     total = sum(len(c) for c in chains)
     capacity = max(1, round(args.device / 100 * unique_blocks(trace)))
     if args.drift:
-        return drift(chains, capacity, total, args.horizon, args.sample, args.seeds)
+        return drift(chains, capacity, total, args.horizon, args.sample, args.seeds, outputs)
     optimum = optimal_hits(page_chains(trace, BlockShape()), capacity) / total
     print(
         f"{len(chains)} requests, {total} blocks, device {args.device:g}% = {capacity} blocks, "
@@ -411,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def row(name: str, make: Callable[[], Ranker], classify: Callable[[Block], object]) -> None:
         t0 = time.perf_counter()
         ratios = [
-            simulate(chains, capacity, make(), classify, args.sample, seed) / total
+            simulate(chains, capacity, make(), classify, args.sample, seed, outputs) / total
             for seed in range(args.seeds)
         ]
         mean = sum(ratios) / len(ratios)
@@ -424,14 +459,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     row("rule", Rule, CLASSES["uses"])
     for name in args.classes.split(","):
         classify = CLASSES[name]
-        fitted = fitted_table(chains, classify, args.horizon)
+        fitted = fitted_table(chains, classify, args.horizon, outputs)
         row(f"fitted:{name}", lambda f=fitted: Table(f), classify)
         half = len(chains) // 2
-        for part, sub in (("first", chains[:half]), ("second", chains[half:])):
-            table = fitted_table(sub, classify, args.horizon)
+        for part, cut in (("first", slice(None, half)), ("second", slice(half, None))):
+            table = fitted_table(chains[cut], classify, args.horizon, outputs[cut])
             row(f"{part}-half:{name}", lambda f=table: Table(f), classify)
         learner = Online(args.horizon)
-        simulate(chains, capacity, learner, classify, args.sample, 0)
+        simulate(chains, capacity, learner, classify, args.sample, 0, outputs)
         learner.rebuild(len(chains) + args.horizon)
         row(f"online:{name}", lambda: Online(args.horizon), classify)
         row(f"final:{name}", lambda t=learner.table: Table(t), classify)

@@ -64,3 +64,25 @@ def test_fitted_table_counts_known_outcomes():
     gaps = np.array([1, 1, 10])
     row = study.table_from_intervals(starts, gaps, np.array([12]), now=100, horizon=2, min_alive=1)
     assert row[0] == pytest.approx((2 + 0.2) / (4 + 1.0))
+
+
+def test_output_class_comes_from_the_request_that_first_cached_the_block():
+    """Blocks first cached by a short-output request are used again, those of a
+    long-output one never: the fitted ``uses+output`` table ranks unused blocks of the two
+    classes apart, and a ranker by it keeps the reused class (LRU keeps neither)."""
+    chains, outputs = [], []
+    for i in range(60):
+        chains.append([1000 + i, 2000 + i])  # long output, never used again
+        outputs.append(500)
+        chains.append([i % 3, 10 + i % 3])  # short output: three chains used over and over
+        outputs.append(4)
+    classify = study.CLASSES["uses+output"]
+    table = study.fitted_table(chains, classify, horizon=10, outputs=outputs)
+    short, long = table[(0, study.age_bucket(4))], table[(0, study.age_bucket(500))]
+    assert short[0] > 0.5 > long[0]
+    hits = study.simulate(chains, 6, study.Table(table), classify, outputs=outputs)
+    lru = study.simulate(chains, 6, study.LRU(), classify, outputs=outputs)
+    assert hits > lru
+    # Without the outputs every block is in one class: the table cannot tell them apart.
+    flat = study.fitted_table(chains, classify, horizon=10)
+    assert set(flat) == {(u, 0) for u in {k[0] for k in flat}}
