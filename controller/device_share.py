@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.controller.transfer import EngineBuffers
@@ -202,7 +203,12 @@ def _map_shm(desc: dict[str, Any], segments: list) -> torch.Tensor:
             f"segment {name!r} holds {seg.size} bytes, fewer than the {nbytes} its "
             f"shape {shape} of {dtype_name(dtype)} needs"
         )
-    flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+    # Through NumPy, whose array holds an export of the segment's buffer for as long as
+    # any tensor made from it lives: MappedPools.close() then fails (and is tried again)
+    # while a copy could still touch the memory. torch.frombuffer holds no export, so the
+    # segment would be unmapped under a live tensor.
+    raw = np.frombuffer(seg.buf, dtype=np.uint8, count=max(nbytes, 1))
+    flat = torch.from_numpy(raw)[:nbytes]
     return flat.view(dtype).view(shape)
 
 
@@ -321,11 +327,13 @@ def map_pools(
                 f"the layout needs buffers {sorted(want)}, the engine sent {sorted(tensors)}"
             )
         for name, shape in want.items():
-            t = tensors[name]
+            # No tensor in a local: a refusal's traceback would keep it (and so the
+            # mapping) alive past the close() below.
+            got_shape, got_dtype = list(tensors[name].shape), tensors[name].dtype
             dtype = layout.state_dtype if name.startswith("mamba") else layout.dtype
-            if tuple(t.shape) != shape or t.dtype != dtype:
+            if tuple(got_shape) != shape or got_dtype != dtype:
                 raise RegistrationRefused(
-                    f"buffer {name!r} is {list(t.shape)} {dtype_name(t.dtype)}, the layout "
+                    f"buffer {name!r} is {got_shape} {dtype_name(got_dtype)}, the layout "
                     f"needs {list(shape)} {dtype_name(dtype)}"
                 )
             if name in ("full", "swa") and shape[2] % page_size:
@@ -339,6 +347,7 @@ def map_pools(
         )
     except BaseException:
         tensors.clear()
-        MappedPools(None, device, segments).close()  # type: ignore[arg-type]
+        if not MappedPools(None, device, segments).close():  # type: ignore[arg-type]
+            log.warning("a refused registration left %d segment(s) mapped", len(segments))
         raise
     return MappedPools(buffers_out, device, segments)

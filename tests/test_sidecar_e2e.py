@@ -8,10 +8,11 @@ and hit the prefix on disk.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
-from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir
+from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir, wait_for
 
 PAGE = 4
 PREFIX_PAGES = 10
@@ -90,3 +91,34 @@ def test_engine_b_loads_engine_a_prefix_from_host_then_from_disk_after_restart(w
         finally:
             for e in (a, b):
                 e.close()
+
+
+def _shm_maps(pid: int) -> set[str]:
+    """The shared-memory files mapped into process ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps:  # a path may end in " (deleted)"
+        return set(re.findall(r"/dev/shm/\S+", maps.read()))
+
+
+def test_sidecar_unmaps_an_engines_memory_once_the_engine_leaves(workdir):
+    """The sidecar maps an engine's pools to copy into and out of them; the copies it
+    prepared for that engine must not keep them mapped after the engine is gone."""
+    sidecar = Sidecar(workdir, args=["--layout-file", str(layout_file(workdir))])
+    with sidecar.launch():
+        sidecar.wait_ready()
+        before = _shm_maps(sidecar.proc.pid)
+        (a,) = _engines(sidecar, "engine-A")
+        try:
+            # A backup and a load-back: the sidecar copied both ways with A's pools.
+            assert a.call("run", tokens=TOKENS)["backup_done"] >= 1
+            assert a.call("evict_all")["full_tokens"] >= PREFIX
+            assert a.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            mapped = _shm_maps(sidecar.proc.pid) - before
+            assert mapped, "the engine's pools should be mapped into the sidecar"
+        finally:
+            a.close()
+        wait_for(
+            lambda: not (_shm_maps(sidecar.proc.pid) & mapped),
+            30,
+            "the sidecar to unmap the engine's pools",
+        )
+        assert "left: said bye" in sidecar.log_text()

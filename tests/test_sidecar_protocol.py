@@ -114,6 +114,25 @@ def test_shared_memory_pools_map_onto_the_same_bytes():
         pools.close()
 
 
+def test_mapped_pools_stay_mapped_while_a_tensor_of_them_lives():
+    """The sidecar unmaps an engine's memory only once nothing can touch it: a copy that
+    still holds a view (here a slice of the K pool) keeps the segments mapped, and close()
+    says so; once the view is gone, close() unmaps."""
+    pools = _shared_pools()
+    try:
+        mapped = map_pools(pools.layout, 4, export_pools(pools))
+        view = mapped.buffers.full_kv[0, 0, 4:8]
+        mapped.buffers = None
+        assert not mapped.close()
+        pools.full.buffer[0, 0, 5] = 2.5
+        assert torch.all(view[1] == 2.5)  # still the engine's bytes, still mapped
+        del view
+        assert mapped.close()
+        assert not mapped.segments
+    finally:
+        pools.close()
+
+
 def test_pools_of_another_shape_are_refused():
     pools = _shared_pools(heads=3)
     try:
