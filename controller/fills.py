@@ -27,7 +27,11 @@ _POLL_MAX_S = 1e-3
 
 class QueuedBackup:
     """One part of a backup: its page plan, the CUDA events after which its bytes are on
-    host, and the one future its pages share as their ``fill``."""
+    host, and the one future its pages share as their ``fill``.
+
+    ``source`` (the engine's buffers the copy reads) is held until the part is published:
+    an engine that leaves while its copy runs must not take the memory away under it (its
+    pools may be mapped from another process, and are let go when nothing holds them)."""
 
     def __init__(
         self,
@@ -35,11 +39,13 @@ class QueuedBackup:
         events: list[Any],
         t0: float,
         fill: Future,
+        source: Any = None,
     ):
         self.plan = plan
         self.events = events
         self.t0 = t0
         self.fill = fill
+        self.source = source
         self.published = False
 
 
@@ -77,6 +83,7 @@ class FillTracker:
         """A backup's bytes are on host: mark its pages ready and queue them to disk."""
         store = self._store
         backup.published = True
+        backup.source = None  # the copy has ended: the engine's memory may go
         nbytes = 0
         for e, _ in backup.plan:
             store.index.mark_host_ready(e)

@@ -348,7 +348,7 @@ class LocalController:
             with self._store.lock:
                 self._fills.abort_locked(plan, fill)
             return False
-        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill)
+        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill, buffers)
         with self._store.lock:
             if queued.events:
                 self._fills.queue_locked(queued)

@@ -7,8 +7,10 @@ same operation succeeds once the fault is gone.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 from test_controller_support import (
@@ -187,6 +189,48 @@ def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
     _no_holds(ctl)
     ctl._transfer.to_host = inner
     assert ctl.backup(chain.refs()).wait(5.0)
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_path):
+    """An engine leaves (a sidecar drops its connection) while its backup's copy still
+    runs on the GPU: the copy's source memory must stay held until the copy has ended,
+    then be let go."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools, "leaving")
+    chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
+    inner = ctl._transfer.to_host
+    done = threading.Event()
+
+    class RunningCopy:  # a CUDA event of a copy in flight until ``done``
+        def synchronize(self):
+            done.wait(5.0)
+
+        def query(self):
+            return done.is_set()
+
+    def to_host(component, buffers, device_index, host_pages, ready_event=None):
+        inner(component, buffers, device_index, host_pages, ready_event)
+        return RunningCopy()
+
+    ctl._transfer.to_host = to_host
+    handle = ctl.backup(chain.refs(), engine_id="leaving")
+    buffers = weakref.ref(ctl._engines["leaving"])
+    # The engine is gone from the controller (as when its connection was replaced while
+    # the backup ran); only the queued copy may still hold its buffers.
+    with ctl.store.lock:
+        ctl._engines.pop("leaving")
+    gc.collect()
+    assert buffers() is not None, "the running copy's source was let go"
+    done.set()
+    assert handle.wait(5.0)
+    gc.collect()
+    assert buffers() is None, "a published backup still holds the engine's buffers"
+    assert ctl.flush(10.0)  # the pages' disk writes too
+    _no_holds(ctl)
     ctl.check_invariants(deep=True)
     ctl.close()
 
