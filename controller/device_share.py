@@ -329,11 +329,11 @@ def map_pools(
         for name, shape in want.items():
             # No tensor in a local: a refusal's traceback would keep it (and so the
             # mapping) alive past the close() below.
-            got_shape, got_dtype = list(tensors[name].shape), tensors[name].dtype
+            got_shape, got_dtype = tuple(tensors[name].shape), tensors[name].dtype
             dtype = layout.state_dtype if name.startswith("mamba") else layout.dtype
-            if tuple(got_shape) != shape or got_dtype != dtype:
+            if got_shape != shape or got_dtype != dtype:
                 raise RegistrationRefused(
-                    f"buffer {name!r} is {got_shape} {dtype_name(got_dtype)}, the layout "
+                    f"buffer {name!r} is {list(got_shape)} {dtype_name(got_dtype)}, the layout "
                     f"needs {list(shape)} {dtype_name(dtype)}"
                 )
             if name in ("full", "swa") and shape[2] % page_size:

@@ -58,6 +58,7 @@ class PreparedTransfer:
         self._tensors = tensors  # the reference's arguments, in its order
         self._page_size = page_size
         self._device_items = device_items
+        self._kv = len(copies) == 1  # KV pages (one copy) or Mamba states (conv, SSM)
         dev_side = copies[0].src if to_host else copies[0].dst
         self.device = dev_side.tensor.device
         self.device_limit = dev_side.num_items
@@ -151,7 +152,7 @@ class PreparedTransfer:
             return Backend.TORCH
         n = idx.shape[1]
         transfer_bytes = dma_bytes = 0
-        if len(self.copies) == 1:  # KV: the staged path is open to it
+        if self._kv:  # the staged path is open to KV pages only
             transfer_bytes = n * copy.item_bytes
             if transfer_bytes >= self.tuning.staged_min_transfer_bytes:
                 from hicache.kernels.staged import mean_dma_bytes
@@ -213,7 +214,7 @@ class PreparedTransfer:
     def _reference(self, cpu: torch.Tensor) -> None:
         dev, host = cpu[0], cpu[1]
         t = self._tensors
-        if len(self.copies) == 1:
+        if self._kv:
             if self.to_host:
                 reference.kv_pages_to_host_ref(t[0], t[1], dev, host, self._page_size)
             else:
