@@ -134,20 +134,26 @@ def clear(
                     out.disk_pages += len(keys)
                 elif e.disk_state is not DiskState.NONE:
                     out.kept_pages += 1
+        if deletes:
+            store.disk.submit_delete(deletes)
     if deletes:
-        _delete_from_disk(store, deletes)
+        _wait_for_deletes(store, len(deletes))
     return out
 
 
-def _delete_from_disk(store, keys: list[bytes]) -> bool:
-    """Queue the deletes of ``keys`` (already dropped from the index) and wait until the
-    writer has committed them, so that what an admin command reports gone is gone from
-    LMDB (a check or a crash right after it does not find it again). False when the writer
-    did not get to them within the wait; they stay queued and are committed later."""
-    store.disk.submit_delete(keys)
+def _wait_for_deletes(store, count: int) -> bool:
+    """Wait until the writer has committed the ``count`` deletes just queued, so that what
+    an admin command reports gone is gone from LMDB (a check or a crash right after it
+    does not find it again). False when the writer did not get to them within the wait;
+    they stay queued and are committed later.
+
+    The caller queues the deletes under ``store.lock``, in the section that drops the
+    keys from the index: a backup of the same page queued after that section is then
+    committed after the delete, never deleted by it.
+    """
     if store.disk.flush(_REPAIR_WAIT_S):
         return True
-    log.warning("%d LMDB deletes still queued after %ss", len(keys), _REPAIR_WAIT_S)
+    log.warning("%d LMDB deletes still queued after %ss", count, _REPAIR_WAIT_S)
     return False
 
 
@@ -162,11 +168,14 @@ def evict(
     if tier is Tier.DISK:
         if store.disk is None:
             raise ControllerError("this sidecar has no disk tier")
-        before = store.index.disk_live_bytes
-        keys = store.evict_disk(nbytes)
+        with store.lock:
+            before = store.index.disk_live_bytes
+            keys = store.evict_disk(nbytes)
+            store.disk.submit_delete(keys)
+            freed = before - store.index.disk_live_bytes
         if keys:
-            _delete_from_disk(store, keys)
-        return {"pages": len(keys), "bytes": before - store.index.disk_live_bytes}
+            _wait_for_deletes(store, len(keys))
+        return {"pages": len(keys), "bytes": freed}
     comps = [component] if component is not None else list(store.host.components)
     freed_pages = freed_bytes = 0
     with store.lock:
@@ -298,8 +307,9 @@ def fsck(
                     store.index.discard_if_unused(e)
                 ctl.counters.fail(Failure.CHECKSUM)
                 deletes.append(skey)
+            store.disk.submit_delete(deletes)
         # Repaired means gone from LMDB, not only queued.
-        if deletes and _delete_from_disk(store, deletes):
+        if deletes and _wait_for_deletes(store, len(deletes)):
             left = store.disk.pending_deletes  # deletes the writer must retry
             out.repaired = sum(1 for k in deletes if k not in left)
     return out

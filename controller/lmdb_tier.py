@@ -15,6 +15,7 @@ import enum
 import fcntl
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +26,13 @@ import lmdb
 import numpy as np
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.lmdb_writer import LmdbWriter, TierCounters, WriteJob, WriteResult
+from hicache.controller.lmdb_writer import (
+    LmdbWriter,
+    TierCounters,
+    WriteJob,
+    WriteResult,
+    reserve_pages,
+)
 from hicache.controller.page_codec import (
     HEADER_BYTES,
     KEY_BYTES,
@@ -70,7 +77,8 @@ class LmdbTier:
     ``live_bytes()`` returns the committed bytes the index holds; ``evict(nbytes)`` asks
     the controller to drop at least ``nbytes`` of least-recently-used disk pages from its
     index and returns their keys (the writer then deletes them); ``on_written(results,
-    seconds)`` reports each batch. All three are called from the writer thread.
+    seconds)`` reports each batch. All three are called from the writer thread (only a
+    write submitted after ``close`` is reported from the submitting thread).
     """
 
     def __init__(
@@ -91,6 +99,7 @@ class LmdbTier:
         self._fault_hook: Callable[[str], bool] | None = None
         self._foreign: dict[bytes, int] = {}
         self._closed = False
+        self._closing = threading.Lock()  # a read is submitted wholly before or after close
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -104,6 +113,7 @@ class LmdbTier:
                 max_readers=max(126, 4 * config.reader_threads),
                 max_dbs=0,
             )
+            self._leave_room_to_delete()
         except lmdb.Error as exc:
             os.close(self._lock_fd)
             raise ControllerError(f"cannot open the LMDB tier at {self.path}: {exc}") from exc
@@ -134,6 +144,18 @@ class LmdbTier:
         return fd
 
     # -- opening -------------------------------------------------------------------------
+
+    def _leave_room_to_delete(self) -> None:
+        """Give a file that fills the configured map the writer's reserve on top.
+
+        When the file outgrew the map (the budget shrank since it grew), LMDB takes the
+        file's used size as the map, which leaves no page for the transactions that
+        delete down to the new budget (copy on write needs some even to delete).
+        """
+        psize = self.env.stat()["psize"]
+        used_pages = self.env.info()["last_pgno"] + 1
+        if used_pages * psize >= self.config.map_size_bytes:
+            self.env.set_mapsize((used_pages + reserve_pages(used_pages)) * psize)
 
     def scan(self) -> list[DiskRecord]:
         """Every committed page of this layout, oldest first; drops invalid values.
@@ -189,7 +211,8 @@ class LmdbTier:
     # -- submission ----------------------------------------------------------------------
 
     def submit_write(self, job: WriteJob) -> None:
-        """Queue a page for the writer; its result comes through ``on_written``."""
+        """Queue a page for the writer; its result comes through ``on_written`` (at once,
+        as a failure, when the tier is closed)."""
         self.writer.submit_write(job)
 
     def submit_delete(self, skeys: Sequence[bytes]) -> None:
@@ -197,10 +220,25 @@ class LmdbTier:
         self.writer.submit_delete(skeys)
 
     def submit_read(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on a reader thread."""
-        if self._closed:
-            raise ControllerError("the LMDB tier is closed")
-        return self._readers.submit(fn, *args)
+        """Run ``fn(*args)`` on a reader thread.
+
+        Once the tier is closed (a load racing shutdown) ``fn`` still runs, on a thread
+        of its own, and :meth:`read_into` answers ERROR there without touching LMDB: the
+        caller, which reserved a host page for the read, settles it like any failed read.
+        """
+        with self._closing:
+            if not self._closed:
+                return self._readers.submit(fn, *args)
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="hicache-lmdb-closed-read", daemon=True).start()
+        return done
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued before the call is committed (or failed)."""
@@ -226,7 +264,11 @@ class LmdbTier:
         """Copy the page ``skey`` into ``dst`` (uint8, its exact size) and verify it.
 
         Blocking: call it on a reader thread. Anything but OK leaves ``dst`` undefined.
+        A closed tier reads nothing (ERROR), so a read still queued at ``close`` or
+        submitted after it never touches an environment that may be unmapped.
         """
+        if self._closed:
+            return ReadStatus.ERROR
         if self.fault_hook is not None and self.fault_hook("disk_read"):
             return ReadStatus.ERROR
         try:
@@ -301,9 +343,10 @@ class LmdbTier:
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Drain queued writes, stop the threads, sync and close; True when fully drained."""
-        if self._closed:
-            return True
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return True
+            self._closed = True
         self._readers.shutdown(wait=True)
         drained = self.writer.stop(timeout_s)
         if drained:

@@ -1,4 +1,5 @@
-"""The LMDB tier on a real environment: values, the writer, reads, rebuild, limits."""
+"""The LMDB tier on a real environment: values, the writer, reads, rebuild, limits, and
+the controller paths that meet its edges (shutdown, admin deletes, a shrunk budget)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from test_controller_support import PAGE, Engine, controller_config, hybrid_layout
 
+from hicache.controller.admin_ops import clear
 from hicache.controller.config import ControllerConfig
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
+from hicache.controller.local import LocalController
 from hicache.controller.page_codec import HEADER_BYTES, decode_header, encode_value
 from hicache.controller_api import ControllerError
-from hicache.types import ComponentType
+from hicache.types import ComponentType, Tier
 
 FULL = ComponentType.FULL
 DIGEST = b"L" * 16
@@ -61,13 +65,15 @@ class FakeIndex:
             raise RuntimeError("a bug in the callback")
 
 
-def open_tier(tmp_path, index: FakeIndex, digest: bytes = DIGEST, **overrides) -> LmdbTier:
+def open_tier(
+    tmp_path, index: FakeIndex, digest: bytes = DIGEST, page_bytes: int = PAGE_BYTES, **overrides
+) -> LmdbTier:
     kw = dict(disk_path=tmp_path / "lmdb", disk_budget_bytes=1 << 20, disk_sync=False)
     kw.update(overrides)
     tier = LmdbTier(
         ControllerConfig(**kw),
         digest,
-        {FULL: PAGE_BYTES},
+        {FULL: page_bytes},
         index.live_bytes,
         index.evict,
         index.on_written,
@@ -206,11 +212,77 @@ def test_close_drains_every_queued_write(tmp_path):
     for i in range(100):
         tier.submit_write(WriteJob(skey(i), FULL, b"P" * 16, payload(i)))
     assert tier.close(30.0)
-    with pytest.raises(ControllerError, match="closed"):
-        tier.submit_write(WriteJob(skey(0), FULL, b"P" * 16, payload(0)))
+    assert len(index.results) == 100 and all(r.ok for r in index.results)
     reopened = open_tier(tmp_path, FakeIndex())
     assert len(reopened.stored_keys()) == 100
     reopened.close()
+
+
+def test_a_write_or_read_after_close_is_settled_as_a_failure(tmp_path):
+    """A backup or a load racing shutdown has marked its page queued or being filled
+    before it submits: the submit must not raise and strand that mark, but end the way
+    a failed write or read does."""
+    index = FakeIndex()
+    tier = open_tier(tmp_path, index)
+    write(tier, [1])
+    assert tier.close(10.0)
+    late = WriteJob(skey(2), FULL, b"P" * 16, payload(2))
+    tier.submit_write(late)
+    assert index.results[-1].job is late and not index.results[-1].ok
+    assert "closed" in index.results[-1].reason
+    dst = np.empty(PAGE_BYTES, np.uint8)
+    read = tier.submit_read(tier.read_into, skey(1), dst)
+    assert read.result(5.0) is ReadStatus.ERROR  # the job ran; LMDB was not touched
+
+
+def test_a_backup_and_a_load_racing_shutdown_leave_their_pages_consistent(tmp_path):
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    stored = engine.write_chain(range(2 * PAGE))
+    assert ctl.backup(stored.refs([FULL])).wait(10.0) and ctl.flush(10.0)
+    clear(ctl, None, [Tier.HOST])  # on disk only: a load reads it back
+    ctl.store.disk.close(10.0)  # shutdown got there first
+    assert ctl.prefetch(stored.page_keys([FULL])).wait(10.0) is False
+    fresh = engine.write_chain(range(100, 100 + 2 * PAGE))
+    assert ctl.backup(fresh.refs([FULL])).wait(10.0)  # on host; the disk write failed
+    assert ctl.tiers_of(stored.page_keys([FULL])) == [{Tier.DISK}] * 2
+    assert ctl.tiers_of(fresh.page_keys([FULL])) == [{Tier.HOST}] * 2
+    ctl.check_invariants()
+    ctl.close()
+
+
+def test_an_admin_clear_racing_a_new_backup_of_the_page_never_deletes_the_new_copy(tmp_path):
+    """``clear`` drops pages from the index and queues their LMDB deletes; a backup of the
+    same pages that gets in between must be committed after those deletes, not deleted
+    by them (the index would say on disk, LMDB would have nothing)."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path))
+    ctl.register(layout, PAGE, engine.pools)
+    chain = engine.write_chain(range(2 * PAGE))
+    assert ctl.backup(chain.refs([FULL])).wait(10.0) and ctl.flush(10.0)
+    tier = ctl.store.disk
+    queue_deletes = tier.submit_delete
+    backups: list[threading.Thread] = []
+
+    def submit_delete_as_the_page_comes_back(keys) -> None:
+        again = threading.Thread(target=lambda: ctl.backup(chain.refs([FULL])).wait(10.0))
+        again.start()
+        backups.append(again)
+        again.join(0.5)  # runs now unless clear still holds the lock
+        tier.flush(0.5)
+        queue_deletes(keys)
+
+    tier.submit_delete = submit_delete_as_the_page_comes_back
+    clear(ctl, None, [Tier.HOST, Tier.DISK])
+    tier.submit_delete = queue_deletes
+    backups[0].join(10.0)
+    assert ctl.flush(10.0)
+    assert ctl.tiers_of(chain.page_keys([FULL])) == [{Tier.HOST, Tier.DISK}] * 2
+    ctl.check_invariants(deep=True)  # what the index says is on disk is in LMDB
+    ctl.close()
 
 
 def test_a_framed_page_is_stored_from_its_own_buffer(tmp_path):
@@ -224,4 +296,78 @@ def test_a_framed_page_is_stored_from_its_own_buffer(tmp_path):
     dst = np.empty(PAGE_BYTES, np.uint8)
     assert tier.read_into(skey(7), dst) is ReadStatus.OK
     assert np.array_equal(dst, payload(7))
+    tier.close()
+
+
+# -- the budget on a map that is tight -------------------------------------------------
+
+
+def big_page_bytes(tier: LmdbTier) -> int:
+    """A payload whose value fills exactly 16 LMDB pages (no overflow slack)."""
+    return 16 * tier.env.stat()["psize"] - 16 - HEADER_BYTES
+
+
+def write_big(tier: LmdbTier, ids, nbytes: int) -> None:
+    for i in ids:
+        tier.submit_write(WriteJob(skey(i), FULL, b"P" * 16, np.full(nbytes, i % 251, np.uint8)))
+    assert tier.flush(30.0)
+
+
+def test_a_budget_shrunk_at_restart_keeps_the_newest_pages_up_to_it(tmp_path):
+    """The controller evicts least recently used pages down to a budget that shrank since
+    the last run. The file is bigger than the new map (LMDB keeps the file's size as the
+    map), and the values being deleted still fill it until their deletion commits: none
+    of that may make the writer evict the pages the new budget holds."""
+    index = FakeIndex()
+    tier = open_tier(tmp_path, index, disk_budget_bytes=8 << 20)
+    nbytes = big_page_bytes(tier)
+    value = HEADER_BYTES + nbytes
+    write_big(tier, range(100), nbytes)
+    tier.close()
+
+    budget = 16 * value
+    index = FakeIndex()
+    tier = open_tier(
+        tmp_path,
+        index,
+        page_bytes=nbytes,
+        disk_budget_bytes=budget,
+        lmdb_map_size_bytes=budget * 5 // 4,
+    )
+    assert len(index.pages) == 100
+    tier.submit_delete(index.evict(index.live_bytes() - budget))  # as PageStore.open_locked
+    assert tier.flush(30.0)
+    assert index.live_bytes() == budget
+    assert tier.stored_keys() == {skey(i) for i in range(84, 100)}
+    write_big(tier, range(100, 108), nbytes)  # and the budget holds on from there
+    assert all(r.ok for r in index.results) and index.live_bytes() == budget
+    assert tier.stored_keys() == {skey(i) for i in range(92, 108)}
+    tier.close()
+
+
+def test_at_the_smallest_map_batches_replace_old_pages_one_for_one(tmp_path):
+    """With ``lmdb_map_size_bytes`` at its floor (1.25 x the budget), a batch of a quarter
+    of the budget cannot share a transaction with the deletions that make room for it
+    (LMDB reuses freed pages only after a later commit). The writer must still keep the
+    budget full: evict what the budget asks, no more."""
+    index = FakeIndex()
+    probe = open_tier(tmp_path / "probe", FakeIndex())
+    nbytes = big_page_bytes(probe)
+    probe.close()
+    value = HEADER_BYTES + nbytes
+    budget = 64 * value
+    tier = open_tier(
+        tmp_path,
+        index,
+        page_bytes=nbytes,
+        disk_budget_bytes=budget,
+        lmdb_map_size_bytes=budget * 5 // 4,
+        writer_batch_pages=16,
+        writer_flush_interval_s=5.0,  # every batch is exactly the 16 pages submitted
+    )
+    for batch in range(12):
+        write_big(tier, range(16 * batch, 16 * batch + 16), nbytes)
+        assert index.live_bytes() == min(16 * (batch + 1), 64) * value, f"batch {batch}"
+    assert all(r.ok for r in index.results)
+    assert tier.stored_keys() == {skey(i) for i in range(128, 192)}
     tier.close()
