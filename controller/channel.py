@@ -230,9 +230,10 @@ class Channel:
             self._progress.pop(req_id, None)
             self._replies.pop(req_id, None)
 
-    def wait(self, req_id: int, timeout_s: float) -> dict[str, Any]:
+    def wait(self, req_id: int, timeout_s: float, forget: bool = True) -> dict[str, Any]:
         """The result of ``req_id``; raises RemoteError for an error reply and
-        SidecarUnavailable when none came within ``timeout_s``."""
+        SidecarUnavailable when none came within ``timeout_s`` (after which a late reply
+        is still filed for :meth:`poll` unless ``forget``)."""
         end = time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -240,7 +241,8 @@ class Channel:
                 if msg is None:
                     left = end - time.monotonic()
                     if left <= 0 or (req_id not in self._expected):
-                        self.forget(req_id)
+                        if forget or req_id not in self._expected:
+                            self.forget(req_id)
                         raise SidecarUnavailable(
                             f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
                         )

@@ -53,6 +53,7 @@ from hicache.controller.protocol import (
 from hicache.controller_api import (
     CompletedTransfer,
     ControllerError,
+    LoadOutcome,
     LookupResult,
     PageKey,
     PageRef,
@@ -84,51 +85,80 @@ def _current_stream(device: Any) -> Any:
 
 
 class _RemoteTransfer:
-    """A backup or prefetch in flight: its reply says whether it succeeded."""
+    """A backup, prefetch or abandoned load in flight: its reply says whether it succeeded.
 
-    def __init__(self, client: SidecarController, req_id: int, generation: int, timeout_s: float):
+    Its outcome is known at its reply or its deadline, whichever comes first; it is
+    ``done()`` only once the sidecar can no longer touch the engine's pages for it: at the
+    reply, or once a newer session is registered (the sidecar answers a registration only
+    after every request of the engine's earlier sessions has ended or been refused). A
+    transfer still unanswered at its deadline opens the breaker, so that the reconnect
+    which follows settles it even if its reply never comes.
+    """
+
+    def __init__(
+        self,
+        client: SidecarController,
+        req_id: int,
+        generation: int,
+        timeout_s: float,
+        deadline: float | None = None,
+    ):
         self._client = client
         self._req_id = req_id
         self._generation = generation
-        self._deadline = time.monotonic() + timeout_s
-        self._ok: bool | None = None
+        self._deadline = time.monotonic() + timeout_s if deadline is None else deadline
+        self._ok: bool | None = None  # the outcome, once known
+        self._settled = False  # nothing of this transfer can run any more
         self.keep_alive: Any = None  # e.g. the CUDA event the sidecar's copy waits on
+        client._unsettled += 1
 
-    def _settle(self, msg: dict | None, failed: bool = False) -> None:
-        if msg is not None:
-            try:
-                self._ok = bool(result_of(msg).get("ok"))
-                self._client._succeeded()
-            except RemoteError as exc:
-                self._client._failed(exc)
-                self._ok = False
-        elif failed:
-            self._ok = False
+    def _settle(self, ok: bool) -> None:
+        self._ok = ok
+        if not self._settled:
+            self._settled = True
+            self.keep_alive = None
+            self._client._unsettled -= 1
+
+    def _take_reply(self, msg: dict) -> None:
+        try:
+            ok = bool(result_of(msg).get("ok"))
+            self._client._succeeded()
+        except RemoteError as exc:
+            self._client._failed(exc)
+            ok = False
+        self._settle(ok)
 
     def done(self) -> bool:
-        if self._ok is not None:
+        if self._settled:
             return True
-        ch = self._client._channel
+        client = self._client
+        ch = client._channel
         if ch.generation != self._generation:  # the socket it went out on is gone
             self._ok = False
-            return True
-        self._settle(ch.poll(self._req_id))
-        if self._ok is None and time.monotonic() > self._deadline:
-            ch.forget(self._req_id)
-            self._client._failed(SidecarUnavailable("transfer timed out"))
+            if client._fenced_generation > self._generation:
+                self._settle(False)
+            return self._settled
+        msg = ch.poll(self._req_id)
+        if msg is not None:
+            self._take_reply(msg)
+        elif self._ok is None and time.monotonic() > self._deadline:
             self._ok = False
-        return self._ok is not None
+            client._failed(SidecarUnavailable("transfer timed out"), renew=True)
+        return self._settled
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        if self.done():
+        """The outcome: True when the sidecar acknowledged the transfer, False on failure
+        or at the deadline (the transfer may then still run: see ``done()``)."""
+        if self.done() or self._ok is not None:
             return bool(self._ok)
         left = self._deadline - time.monotonic()
         if timeout_s is not None:
             left = min(left, timeout_s)
         end = time.monotonic() + max(left, 0.0)
-        while not self.done() and time.monotonic() < end:
+        while not self.done() and self._ok is None and time.monotonic() < end:
             with self._client._channel._lock:
                 self._client._channel._drain(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
+        self.done()  # the deadline may have passed in the last slice
         return bool(self._ok)
 
 
@@ -157,6 +187,11 @@ class SidecarController:
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
         self._closed = False
+        self._unsettled = 0  # transfers sent whose end the sidecar has not confirmed
+        # Transfers sent on a socket generation below this one are settled: a newer
+        # session's registration was answered, which the sidecar does only once every
+        # request of the engine's earlier sessions has ended or been refused.
+        self._fenced_generation = 0
         self._wake = threading.Event()
         self._start_heartbeats = start_heartbeats
         self._thread: threading.Thread | None = None
@@ -171,10 +206,11 @@ class SidecarController:
     def _succeeded(self) -> None:
         self._failures = 0
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, renew: bool = False) -> None:
         """Count a failure; open the breaker after enough of them (at once for a lost
-        session, which only a reconnect can fix)."""
-        lost = isinstance(exc, RemoteError) and exc.code == ErrorCode.NO_SESSION.value
+        session, which only a reconnect can fix, and with ``renew`` for a transfer given up
+        on: only a new session proves that it can no longer run)."""
+        lost = renew or (isinstance(exc, RemoteError) and exc.code == ErrorCode.NO_SESSION.value)
         with self._state_lock:
             self._failures += 1
             if not self._open and (lost or self._failures >= self.config.breaker_failures):
@@ -197,16 +233,19 @@ class SidecarController:
         try:
             res = self._channel.call(verb, args, timeout_s, progress)
         except (SidecarUnavailable, RemoteError) as exc:
-            if isinstance(exc, SidecarUnavailable) or exc.code in (
-                ErrorCode.NO_SESSION.value,
-                ErrorCode.SHUTTING_DOWN.value,
-                ErrorCode.BUSY.value,
-                ErrorCode.DEADLINE_EXCEEDED.value,
-            ):
-                self._failed(exc)
+            self._call_failed(exc)
             raise
         self._succeeded()
         return res
+
+    def _call_failed(self, exc: SidecarUnavailable | RemoteError) -> None:
+        if isinstance(exc, SidecarUnavailable) or exc.code in (
+            ErrorCode.NO_SESSION.value,
+            ErrorCode.SHUTTING_DOWN.value,
+            ErrorCode.BUSY.value,
+            ErrorCode.DEADLINE_EXCEEDED.value,
+        ):
+            self._failed(exc)
 
     # -- session -------------------------------------------------------------------------
 
@@ -231,7 +270,9 @@ class SidecarController:
         )
         if self.config.heartbeat_interval_s is None:
             self._heartbeat_s = float(hello.get("heartbeat_interval_s", 3.0))
-        ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
+        reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
+        if reg.get("fenced") is True:
+            self._fenced_generation = ch.generation
         with self._state_lock:
             self._open = False
             self._failures = 0
@@ -392,23 +433,46 @@ class SidecarController:
             int(res["pin_id"]), list(keys), deadline, {"generation": self._channel.generation}
         )
 
-    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
+    def load(
+        self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float
+    ) -> bool | LoadOutcome:
+        """True when the sidecar copied every page. When no answer came in time, the copy
+        may still run: the result is then a false :class:`LoadOutcome` whose ``pending``
+        handle is done once it can no longer write (the reply, or a newer session)."""
         if pin.extra.get("generation") != self._channel.generation:
             return False  # pinned on a session that is gone
+        if self._open:
+            self.counters["load_skipped"] += 1
+            return False
         device = self._cuda_device()
         if device is not None:
             # Work the engine queued on these slots (their previous owner's) must finish
             # before the sidecar overwrites them; a load blocks the engine anyway.
             _current_stream(device).synchronize()
+        ch = self._channel
+        timeout = timeout_s + self.config.load_timeout_margin_s
+        args = {"refs": encode_refs(refs), "pin_id": pin.pin_id, "timeout_s": float(timeout_s)}
         try:
-            res = self._call(
-                Verb.LOAD,
-                {"refs": encode_refs(refs), "pin_id": pin.pin_id, "timeout_s": float(timeout_s)},
-                timeout_s + self.config.load_timeout_margin_s,
-            )
-        except ControllerError as exc:
+            rid = ch.send(Verb.LOAD, args, timeout)
+        except SidecarUnavailable as exc:  # never sent: nothing can run
+            self._failed(exc)
             log.warning("load-back through the sidecar failed: %s", exc)
             return False
+        generation, deadline = ch.generation, time.monotonic() + timeout
+        try:
+            res = ch.wait(rid, timeout, forget=False)
+        except RemoteError as exc:
+            self._call_failed(exc)
+            log.warning("load-back through the sidecar failed: %s", exc)
+            return False
+        except SidecarUnavailable:
+            # No answer in time: the sidecar may still be copying into these slots.
+            self.counters["load_abandoned"] += 1
+            log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
+            pending = _RemoteTransfer(self, rid, generation, 0.0, deadline)
+            pending.done()  # past its deadline: opens the breaker for a new session
+            return LoadOutcome(pending)
+        self._succeeded()
         return bool(res.get("ok"))
 
     def unpin(self, pin: PinReceipt) -> None:
@@ -432,7 +496,11 @@ class SidecarController:
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's stats plus this client's, or only the client's when unavailable."""
-        client = {"available": self.available, "counters": dict(self.counters)}
+        client = {
+            "available": self.available,
+            "counters": dict(self.counters),
+            "unsettled_transfers": self._unsettled,
+        }
         try:
             out = self._call(Verb.STATS, {}, self.config.request_timeout_s)
         except ControllerError:

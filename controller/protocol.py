@@ -23,6 +23,7 @@ memory speed.
 from __future__ import annotations
 
 import enum
+import io
 import math
 import os
 import tempfile
@@ -49,6 +50,18 @@ _MAX_STR = 4096
 _MAX_PAGES = 1 << 20
 _MAX_TTL_MS = 3_600_000
 _COMPONENT_TAGS = frozenset(int(c) for c in ComponentType)
+
+# Bounds on what one message may decode to. Every empty msgpack map or array is one byte
+# and becomes a Python object of 56 bytes or more, so a message within max_message_bytes
+# could otherwise expand some 70-fold (16 MiB into a gigabyte, and a second of the I/O
+# thread). No legitimate message holds more than a few hundred maps and arrays (the
+# largest: an `engines` reply, one map per connection) or a map of more than a few dozen
+# entries. The one long array is pin_prefix's token list, at least one byte per token, so
+# arrays are bounded by the message's size; so are strings and binaries (page columns).
+_MAX_CONTAINERS = 1 << 14  # maps and arrays in one message, nested ones included
+_MAX_MAP_ENTRIES = 1 << 12
+# What finding the id of an undecodable request may buffer (an envelope field is small).
+_ID_PEEK_BYTES = 1 << 12
 
 
 class Role(enum.Enum):
@@ -157,24 +170,78 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes, max_bytes: int) -> Any:
-    """Decode one message; raises ProtocolError (TOO_LARGE or BAD_MESSAGE)."""
+    """Decode one message; raises ProtocolError (TOO_LARGE or BAD_MESSAGE).
+
+    What is built stays within a small multiple of the message's size: a message with
+    more than ``_MAX_CONTAINERS`` maps and arrays, a map of more than ``_MAX_MAP_ENTRIES``
+    entries, or an array, string or binary longer than the message itself is refused
+    (BAD_MESSAGE) while it is decoded, without building the rest.
+    """
     if len(data) > max_bytes:
         raise ProtocolError(
             ErrorCode.TOO_LARGE,
             f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes; "
             "split the request",
         )
+    containers = 0
+
+    def count_container(container: Any) -> Any:
+        nonlocal containers
+        containers += 1
+        if containers > _MAX_CONTAINERS:
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"a message holds at most {_MAX_CONTAINERS} maps and arrays; no request needs more",
+            )
+        return container
+
     try:
         return msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
             ext_hook=_no_ext,
+            object_hook=count_container,
+            list_hook=count_container,
+            # Each item takes at least one byte, and msgpack allocates an array's slots
+            # from its header, before reading them: bound by what this message can hold.
+            max_array_len=len(data),
+            max_map_len=min(len(data) // 2, _MAX_MAP_ENTRIES),
+            max_str_len=len(data),
+            max_bin_len=len(data),
         )
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE, f"not a valid msgpack message ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def _peek_request_id(data: bytes) -> int | None:
+    """The ``id`` of a request that could not be decoded, so that the error reply can name
+    it and its sender need not wait out its timeout. Only the envelope's keys and ``id``
+    are built; the fields before it are skipped. None when the message is not a map with
+    an integer ``id`` among its first five fields."""
+    head = msgpack.Unpacker(
+        io.BytesIO(data),
+        read_size=_ID_PEEK_BYTES,
+        max_buffer_size=_ID_PEEK_BYTES,
+        raw=False,
+        max_array_len=0,
+        max_map_len=0,
+        ext_hook=_no_ext,
+    )
+    try:
+        for _ in range(min(head.read_map_header(), 5)):
+            key = head.unpack()
+            if key == "id":
+                req_id = head.unpack()
+                return req_id if type(req_id) is int and 0 <= req_id < 1 << 63 else None
+            head.skip()
+    except Exception:  # not a map, a key that is not a short string, a huge field, ...
+        return None
+    return None
 
 
 def encode_request(req_id: int, verb: Verb, args: dict[str, Any], ttl_s: float) -> bytes:
@@ -189,7 +256,11 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
 
     The error carries the request id when one could be read, so the reply can name it.
     """
-    msg = unpack(data, max_bytes)
+    try:
+        msg = unpack(data, max_bytes)
+    except ProtocolError as exc:
+        exc.request_id = _peek_request_id(data)  # type: ignore[attr-defined]
+        raise
     if not isinstance(msg, dict):
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE, f"a request is a msgpack map, got {type(msg).__name__}"

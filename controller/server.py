@@ -15,6 +15,11 @@ expires. When it expires, or the engine says ``bye``, or the same engine handsha
 from a new connection, the controller forgets the engine (``unregister``: its pins are
 released) and the sidecar unmaps its memory.
 
+A dropped connection's requests that have not started are refused (``no_session``), and
+the engine's next registration is answered only once those still running have ended
+(``"fenced": true`` in the reply): an engine that gave up on a load or a backup keeps
+its pages until then, and from then on nothing of its earlier sessions touches them.
+
 Anything malformed is answered with an error reply and changes nothing (see
 :mod:`hicache.controller.protocol` for the codes); only a message past four times
 ``max_message_bytes`` is dropped unread by ZeroMQ itself, with its connection.
@@ -28,6 +33,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +100,8 @@ class Connection:
     inflight: int = 0
     mapped: MappedPools | None = None
     requests: int = 0
+    running: int = 0  # worker jobs under way (under the server's ``jobs`` condition)
+    dropped: bool = False
 
     @property
     def key(self) -> tuple[int, bytes]:
@@ -147,6 +155,10 @@ class SidecarServer:
             self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
         )
         self._inflight = 0
+        # Worker jobs per connection, and engines' dropped connections with jobs still
+        # running: a new registration of the engine waits for them (``fence``).
+        self.jobs = threading.Condition()
+        self._retired: list[Connection] = []
         self._unmap_lock = threading.Lock()
         self._to_unmap: list[MappedPools] = []
         self._last_reap = 0.0
@@ -161,9 +173,38 @@ class SidecarServer:
         s.setsockopt(zmq.SNDHWM, 10_000)
         return s
 
+    def _private_dir(self, path: Path, setting: str) -> None:
+        """Create ``path`` mode 0700, or check the directory that is there: the socket and
+        the admin token in it are trusted only because no other user can replace them.
+        Raises SidecarError for a symbolic link, a non-directory or a directory of another
+        user; a directory of this user that others may enter is made 0700 (and logged).
+        ``setting``: the option that put the directory there, for the messages."""
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700, parents=True)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            problem = "is a symbolic link"
+        elif not stat.S_ISDIR(st.st_mode):
+            problem = "is not a directory"
+        elif st.st_uid != os.getuid():
+            problem = f"belongs to uid {st.st_uid}, not to the sidecar's user (uid {os.getuid()})"
+        else:
+            mode = stat.S_IMODE(st.st_mode)
+            if mode & 0o077:
+                os.chmod(path, 0o700)
+                log.warning(
+                    "the directory %s (of %s) was mode %04o; made it 0700", path, setting, mode
+                )
+            return
+        raise SidecarError(
+            f"the directory {path} (of {setting}) {problem}, so another user could replace the "
+            f"socket or plant the admin token; remove it, or set {setting} to a path in a "
+            "directory of your own"
+        )
+
     def _bind_ipc(self) -> str:
         path = self.config.socket
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._private_dir(path.parent, "socket_path")
         if path.exists() or path.is_symlink():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -222,17 +263,52 @@ class SidecarServer:
         return router.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _load_admin_token(self) -> bytes:
+        """The token this sidecar wrote before (kept across restarts), or a fresh one.
+
+        An existing file is trusted only if it is a regular file of the sidecar's user that
+        no other user may read or write (mode 0600 or 0400). Any other (planted by another
+        user, readable by others, a symbolic link) is replaced by a fresh token (logged):
+        written to a new 0600 file and renamed over it, never into the file that was there.
+        """
         path = self.config.admin_token_path
-        if path.exists():
-            token = path.read_bytes().strip()
-            if len(token) >= 16:
-                return token
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        beside_socket = path.parent == self.config.socket.parent
+        self._private_dir(path.parent, "socket_path" if beside_socket else "admin_token_file")
+        try:
+            # O_NONBLOCK: a FIFO planted there must not hang the start.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            distrust = None
+        except OSError as exc:
+            distrust = "a symbolic link" if path.is_symlink() else exc.strerror
+        else:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    distrust = "not a regular file"
+                elif st.st_uid != os.getuid():
+                    distrust = f"written by uid {st.st_uid}"
+                elif stat.S_IMODE(st.st_mode) & 0o077:
+                    distrust = f"mode {stat.S_IMODE(st.st_mode):04o}, open to other users"
+                else:
+                    token = os.read(fd, 4096).strip()
+                    if len(token) >= 16:
+                        return token
+                    distrust = None  # empty or cut short: simply write a new one
+            finally:
+                os.close(fd)
+        if distrust:
+            log.warning("admin token %s not trusted (%s); writing a new one", path, distrust)
         token = secrets.token_hex(32).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(token + b"\n")
-        os.chmod(path, 0o600)
+        fresh = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(token + b"\n")
+            os.replace(fresh, path)
+        except BaseException:
+            fresh.unlink(missing_ok=True)
+            raise
         return token
 
     def bind(self) -> list[str]:
@@ -449,7 +525,15 @@ class SidecarServer:
 
     def _run_job(self, conn: Connection, req: Request, deadline: float, t0: float) -> None:
         verb = req.verb.value
+        with self.jobs:
+            started = not conn.dropped
+            if started:
+                conn.running += 1
         try:
+            if not started:
+                raise ProtocolError(
+                    ErrorCode.NO_SESSION, f"{verb}: the session ended before it could start"
+                )
             if time.monotonic() > deadline:
                 raise ProtocolError(
                     ErrorCode.DEADLINE_EXCEEDED,
@@ -461,6 +545,11 @@ class SidecarServer:
             perr = exc if isinstance(exc, ProtocolError) else _as_protocol_error(exc)
             self.metrics.failures.labels(verb, perr.code.value).inc()
             payload = error_reply(req.id, perr.code, perr.message)
+        finally:
+            if started:
+                with self.jobs:
+                    conn.running -= 1
+                    self.jobs.notify_all()
         self.metrics.latency.labels(verb).observe(time.monotonic() - t0)
         self._push([_REPLY, bytes((conn.sock,)), conn.routing_id, payload])
 
@@ -476,7 +565,14 @@ class SidecarServer:
         self.metrics.engines.set(len(self.engines))
 
     def drop_connection(self, conn: Connection, reason: str) -> None:
-        """Forget ``conn``; for an engine, release its pins and unmap its memory."""
+        """Forget ``conn``; for an engine, release its pins and unmap its memory. Its
+        requests not started yet will be refused; those running are waited for by the
+        engine's next registration (:meth:`fence`)."""
+        with self.jobs:
+            if not conn.dropped:
+                conn.dropped = True
+                if conn.running and conn.role is Role.ENGINE:
+                    self._retired.append(conn)
         if self.conns.get(conn.key) is conn:
             del self.conns[conn.key]
         if conn.role is Role.ENGINE and self.engines.get(conn.engine_id) is conn:
@@ -487,6 +583,23 @@ class SidecarServer:
             self.unmap_later(conn.mapped)
             conn.mapped = None
         self.metrics.engines.set(len(self.engines))
+
+    def fence(self, conn: Connection, deadline: float) -> None:
+        """Wait (on a worker) until no request of ``conn``'s engine from an earlier,
+        dropped connection is running; raises ProtocolError(BUSY) at ``deadline``."""
+        with self.jobs:
+            while True:
+                self._retired = [c for c in self._retired if c.running]
+                if not any(c.engine_id == conn.engine_id for c in self._retired):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError(
+                        ErrorCode.BUSY,
+                        "requests of this engine's previous session are still running; "
+                        "register again later",
+                    )
+                self.jobs.wait(min(left, 0.5))
 
     def unmap_later(self, mapped: MappedPools) -> None:
         """Unmap ``mapped`` now, or as soon as no copy uses it any more."""

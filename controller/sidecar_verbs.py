@@ -48,6 +48,10 @@ _TIERS = {"host": Tier.HOST, "disk": Tier.DISK}
 _COMPONENTS = {c.name.lower(): c for c in ComponentType}
 
 
+_SETTLE_POLL_S = 0.05
+_SETTLE_MAX_S = 600.0  # a device copy that has not ended by then is reported, not awaited
+
+
 def _ttl(a: Args, name: str = "ttl_s") -> float:
     return a.float(name, 0.001, _MAX_PIN_TTL_S)
 
@@ -211,6 +215,9 @@ class VerbHandlers:
             )
         desc = {"device": a.str("device", choices=("cpu", "cuda")), "buffers": a.map("buffers")}
         srv = self.server
+        # Copies of an earlier session may still run on the engine's memory; the engine
+        # keeps the pages they touch until this reply says they have ended.
+        srv.fence(conn, deadline)
         try:
             mapped = map_pools(conn.layout, page_size, desc, srv.config.gpu_uuids)
         except RegistrationRefused as exc:
@@ -238,7 +245,10 @@ class VerbHandlers:
         srv.metrics.registrations.labels("ok").inc()
         buffers = mapped.buffers
         log.info(f"engine {conn.engine_id} registered {mapped.device} pools")
-        return {"capacity": {c.name.lower(): buffers.capacity(c) for c in conn.layout.components}}
+        return {
+            "capacity": {c.name.lower(): buffers.capacity(c) for c in conn.layout.components},
+            "fenced": True,
+        }
 
     def backup(self, conn: Connection, req: Request, deadline: float) -> dict[str, Any]:
         a = Args(req.verb, req.args, ("refs", "ready_event"))
@@ -254,6 +264,19 @@ class VerbHandlers:
                 raise ProtocolError(ErrorCode.BAD_ARGS, str(exc)) from None
         handle = self.ctl.backup(refs, event, engine_id=conn.engine_id)
         ok = bool(handle.wait(_remaining(deadline)))
+        if not handle.done():
+            # The reply tells the engine its pages are free again: not while a copy
+            # still reads them (a GPU copy behind a busy stream ends on its own).
+            ok = False
+            give_up = time.monotonic() + _SETTLE_MAX_S
+            while not handle.done() and time.monotonic() < give_up:
+                handle.wait(_SETTLE_POLL_S)
+            if not handle.done():
+                log.error(
+                    "a backup copy of engine %s has not ended after %.0fs",
+                    conn.engine_id,
+                    _SETTLE_MAX_S,
+                )
         if ok and self.server.config.backup_ack is BackupAck.DISK:
             ok = self.ctl.flush(_remaining(deadline))
             keys = list({r.key: None for r in refs})

@@ -471,6 +471,7 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             self.host_only_tokens,
             nodes,
             dict(self.counters),
+            sum(pages.size for q in self._quarantine for _, pages in q.slots),
         )
 
     def reset(self) -> None:
@@ -478,6 +479,11 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         self.flush_backups()
         if self.requests:
             raise RuntimeError(f"reset with {len(self.requests)} requests still holding slots")
+        if self._pending:
+            raise RuntimeError(
+                f"reset with {len(self._pending)} backups whose copies may still read the "
+                "device pages (an unanswered sidecar); retry once they have settled"
+            )
         result = EvictResult()
         for node in reversed(list(self.iter_nodes())):
             for comp in self.free_order:

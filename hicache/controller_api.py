@@ -92,7 +92,12 @@ class PinReceipt:
 
 
 class TransferHandle(Protocol):
-    """An asynchronous copy. ``done()`` never blocks; ``wait`` blocks up to ``timeout_s``."""
+    """An asynchronous copy. ``done()`` never blocks; ``wait`` blocks up to ``timeout_s``.
+
+    ``done()`` is True only once the copy can no longer touch the device pages it names
+    (it finished, failed, or is known never to run): a ``wait`` that times out says the
+    transfer failed, but the caller keeps the pages until ``done()``.
+    """
 
     def done(self) -> bool: ...
 
@@ -112,6 +117,30 @@ class CompletedTransfer:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self.ok
+
+
+class LoadOutcome:
+    """What ``load`` returns when it gave up on a copy that may still run: false (the load
+    failed), with ``pending`` done once nothing can write into the load's slots any more.
+    A caller frees the slots of a failed load only then (see ``UnifiedRadixCache``'s
+    quarantine); a plain ``False`` means nothing writes into them after the return."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: TransferHandle) -> None:
+        self.pending = pending
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"LoadOutcome(pending, done={self.pending.done()})"
+
+
+def unsettled_load(result: object) -> TransferHandle | None:
+    """The handle to wait on before a failed load's slots may be reused (None: at once)."""
+    pending = getattr(result, "pending", None)
+    return None if pending is None or pending.done() else pending
 
 
 class ControllerError(HicacheError):
@@ -154,7 +183,10 @@ class CacheController(Protocol):
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
         """Copy pinned pages (reading disk into host first where needed) into the device
         slots of ``refs``. True when every byte arrived; False (or an exception) leaves the
-        device slots' contents undefined and the caller frees them."""
+        device slots' contents undefined and the caller frees them. A controller that gave
+        up waiting on a copy that may still write (a remote sidecar that did not answer in
+        time) returns a :class:`LoadOutcome` instead of False: the caller frees the slots
+        once its ``pending`` handle is done."""
         ...
 
     def unpin(self, pin: PinReceipt) -> None:

@@ -12,6 +12,7 @@ from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.cache import UnifiedRadixCache
+    from hicache.request import Request
     from hicache.tree import RadixTree
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -78,7 +79,8 @@ def check_tree(tree: RadixTree) -> None:
 def check_cache(cache: UnifiedRadixCache) -> None:
     """Check every invariant of ARCHITECTURE §3; raises AssertionError naming the first
     broken one. Slot ownership: every allocated page of every pool is owned by exactly
-    one of the tree, a request, and the free list."""
+    one of the tree, a request, the quarantine (slots a failed transfer's copy may still
+    touch), and the free list."""
     check_tree(cache)
     cache.check_transfer_invariants()
     assert not cache.loading, f"nodes {sorted(cache.loading)} still marked as loading"
@@ -110,9 +112,14 @@ def check_cache(cache: UnifiedRadixCache) -> None:
                 f"{req!r}: prefix slots differ from the tree's"
             )
         assert req.computed_len <= req.kv_slots.size
+        _check_request_window(cache, req)
         for slot in (req.mamba_slot, req.mamba_ckpt_slot):
             if slot is not None:
                 owners["mamba"].append(np.array([slot], dtype=np.int64))
+    for q in cache._quarantine:
+        for allocator, pages in q.slots:
+            owners[allocator.name].append(pages)
+    assert cache._freeing_unsettled is None, "a write-back's pages left outside the quarantine"
     for pool in cache.pools.all():
         owned = np.concatenate(owners[pool.name]) if owners[pool.name] else _EMPTY
         assert np.unique(owned).size == owned.size, f"{pool.name}: a page has two owners"
@@ -122,3 +129,24 @@ def check_cache(cache: UnifiedRadixCache) -> None:
             f"(leaked: {np.setdiff1d(allocated, owned)[:8].tolist()}, "
             f"owned but free: {np.setdiff1d(owned, allocated)[:8].tolist()})"
         )
+
+
+def _check_request_window(cache: UnifiedRadixCache, req: Request) -> None:
+    """The engine's next token of ``req`` attends over the SWA window ending at its
+    computed length: every page of it has an SWA page (a request gives back only pages
+    wholly before it), and the part that is the tree's prefix is locked against eviction."""
+    swa = cache.by_type.get(ComponentType.SWA)
+    end = req.computed_len
+    if swa is None or not end:
+        return
+    ps = cache.page_size
+    start = swa.window_start(end)
+    pages = req.kv_slots[start:end:ps] // ps
+    holes = np.flatnonzero(cache.pools.full_to_swa[pages] < 0)
+    assert not holes.size, (
+        f"{req!r}: SWA window [{start}, {end}) has no SWA page at token {start + holes[0] * ps}"
+    )
+    node = req.last_node
+    while node is not None and node.parent is not None and node.end > start:
+        assert node.data[swa.idx].lock_ref > 0, f"{req!r}: {node} of its SWA window is unlocked"
+        node = node.parent

@@ -126,6 +126,20 @@ class PageAllocator:
         self._free[self._top : self._top + pages.size] = pages
         self._top += pages.size
 
+    def take_pages(self, pages: np.ndarray) -> None:
+        """Allocate exactly ``pages`` (all free) again: a caller that had to free pages
+        it must still keep (a copy may yet touch them) takes them back at once. O(pool)."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            return
+        if np.any(self._state[pages] != _FREE) or np.unique(pages).size != pages.size:
+            raise SlotStateError(f"{self.name} pool: take of pages that are not all free")
+        free = self._free[: self._top]
+        keep = free[~np.isin(free, pages)]
+        self._free[: keep.size] = keep
+        self._top = keep.size
+        self._state[pages] = _ALLOCATED
+
     # -- slots ---------------------------------------------------------------------------
 
     def pages_to_slots(self, pages: np.ndarray) -> np.ndarray:

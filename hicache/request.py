@@ -141,3 +141,6 @@ class CacheStats:
     host_only_tokens: int
     num_nodes: int
     counters: dict[str, int]
+    # Slots of failed load-backs whose copy may still write into them (see
+    # ``UnifiedRadixCache.poll_transfers``): pages of every pool, states for MAMBA.
+    quarantined_pages: int = 0

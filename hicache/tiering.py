@@ -8,6 +8,7 @@ through the :class:`~hicache.controller_api.CacheController` protocol.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,15 @@ import torch
 
 from hicache.components.base import LoadPlan, LoadPrep
 from hicache.config import PrefetchPolicy, WritePolicy
-from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, CacheController, LookupResult, PageKey
+from hicache.controller_api import (
+    P_ABSENT,
+    P_DISK,
+    P_HOST,
+    CacheController,
+    LookupResult,
+    PageKey,
+    unsettled_load,
+)
 from hicache.keys import chain_page_hashes
 from hicache.request import EvictResult, LockReceipt, MatchResult, Request
 from hicache.tree import TreeNode
@@ -38,6 +47,18 @@ class _PendingBackup:
     pairs: list[tuple[TreeNode, int]]  # (node, component index) whose pages are in flight
 
 
+_SETTLE_POLL_S = 0.01
+
+
+@dataclass
+class _Quarantined:
+    """Slots of a failed load-back that its copy may still write into, until ``pending``
+    is done: owned by the cache meanwhile, neither free nor any request's."""
+
+    pending: Any
+    slots: list[tuple[Any, np.ndarray]]  # (allocator, pages)
+
+
 class TieringMixin:
     """Backups, beyond-device matches and load-backs of UnifiedRadixCache."""
 
@@ -45,6 +66,8 @@ class TieringMixin:
         self.controller = controller
         self._pending: list[_PendingBackup] = []
         self._inflight: Counter[tuple[int, int]] = Counter()
+        self._quarantine: list[_Quarantined] = []
+        self._freeing_unsettled: _Quarantined | None = None
         if controller is not None:
             controller.register(self.layout, self.page_size, self.pools)
 
@@ -100,16 +123,45 @@ class TieringMixin:
         return super().evict(full_tokens, swa_tokens, mamba_states)
 
     def poll_transfers(self: UnifiedRadixCache) -> None:
-        """Finish acknowledged backups, oldest first (so backed nodes stay a prefix)."""
-        while self._pending and self._pending[0].handle.done():
-            self._finish_backup(self._pending.pop(0))
+        """Finish the backups that are done (their locks go) and free the slots of failed
+        load-backs whose copies have settled. A backup whose handle is not done keeps its
+        nodes locked, even past its deadline: its copy may still read them."""
+        if self._pending:
+            still = []
+            for pending in self._pending:
+                if pending.handle.done():
+                    self._finish_backup(pending)
+                else:
+                    still.append(pending)
+            self._pending = still
+        if self._quarantine:
+            self._release_quarantine()
 
     def flush_backups(self: UnifiedRadixCache, timeout_s: float | None = None) -> None:
-        """Wait for every pending backup."""
-        while self._pending:
-            pending = self._pending[0]
-            pending.handle.wait(timeout_s)
-            self._finish_backup(self._pending.pop(0))
+        """Wait for every pending backup: for its outcome (up to ``timeout_s``, or its own
+        deadline), then until it is done (up to ``timeout_s``, or ``load_timeout_s``). One
+        still not done stays pending, its nodes locked: its copy may still read them."""
+        for pending in list(self._pending):
+            handle = pending.handle
+            if handle.done():
+                continue
+            handle.wait(timeout_s)
+            settle = self.config.load_timeout_s if timeout_s is None else timeout_s
+            end = time.monotonic() + settle
+            while not handle.done() and time.monotonic() < end:
+                time.sleep(_SETTLE_POLL_S)
+        self.poll_transfers()
+
+    def _release_quarantine(self: UnifiedRadixCache) -> None:
+        still = []
+        for q in self._quarantine:
+            if q.pending.done():
+                for allocator, pages in q.slots:
+                    allocator.free_pages(pages)
+                self.counters["quarantine_released"] += 1
+            else:
+                still.append(q)
+        self._quarantine = still
 
     def _finish_backup(self: UnifiedRadixCache, pending: _PendingBackup) -> None:
         ok = bool(pending.handle.wait(0))
@@ -156,7 +208,13 @@ class TieringMixin:
         if not refs:
             return
         try:
-            ok = self.controller.backup(refs, self._ready_event()).wait(self.config.load_timeout_s)
+            handle = self.controller.backup(refs, self._ready_event())
+            ok = handle.wait(self.config.load_timeout_s)
+            if not handle.done():
+                # The copy may still read the pages about to be freed: they go to the
+                # quarantine instead, in after_device_free, until it settles.
+                slots = [s for i in idxs for s in self.components[i].device_pages(node)]
+                self._freeing_unsettled = _Quarantined(handle, slots)
         except Exception as exc:
             log.warning("write-back of %d pages failed: %s", len(refs), exc)
             ok = False
@@ -165,6 +223,15 @@ class TieringMixin:
         if ok:
             for idx in idxs:
                 node.data[idx].backed = True
+
+    def after_device_free(self: UnifiedRadixCache, node: TreeNode) -> None:
+        q, self._freeing_unsettled = self._freeing_unsettled, None
+        if q is not None:
+            for allocator, pages in q.slots:
+                allocator.take_pages(pages)
+            self._quarantine.append(q)
+            self.counters["write_back_quarantined"] += 1
+        super().after_device_free(node)
 
     def check_transfer_invariants(self: UnifiedRadixCache) -> None:
         """Every in-flight backup still holds its locks."""
@@ -396,8 +463,13 @@ class TieringMixin:
             if n.data[0].value is not None:
                 deepest_device = n
         receipt = self.lock(deepest_device)
+        # That lock's SWA part stops at the first tombstone; the SWA pages above it that
+        # the loaded window needs must survive the eviction that makes room for the load.
+        swa = self.by_type.get(ComponentType.SWA)
+        window_held = swa.hold_window(node) if swa is not None else []
         preps: dict[int, LoadPrep] = {}
         ok, reason = False, "copy"
+        unsettled = None  # the handle of a failed copy that may still write
         loading = {n.id for n in nodes} - self.loading
         self.loading |= loading
         try:
@@ -407,20 +479,34 @@ class TieringMixin:
             for comp in self.components:
                 preps[comp.idx] = comp.prepare_load_back(plan, req)
             refs = [r for p in preps.values() for r in p.refs]
-            ok = (
-                True
-                if not refs
-                else bool(self.controller.load(refs, pin, self.config.load_timeout_s))
-            )
+            if refs:
+                result = self.controller.load(refs, pin, self.config.load_timeout_s)
+                ok = bool(result)
+                unsettled = None if ok else unsettled_load(result)
+            else:
+                ok = True
         except Exception as exc:
             reason = "evicted" if isinstance(exc, _PrefixDropped) else type(exc).__name__
             log.warning("load-back of %d tokens failed: %s", node.end - base.end, exc)
         finally:
             self.loading -= loading
+            aside: list[tuple[Any, np.ndarray]] = []
             for comp in self.components:
-                if comp.idx in preps:
+                if comp.idx not in preps:
+                    continue
+                if unsettled is not None and preps[comp.idx].refs:
+                    # The copy may still write into these slots: keep them from every
+                    # request until it has settled (nothing else to undo: a failed load
+                    # leaves the request as it was).
+                    aside += comp.load_targets(preps[comp.idx])
+                else:
                     comp.finalize_load_back(plan, req, preps[comp.idx], ok)
+            if aside:
+                self._quarantine.append(_Quarantined(unsettled, aside))
+                self.counters["load_back_quarantined"] += 1
             self.unlock(receipt, touch=False)
+            if swa is not None:
+                swa.release_window(window_held)
             if pin is not None:
                 try:
                     self.controller.unpin(pin)
@@ -436,8 +522,13 @@ class TieringMixin:
 
     def _load_base(self: UnifiedRadixCache, node: TreeNode, req: Request | None) -> TreeNode:
         if req is None:
+            # The deepest device node at or above the first position any component loads
+            # from (the SWA window's start): tombstones inside the window are loaded too,
+            # so that the loaded prefix can be matched.
+            cuts = (comp.load_cut(node.end) for comp in self.components)
+            start = min((c for c in cuts if c is not None), default=node.end)
             base = node
-            while base.parent is not None and base.data[0].value is None:
+            while base.parent is not None and (base.data[0].value is None or base.end > start):
                 base = base.parent
             return base
         if req.kv_slots.size != req.prefix_len or req.last_node is None:

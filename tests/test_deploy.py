@@ -606,6 +606,31 @@ def test_engine_pods_share_socket_shared_memory_and_user_with_the_sidecar():
         assert pod["securityContext"]["runAsUser"] != 0
 
 
+def test_the_socket_directory_is_the_sidecars_user_before_the_sidecar_starts():
+    """The sidecar refuses a socket directory of another user, and a volume (emptyDir or
+    hostPath) is created root-owned: an init container before it must hand the directory
+    to the sidecar's user, mode 0700."""
+    checked = 0
+    for w in _workloads():
+        pod = w["spec"]["template"]["spec"]
+        containers = _pod_containers(pod)
+        names = [c["name"] for c in containers]
+        if "hicache" not in names:
+            continue
+        uid = pod["securityContext"]["runAsUser"]
+        before = containers[: names.index("hicache")]
+        owners = [
+            c
+            for c in before
+            if any(m["mountPath"] == "/run/hicache" for m in c.get("volumeMounts", []))
+            and f"chown {uid}:" in " ".join(c.get("command", []))
+            and "chmod 0700 /run/hicache" in " ".join(c.get("command", []))
+        ]
+        assert owners, f"{w['__file']}: nothing hands /run/hicache to uid {uid} first"
+        checked += 1
+    assert checked == 2
+
+
 def test_the_service_monitor_finds_the_metrics_services():
     docs = _k8s_docs()
     sm = next(d for d in docs if d["kind"] == "ServiceMonitor")

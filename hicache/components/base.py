@@ -144,6 +144,15 @@ class TreeComponent(ABC):
     def data(self, node: TreeNode) -> ComponentData:
         return node.data[self.idx]
 
+    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
+        """(allocator, pages) of ``node``'s device value of this component."""
+        return [(self.pool(), self.owned_pages(node, node.data[self.idx].value))]
+
+    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
+        """(allocator, pages) that ``prepare`` allocated: what a failed load's copy may
+        still write into, kept aside instead of freed until the copy has settled."""
+        return [(self.pool(), np.asarray(prep.allocated, dtype=np.int64).reshape(-1))]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(idx={self.idx})"
 

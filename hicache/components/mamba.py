@@ -107,5 +107,11 @@ class MambaComponent(TreeComponent):
         else:
             self.pools.mamba.free_state(slot)
 
+    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
+        return [(self.pools.mamba, self.owned_pages(node, node.data[self.idx].value))]
+
+    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
+        return [(self.pools.mamba, np.array([prep.allocated], dtype=np.int64))]
+
     def state_of(self, node: TreeNode) -> Any:
         return node.data[self.idx].value

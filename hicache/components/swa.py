@@ -85,6 +85,28 @@ class SWAComponent(PagedComponent):
             self.tree.dec_lock(node, self)
             node = node.parent
 
+    def hold_window(self, node: TreeNode) -> list[TreeNode]:
+        """Lock every node of the window ending at ``node`` that holds SWA pages, across
+        tombstones (where ``lock`` stops); returns them for ``release_window``.
+
+        A load-back filling the window's tombstones needs the pages already there to
+        outlive the eviction that makes room for the missing ones. The caller must not
+        split these nodes before releasing them (a split would copy a lock to a node
+        that the returned list does not name)."""
+        start = self.window_start(node.end)
+        held = []
+        while node.parent is not None and node.end > start:
+            if node.data[self.idx].value is not None:
+                self.tree.inc_lock(node, self)
+                held.append(node)
+            node = node.parent
+        return held
+
+    def release_window(self, held: list[TreeNode]) -> None:
+        """Undo ``hold_window``."""
+        for node in held:
+            self.tree.dec_lock(node, self)
+
     def backup_refs(self, node: TreeNode) -> list[PageRef]:
         value = node.data[self.idx].value
         return [] if value is None else self.page_refs(node, value.tolist())

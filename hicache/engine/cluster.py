@@ -68,7 +68,7 @@ class SidecarProcess:
 
     def launch(self) -> None:
         """Start the process without waiting for it to serve (see :meth:`wait_ready`)."""
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         command = [
             sys.executable,
