@@ -83,3 +83,38 @@ def test_cuda_pools_back_up_and_load_back_bit_exact(mix, tmp_path):
         cache.cache_finished_req(req)
     cache.check_invariants()
     ctrl.close()
+
+
+def test_a_backup_behind_a_busy_stream_keeps_its_pages_past_a_flush_timeout(tmp_path):
+    """The engine's stream is busy for about half a second when a prefix is backed up:
+    the copy waits on it. A flush that times out meanwhile must leave the prefix's nodes
+    locked (the copy would read whatever reused its pages), and once the copy has run the
+    host holds the prefix's own bytes."""
+    ctrl = LocalController(ControllerConfig(host_pool_bytes=64 << 20, disk_path=None))
+    cache = make_cache("full", page_size=PS, full_slots=PS * 64, controller=ctrl, device="cuda")
+    engine = MarkerEngine(cache)
+    a = seq(4 * PS, base=3)
+    req = engine.start(a)
+    engine.compute(req, a, a.size)
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time on the engine's stream
+    cache.cache_finished_req(req)  # write-through: the backup's copy waits on the stream
+    cache.flush_backups(timeout_s=0.01)
+    cache.check_invariants()
+    assert cache._pending, "the backup finished although its copy could not have run yet"
+    cache.evict(full_tokens=10**9)
+    cache.check_invariants()
+    assert cache.match_prefix(a).prefix_len == a.size, "pages freed under a pending copy"
+    torch.cuda.synchronize()
+    cache.flush_backups()
+    assert not cache._pending
+    cache.evict(full_tokens=10**9)
+    cache.pools.full.buffer.fill_(-1)
+    cache.check_invariants()
+    again = Request("again")
+    m = cache.match_prefix(a, req=again)
+    assert m.host_hit_len == a.size
+    assert cache.load_back(m.load_node, req=again)
+    engine.verify_prefix(again, a, again.prefix_len)
+    cache.cache_finished_req(again)
+    cache.check_invariants()
+    ctrl.close()
