@@ -216,6 +216,18 @@ class LocalController:
                 )
             if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
                 raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
+        # One device page holds one page of one prefix: two pages copied into it would
+        # leave a blend of both, two hashes read from it would store one prefix's bytes
+        # under another's hash. (The same ref twice is one page.)
+        named: dict[tuple[ComponentType, int], bytes] = {}
+        for ref in refs:
+            slot = (ref.component, ref.device_index)
+            seen = named.setdefault(slot, ref.page_hash)
+            if seen != ref.page_hash:
+                raise ControllerError(
+                    f"{ref.component.name} device page/slot {ref.device_index} is named by "
+                    "two different pages in one request"
+                )
 
     # -- the protocol --------------------------------------------------------------------
 

@@ -62,11 +62,21 @@ def index_tensor(name: str, idx: torch.Tensor) -> torch.Tensor:
     """``idx`` as a 1-D integer tensor; raises TypeError/ValueError saying what is wrong."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"{name} must be a torch tensor of indices, got {type(idx).__name__}")
-    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+    if idx.dtype not in (torch.int32, torch.int64):
+        # uint8 would index as a boolean mask in torch; floats and bools are no indices.
         raise TypeError(f"{name} must hold integers (int32 or int64), got {idx.dtype}")
     if idx.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
     return idx
+
+
+def check_distinct(name: str, idx: torch.Tensor) -> None:
+    """Raise ValueError when a CPU index tensor of destinations names one entry twice (it
+    would receive a blend of two sources). GPU indices are not read back (see below)."""
+    if idx.device.type != "cpu" or idx.numel() < 2:
+        return
+    if torch.unique(idx).numel() != idx.numel():
+        raise ValueError(f"{name} names a destination twice; each receives one source")
 
 
 def check_in_range(name: str, idx: torch.Tensor, limit: int, what: str) -> None:
@@ -133,6 +143,10 @@ def kv_row_copy(
     _same_lengths("device_pages", device_pages, "host_pages", host_pages)
     check_in_range("device_pages", device_pages, slots // page_size, "device pages")
     check_in_range("host_pages", host_pages, host_kv.shape[0], "host pages")
+    if to_host:
+        check_distinct("host_pages", host_pages)
+    else:
+        check_distinct("device_pages", device_pages)
     dev = RowSide(
         device_kv,
         page_size * device_kv.stride(2),
@@ -177,6 +191,7 @@ def state_row_copy(
         raise ValueError(f"each {name} state (one layer, one slot) must be dense on both sides")
     check_in_range("slots", slots, num_slots, "state slots")
     check_in_range("host_pages", host_pages, host_state.shape[0], "host pages")
+    check_distinct("host_pages" if to_host else "slots", host_pages if to_host else slots)
     dev = RowSide(state, state.stride(1), 0, state.stride(0), num_slots)
     host = RowSide(host_state, host_state.stride(0), 0, host_state.stride(1), host_state.shape[0])
     row_elems = math.prod(shape)

@@ -105,6 +105,12 @@ class PreparedTransfer:
             tensors = (conv, ssm, host_conv, host_ssm)
         else:
             tensors = (host_conv, host_ssm, conv, ssm)
+        if conv.shape[:2] != ssm.shape[:2] or host_conv.shape[0] != host_ssm.shape[0]:
+            raise ValueError(
+                f"conv {tuple(conv.shape[:2])} and ssm {tuple(ssm.shape[:2])} must have the same "
+                f"layers and slots, host_conv and host_ssm the same pages "
+                f"({host_conv.shape[0]} and {host_ssm.shape[0]}): a state is both"
+            )
         chosen = parse_backend(backend)
         if chosen is Backend.STAGED:
             raise ValueError(
@@ -133,6 +139,12 @@ class PreparedTransfer:
                 f"indices must be flat sequences of integers, got {idx.dtype} of shape {idx.shape}"
             )
         idx = idx.astype(np.int64, copy=False)
+        dest = idx[1] if self.to_host else idx[0]
+        if dest.size > 1 and np.unique(dest).size != dest.size:
+            raise ValueError(
+                "a destination is named twice: each host page / device item receives one "
+                "source, or it would hold a blend of two"
+            )
         lo, hi = idx.min(axis=1).tolist(), idx.max(axis=1).tolist()
         for row, (name, limit) in enumerate(
             ((self._device_items, self.device_limit), ("host pages", self.host_limit))

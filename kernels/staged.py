@@ -302,7 +302,7 @@ def kv_staged(
         )
         for side in stage_sides
     ]
-    dev_items = device_pages.to(device, non_blocking=True)
+    dev_items = device_pages.to(device, non_blocking=True).contiguous()  # read packed
     stage_items = ring.items(chunk_pages)
 
     if not on_gpu:

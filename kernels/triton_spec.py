@@ -143,8 +143,9 @@ def _prepare(
             f"a scatter launch takes at most {_MAX_GRID_YZ} requests and layers, got "
             f"{requests} and {layers}; split the batch"
         )
-    dst_indices = dst_indices.to(dst.device, non_blocking=True)
-    step_indices = step_indices.to(dst.device, non_blocking=True)
+    # The kernels read the indices as packed arrays: a view (a column of a table) is not.
+    dst_indices = dst_indices.to(dst.device, non_blocking=True).contiguous()
+    step_indices = step_indices.to(dst.device, non_blocking=True).contiguous()
     claim = _claims(dst_indices, step_indices, dst.shape[1], src.shape[2])
     return claim, dst_indices, step_indices
 

@@ -139,6 +139,7 @@ def copy_rows(
     if src_items.numel() == 0:
         return
     launcher = RowLauncher(copy, tuning)
-    src_items = src_items.to(launcher.device, non_blocking=True)
-    dst_items = dst_items.to(launcher.device, non_blocking=True)
+    # The kernel reads the indices as packed arrays: a view (a column of a table) is not.
+    src_items = src_items.to(launcher.device, non_blocking=True).contiguous()
+    dst_items = dst_items.to(launcher.device, non_blocking=True).contiguous()
     launcher.launch(src_items, dst_items)
