@@ -92,6 +92,26 @@ def _trace_record(obj: object, where: str) -> TraceRequest:
     return TraceRequest(float(ts), n_in, n_out, tuple(ids))
 
 
+def _check_chain(ids: tuple[int, ...], parent_of: dict[int, int], where: str) -> None:
+    """The format's block ids are prefix hashes: an id stands for its whole prefix, so it
+    always follows the same id (or always starts a request) and never repeats within a
+    request. The replay and its bounds key a block by its id alone; a trace breaking this
+    would be replayed as another trace, and its optimum could fall below LRU."""
+    prev = -1
+    for h in ids:
+        seen = parent_of.setdefault(h, prev)
+        if seen != prev:
+
+            def name(p: int) -> str:
+                return "the start of a request" if p < 0 else f"block {p}"
+
+            raise TraceError(
+                f"{where}: block {h} follows {name(prev)} here but {name(seen)} earlier; "
+                "hash_ids must be prefix hashes (one id per prefix)"
+            )
+        prev = h
+
+
 def load_trace(
     path: str | Path,
     window_s: tuple[float, float] | None = None,
@@ -108,6 +128,7 @@ def load_trace(
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     out = []
+    parent_of: dict[int, int] = {}
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -115,7 +136,9 @@ def load_trace(
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}:{no}: not JSON ({exc.msg})") from None
-        out.append(_trace_record(obj, f"{path}:{no}"))
+        record = _trace_record(obj, f"{path}:{no}")
+        _check_chain(record.hash_ids, parent_of, f"{path}:{no}")
+        out.append(record)
     out.sort(key=lambda r: r.timestamp_ms)
     if window_s is not None:
         lo, hi = window_s[0] * 1000.0, window_s[1] * 1000.0
@@ -155,6 +178,10 @@ class BlockShape:
     @property
     def pages_per_block(self) -> int:
         return self.block_tokens // self.page_tokens
+
+    def output_tokens(self, r: TraceRequest) -> int:
+        """Output tokens the replay allocates for ``r`` (0 unless outputs are inserted)."""
+        return 0 if self.outputs is OutputTokens.DROP else r.output_length
 
     def output_pages(self, r: TraceRequest) -> int:
         """Whole pages of output the request caches (0 unless outputs are inserted)."""
@@ -357,7 +384,7 @@ class TraceReplayer:
                 return
             except PoolExhaustedError:
                 if not self._inflight:
-                    need = (tokens.size + output.size) // self.shape.block_tokens
+                    need = -(-(tokens.size + output.size) // self.shape.block_tokens)
                     raise ReplayError(
                         f"request {i} ({need} blocks) does not fit in a device tier of "
                         f"{self.settings.device_blocks} blocks; raise the device capacity"

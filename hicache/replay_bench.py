@@ -300,7 +300,12 @@ def bench_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     write_policy = _enum_list(args.write_policy, WritePolicy, "--write-policy")[0]
     retentions = _float_list(args.host_retention, "--host-retention") if host.blocks else [0.0]
     bounds = BoundsCache(trace, shape)
-    longest = -(-bounds.longest_pages // shape.pages_per_block)
+    # What the replay allocates for the longest request: its blocks and, when outputs are
+    # inserted, every output token (the last page partly used).
+    longest = max(
+        -(-(len(r.hash_ids) * shape.block_tokens + shape.output_tokens(r)) // shape.block_tokens)
+        for r in trace
+    )
     for cap in devices:
         if cap.blocks < longest:
             raise ConfigError(

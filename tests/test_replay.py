@@ -111,6 +111,43 @@ def test_bad_trace_line_names_the_line(tmp_path, line, message):
     assert "bad.jsonl:2" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("chains", "message"),
+    [
+        ([[2, 0, 1], [2, 1, 3]], "block 1 follows block 2 here but block 0 earlier"),
+        ([[3], [2, 1, 3]], "block 3 follows block 1 here but the start of a request earlier"),
+        ([[4, 5, 4]], "block 4 follows block 5"),
+    ],
+)
+def test_a_trace_whose_ids_are_not_prefix_hashes_is_refused(tmp_path, chains, message):
+    """The bounds key a block by its id alone; ids that are not prefix hashes would make
+    the optimum crash or fall below LRU, so the reader refuses them, naming the line."""
+    rows = [
+        {"timestamp": i, "input_length": len(c) * BT, "output_length": 1, "hash_ids": c}
+        for i, c in enumerate(chains)
+    ]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    with pytest.raises(TraceError, match=message) as err:
+        load_trace(path)
+    assert f"t.jsonl:{len(chains)}" in str(err.value)
+    assert main(["bench", "replay", "--trace", str(path), "--device", "8"]) == 2
+
+
+def test_the_capacity_check_counts_every_inserted_output_token(tmp_path, capsys):
+    """With outputs inserted the replay allocates every output token: a request of one
+    block and 17 output tokens of 16-token blocks needs 3 blocks, and the bench says so
+    before replaying (it used to accept 2 and then fail mid-replay)."""
+    rows = [
+        {"timestamp": i, "input_length": 16, "output_length": 17, "hash_ids": [i]} for i in range(3)
+    ]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    args = ["bench", "replay", "--trace", str(path), "--policy", "lru", "--block-tokens", "16"]
+    assert main([*args, "--outputs", "insert", "--device", "2"]) == 2
+    assert "longest request (3 blocks)" in capsys.readouterr().err
+    assert main([*args, "--outputs", "insert", "--device", "3"]) == 0
+    assert main([*args, "--outputs", "drop", "--device", "1"]) == 0
+
+
 def test_missing_trace_and_empty_window_are_clear_errors(tmp_path):
     with pytest.raises(TraceError, match="cannot read"):
         load_trace(tmp_path / "absent.jsonl")
