@@ -92,7 +92,8 @@ class _RemoteTransfer:
     reply, or once a newer session is registered (the sidecar answers a registration only
     after every request of the engine's earlier sessions has ended or been refused). A
     transfer still unanswered at its deadline opens the breaker, so that the reconnect
-    which follows settles it even if its reply never comes.
+    which follows settles it even if its reply never comes. A prefetch (``touches_device``
+    False: it only reads disk into host pages) is done as soon as its outcome is known.
     """
 
     def __init__(
@@ -102,22 +103,26 @@ class _RemoteTransfer:
         generation: int,
         timeout_s: float,
         deadline: float | None = None,
+        touches_device: bool = True,
     ):
         self._client = client
         self._req_id = req_id
         self._generation = generation
         self._deadline = time.monotonic() + timeout_s if deadline is None else deadline
         self._ok: bool | None = None  # the outcome, once known
-        self._settled = False  # nothing of this transfer can run any more
+        self._touches_device = touches_device
+        self._settled = False  # nothing of this transfer can touch the engine's pages
         self.keep_alive: Any = None  # e.g. the CUDA event the sidecar's copy waits on
-        client._unsettled += 1
+        if touches_device:
+            client._unsettled += 1
 
     def _settle(self, ok: bool) -> None:
         self._ok = ok
         if not self._settled:
             self._settled = True
             self.keep_alive = None
-            self._client._unsettled -= 1
+            if self._touches_device:
+                self._client._unsettled -= 1
 
     def _take_reply(self, msg: dict) -> None:
         try:
@@ -135,7 +140,7 @@ class _RemoteTransfer:
         ch = client._channel
         if ch.generation != self._generation:  # the socket it went out on is gone
             self._ok = False
-            if client._fenced_generation > self._generation:
+            if client._fenced_generation > self._generation or not self._touches_device:
                 self._settle(False)
             return self._settled
         msg = ch.poll(self._req_id)
@@ -143,7 +148,10 @@ class _RemoteTransfer:
             self._take_reply(msg)
         elif self._ok is None and time.monotonic() > self._deadline:
             self._ok = False
-            client._failed(SidecarUnavailable("transfer timed out"), renew=True)
+            client._failed(SidecarUnavailable("transfer timed out"), renew=self._touches_device)
+            if not self._touches_device:
+                ch.forget(self._req_id)
+                self._settle(False)
         return self._settled
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -492,7 +500,7 @@ class SidecarController:
         except SidecarUnavailable as exc:
             self._failed(exc)
             return CompletedTransfer(False)
-        return _RemoteTransfer(self, rid, self._channel.generation, timeout)
+        return _RemoteTransfer(self, rid, self._channel.generation, timeout, touches_device=False)
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's stats plus this client's, or only the client's when unavailable."""

@@ -49,7 +49,7 @@ _COMPONENTS = {c.name.lower(): c for c in ComponentType}
 
 
 _SETTLE_POLL_S = 0.05
-_SETTLE_MAX_S = 600.0  # a device copy that has not ended by then is reported, not awaited
+_SETTLE_REPORT_S = 60.0  # a device copy still running is reported this often
 
 
 def _ttl(a: Args, name: str = "ttl_s") -> float:
@@ -218,6 +218,8 @@ class VerbHandlers:
         # Copies of an earlier session may still run on the engine's memory; the engine
         # keeps the pages they touch until this reply says they have ended.
         srv.fence(conn, deadline)
+        if conn.dropped:  # a newer connection of the engine came meanwhile: it registers
+            raise ProtocolError(ErrorCode.NO_SESSION, "the session ended before register")
         try:
             mapped = map_pools(conn.layout, page_size, desc, srv.config.gpu_uuids)
         except RegistrationRefused as exc:
@@ -268,15 +270,17 @@ class VerbHandlers:
             # The reply tells the engine its pages are free again: not while a copy
             # still reads them (a GPU copy behind a busy stream ends on its own).
             ok = False
-            give_up = time.monotonic() + _SETTLE_MAX_S
-            while not handle.done() and time.monotonic() < give_up:
+            waited_from = time.monotonic()
+            next_report = waited_from + _SETTLE_REPORT_S
+            while not handle.done():
                 handle.wait(_SETTLE_POLL_S)
-            if not handle.done():
-                log.error(
-                    "a backup copy of engine %s has not ended after %.0fs",
-                    conn.engine_id,
-                    _SETTLE_MAX_S,
-                )
+                if time.monotonic() > next_report:  # a device that stopped: say so, wait on
+                    log.error(
+                        "a backup copy of engine %s has not ended after %.0fs",
+                        conn.engine_id,
+                        time.monotonic() - waited_from,
+                    )
+                    next_report += _SETTLE_REPORT_S
         if ok and self.server.config.backup_ack is BackupAck.DISK:
             ok = self.ctl.flush(_remaining(deadline))
             keys = list({r.key: None for r in refs})

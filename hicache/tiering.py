@@ -68,6 +68,12 @@ class TieringMixin:
         self._inflight: Counter[tuple[int, int]] = Counter()
         self._quarantine: list[_Quarantined] = []
         self._freeing_unsettled: _Quarantined | None = None
+        self._quarantined_during_evict: list[_Quarantined] = []
+        self._ctype_of_pool = {
+            "full": ComponentType.FULL,
+            "swa": ComponentType.SWA,
+            "mamba": ComponentType.MAMBA,
+        }
         if controller is not None:
             controller.register(self.layout, self.page_size, self.pools)
 
@@ -138,17 +144,21 @@ class TieringMixin:
             self._release_quarantine()
 
     def flush_backups(self: UnifiedRadixCache, timeout_s: float | None = None) -> None:
-        """Wait for every pending backup: for its outcome (up to ``timeout_s``, or its own
-        deadline), then until it is done (up to ``timeout_s``, or ``load_timeout_s``). One
-        still not done stays pending, its nodes locked: its copy may still read them."""
+        """Wait for every pending backup: for its outcome (up to ``timeout_s`` each, or its
+        own deadline), then until it is done (all within ``timeout_s``, or
+        ``load_timeout_s``, from the call). One still not done stays pending, its nodes
+        locked: its copy may still read them."""
+        settle_end = time.monotonic() + (
+            self.config.load_timeout_s if timeout_s is None else timeout_s
+        )
         for pending in list(self._pending):
             handle = pending.handle
             if handle.done():
                 continue
             handle.wait(timeout_s)
-            settle = self.config.load_timeout_s if timeout_s is None else timeout_s
-            end = time.monotonic() + settle
-            while not handle.done() and time.monotonic() < end:
+            # One settling budget for the whole flush: handles of a sidecar that stopped
+            # answering settle together (at the next session), not one after the other.
+            while not handle.done() and time.monotonic() < settle_end:
                 time.sleep(_SETTLE_POLL_S)
         self.poll_transfers()
 
@@ -170,7 +180,9 @@ class TieringMixin:
             self._inflight[key] -= 1
             if not self._inflight[key]:
                 del self._inflight[key]
-            if ok:
+            # An aux component counts as held only with its FULL pages (which another,
+            # unfinished or failed, backup may carry).
+            if ok and (idx == 0 or node.data[0].backed):
                 node.data[idx].backed = True
         for r in pending.receipts:
             self.unlock(r, touch=False)
@@ -230,8 +242,20 @@ class TieringMixin:
             for allocator, pages in q.slots:
                 allocator.take_pages(pages)
             self._quarantine.append(q)
+            self._quarantined_during_evict.append(q)
             self.counters["write_back_quarantined"] += 1
         super().after_device_free(node)
+
+    def evict_device_leaf(self: UnifiedRadixCache, node: TreeNode, result: EvictResult) -> None:
+        """As RadixTree's, but pages a write-back put in the quarantine are not freed: the
+        result (and so the eviction that asked) does not count them."""
+        super().evict_device_leaf(node, result)
+        for q in self._quarantined_during_evict:
+            for allocator, pages in q.slots:
+                ctype = self._ctype_of_pool[allocator.name]
+                per_page = 1 if ctype is ComponentType.MAMBA else self.page_size
+                result.add(ctype, -pages.size * per_page)
+        self._quarantined_during_evict.clear()
 
     def check_transfer_invariants(self: UnifiedRadixCache) -> None:
         """Every in-flight backup still holds its locks."""

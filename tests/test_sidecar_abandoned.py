@@ -7,6 +7,7 @@ order of events is fixed, and fails on a client that frees the pages at its dead
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -17,7 +18,8 @@ import torch
 from cache_support import MarkerEngine, make_cache, make_layout
 from sidecar_support import short_tmpdir, wait_for
 
-from hicache import CacheConfig, DevicePools
+from hicache import CacheConfig, DevicePools, Request
+from hicache.config import WritePolicy
 from hicache.controller.client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
@@ -264,3 +266,97 @@ def test_a_backup_that_timed_out_keeps_its_nodes_until_it_settles(side):
     finally:
         side.gate.set()
         client.close()
+
+
+def test_a_flush_with_a_stalled_sidecar_takes_one_settling_budget_not_one_per_backup(side):
+    cache, client = _sidecar_cache(side)
+    eng = MarkerEngine(cache)
+    try:
+        side.hold()
+        n = 6
+        for i in range(n):  # write-through: one backup per request, all held
+            eng.run(np.arange(1, 2 * PAGE + 1, dtype=np.int64) + 1000 * (i + 1))
+        side.wait_entered()
+        assert len(cache._pending) == n
+        cache.config.load_timeout_s = 0.5
+        t0 = time.monotonic()
+        cache.flush_backups()
+        took = time.monotonic() - t0
+        assert took < CLIENT.backup_timeout_s + 2 * cache.config.load_timeout_s, (
+            f"flush_backups held the engine {took:.2f}s for {n} backups"
+        )
+        cache.check_invariants()
+        side.gate.set()
+        wait_for(lambda: (cache.poll_transfers(), not cache._pending)[1], 10, "settled")
+        cache.check_invariants()
+    finally:
+        side.gate.set()
+        client.close()
+
+
+def test_write_back_pages_kept_in_quarantine_do_not_count_as_freed(side):
+    client = SidecarController(side.endpoint, "engine-wb", CLIENT)
+    cache = make_cache(
+        "full",
+        page_size=PAGE,
+        full_slots=8 * PAGE,
+        controller=client,
+        shared_memory=True,
+        write_policy=WritePolicy.WRITE_BACK,
+        load_timeout_s=0.3,
+    )
+    eng = MarkerEngine(cache)
+    try:
+        for i in range(4):  # four cached prefixes of two pages: the pool is full
+            eng.run(np.arange(1, 2 * PAGE + 1, dtype=np.int64) + 1000 * (i + 1))
+        assert cache.pools.full.available() == 0
+        side.hold()  # the first write-back gets no answer in time
+        req = Request(rid=99)
+        cache.match_prefix(np.arange(5000, 5000 + 2 * PAGE), req=req)
+        cache.alloc_tokens(req, 2 * PAGE)  # 6 more evictable pages: this must fit
+        cache.check_invariants()
+        assert cache.stats().quarantined_pages == 2
+        side.gate.set()
+        wait_for(
+            lambda: (cache.poll_transfers(), cache.stats().quarantined_pages)[1] == 0,
+            10,
+            "the quarantine released",
+        )
+        cache.cache_finished_req(req, insert=False)
+        cache.check_invariants()
+    finally:
+        side.gate.set()
+        client.close()
+
+
+def test_a_slow_prefetch_neither_drops_the_session_nor_stays_unsettled(side):
+    gate = threading.Event()
+    real = side.controller.prefetch
+
+    def slow_prefetch(*a, **kw):  # a slow disk read
+        gate.wait(30)
+        return real(*a, **kw)
+
+    side.controller.prefetch = slow_prefetch
+    layout = make_layout("full")
+    cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
+    pools = DevicePools.allocate(layout, cfg)
+    client = SidecarController(
+        side.endpoint, "engine-p", dataclasses.replace(CLIENT, request_timeout_s=0.5)
+    )
+    client.register(layout, PAGE, pools)
+    try:
+        refs = _chain(layout, pools)
+        assert client.backup(refs).wait(10)
+        handle = client.prefetch([r.key for r in refs])
+        assert not handle.wait()  # no answer by its deadline: a failed prefetch
+        assert handle.done(), "a prefetch never touches the engine's pages"
+        assert client.available, "one slow prefetch opened the breaker"
+        gate.set()
+        client.prefetch([r.key for r in refs])  # answered at once, handle dropped
+        time.sleep(0.3)
+        assert client.stats()["client"]["unsettled_transfers"] == 0
+    finally:
+        gate.set()
+        client.close()
+        pools.close()
