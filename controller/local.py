@@ -160,8 +160,10 @@ class LocalController:
             self._engines[engine_id] = buffers
 
     def unregister(self, engine_id: str) -> None:
-        """Forget an engine: finish its queued backups, release its pins."""
-        self._fills.reap(block=True)
+        """Forget an engine: release its pins. Its queued backups finish on their own
+        (each holds the engine's buffers until published), so this never waits on a GPU
+        stream: the sidecar calls it on its I/O thread, which serves every engine."""
+        self._fills.reap(block=False)
         with self._store.lock:
             self._engines.pop(engine_id, None)
             n = self._store.pins.release_engine(engine_id)
