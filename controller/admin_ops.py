@@ -179,6 +179,7 @@ def evict(
     comps = [component] if component is not None else list(store.host.components)
     freed_pages = freed_bytes = 0
     with store.lock:
+        store.expire_pins_locked()
         for comp in comps:
             while freed_bytes < nbytes:
                 victim = store.index.pop_victim(Tier.HOST, comp)
@@ -323,6 +324,7 @@ def residency(ctl: LocalController) -> dict[str, dict[str, dict[str, int]]]:
     with store.lock:
         if store.host is None:
             return out
+        store.expire_pins_locked()
         for c, pool in store.host.components.items():
             out["host"][component_label(c)] = {"resident": pool.used_pages, "pinned": 0}
         if store.disk is not None:

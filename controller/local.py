@@ -299,6 +299,9 @@ class LocalController:
                     if e is not None and e.held:
                         self._store.index.touch(e)
                         self.counters.inc("backup", "deduped_pages")
+                        if e.host_state is HostState.FILLING and e.disk_state is DiskState.NONE:
+                            # Held only once another copy into it succeeds: wait for it.
+                            fills.append(e.fill)
                         continue
                     page = self._store.alloc_host_locked(ref.component)
                     if page is None:
@@ -579,20 +582,34 @@ class LocalController:
         with self._store.lock:
             self._fills.check_invariants_locked()
 
-    def close(self) -> None:
-        """Finish queued copies, drain the writer, close LMDB. Idempotent."""
+    def close(self) -> int:
+        """Finish queued copies, drain the writer, close LMDB. Idempotent.
+
+        Returns the pages that were to be written to disk and are not: writes that failed
+        or were rejected while closing, plus pages still queued when the writer did not
+        drain within ``close_timeout_s``. 0: every queued page is committed (and always
+        from a second call, which does nothing).
+        """
+        write_failures = (Failure.DISK_WRITE_ERROR, Failure.DISK_FULL)
         with self._store.lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+            failed_before = sum(self.counters.get("failures", f.value) for f in write_failures)
         self._fills.reap(block=True)
         with self._store.lock:
             # Write-back keeps pages in memory only; a clean shutdown must not lose them.
             self._store.write_back_all_locked()
-        if not self._store.close(self.config.close_timeout_s):
-            log.error("controller closed with disk writes still queued")
-        with self._store.lock:
+        drained = self._store.close(self.config.close_timeout_s)
+        with self._store.lock:  # a writer still running settles pages under this lock
+            failed = sum(self.counters.get("failures", f.value) for f in write_failures)
+            lost = int(failed - failed_before)
+            if not drained:
+                unwritten = sum(1 for e in self._store.index if e.disk_state is DiskState.PENDING)
+                log.error("controller closed with %d pages still queued for disk", unwritten)
+                lost += unwritten
             self._engines.clear()
+        return lost
 
 
 def _by_component(

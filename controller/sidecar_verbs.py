@@ -265,7 +265,8 @@ class VerbHandlers:
             except RegistrationRefused as exc:
                 raise ProtocolError(ErrorCode.BAD_ARGS, str(exc)) from None
         handle = self.ctl.backup(refs, event, engine_id=conn.engine_id)
-        ok = bool(handle.wait(_remaining(deadline)))
+        # Past the deadline too, no reply (not even an error) before the copy has ended.
+        ok = bool(handle.wait(max(0.0, deadline - time.monotonic())))
         if not handle.done():
             # The reply tells the engine its pages are free again: not while a copy
             # still reads them (a GPU copy behind a busy stream ends on its own).

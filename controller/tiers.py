@@ -127,6 +127,8 @@ class PageStore:
         """A free host page of ``component``, evicting LRU pages as needed; None if stuck."""
         pool = self.host[component]
         page = pool.alloc()
+        if page is None:
+            self.expire_pins_locked()  # a lapsed pin must not keep its pages from eviction
         while page is None:
             victim = self.index.pop_victim(Tier.HOST, component)
             if victim is None:
@@ -205,6 +207,7 @@ class PageStore:
         keys: list[bytes] = []
         freed = 0
         with self.lock:
+            self.expire_pins_locked()
             while freed < nbytes:
                 victim = self.index.pop_victim(Tier.DISK)
                 if victim is None:
@@ -299,6 +302,7 @@ class PageStore:
     # -- state ---------------------------------------------------------------------------
 
     def stats_locked(self) -> dict[str, Any]:
+        self.expire_pins_locked()  # pins_active counts live pins only
         disk: dict[str, Any] = {"enabled": self.disk is not None}
         if self.disk is not None:
             disk.update(self.disk.stats())

@@ -307,8 +307,9 @@ class TieringMixin:
             else:
                 handle = self.controller.prefetch(self._disk_keys(lookup, disk_pages, hashes))
                 if policy is PrefetchPolicy.TIMEOUT and handle.wait(self.config.prefetch_timeout_s):
-                    again = self.controller.lookup(hashes[:disk_pages], comps)
-                    load_pages = _last_at_most(self._end_tiers(again, device, start), P_HOST)
+                    # Every page asked for is on host now (a second lookup would count the
+                    # match's pages twice); one evicted before the load's pin is a miss.
+                    load_pages = disk_pages
         if load_pages:
             result.load_node = self._materialize(
                 last, key, sub_path, sub_partial, sub_k, start + load_pages * ps, lookup

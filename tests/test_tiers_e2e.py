@@ -10,9 +10,11 @@ from cache_support import MIXES, MarkerEngine, make_cache
 
 from hicache import Request
 from hicache.config import PrefetchPolicy, WritePolicy
+from hicache.controller import admin_ops
 from hicache.controller.config import ControllerConfig
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
+from hicache.types import Tier
 
 PS = 4
 
@@ -203,4 +205,36 @@ def test_write_back_reaches_disk_only_at_eviction(tmp_path):
     m = cache.match_prefix(tokens)
     assert m.host_hit_len == tokens.size
     cache.check_invariants()
+    ctrl.close()
+
+
+def test_a_timed_prefetch_counts_each_page_of_the_match_once_and_loads_it(tmp_path):
+    """prefetch_policy=timeout: the match looks the pages up once; the prefetched disk
+    pages are loaded without a second lookup (which counted every page twice in the hit
+    metrics), and the load is exact."""
+    ctrl = controller(tmp_path / "lmdb")
+    cache, engine = tiered(
+        "full", ctrl, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=10.0
+    )
+    tokens = seq(8 * PS)
+    engine.run(tokens)
+    settle(cache, ctrl)
+    cache.evict(full_tokens=10**6)
+    admin_ops.evict(ctrl, Tier.HOST, 1 << 30)  # on disk only now
+    scribble(cache)
+    before = ctrl.stats()["lookup"]
+    query = np.concatenate([tokens, seq(8 * PS, base=500)])  # 8 known pages, 8 unknown
+    req = Request("timed")
+    m = cache.match_prefix(query, req=req)
+    after = ctrl.stats()["lookup"]
+    delta = {r: after[r]["full"] - before.get(r, {}).get("full", 0) for r in after}
+    assert sum(delta.values()) == 16, f"16 pages asked for, counted {delta}"
+    assert delta.get("disk", 0) + delta.get("host", 0) == 8, delta
+    assert m.load_node is not None
+    assert cache.load_back(m.load_node, req=req)
+    assert req.prefix_len == tokens.size
+    engine.verify_prefix(req, tokens, req.prefix_len)
+    cache.cache_finished_req(req, insert=False)
+    cache.check_invariants()
+    ctrl.check_invariants()
     ctrl.close()
