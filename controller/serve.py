@@ -13,21 +13,27 @@ Configuration comes from, lowest precedence first:
    e.g. ``HICACHE_HOST_POOL_BYTES=8GiB``, ``HICACHE_METRICS_PORT=0``;
 4. flags (``--host-pool-bytes``, ``--set field=value``, …), which win.
 
-Sizes accept units (``512MiB``, ``4GiB``, ``1.5GB``). SIGTERM or SIGINT drains: in-flight
-requests finish, then every queued backup is committed to LMDB before the process exits.
-Logs are one line per event: ``time LEVEL logger: message``.
+Every value is checked against its field's type, and an unknown key or ``HICACHE_*``
+variable is an error, so a typo never passes silently. Sizes accept units (``512MiB``,
+``4GiB``, ``1.5GB``). SIGTERM or SIGINT drains: in-flight requests finish, then every
+queued backup is committed to LMDB before the process exits. Logs are one line per event:
+``time LEVEL logger: message``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import enum
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,28 @@ from hicache.types import ConfigError, HicacheError
 log = logging.getLogger("hicache.sidecar")
 
 DEFAULT_DISK_PATH = "./hicache-data"
+
+# Exit codes of ``hicache serve`` (docs/operations.md lists them).
+EXIT_STOPPED = 0  # stopped on SIGTERM/SIGINT with every queued disk write committed
+EXIT_FAILED = 1  # could not start: the controller, a socket or the metrics endpoint
+EXIT_BAD_CONFIG = 2  # a bad configuration: stopped before anything was touched
+EXIT_WRITES_LOST = 3  # stopped, but acknowledged pages did not reach disk
+
+# HICACHE_* variables that are not options: this module's (HICACHE_CONFIG, HICACHE_FAULTS),
+# the clients' (HICACHE_ENDPOINT, often set in the sidecar's environment too), and those of
+# the test suite and CI (tests/, .ci/run). Any other HICACHE_* variable is a typo.
+OTHER_VARIABLES = frozenset(
+    {
+        "HICACHE_CONFIG",
+        "HICACHE_FAULTS",
+        "HICACHE_ENDPOINT",
+        "HICACHE_REQUIRE_PROMETHEUS",
+        "HICACHE_HYPOTHESIS_PROFILE",
+        "HICACHE_SOAK_EXAMPLES",
+        "HICACHE_SOAK_STEPS",
+        "HICACHE_ENGINE_SOAK_EXAMPLES",
+    }
+)
 _UNITS = {
     "": 1,
     "b": 1,
@@ -56,7 +84,8 @@ _UNITS = {
     "tib": 1 << 40,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
-_NULLABLE = {"disk_path", "lmdb_map_size_bytes", "socket_path", "tcp_endpoint"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -71,30 +100,108 @@ def parse_size(value: Any, name: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _coerce(name: str, value: Any, default: Any) -> Any:
-    """``value`` (from TOML, the environment or a flag) as the type of field ``name``."""
-    if isinstance(value, str) and name in _NULLABLE and value.strip().lower() in ("", "none"):
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """A config field as the loader reads it, from its annotation."""
+
+    kind: Any  # bool, int, float, str, Path, list, or an enum class
+    nullable: bool  # "none" (or nothing) sets it to None
+
+
+def _fields(cls: type) -> dict[str, _Field]:
+    """Each field of the config dataclass ``cls``, read from its type annotation."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        args = typing.get_args(hint) if union else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        kind = Path if Path in kinds else typing.get_origin(kinds[0]) or kinds[0]
+        out[f.name] = _Field(kind, len(kinds) < len(args))
+    return out
+
+
+_SIDECAR_FIELDS = _fields(SidecarConfig)
+_CONTROLLER_FIELDS = _fields(ControllerConfig)
+
+
+def _expected(kind: Any) -> str:
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "one of: " + ", ".join(str(m.value) for m in kind)
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        list: "a list of strings (or one comma-separated string)",
+        Path: "a path (a string)",
+    }.get(kind, "a string")
+
+
+def _from_string(text: str, kind: Any) -> Any:
+    """``text`` (the environment, a flag, a quoted TOML value) as ``kind``; ValueError if
+    it is not one. Enum values stay strings: the config classes check the choice."""
+    word = text.strip()
+    if kind is bool:
+        if word.lower() not in _TRUE + _FALSE:
+            raise ValueError(text)
+        return word.lower() in _TRUE
+    if kind in (int, float):
+        return kind(word)
+    if kind is list:
+        return [v.strip() for v in text.split(",") if v.strip()]
+    return text
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """Whether a TOML (or Python) value is already of type ``kind``: a bool is not an int,
+    an int is a float, and a path comes from a string only."""
+    if kind is float:
+        return type(value) in (int, float)
+    if kind is list:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if kind is Path:
+        return isinstance(value, os.PathLike)
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _parse(name: str, value: Any, field: _Field) -> Any:
+    if field.nullable and isinstance(value, str) and value.strip().lower() in ("", "none"):
         return None
     if name.endswith("_bytes"):
         return parse_size(value, name)
-    if not isinstance(value, str):
-        return value
-    if isinstance(default, bool):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}={value!r}: use true or false")
     try:
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
+        if isinstance(value, str):
+            return _from_string(value, field.kind)
+        if _is_a(value, field.kind):
+            return float(value) if field.kind is float else value
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-    if isinstance(default, list):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return value
+        pass
+    raise ConfigError(f"{name}={value!r} is not {_expected(field.kind)}")
+
+
+def _coerce(name: str, value: Any, field: _Field, source: str) -> Any:
+    """``value`` (from TOML, the environment or a flag) as field ``name``'s type.
+
+    Raises ConfigError naming ``source``, the field, the value and the type expected.
+    """
+    try:
+        return _parse(name, value, field)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _did_you_mean(
+    name: str, known: typing.Iterable[str], spell: typing.Callable[[str], str] = repr
+) -> str:
+    """``; did you mean X?`` with X the known name closest to ``name`` as ``spell`` writes
+    it, or nothing when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {spell(close[0])}?" if close else ""
+
+
+def _variable(option: str) -> str:
+    return "HICACHE_" + option.upper()
 
 
 def _tomllib() -> Any:
@@ -106,16 +213,6 @@ def _tomllib() -> Any:
             "flags, or a JSON layout file"
         ) from None
     return tomllib
-
-
-def _defaults(cls: type) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
 
 
 @dataclasses.dataclass
@@ -151,7 +248,6 @@ def load_settings(
     Raises ConfigError naming the source and the bad value.
     """
     env = dict(os.environ) if env is None else env
-    side_def, ctl_def = _defaults(SidecarConfig), _defaults(ControllerConfig)
     side: dict[str, Any] = {}
     ctl: dict[str, Any] = {"disk_path": DEFAULT_DISK_PATH}
     layout = None
@@ -169,29 +265,42 @@ def load_settings(
             raise ConfigError(
                 f"{path}: unknown table(s) {sorted(unknown)}; use [sidecar], [controller], [layout]"
             )
-        for table, target, defaults in (
-            ("sidecar", side, side_def),
-            ("controller", ctl, ctl_def),
+        for table, target, fields in (
+            ("sidecar", side, _SIDECAR_FIELDS),
+            ("controller", ctl, _CONTROLLER_FIELDS),
         ):
             for k, v in data.get(table, {}).items():
-                if k not in defaults:
-                    raise ConfigError(f"{path}: unknown key {k!r} in [{table}]")
-                target[k] = _coerce(k, v, defaults[k])
+                if k not in fields:
+                    raise ConfigError(
+                        f"{path}: unknown key {k!r} in [{table}]{_did_you_mean(k, fields)}"
+                    )
+                target[k] = _coerce(k, v, fields[k], f"{path} [{table}]")
         if "layout" in data:
             layout = _layout_from(data["layout"], str(path))
-    for target, defaults in ((side, side_def), (ctl, ctl_def)):
-        for k in defaults:
-            raw = env.get("HICACHE_" + k.upper())
-            if raw is not None:
-                target[k] = _coerce(k, raw, defaults[k])
+    options = _SIDECAR_FIELDS.keys() | _CONTROLLER_FIELDS.keys()
+    for var, raw in sorted(env.items()):
+        if not var.startswith("HICACHE_") or var in OTHER_VARIABLES:
+            continue
+        k = var.removeprefix("HICACHE_").lower()
+        if var != _variable(k) or k not in options:
+            hint = _did_you_mean(k, options, _variable) or "; correct it or unset it"
+            raise ConfigError(
+                f"${var} is not an option (HICACHE_<OPTION> sets a field of [sidecar] or "
+                f"[controller]){hint}"
+            )
+        target, fields = (
+            (side, _SIDECAR_FIELDS) if k in _SIDECAR_FIELDS else (ctl, _CONTROLLER_FIELDS)
+        )
+        target[k] = _coerce(k, raw, fields[k], f"${var}")
     for k, v in (overrides or {}).items():
-        if k in side_def:
-            side[k] = _coerce(k, v, side_def[k])
-        elif k in ctl_def:
-            ctl[k] = _coerce(k, v, ctl_def[k])
+        if k in _SIDECAR_FIELDS:
+            side[k] = _coerce(k, v, _SIDECAR_FIELDS[k], "command line")
+        elif k in _CONTROLLER_FIELDS:
+            ctl[k] = _coerce(k, v, _CONTROLLER_FIELDS[k], "command line")
         else:
             raise ConfigError(
-                f"unknown setting {k!r}; settings are the fields of [sidecar] and [controller]"
+                f"unknown setting {k!r} (settings are the fields of [sidecar] and "
+                f"[controller]){_did_you_mean(k, options)}"
             )
     if layout_file:
         text = Path(layout_file).read_text()
@@ -309,7 +418,7 @@ def _faults_from_env() -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the sidecar until SIGTERM/SIGINT. Exit codes: 0 clean, 1 failed, 2 bad config."""
+    """Run the sidecar until SIGTERM/SIGINT; returns one of the ``EXIT_*`` codes."""
     import zmq
 
     from hicache.controller.local import LocalController
@@ -322,7 +431,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_settings(settings)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"hicache serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     setup_logging(settings.sidecar.log_level)
     layout = settings.layout
     try:
@@ -332,7 +441,7 @@ def run_serve(args: argparse.Namespace) -> int:
             controller = LocalController(settings.controller)
     except HicacheError as exc:
         log.error("cannot start the controller: %s", exc)
-        return 1
+        return EXIT_FAILED
     controller.faults = _faults_from_env()
     server = SidecarServer(controller, settings.sidecar, layout=layout, own_process=True)
     if controller.opened:
@@ -348,7 +457,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (HicacheError, OSError, SidecarError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         controller.close()
-        return 1
+        return EXIT_FAILED
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     log.info(
@@ -373,10 +482,15 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         pending = controller.stats().get("disk", {}).get("pending_writes", 0)
         log.info("draining: %s disk writes queued", pending)
-        controller.close()
+        lost = controller.close()
         server.metrics.close()
+        if lost:
+            log.error(
+                "%d acknowledged pages did not reach disk and are lost (see the errors above)",
+                lost,
+            )
         log.info("stopped")
-    return 0
+    return EXIT_WRITES_LOST if lost else EXIT_STOPPED
 
 
 def main(argv: list[str] | None = None) -> int:

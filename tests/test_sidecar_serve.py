@@ -4,11 +4,14 @@ one-line logs, and a SIGTERM that drains queued backups into LMDB before exit.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import threading
 
 import lmdb
 import numpy as np
@@ -16,12 +19,21 @@ import pytest
 import torch
 from cache_support import make_layout
 from sidecar_support import PYTHON, START_TIMEOUT_S, free_port, short_tmpdir, wait_for
+from test_controller_support import PAGE, Engine, controller_config, hybrid_layout
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import SidecarClientConfig, SidecarController
 from hicache.controller.config import DiskWritePolicy
+from hicache.controller.local import LocalController
 from hicache.controller.protocol import default_runtime_dir
-from hicache.controller.serve import add_serve_arguments, load_settings, parse_size, run_serve
+from hicache.controller.serve import (
+    EXIT_STOPPED,
+    EXIT_WRITES_LOST,
+    add_serve_arguments,
+    load_settings,
+    parse_size,
+    run_serve,
+)
 from hicache.controller.sidecar_config import BackupAck
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
@@ -96,17 +108,29 @@ def test_serve_exits_2_on_a_bad_config(tmp_path, capsys):
     assert "backup_ack='disk' needs a disk tier" in capsys.readouterr().err
 
 
-def test_default_start_serves_privately_and_sigterm_drains_backups_to_lmdb():
+@dataclasses.dataclass
+class _Drain:
+    """What a default ``hicache serve`` did with backups still queued for disk at SIGTERM."""
+
+    exit_code: int
+    acknowledged: int  # pages the sidecar acknowledged (on host, queued for disk)
+    stored: int  # pages in LMDB once it exited
+    log: list[str]
+    socket_left: bool
+
+
+def _backup_then_sigterm(extra_env: dict[str, str]) -> _Drain:
+    """Start ``hicache serve`` with no flags and no config file, back up 40 pages, stop it."""
     work = short_tmpdir()
-    port = free_port()
     env = {
         **os.environ,
         "XDG_RUNTIME_DIR": str(work / "xdg"),
-        "HICACHE_METRICS_PORT": str(port),
-        # A writer that gathers for 5 s: the backups are still queued at SIGTERM.
-        "HICACHE_WRITER_FLUSH_INTERVAL_S": "5",
+        "HICACHE_METRICS_PORT": "0",
+        # A writer that gathers for a minute (until SIGTERM): the backups stay queued.
+        "HICACHE_WRITER_FLUSH_INTERVAL_S": "60",
         "HICACHE_WRITER_BATCH_PAGES": "4096",
         "PYTHONUNBUFFERED": "1",
+        **extra_env,
     }
     (work / "xdg").mkdir(mode=0o700)
     socket = work / "xdg" / "hicache" / "hicache.sock"
@@ -145,22 +169,67 @@ def test_default_start_serves_privately_and_sigterm_drains_backups_to_lmdb():
             assert client.backup(refs).wait(30)
             n += len(refs)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        exit_code = proc.wait(120)
         client.close()
-        log = proc.stdout.read().splitlines()
-        assert log and all(LOG_LINE.match(line) for line in log), "\n".join(log)
-        assert any("INFO hicache.sidecar: stopped" in line for line in log)
-        queued = [re.search(r"draining: (\d+) disk writes queued", line) for line in log]
-        assert [int(m.group(1)) for m in queued if m] == [n]  # all still queued at SIGTERM
-        assert not socket.exists()  # removed on a clean exit
         env_db = lmdb.open(str(work / "hicache-data"), readonly=True, lock=False)
-        assert env_db.stat()["entries"] == n  # every acknowledged page was committed
+        stored = env_db.stat()["entries"]
         env_db.close()
+        return _Drain(
+            exit_code=exit_code,
+            acknowledged=n,
+            stored=stored,
+            log=proc.stdout.read().splitlines(),
+            socket_left=socket.exists(),
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
         pools.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_default_start_serves_privately_and_sigterm_drains_backups_to_lmdb():
+    run = _backup_then_sigterm({"HICACHE_METRICS_PORT": str(free_port())})
+    assert run.exit_code == EXIT_STOPPED
+    assert run.log and all(LOG_LINE.match(line) for line in run.log), "\n".join(run.log)
+    assert any("INFO hicache.sidecar: stopped" in line for line in run.log)
+    queued = [re.search(r"draining: (\d+) disk writes queued", line) for line in run.log]
+    assert [int(m.group(1)) for m in queued if m] == [run.acknowledged]  # all still queued
+    assert not run.socket_left  # removed on a clean exit
+    assert run.stored == run.acknowledged  # every acknowledged page was committed
+
+
+def test_sigterm_exits_3_and_says_so_when_queued_disk_writes_are_lost():
+    run = _backup_then_sigterm({"HICACHE_FAULTS": json.dumps({"disk_write": 1})})
+    assert run.stored == 0  # the final batch, every queued page, failed
+    assert run.exit_code == EXIT_WRITES_LOST, "\n".join(run.log)
+    lost = f"ERROR hicache.sidecar: {run.acknowledged} acknowledged pages did not reach disk"
+    assert any(lost in line for line in run.log), "\n".join(run.log)
+    assert any("INFO hicache.sidecar: stopped" in line for line in run.log)
+
+
+def test_close_counts_the_pages_still_queued_when_the_writer_does_not_drain(monkeypatch, tmp_path):
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path, close_timeout_s=0.2))
+    ctl.register(layout, PAGE, engine.pools)
+    writer = ctl.store.disk.writer
+    stalled = threading.Event()
+    commit = writer._commit
+
+    def stalled_commit(*args, **kwargs):  # a disk slower than close_timeout_s
+        stalled.wait(30)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "_commit", stalled_commit)
+    chain = engine.write_chain(range(4 * PAGE))
+    assert ctl.backup(chain.refs()).wait(10.0)  # acknowledged on host
+    try:
+        assert ctl.close() == len(chain.refs())
+        assert ctl.close() == 0  # a second close does nothing
+    finally:
+        stalled.set()
+    writer._thread.join(30)
 
 
 class _CollectorStub:
@@ -186,7 +255,6 @@ def test_the_sidecar_freezes_its_index_once_built_and_again_when_it_has_grown(
 ):
     from hicache.controller import server as server_mod
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.local import LocalController
     from hicache.controller.page_index import DiskState
     from hicache.controller.server import SidecarServer
     from hicache.controller.sidecar_config import SidecarConfig
