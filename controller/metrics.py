@@ -1,12 +1,14 @@
 """Prometheus metrics of the sidecar (names ``hicache_…``; see docs/metrics.md).
 
-Two sources feed one registry:
+Three sources feed one registry:
 
 * the server's own instruments (requests, failures and latency by verb, engines
   connected, lease expiries), updated as requests are handled;
 * a collector that turns the controller's counters and residency into metric families
   at scrape time, so that nothing is counted twice and the controller stays free of any
-  metrics library.
+  metrics library;
+* the standard ``process_…`` metrics of the sidecar's process (start time, CPU, memory,
+  file descriptors).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -79,6 +88,14 @@ class ControllerCollector(Collector):
         for reason, n in s.get("failures", {}).items():
             failures.add_metric([reason], n)
         yield failures
+        # Failed loads are the load requests less these, whatever the reason (a reason
+        # such as host_full is also counted by backups, so no sum of reasons is a count
+        # of failed loads).
+        yield CounterMetricFamily(
+            "hicache_loads_served",
+            "Loads that copied every page asked for into the engine's device memory.",
+            value=_get(s, "load", "ok"),
+        )
 
         fams = {
             unit: CounterMetricFamily(
@@ -203,6 +220,9 @@ class SidecarMetrics:
             ["result"],
             registry=r,
         )
+        # process_start_time_seconds and friends: the alerts on what happens at start
+        # (values dropped when LMDB opens) need the start time.
+        ProcessCollector(registry=r)
         self._http: Any = None
         if snapshot is not None:
             r.register(ControllerCollector(snapshot))

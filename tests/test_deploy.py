@@ -66,6 +66,8 @@ PAGE = 4
 MIX = "full"
 # Labels a scrape adds (Prometheus, the ServiceMonitor's relabelling), not the sidecar.
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "node", "le"}
+# The sidecar's own series, and the standard ones of its process.
+EXPORTED_PREFIXES = ("hicache_", "process_")
 
 
 def _option_names(cls: type) -> set[str]:
@@ -172,7 +174,7 @@ def registry() -> Registry:
     labels: dict[str, set[str]] = {}
     values: dict[str, set[str]] = {}
     for fam in text_string_to_metric_families(text):
-        if not fam.name.startswith("hicache_") or fam.name.endswith("_created"):
+        if not fam.name.startswith(EXPORTED_PREFIXES) or fam.name.endswith("_created"):
             continue
         types[fam.name] = fam.type
         labels[fam.name] = set()
@@ -201,12 +203,13 @@ _SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{[^}]*\})?")
 _MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 
 
-def _hicache_selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """(metric name, [(label, op, value)]) for every ``hicache_…`` selector in ``expr``."""
+def _exported_selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """(metric name, [(label, op, value)]) for every ``hicache_…`` or ``process_…``
+    selector in ``expr``."""
     out = []
     for m in _SELECTOR.finditer(expr):
         name, body = m.group(1), m.group(2) or ""
-        if name.startswith("hicache_"):
+        if name.startswith(EXPORTED_PREFIXES):
             out.append((name, _MATCHER.findall(body)))
     return out
 
@@ -221,11 +224,11 @@ def _enum_values() -> dict[str, set[str]]:
 
 
 def _check_expr(expr: str, registry: Registry, where: str) -> list[str]:
-    """Problems with the hicache series ``expr`` reads (empty: none)."""
+    """Problems with the sidecar's series ``expr`` reads (empty: none)."""
     problems = []
     names = registry.sample_names()
     known = _enum_values()
-    for name, matchers in _hicache_selectors(expr):
+    for name, matchers in _exported_selectors(expr):
         if name not in names:
             problems.append(f"{where}: {name} is not exported by the sidecar")
             continue
@@ -278,8 +281,8 @@ def test_every_series_in_the_rule_unit_tests_is_exported(registry):
             continue
         found = _check_expr(s, registry, f"test series {s}")
         problems += found
-        if not _hicache_selectors(s):
-            problems.append(f"test series {s} is not a hicache series")
+        if not _exported_selectors(s):
+            problems.append(f"test series {s} is not a series the sidecar exports")
     assert not problems, "\n".join(problems)
 
 
@@ -378,6 +381,31 @@ def test_every_alert_has_a_runbook_entry_in_the_operations_guide():
     ops = (REPO / "docs" / "operations.md").read_text()
     missing = [name for name, _ in _rule_exprs() if name not in ops]
     assert not missing, f"docs/operations.md does not explain {missing}"
+
+
+def _series_read(expr: str) -> set[tuple[str, tuple[tuple[str, str, str], ...]]]:
+    """The series ``expr`` reads, less the target labels (Grafana's ``$job``/``$instance``)."""
+    return {
+        (name, tuple(sorted(m for m in matchers if m[0] not in TARGET_LABELS)))
+        for name, matchers in _exported_selectors(expr)
+    }
+
+
+def test_the_load_failure_alert_and_panel_count_every_failed_load():
+    """A failed load is a load request not served, whatever its reason: a sum of failure
+    reasons misses some (a load that finds no free host page counts only host_full) and
+    counts others that backups and prefetches share (host_full, copy_error, disk reads).
+    The alert and the dashboard's panel read the same series."""
+    alert = dict(_rule_exprs())["HicacheLoadBackFailureRate"]
+    panel = next(e for where, e in _dashboard_exprs() if "'Load-back failures'" in where)
+    want = {
+        ("hicache_loads_served_total", ()),
+        ("hicache_requests_total", (("verb", "=", "load"),)),
+    }
+    assert _series_read(alert) == want
+    assert _series_read(panel) == want
+    for expr in (alert, panel):  # the share not served
+        assert "1 - sum" in " ".join(expr.split()), expr
 
 
 def test_the_prometheus_rule_resource_carries_the_same_rules():
