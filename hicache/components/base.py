@@ -206,4 +206,7 @@ class PagedComponent(TreeComponent):
             return
         for node, pages in self._by_node(plan, prep.allocated):
             self.install(node, pages)
-            node.data[self.idx].backed = True
+            # Loaded from the controller, so it holds them; an aux component counts as held
+            # only with its FULL pages (FULL finalizes first).
+            if self.idx == 0 or node.data[0].backed:
+                node.data[self.idx].backed = True

@@ -103,7 +103,7 @@ class MambaComponent(TreeComponent):
         node = plan.end_node
         if node.data[self.idx].value is None and node.data[0].value is not None:
             self.tree.set_value(node, self, slot)
-            node.data[self.idx].backed = True
+            node.data[self.idx].backed = node.data[0].backed  # held only with its FULL pages
         else:
             self.pools.mamba.free_state(slot)
 
