@@ -3,19 +3,12 @@
 Writes are queued to one thread, which commits them in batches (group commit: what
 queued up while the previous batch was syncing goes into the next one). Before a batch
 it asks the controller to evict least-recently-used disk pages until the batch fits in
-``disk_budget_bytes``; the deletions and the puts then commit in one transaction.
-
-LMDB reuses a page freed by a transaction only two commits later (the previous snapshot
-stays intact), so the values a batch deletes give no room to its own puts. When the map
-(LMDB's real one: at least the file's used size) has too few pages left for that, the
-writer commits the deletions on their own first and then the puts in pieces that fit;
-only when LMDB itself reports the map full (fragmentation, readers holding old pages)
-does it evict beyond the budget, retry, and in the end reject what still does not fit
-with a counted, explained failure. A write transaction needs free map pages even to
-delete (copy on write), so puts leave a reserve of the map untouched. A committed page
-is never lost to a failed write, and a put always supersedes an older queued deletion of
-its key. The writer never dies: an unexpected error fails that batch's pages and the
-thread goes on.
+``disk_budget_bytes``. A write transaction needs free map pages even to delete (copy on
+write), so puts leave a reserve of the map untouched. When LMDB's map is full anyway
+(fragmentation, readers holding old pages), the writer evicts more, commits the
+deletions on their own, and retries; what still does not fit is rejected with a
+counted, explained failure. A committed page is never lost to a failed write. The
+writer never dies: an unexpected error fails that batch's pages and the thread goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +29,13 @@ from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 
 log = logging.getLogger(__name__)
+
+
+def reserve_pages(map_pages: int) -> int:
+    """Map pages that puts leave free for transactions that delete (see
+    ``LmdbWriter._store``): 2% of the map, at least 8 pages, at most a quarter of a tiny
+    map."""
+    return min(max(8, map_pages // 50), map_pages // 4)
 
 
 @dataclass
@@ -76,13 +76,6 @@ class _Delete:
 _STOP = object()
 
 
-def reserve_pages(map_pages: int) -> int:
-    """Map pages that puts leave free for transactions that delete (see
-    ``LmdbWriter._store``): 2% of the map, at least 8 pages, at most a quarter of a tiny
-    map."""
-    return min(max(8, map_pages // 50), map_pages // 4)
-
-
 @dataclass
 class TierCounters:
     batches: int = 0
@@ -104,8 +97,7 @@ class LmdbWriter:
     ``live_bytes()`` returns the committed bytes the index holds; ``evict(nbytes)`` asks
     the controller to drop at least ``nbytes`` of least-recently-used disk pages from its
     index and returns their keys (the writer then deletes them); ``on_written(results,
-    seconds)`` reports each batch. All three are called from the writer thread (only a
-    write submitted after ``stop`` is reported from the submitting thread).
+    seconds)`` reports each batch. All three are called from the writer thread.
     ``foreign`` (key -> bytes of another layout's values) is shared with the tier: those
     go first when room is needed.
     """
@@ -138,12 +130,12 @@ class LmdbWriter:
         self._finished = 0
         self._closed = False
         self._psize = env.stat()["psize"]
-        # The map in force, not the configured one: a file that outgrew that (the budget
-        # shrank since) is LMDB's map, plus the reserve (LmdbTier._leave_room_to_delete).
-        self._map_pages = env.info()["map_size"] // self._psize
+        # The map LMDB really uses: at least the file's size, which may exceed the
+        # configured map when the budget was lowered since the file was written.
+        self._map_pages = self.env.info()["map_size"] // self._psize
+        # Kept free for transactions that delete (see _store): 2% of the map, at least 8
+        # pages, at most a quarter of a tiny map.
         self._reserve_pages = reserve_pages(self._map_pages)
-        # Pages the last commit freed: LMDB reuses them only after one more commit.
-        self._freed_last_commit = 0
         self._thread = threading.Thread(target=self._run, name="hicache-lmdb-writer", daemon=True)
 
     def start(self) -> None:
@@ -306,18 +298,13 @@ class LmdbWriter:
         if over > 0:
             self._pending_deletes.extend(self._evict(over))
 
-    def _commit(self, puts: list[tuple[WriteJob, int]], deletes: Sequence[bytes] = ()) -> None:
-        """Delete ``deletes``, then put ``puts``, in one transaction.
-
-        The caller takes committed deletions off ``_pending_deletes``; it never puts a key
-        while an older deletion of it is queued and not in ``deletes``.
-        """
+    def _commit(self, puts: list[tuple[WriteJob, int]], deletes: bool) -> None:
         if self.fault_hook is not None and puts and self.fault_hook("disk_write"):
             raise lmdb.DiskError("injected disk write failure")
-        tree_before = self._tree_pages()
         with self.env.begin(write=True) as txn:
-            for skey in deletes:
-                txn.delete(skey)
+            if deletes:
+                for skey in self._pending_deletes:
+                    txn.delete(skey)
             for job, _ in puts:
                 if job.framed:
                     write_header(job.payload, job.component, self.layout_digest, job.parent_hash)
@@ -330,137 +317,96 @@ class LmdbWriter:
                     txn.put(job.skey, value)  # LMDB copies it: the buffer is free again
                 finally:
                     value.release()
-        # What left the B-tree, plus what the puts' own overflow pages took of the growth.
-        allocated = sum(self._overflow_pages(n) for _, n in puts)
-        self._freed_last_commit = max(0, tree_before + allocated - self._tree_pages())
-        self.counters.pages_deleted += len(deletes)
+        if deletes:
+            self.counters.pages_deleted += len(self._pending_deletes)
+            self._pending_deletes.clear()
 
     def _flush_deletes(self) -> bool:
         """Commit the queued deletions on their own; True when none is left.
 
-        The newest goes in a transaction of its own, after the others: LMDB reuses the
-        pages a transaction frees only once another has committed, so the puts that
-        follow can use what the others freed. On a full map a transaction that deletes
-        many keys may not find the pages its copy-on-write and its free-list record need:
-        the keys per transaction are halved then, down to one, and doubled again after
-        each commit (which makes room).
+        On a full map a transaction that deletes many keys may not find the pages its
+        copy-on-write needs; one key per transaction needs only a few, and every commit
+        makes earlier freed pages reusable.
         """
-        pending = self._pending_deletes
-        chunk = len(pending) - 1
-        while pending:
-            n = min(chunk, len(pending) - 1) or 1
+        try:
+            self._commit([], deletes=True)
+            return True
+        except lmdb.MapFullError:
+            self.counters.map_full_events += 1
+        while self._pending_deletes:
             try:
-                self._commit([], pending[:n])
-            except lmdb.MapFullError:
-                self.counters.map_full_events += 1
-                if n == 1:
-                    return False
-                chunk = n // 2
-                continue
-            del pending[:n]
-            chunk = 2 * n
+                with self.env.begin(write=True) as txn:
+                    txn.delete(self._pending_deletes[-1])
+            except lmdb.Error:
+                return False
+            self._pending_deletes.pop()
+            self.counters.pages_deleted += 1
         return True
-
-    def _overflow_pages(self, nbytes: int) -> int:
-        """Map pages of their own that a value of ``nbytes`` takes (0: it sits in a leaf)."""
-        if nbytes <= self._psize // 2 - 64:
-            return 0
-        return -(-(nbytes + 16) // self._psize)
 
     def _pages_needed(self, encoded: list[tuple[WriteJob, int]]) -> int:
         """A generous estimate of the map pages a put of ``encoded`` allocates."""
-        if not encoded:
-            return 0
         psize = self._psize
-        big = sum(self._overflow_pages(n) for _, n in encoded)
-        small = sum(n + KEY_BYTES + 16 for _, n in encoded if not self._overflow_pages(n))
+        big = sum(-(-(n + 16) // psize) for _, n in encoded if n > psize // 2 - 64)
+        small = sum(n + KEY_BYTES + 16 for _, n in encoded if n <= psize // 2 - 64)
         depth = self.env.stat()["depth"]
         # Leaves run about half full; every touched leaf and branch is copied on write.
         return big + -(-2 * small // psize) + 2 * (depth + 1)
 
-    def _tree_pages(self) -> int:
-        """Map pages the last committed snapshot uses (meta pages and the B-tree)."""
-        st = self.env.stat()
-        return 2 + st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-
     def _pages_free(self) -> int:
-        """Map pages that the next transaction's puts may use: all but the committed
-        B-tree's (queued deletions included: a transaction cannot reuse what it frees),
-        those the last commit freed, and the reserve."""
-        used = self._tree_pages() + self._freed_last_commit
+        """Map pages that puts may still use: all but the B-tree's and the reserve."""
+        st = self.env.stat()
+        used = 2 + st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
         return self._map_pages - self._reserve_pages - used
 
     def _store(self, encoded: list[tuple[WriteJob, int]]) -> list[WriteResult]:
-        self._make_room(sum(n for _, n in encoded))
+        incoming = sum(n for _, n in encoded)
+        self._make_room(incoming)
+        ok = [WriteResult(j, True, nbytes=n) for j, n in encoded]
         # A write transaction needs free pages even to delete (copy on write): puts
         # leave a reserve of the map untouched, so that an eviction can always commit.
-        if self._pages_needed(encoded) <= self._pages_free():
+        short = self._pages_needed(encoded) - self._pages_free()
+        if short > 0:
+            self._make_room(incoming, short * self._psize)
+        try:
+            # Freed pages are reusable only after their transaction: delete first.
+            if short <= 0 or self._flush_deletes():
+                self._commit(encoded, deletes=True)
+                return ok
+        except lmdb.MapFullError:
+            self.counters.map_full_events += 1
+        except lmdb.Error as exc:
+            return [self._failed(j, exc) for j, _ in encoded]
+        # The map is full although the budget holds (fragmentation, readers holding old
+        # pages): evict what the batch needs (twice as much on every retry), commit the
+        # deletions on their own, then try again. Evicting more is pointless while the
+        # deletions themselves cannot commit.
+        force = max(incoming, self._psize)
+        for _ in range(self.config.disk_map_full_retries):
+            self._make_room(incoming, force)
+            if not self._flush_deletes():
+                break
             try:
-                self._commit(encoded, self._pending_deletes)
-                self._pending_deletes.clear()
-                return [WriteResult(j, True, nbytes=n) for j, n in encoded]
+                self._commit(encoded, deletes=False)
+                return ok
             except lmdb.MapFullError:
                 self.counters.map_full_events += 1
+                force *= 2
             except lmdb.Error as exc:
                 return [self._failed(j, exc) for j, _ in encoded]
-        return self._store_in_pieces(encoded)
+        # Still full: store what fits the map outside the reserve, one page per
+        # transaction, and reject the rest.
+        results = []
+        for job, size in encoded:
+            try:
+                if self._pages_needed([(job, size)]) > self._pages_free():
+                    raise lmdb.MapFullError("no room outside the reserve")
+                self._commit([(job, size)], deletes=False)
+                results.append(WriteResult(job, True, nbytes=size))
+            except lmdb.Error as exc:
+                results.append(self._failed(job, exc))
+        return results
 
-    def _store_in_pieces(self, encoded: list[tuple[WriteJob, int]]) -> list[WriteResult]:
-        """Store a batch that does not fit the map beside its deletions: commit those on
-        their own, then the pages in pieces that fit what is free (each commit makes the
-        pages freed two commits back reusable). Only when LMDB reports the map full for a
-        single page is more evicted than the budget asks (twice as much on every retry);
-        after ``disk_map_full_retries`` rounds the rest is rejected. No page is put while
-        a deletion is still queued, so a deletion never lands after a newer put."""
-        results: list[WriteResult] = []
-        rest = list(encoded)
-        force = 0
-        rounds = 0
-        # Halved each time LMDB finds a piece too big after all, doubled after a commit.
-        limit = len(rest)
-        try:
-            while self._flush_deletes() and rest:
-                take = min(limit, self._pages_that_fit(rest))
-                try:
-                    self._commit(rest[:take])
-                except lmdb.MapFullError:
-                    self.counters.map_full_events += 1
-                    if take > 1:  # fragmentation: a free run shorter than a value
-                        limit = take // 2
-                        continue
-                    if rounds == self.config.disk_map_full_retries:
-                        break
-                    rounds += 1
-                    # The map is full although the budget holds (fragmentation, readers
-                    # holding old pages): evict beyond it what the rest of the batch needs.
-                    incoming = sum(n for _, n in rest)
-                    force = 2 * force if force else max(incoming, self._psize)
-                    self._make_room(incoming, force)
-                    continue
-                results += [WriteResult(j, True, nbytes=n) for j, n in rest[:take]]
-                rest = rest[take:]
-                limit *= 2
-        except Exception as exc:  # what was committed stays reported as committed
-            if not isinstance(exc, lmdb.Error):
-                log.exception("LMDB writer: unexpected failure")
-            return results + [self._failed(j, exc) for j, _ in rest]
-        full = lmdb.MapFullError("no room in the map")
-        return results + [self._failed(j, full) for j, _ in rest]
-
-    def _pages_that_fit(self, rest: list[tuple[WriteJob, int]]) -> int:
-        """How many of ``rest``'s leading pages fit the map pages free now (at least one:
-        whether it fits is LMDB's to say)."""
-        free = self._pages_free()
-        lo, hi = 1, len(rest)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._pages_needed(rest[:mid]) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _failed(self, job: WriteJob, exc: Exception) -> WriteResult:
+    def _failed(self, job: WriteJob, exc: lmdb.Error) -> WriteResult:
         if isinstance(exc, lmdb.MapFullError):
             self.counters.map_full_events += 1
             reason = (
