@@ -67,6 +67,8 @@ OTHER_VARIABLES = frozenset(
         "HICACHE_ENGINE_SOAK_EXAMPLES",
     }
 )
+_SERVICE_LINK = re.compile(r"HICACHE\w*_(SERVICE_HOST|SERVICE_PORT\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+_SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
 _UNITS = {
     "": 1,
     "b": 1,
@@ -280,6 +282,11 @@ def load_settings(
     options = _SIDECAR_FIELDS.keys() | _CONTROLLER_FIELDS.keys()
     for var, raw in sorted(env.items()):
         if not var.startswith("HICACHE_") or var in OTHER_VARIABLES:
+            continue
+        if _SERVICE_LINK.fullmatch(var) or _SERVICE_LINK_VALUE.match(raw):
+            # Kubernetes sets these for a Service named hicache* in the pod's namespace
+            # (HICACHE_METRICS_PORT=tcp://10.0.0.7:9464 for "hicache-metrics"): not ours.
+            log.debug("ignoring $%s, a Kubernetes service link", var)
             continue
         k = var.removeprefix("HICACHE_").lower()
         if var != _variable(k) or k not in options:

@@ -41,6 +41,25 @@ def test_variables_that_are_not_options_pass_and_options_still_apply(tmp_path):
     assert s.sidecar.lease_s == 30.0
 
 
+def test_kubernetes_service_links_of_a_service_named_hicache_are_not_settings():
+    """Kubernetes gives a pod <SERVICE>_PORT, _SERVICE_HOST, ... for every Service of its
+    namespace: a Service "hicache-metrics" sets HICACHE_METRICS_PORT=tcp://..., which is a
+    field's name. Such values must neither stop the sidecar nor set the field."""
+    env = {
+        "HICACHE_METRICS_PORT": "tcp://10.0.0.7:9464",
+        "HICACHE_METRICS_PORT_9464_TCP": "tcp://10.0.0.7:9464",
+        "HICACHE_METRICS_PORT_9464_TCP_ADDR": "10.0.0.7",
+        "HICACHE_METRICS_SERVICE_HOST": "10.0.0.7",
+        "HICACHE_METRICS_SERVICE_PORT": "9464",
+        "HICACHE_PORT": "tcp://10.0.0.8:5555",
+        "HICACHE_SERVICE_PORT_ZMQ": "5555",
+        "HICACHE_LEASE_S": "30",
+    }
+    s = load_settings(env=env)
+    assert s.sidecar.metrics_port == SidecarConfig().metrics_port
+    assert s.sidecar.lease_s == 30.0
+
+
 def test_every_hicache_variable_the_project_reads_is_an_option_or_allowed():
     """A new HICACHE_* knob read anywhere (code, tests, CI) must join OTHER_VARIABLES, or
     a sidecar started from that environment refuses to start."""
