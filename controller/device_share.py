@@ -231,6 +231,17 @@ def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
     return seen.index(uuid)
 
 
+def _non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether no two elements of a ``shape``/``stride`` view share memory: taken from the
+    smallest stride up, each dimension must step past everything the inner ones span."""
+    span = 1
+    for n, s in sorted(((n, s) for n, s in zip(shape, stride) if n > 1), key=lambda d: d[1]):
+        if s < span:
+            return False
+        span = s * n
+    return True
+
+
 def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
     dtype, shape = _check_shape(desc)
     fields = {
@@ -251,6 +262,12 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
     stride, offset = desc["stride"], desc["offset"]
     if len(stride) != len(shape) or not all(type(s) is int and s >= 0 for s in stride):
         raise RegistrationRefused("a CUDA buffer's stride must match its shape")
+    if not _non_overlapping(shape, stride):
+        # A zero or overlapping stride would make two K/V halves, layers or slots one
+        # memory: every copy into one would land in the other.
+        raise RegistrationRefused(
+            f"a CUDA buffer's strides {stride} make elements of shape {list(shape)} overlap"
+        )
     span = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0
     if offset < 0 or span * dtype.itemsize > desc["storage_bytes"]:
         raise RegistrationRefused("a CUDA buffer's view reaches past its storage")

@@ -147,3 +147,38 @@ def test_private_cpu_pools_cannot_be_exported():
     pools = DevicePools.allocate(layout, CacheConfig(page_size=4, full_slots=64))
     with pytest.raises(HicacheError, match="shared_memory=True"):
         export_pools(pools)
+
+
+@pytest.mark.parametrize(
+    ("shape", "stride", "ok"),
+    [
+        ([2, 3, 8, 2, 4], [192, 64, 8, 4, 1], True),  # dense
+        ([2, 3, 8, 2, 4], [256, 64, 8, 4, 1], True),  # padded between K and V
+        ([2, 3, 8, 2, 4], [0, 64, 8, 4, 1], False),  # K and V one memory
+        ([2, 3, 8, 2, 4], [192, 8, 8, 4, 1], False),  # layers overlap slots
+        ([1, 3, 1, 4], [0, 4, 0, 1], True),  # size-1 dims may have any stride
+    ],
+)
+def test_a_cuda_registration_whose_strides_overlap_is_refused(shape, stride, ok):
+    """Checked before the IPC handle is opened (no GPU needed): a zero or overlapping
+    stride would make every copy into one K/V half, layer or slot land in another."""
+    from hicache.controller.device_share import _map_cuda
+
+    desc = {
+        "kind": "cuda_ipc",
+        "device_uuid": "GPU-none",
+        "handle": b"x",
+        "storage_bytes": 1 << 20,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": b"x",
+        "ref_counter_offset": 0,
+        "event_handle": b"",
+        "event_sync_required": False,
+        "dtype": "float32",
+        "shape": shape,
+        "stride": stride,
+        "offset": 0,
+    }
+    with pytest.raises(RegistrationRefused) as err:
+        _map_cuda(desc, [])
+    assert ("overlap" in str(err.value)) is not ok, str(err.value)
