@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.controller.counters import Failure, component_label
 from hicache.controller.local import LocalController
@@ -241,6 +242,23 @@ class FsckResult:
         return dict(self.__dict__)
 
 
+def _verdict(skey: bytes, value: Any, digest: bytes) -> str:
+    """``corrupt`` (bad header, length or checksum), ``foreign`` (another layout) or
+    ``ok``, for one LMDB value."""
+    hdr = decode_header(value) if len(skey) == KEY_BYTES else None
+    if (
+        hdr is None
+        or int(hdr.component) != skey[-1]
+        or len(value) != HEADER_BYTES + hdr.payload_nbytes
+    ):
+        return "corrupt"
+    if hdr.layout_digest != digest:
+        return "foreign"
+    if payload_checksum(value[HEADER_BYTES:]) != hdr.checksum:
+        return "corrupt"
+    return "ok"
+
+
 def fsck(
     ctl: LocalController,
     repair: bool = False,
@@ -275,17 +293,11 @@ def fsck(
                 last = skey
                 batch += 1
                 out.checked += 1
-                hdr = decode_header(value) if len(skey) == KEY_BYTES else None
-                if (
-                    hdr is None
-                    or int(hdr.component) != skey[-1]
-                    or len(value) != HEADER_BYTES + hdr.payload_nbytes
-                ):
+                verdict = _verdict(skey, value, digest)
+                if verdict == "corrupt":
                     bad.append(skey)
-                elif hdr.layout_digest != digest:
+                elif verdict == "foreign":
                     out.foreign += 1
-                elif payload_checksum(value[HEADER_BYTES:]) != hdr.checksum:
-                    bad.append(skey)
                 else:
                     out.ok += 1
                 more = cur.next()
@@ -298,8 +310,11 @@ def fsck(
         log.warning("fsck: %d corrupt values of %d", len(bad), out.checked)
     if repair and bad:
         deletes = []
-        with store.lock:
+        with store.lock, env.begin(buffers=True) as txn:
             for skey in bad:
+                now = txn.get(skey)
+                if now is None or _verdict(skey, now, digest) != "corrupt":
+                    continue  # gone, or stored again since the scan: not ours to delete
                 e = store.index.get(skey)
                 if e is not None:
                     if e.busy or e.disk_state is not DiskState.READY:

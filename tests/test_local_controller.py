@@ -573,3 +573,35 @@ def test_a_smaller_budget_at_reopen_evicts_down_to_it_tail_first(tmp_path):
     assert ctl.stats()["disk"]["live_bytes"] <= 5 * page_value
     ctl.check_invariants(deep=True)
     ctl.close()
+
+
+def test_fsck_repair_leaves_a_value_stored_again_since_its_scan(tmp_path):
+    """The scan runs outside the lock; a corrupt value may be dropped and stored again
+    (a good copy, from a new backup) before the repair: the repair re-reads each value
+    under the lock and deletes only what is still corrupt (it deleted the good copy)."""
+    from hicache.controller.admin_ops import fsck
+
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    assert ctl.flush(10.0)
+    bad = chain.refs([FULL])[1].key.storage_key()
+    env = ctl.store.disk.env
+    with env.begin(write=True) as txn:
+        good = bytes(txn.get(bad))
+        value = bytearray(good)
+        value[HEADER_BYTES + 3] ^= 0x10
+        txn.put(bad, bytes(value))
+
+    def stored_again(done, total):  # the scan's last progress call: the scan is over
+        if done >= total:
+            with env.begin(write=True) as txn:
+                txn.put(bad, good)
+
+    out = fsck(ctl, repair=True, progress=stored_again)
+    assert out.corrupt == 1 and out.repaired == 0
+    with env.begin() as txn:
+        assert bytes(txn.get(bad)) == good
+    assert fsck(ctl).corrupt == 0
+    ctl.check_invariants(deep=True)
+    ctl.close()
