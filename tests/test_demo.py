@@ -77,6 +77,19 @@ def test_a_logit_mismatch_fails_the_demo_loudly(tmp_path, capsys):
     assert not doc["ok"] and doc["mismatches"] == 1
 
 
+def test_tokens_whose_logits_were_never_compared_fail_the_demo(tmp_path, capsys):
+    """Exactness is proven only for what was compared: a phase that generated more tokens
+    than it checked fails, as a mismatch does."""
+    settings = demo_settings(parse(["--quick", "--workdir", str(tmp_path)]))
+    phase = PhaseReport("phase 1", "test", requests=2, checked_tokens=4, generated_tokens=8)
+    code = report_demo([phase], settings, 1.0, plot=False)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the logits of 4 generated tokens were never compared" in err
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert not doc["ok"] and doc["unchecked_tokens"] == 4
+
+
 def test_the_worker_detects_logits_that_differ_from_generate():
     """The check that the demo relies on: a stored logit off by one ulp is a mismatch."""
     events: list[dict] = []
