@@ -16,7 +16,9 @@ the second hits it on the device (the conversation stayed on its engine) or on t
 For each phase, the same requests are then run again on the same engines with prefix
 reuse off (the measured no-cache time), and every request is run through ``generate()``,
 the cache-off baseline; the logits of every generated token of both runs must equal it
-bit for bit (``torch.equal``). Any mismatch fails the demo with exit code 1.
+bit for bit (``torch.equal``). Any mismatch fails the demo with exit code 1, and so
+does a generated token whose logits were never compared (``unchecked_tokens`` in
+``demo.json``).
 
 Writes ``demo.json`` and ``hits.png`` into the work folder (``./demo-out`` by default).
 Exit codes: 0 all exact, 1 logit mismatch, 2 bad arguments, 3 a process failed.

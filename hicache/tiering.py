@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +57,8 @@ class _Quarantined:
 
     pending: Any
     slots: list[tuple[Any, np.ndarray]]  # (allocator, pages)
+    # For a write-back's pages: the amounts an eviction counted as freed, per component.
+    freed: list[tuple[ComponentType, int]] = field(default_factory=list)
 
 
 class TieringMixin:
@@ -69,11 +71,6 @@ class TieringMixin:
         self._quarantine: list[_Quarantined] = []
         self._freeing_unsettled: _Quarantined | None = None
         self._quarantined_during_evict: list[_Quarantined] = []
-        self._ctype_of_pool = {
-            "full": ComponentType.FULL,
-            "swa": ComponentType.SWA,
-            "mamba": ComponentType.MAMBA,
-        }
         if controller is not None:
             controller.register(self.layout, self.page_size, self.pools)
 
@@ -225,8 +222,12 @@ class TieringMixin:
             if not handle.done():
                 # The copy may still read the pages about to be freed: they go to the
                 # quarantine instead, in after_device_free, until it settles.
-                slots = [s for i in idxs for s in self.components[i].device_pages(node)]
-                self._freeing_unsettled = _Quarantined(handle, slots)
+                comps = [self.components[i] for i in idxs]
+                self._freeing_unsettled = _Quarantined(
+                    handle,
+                    [s for c in comps for s in c.device_pages(node)],
+                    [(c.ctype, c.size(node.data[c.idx].value)) for c in comps],
+                )
         except Exception as exc:
             log.warning("write-back of %d pages failed: %s", len(refs), exc)
             ok = False
@@ -251,10 +252,8 @@ class TieringMixin:
         result (and so the eviction that asked) does not count them."""
         super().evict_device_leaf(node, result)
         for q in self._quarantined_during_evict:
-            for allocator, pages in q.slots:
-                ctype = self._ctype_of_pool[allocator.name]
-                per_page = 1 if ctype is ComponentType.MAMBA else self.page_size
-                result.add(ctype, -pages.size * per_page)
+            for ctype, amount in q.freed:
+                result.add(ctype, -amount)
         self._quarantined_during_evict.clear()
 
     def check_transfer_invariants(self: UnifiedRadixCache) -> None:

@@ -144,14 +144,14 @@ class TreeComponent(ABC):
     def data(self, node: TreeNode) -> ComponentData:
         return node.data[self.idx]
 
+    @abstractmethod
     def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
         """(allocator, pages) of ``node``'s device value of this component."""
-        return [(self.pool(), self.owned_pages(node, node.data[self.idx].value))]
 
+    @abstractmethod
     def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
         """(allocator, pages) that ``prepare`` allocated: what a failed load's copy may
         still write into, kept aside instead of freed until the copy has settled."""
-        return [(self.pool(), np.asarray(prep.allocated, dtype=np.int64).reshape(-1))]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(idx={self.idx})"
@@ -164,6 +164,12 @@ class PagedComponent(TreeComponent):
     def pool(self) -> Any:
         """The device pool this component's pages come from."""
         raise NotImplementedError
+
+    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
+        return [(self.pool(), self.owned_pages(node, node.data[self.idx].value))]
+
+    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
+        return [(self.pool(), np.asarray(prep.allocated, dtype=np.int64))]
 
     def load_from(self, plan: LoadPlan) -> int:
         """First token position whose pages a load-back brings (the nodes before it are
