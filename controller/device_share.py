@@ -15,6 +15,7 @@ never make a copy run outside the engine's pools.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import re
@@ -29,7 +30,7 @@ import torch
 from hicache.controller.transfer import EngineBuffers
 from hicache.controller_api import ControllerError
 from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
-from hicache.pools import DevicePools
+from hicache.pools import SEGMENT_KEY_BYTES, DevicePools
 from hicache.types import ConfigError
 
 log = logging.getLogger(__name__)
@@ -195,13 +196,27 @@ def _map_shm(desc: dict[str, Any], segments: list) -> torch.Tensor:
     if not isinstance(name, str) or not _SHM_NAME.match(name):
         raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
     dtype, shape = _check_shape(desc)
+    key = desc.get("key")
+    if not isinstance(key, bytes) or len(key) != SEGMENT_KEY_BYTES:
+        raise RegistrationRefused(
+            f"buffer in segment {name!r}: 'key' must be the segment's {SEGMENT_KEY_BYTES} key bytes"
+        )
     seg = _attach_segment(name)
     segments.append(seg)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > seg.size:
+    end = max(nbytes, 1)
+    if end + SEGMENT_KEY_BYTES > seg.size:
         raise RegistrationRefused(
             f"segment {name!r} holds {seg.size} bytes, fewer than the {nbytes} its "
-            f"shape {shape} of {dtype_name(dtype)} needs"
+            f"shape {shape} of {dtype_name(dtype)} needs and its key"
+        )
+    # Only a reader of the segment knows the bytes after the tensor: this keeps a peer
+    # that cannot read it (a TCP client on another machine) from having the sidecar map
+    # an engine's pools, or another program's shared memory, and write into them.
+    if not hmac.compare_digest(bytes(seg.buf[end : end + SEGMENT_KEY_BYTES]), key):
+        raise RegistrationRefused(
+            f"segment {name!r} does not hold the key sent with it: not an engine pool this "
+            "client allocated"
         )
     # Through NumPy, whose array holds an export of the segment's buffer for as long as
     # any tensor made from it lives: MappedPools.close() then fails (and is tried again)

@@ -13,6 +13,7 @@ can be registered with a sidecar as one buffer.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -26,6 +27,12 @@ from hicache.types import PoolExhaustedError, SlotStateError
 _FREE = 0
 _ALLOCATED = 1
 
+# A shared pool segment ends with this many random bytes, right after the tensor. The
+# engine sends them at register; the sidecar maps a segment only if its bytes there are
+# the same, so a peer that cannot read the segment (over TCP, from another machine)
+# cannot have the sidecar map it, nor any other program's shared memory.
+SEGMENT_KEY_BYTES = 16
+
 
 @dataclass(frozen=True)
 class SharedTensorInfo:
@@ -34,9 +41,15 @@ class SharedTensorInfo:
     shm_name: str
     dtype: str
     shape: tuple[int, ...]
+    key: bytes  # the segment's last SEGMENT_KEY_BYTES bytes, which only its readers know
 
     def to_dict(self) -> dict:
-        return {"shm_name": self.shm_name, "dtype": self.dtype, "shape": list(self.shape)}
+        return {
+            "shm_name": self.shm_name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "key": self.key,
+        }
 
 
 class _TensorFactory:
@@ -53,12 +66,14 @@ class _TensorFactory:
         if not self.shared:
             return torch.zeros(shape, dtype=dtype, device=self.device), None
         nbytes = max(1, math.prod(shape) * dtype.itemsize)
-        seg = shared_memory.SharedMemory(create=True, size=nbytes)
+        key = secrets.token_bytes(SEGMENT_KEY_BYTES)
+        seg = shared_memory.SharedMemory(create=True, size=nbytes + SEGMENT_KEY_BYTES)
         self.segments.append(seg)
         flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
         flat.zero_()
+        seg.buf[nbytes : nbytes + SEGMENT_KEY_BYTES] = key
         tensor = flat.view(dtype).view(shape)
-        return tensor, SharedTensorInfo(seg.name, dtype_name(dtype), tuple(shape))
+        return tensor, SharedTensorInfo(seg.name, dtype_name(dtype), tuple(shape), key)
 
 
 class PageAllocator:

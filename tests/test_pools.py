@@ -99,7 +99,9 @@ def test_shared_memory_pools_are_visible_by_name():
         pools.full.buffer[0, 0, 3] = 1.5
         info = pools.shared_tensors()["full"]
         seg = shared_memory.SharedMemory(name=info["shm_name"])
-        view = torch.frombuffer(seg.buf, dtype=torch.bfloat16).view(info["shape"])
+        count = int(np.prod(info["shape"]))
+        view = torch.frombuffer(seg.buf, dtype=torch.bfloat16, count=count).view(info["shape"])
+        assert bytes(seg.buf[2 * count :]) == info["key"]  # the key follows the tensor
         assert view[0, 0, 3].eq(1.5).all()
         del view
         seg.close()

@@ -9,12 +9,14 @@ import shutil
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zmq
 from cache_support import make_layout
 from sidecar_support import Sidecar, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import SidecarController
+from hicache.controller.device_share import export_pools
 from hicache.controller.protocol import encode_refs, pack
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
@@ -160,6 +162,7 @@ def _cases(refs):
                 "shm_name": "no-such-segment",
                 "dtype": "float32",
                 "shape": [2, 2, 8, 2, 4],
+                "key": bytes(16),
             }
         },
     }
@@ -311,6 +314,49 @@ def test_tcp_with_the_token_is_served(sidecar):
     assert raw.request("heartbeat", {}, req_id=2)["ok"]
     raw.request("bye", {}, req_id=3)
     raw.close()
+
+
+def test_tcp_client_cannot_have_local_shared_memory_mapped(sidecar):
+    """An authenticated TCP peer names the shared-memory pools of an engine on the
+    sidecar's machine (their names and shapes are easy to learn) without the keys inside
+    them: refused, and the memory is untouched. A plain segment of another program,
+    posing as a pool, likewise."""
+    from multiprocessing import shared_memory
+
+    sc, admin, _engine, _refs = sidecar
+    before = _state(admin)
+    cfg = CacheConfig(
+        page_size=PAGE, sliding_window=8, full_slots=64, mamba_slots=4, shared_memory=True
+    )
+    victim = DevicePools.allocate(make_layout(MIX), cfg)
+    buffers = export_pools(victim)["buffers"]
+    other = shared_memory.SharedMemory(create=True, size=1 << 20)
+    raw = Raw(_tcp(sc), plain_username=b"hicache", plain_password=TOKEN.encode())
+    try:
+        victim.full.buffer.normal_()
+        content = victim.full.buffer.clone()
+        other.buf[:] = np.random.default_rng(1).bytes(other.size)
+        other_content = bytes(other.buf)
+        assert raw.hello(engine_id="tcp-intruder")["ok"]
+        for guess in (bytes(16), b"\xff" * 16, other_content[:16]):
+            for d in buffers.values():
+                d["key"] = guess
+            for full_name in (buffers["full"]["shm_name"], other.name):
+                buffers["full"]["shm_name"] = full_name
+                args = {"page_size": PAGE, "device": "cpu", "buffers": buffers}
+                reply = raw.request("register", args)
+                assert reply["ok"] is False, reply
+                assert reply["error"]["code"] == "registration_refused", reply
+                assert "key" in reply["error"]["message"]
+        raw.request("bye", {}, req_id=9)
+        assert torch.equal(victim.full.buffer, content)
+        assert bytes(other.buf) == other_content
+    finally:
+        raw.close()
+        other.close()
+        other.unlink()
+        victim.close()
+    assert _state(admin) == before
 
 
 def test_unix_socket_is_private(sidecar):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from multiprocessing import shared_memory
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,40 @@ def test_pools_of_another_shape_are_refused():
         with pytest.raises(RegistrationRefused, match="buffer 'full' is"):
             map_pools(make_layout("full+swa+mamba"), 4, export_pools(pools))
     finally:
+        pools.close()
+
+
+@pytest.mark.parametrize("what", ["wrong key", "no key", "another program's segment"])
+def test_a_segment_is_mapped_only_with_the_key_it_holds(what):
+    """Shared memory is mapped only for a client that can read it: the key after the
+    tensor must be the one sent. A wrong or missing key, or a segment that is not an
+    engine pool (no key in it), is refused, nothing stays mapped, and its bytes are
+    untouched."""
+    pools = _shared_pools("full")
+    size = pools.full.buffer.numel() * pools.full.buffer.element_size() + 16
+    foreign = shared_memory.SharedMemory(create=True, size=size)  # as large as the pool's
+    try:
+        foreign.buf[:] = np.random.default_rng(0).bytes(size)
+        before = bytes(foreign.buf)
+        desc = export_pools(pools)
+        full = desc["buffers"]["full"]
+        if what == "wrong key":
+            full["key"] = bytes(16)
+        elif what == "no key":
+            del full["key"]
+        else:
+            full["shm_name"] = foreign.name
+        message = "'key' must be" if what == "no key" else "does not hold the key"
+        with pytest.raises(RegistrationRefused, match=message):
+            map_pools(pools.layout, 4, desc)
+        assert bytes(foreign.buf) == before
+        desc = export_pools(pools)  # the engine's own key maps it
+        mapped = map_pools(pools.layout, 4, desc)
+        mapped.buffers = None
+        assert mapped.close()
+    finally:
+        foreign.close()
+        foreign.unlink()
         pools.close()
 
 
