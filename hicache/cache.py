@@ -247,6 +247,7 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             node, pos = child, pos + m
         while pos < n:
             end = swa_from if pos < swa_from < n else n
+            end = self.leaf_policy.insert_end(key, pos, end)
             child = self.add_child(node, key[pos * 8 : end * 8])
             self._fill_node(child, slots[pos:end], swa_from)
             touched.append(child)

@@ -83,7 +83,7 @@ class CacheConfig:
     speculative_topk: int = 1
     speculative_slots: int | None = None
     eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
-    eviction_sample_size: int = 8
+    eviction_sample_size: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -43,11 +43,33 @@ class LeafEvictionPolicy(ABC):
     def members(self) -> set[int]:
         """Ids of the member nodes (for invariant checks)."""
 
+    def attach(self, page_size: int) -> None:  # noqa: B027 - optional hook
+        """The tree that uses this policy cuts nodes at multiples of ``page_size`` tokens."""
+
     def on_insert(self, node: TreeNode) -> None:  # noqa: B027 - optional hook
         """A node was created with ``node.key`` (policies that learn from history use it)."""
 
     def on_hit(self, node: TreeNode) -> None:  # noqa: B027 - optional hook
         """A match used ``node`` (policies that learn from history use it)."""
+
+    def on_split(self, node: TreeNode) -> None:  # noqa: B027 - optional hook
+        """The tree cut a node; ``node`` is the new parent holding its prefix."""
+
+    def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:
+        """Of victim ``node``, how many tail tokens to evict while ``want_tokens`` more are
+        asked for (the tree rounds up to whole pages and keeps the head cached). By
+        default what is asked: no more is evicted than needed."""
+        return want_tokens
+
+    def on_evict(self, node: TreeNode) -> None:  # noqa: B027 - optional hook
+        """``node``, as ``pop`` named it or its tail that ``tail_tokens`` chose, is leaving
+        the device now."""
+
+    def insert_end(self, key: bytes, start: int, end: int) -> int:
+        """Where a node the tree is about to create for ``key``'s tokens ``[start, end)``
+        should end (a page boundary within it; the rest becomes the next node). A policy
+        that keeps state per node may cut where that state differs; LRU does not cut."""
+        return end
 
 
 class LRULeafPolicy(LeafEvictionPolicy):

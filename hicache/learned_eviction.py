@@ -71,6 +71,7 @@ class LearnedPolicyParams:
     turnover_window_evictions: int = 256  # horizon of the running mean of eviction ages
     history_entries: int = 1 << 16
     fingerprint_tokens: int = 8  # first tokens of a node that, with its start, identify it
+    evict_quantum_tokens: int = 512  # tail tokens evicted per pick (at least one page)
 
     def __post_init__(self) -> None:
         if not self.prior_uses > 0 or not self.prior_turnovers > 0:
@@ -81,8 +82,8 @@ class LearnedPolicyParams:
             raise ValueError("initial_prior_ticks must be > 0")
         if self.turnover_window_evictions < 1 or self.history_entries < 1:
             raise ValueError("turnover_window_evictions and history_entries must be >= 1")
-        if self.fingerprint_tokens < 1:
-            raise ValueError("fingerprint_tokens must be >= 1")
+        if self.fingerprint_tokens < 1 or self.evict_quantum_tokens < 1:
+            raise ValueError("fingerprint_tokens and evict_quantum_tokens must be >= 1")
 
 
 class _LeafState:
@@ -167,14 +168,6 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         st = self._state(node)
         return (st.uses + self.params.prior_uses) / (self._now - st.stamp + self.prior_ticks)
 
-    def _rank(self, node: TreeNode) -> tuple[float, int]:
-        """Lower goes first: the rate, discounted when a lower tier holds the pages too
-        (dropping them costs a load-back, not a recomputation), then LRU order."""
-        rate = self.rate(node)
-        if node.data[0].backed:
-            rate *= self.params.backed_discount
-        return (rate, node.last_access)
-
     def uses(self, node: TreeNode) -> int:
         """The uses the policy counts for ``node`` (history included)."""
         return self._state(node).uses
@@ -200,6 +193,11 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
                     break
         return st
 
+    def attach(self, page_size: int) -> None:
+        # Every node, and every piece eviction cuts, is at least a page: fingerprint no
+        # more than its first page, so a piece and the same tokens inserted again agree.
+        self._fp_bytes = min(self.params.fingerprint_tokens, page_size) * _TOKEN_BYTES
+
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         off = offset_tokens * _TOKEN_BYTES
         return xxhash.xxh3_64_intdigest(
@@ -222,6 +220,19 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
             offset = end - node.start
         return first
 
+    def insert_end(self, key: bytes, start: int, end: int) -> int:
+        """End a new node where the evicted leaf remembered at ``start`` ended, so each
+        returning leaf gets back its own uses and the blocks after it start from none."""
+        if not len(self._history):
+            return end
+        off = start * _TOKEN_BYTES
+        fp = xxhash.xxh3_64_intdigest(key[off : off + self._fp_bytes], seed=start)
+        i = self._history.slot_of.get(fp)
+        if i is None:
+            return end
+        old_end = int(self._history.end[i])
+        return old_end if start < old_end < end else end
+
     def _saw(self, node: TreeNode) -> None:
         self._now = max(self._now, node.last_access)
 
@@ -231,6 +242,10 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         self._saw(node)
         past = self._recall(node) if len(self._history) else None
         node.policy_state = _LeafState(self._now, 0 if past is None else past + 1)
+
+    def on_split(self, node: TreeNode) -> None:
+        # Both parts share the state until now: take it before the suffix's changes.
+        self._state(node)
 
     def on_hit(self, node: TreeNode) -> None:
         self._saw(node)
@@ -276,15 +291,32 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         if n <= self.sample_size:
             candidates = self._members
         else:
-            rand = self._rng.randrange
-            candidates = [self._members[rand(n)] for _ in range(self.sample_size)]
-        victim = min(candidates, key=self._rank)
+            candidates = self._rng.choices(self._members, k=self.sample_size)
+        # rate() inlined (this loop is the policy's cost per pick); a leaf the host or
+        # disk tier also holds costs a load-back, not a recomputation, to drop: discounted;
+        # ties go least recently used first.
+        now, prior = self._now, self.prior_ticks
+        prior_uses, discount = self.params.prior_uses, self.params.backed_discount
+        victim, best = None, None
+        for node in candidates:
+            st = node.policy_state
+            rate = (st.uses + prior_uses) / (now - st.stamp + prior)
+            if node.data[0].backed:
+                rate *= discount
+            key = (rate, node.last_access)
+            if best is None or key < best:
+                victim, best = node, key
         self.remove(victim)
-        self._evicted(victim)
         return victim
 
-    def _evicted(self, node: TreeNode) -> None:
-        st = node.policy_state
+    def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:
+        """A quantum at most: a victim's tail goes, then the next pick samples anew, so the
+        room is taken from the tails of several unpromising leaves rather than all of one
+        (a later request that returns to a leaf hits its head first)."""
+        return min(want_tokens, self.params.evict_quantum_tokens)
+
+    def on_evict(self, node: TreeNode) -> None:
+        st = self._state(node)
         st.evicted = True
         self._history.push(self._fingerprint(node), st.uses, node.end)
         # A running mean of the age at eviction over about the last window of evictions.

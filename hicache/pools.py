@@ -135,7 +135,7 @@ class PageAllocator:
         if np.any(self._state[pages] != _ALLOCATED):
             bad = pages[self._state[pages] != _ALLOCATED][:8].tolist()
             raise SlotStateError(f"{self.name} pool: free of pages not allocated: {bad}")
-        if np.unique(pages).size != pages.size:
+        if pages.size > 1 and np.unique(pages).size != pages.size:
             raise SlotStateError(f"{self.name} pool: the same page freed twice in one call")
         self._state[pages] = _FREE
         self._free[self._top : self._top + pages.size] = pages

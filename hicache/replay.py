@@ -233,7 +233,7 @@ class ReplaySettings:
     host_blocks: int = 0
     shape: BlockShape = field(default_factory=BlockShape)
     policy: EvictionPolicyKind = EvictionPolicyKind.LRU
-    eviction_sample_size: int = 8
+    eviction_sample_size: int = 64
     seed: int = 0
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     host_hit_retention: float = 1.0  # ControllerConfig.host_hit_retention_turnovers

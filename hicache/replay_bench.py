@@ -211,7 +211,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="host_hit_retention_turnovers values, comma-separated (0: plain LRU host tier); "
         "one row each when there is a host tier",
     )
-    p.add_argument("--sample-size", type=int, default=8, help="leaves the learned policy samples")
+    p.add_argument("--sample-size", type=int, default=64, help="leaves the learned policy samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the learned policy's sampling")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
     p.add_argument(

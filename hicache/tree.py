@@ -126,6 +126,10 @@ class RadixTree:
         # Freeing order on a node: lowest priority first (aux data is addressed through FULL).
         self.free_order = sorted(self.components, key=lambda c: c.priority)
         self.leaf_policy = leaf_policy
+        leaf_policy.attach(self.page_size)
+        # Eviction may cut a leaf and keep its head, unless a component's state lives only
+        # at a node's end (Mamba), without which the head could not end a match.
+        self.cut_tails = ComponentType.MAMBA not in self.by_type
         self.aux_lru = {c.idx: LRUList() for c in self.components if not c.leaf_only}
         self.evictable = {c.ctype: 0 for c in self.components}
         self.protected = {c.ctype: 0 for c in self.components}
@@ -225,6 +229,7 @@ class RadixTree:
         if node.on_device:
             new.device_children = 1
         self._sync_amounts_after_split(new, node)
+        self.leaf_policy.on_split(new)
         return new
 
     def _sync_amounts_after_split(self, new: TreeNode, node: TreeNode) -> None:
@@ -418,7 +423,9 @@ class RadixTree:
                 # An aux victim is unlocked in its own component, but a lock taken before
                 # it got that component (a load-back or a request's state arriving later)
                 # may still hold its FULL pages: then only the aux data goes.
-                if comp.leaf_only or (self.is_device_leaf(victim) and victim.data[0].lock_ref == 0):
+                if comp.leaf_only:
+                    self._evict_leaf_tail(victim, goal - result.get(comp.ctype), result)
+                elif self.is_device_leaf(victim) and victim.data[0].lock_ref == 0:
                     self.evict_device_leaf(victim, result)
                 else:
                     self._tombstone(victim, comp, result)
@@ -428,6 +435,18 @@ class RadixTree:
         self.evicted.swa_tokens += result.swa_tokens
         self.evicted.mamba_states += result.mamba_states
         return result
+
+    def _evict_leaf_tail(self, node: TreeNode, want_tokens: int, result: EvictResult) -> None:
+        """Evict the tail of leaf ``node`` that the policy names for ``want_tokens`` more
+        (whole pages; all of it when it is no longer): the head stays cached, a leaf
+        again. Not where a component keeps state only at a node's end (Mamba): a head
+        without it could not end a match, so the whole node goes."""
+        take = -(-self.leaf_policy.tail_tokens(node, want_tokens) // self.page_size)
+        keep = node.num_tokens - max(take, 1) * self.page_size
+        if keep > 0 and self.cut_tails:
+            self.split(node, keep)
+        self.leaf_policy.on_evict(node)
+        self.evict_device_leaf(node, result)
 
     def _next_victim(self, comp: TreeComponent) -> TreeNode | None:
         if comp.leaf_only:

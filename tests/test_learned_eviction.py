@@ -57,7 +57,7 @@ def test_a_leaf_never_used_goes_before_an_older_leaf_that_was():
     serve(cache, a)
     serve(cache, a)  # a used once since it was cached
     serve(cache, b)  # b is more recent, but nobody used it
-    cache.evict(full_tokens=PS)
+    cache.evict(full_tokens=b.size)
     cache.check_invariants()
     assert serve(cache, a) == a.size
     assert cache.match_prefix(b).prefix_len == 0
@@ -65,7 +65,7 @@ def test_a_leaf_never_used_goes_before_an_older_leaf_that_was():
     lru = make_cache("full", page_size=PS, full_slots=12 * PS)
     for tokens in (a, a, b):
         serve(lru, tokens)
-    lru.evict(full_tokens=PS)
+    lru.evict(full_tokens=a.size)
     assert lru.match_prefix(a).prefix_len == 0  # LRU drops the older one
 
 
@@ -83,6 +83,61 @@ def test_history_brings_back_the_uses_of_an_evicted_prefix():
     assert policy.uses(node_at(cache, a)) == 3
     assert policy.history_size == 0
     cache.check_invariants()
+
+
+def test_an_evicted_chain_returns_with_each_piece_s_own_uses():
+    """Eviction takes a quantum from a leaf's tail at a time and the history remembers
+    each piece; a request that brings the chain back gets nodes cut where the pieces
+    were, each with its own count, so blocks nobody reused do not ride on a hot head."""
+    params = LearnedPolicyParams(evict_quantum_tokens=PS)
+    policy = LearnedLeafPolicy(sample_size=64, seed=0, params=params)
+    cache = full_cache(pages=16, policy=policy)
+    head = chain(2, 0)
+    whole = np.concatenate([head, chain(2, 100)])
+    for _ in range(3):
+        serve(cache, head)
+    serve(cache, whole)  # the head's fourth use; the tail is new
+    assert policy.uses(node_at(cache, head)) == 3
+    assert policy.uses(node_at(cache, whole)) == 0
+    cache.evict(full_tokens=10**6)
+    cache.check_invariants()
+    assert cache.stats().total_tokens == 0 and policy.history_size == 4  # one per page
+    serve(cache, whole)
+    cache.check_invariants()
+    assert policy.uses(node_at(cache, head)) == 4
+    assert policy.uses(node_at(cache, whole)) == 1
+    assert node_at(cache, whole).num_tokens == PS  # cut at every remembered piece
+    assert policy.history_size == 0
+
+
+def test_a_leaf_cut_by_eviction_keeps_its_head_s_state():
+    params = LearnedPolicyParams(evict_quantum_tokens=PS)
+    policy = LearnedLeafPolicy(sample_size=64, seed=0, params=params)
+    cache = full_cache(pages=16, policy=policy)
+    a = chain(3, 0)
+    for _ in range(3):
+        serve(cache, a)
+    assert cache.evict(full_tokens=1).full_tokens == PS  # one page, from the tail
+    cache.check_invariants()
+    head = node_at(cache, a[: 2 * PS])
+    assert head.num_tokens == 2 * PS
+    assert policy.uses(head) == 2  # the cut is not a return of the prefix
+    assert cache.match_prefix(a).prefix_len == 2 * PS
+
+
+@pytest.mark.parametrize("kind", [EvictionPolicyKind.LRU, EvictionPolicyKind.LEARNED])
+def test_eviction_frees_what_is_asked_in_whole_pages(kind):
+    cfg = CacheConfig(page_size=PS, full_slots=64 * PS, mamba_slots=0, eviction_policy=kind)
+    cache = UnifiedRadixCache(LAYOUT, cfg, DevicePools.allocate(LAYOUT, cfg))
+    rng = random.Random(3)
+    for i in range(12):
+        serve(cache, chain(rng.randrange(1, 6), 1000 * i))
+        serve(cache, chain(rng.randrange(6, 9), 1000 * (i % 3)))
+    for want in (1, PS, PS + 1, 3 * PS, 7 * PS - 1):
+        held = cache.stats().total_tokens
+        freed = cache.evict(full_tokens=want).full_tokens
+        cache.check_invariants()
+        assert freed == -(-want // PS) * PS == held - cache.stats().total_tokens
 
 
 def test_history_is_bounded():

@@ -123,21 +123,35 @@ def test_eviction_is_lru_across_chains_and_tail_first(case):
     cache, engine = case
     ps = cache.page_size
     old = seq(4 * ps, base=1)
+    extended = np.concatenate([old, seq(4 * ps, base=2)])
     engine.run(old)
-    engine.run(np.concatenate([old, seq(4 * ps, base=2)]))  # extends the old chain
+    engine.run(extended)  # extends the old chain
     new = seq(4 * ps, base=3)
     engine.run(new)
     cache.match_prefix(new)
-    # The least recently used leaf is the tail of the first chain: it goes first, and its
-    # head survives.
+    # The least recently used leaf is the tail of the first chain. Eviction takes what
+    # is asked (whole pages) from its end, then the rest of it; its head survives. With
+    # Mamba, whose state lives only at a node's end, a leaf goes whole.
+    piece = ps if cache.cut_tails else 4 * ps
+    before = cache.pools.full.available()
     freed = cache.evict(full_tokens=1)
     cache.check_invariants()
-    assert freed.full_tokens == 4 * ps
-    assert cache.match_prefix(old).prefix_len == 4 * ps
+    assert freed.full_tokens == piece == cache.pools.full.available() - before
+    assert cache.stats().total_tokens == 12 * ps - piece
+    cache.evict(full_tokens=4 * ps - piece)
+    cache.check_invariants()
+    assert cache.stats().total_tokens == 8 * ps
+    assert cache.match_prefix(extended).prefix_len == 4 * ps
     assert cache.match_prefix(new).prefix_len == 4 * ps
-    # Now `old` was touched after `new`: new goes next.
+    # Now `old` was touched after `new`: new goes next, from its tail.
     cache.match_prefix(old)
-    cache.evict(full_tokens=1)
+    assert cache.evict(full_tokens=1).full_tokens == piece
+    cache.check_invariants()
+    assert cache.match_prefix(old).prefix_len == 4 * ps
+    if cache.pools.swa is None:  # (with SWA, the window may not end inside the chain)
+        assert cache.match_prefix(new).prefix_len == 4 * ps - piece
+    cache.match_prefix(old)
+    cache.evict(full_tokens=4 * ps - piece)
     cache.check_invariants()
     assert cache.match_prefix(new).prefix_len == 0
     assert cache.match_prefix(old).prefix_len == 4 * ps
