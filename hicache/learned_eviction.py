@@ -7,7 +7,10 @@ evictable leaf by an estimate of its *reuse rate*, the uses per tick it can expe
 
     rate = (uses + prior_uses) / (age + prior_ticks)
 
-and evicts the lowest of a small random sample of evictable leaves.
+and evicts the tail of the lowest of a random sample of evictable leaves: one quantum
+(``evict_quantum_tokens``, 512 tokens) per pick, then it samples again. So the room a
+request needs comes off the tails of several unpromising leaves rather than all of one:
+a request that returns to a leaf hits its head first, and the head stays.
 
 * ``uses`` counts the requests that used the leaf's prefix since it was first cached:
   matches that covered it, and returns seen through the history below. A leaf nobody
@@ -29,13 +32,17 @@ and evicts the lowest of a small random sample of evictable leaves.
 * **History**: an evicted leaf is remembered in a bounded ring of ``history_entries``
   (a fingerprint of its start position and first tokens, and its uses). When a node with
   a remembered fingerprint is inserted again, the prefix came back: the node starts
-  with the old count + 1 instead of 0. Nodes that stay in the tree as host-only (a host
+  with the old count + 1 instead of 0, and it ends where that piece ended
+  (``insert_end``): a chain evicted quantum by quantum comes back as nodes cut where its
+  pieces were, each with its own count, so blocks nobody reused do not ride on the
+  count of a hot head. Nodes that stay in the tree as host-only (a host
   tier backs them) keep their own state, and a load-back counts as a use the same way.
   Without the history, a prefix evicted between its uses would look new at every
   return and never earn its rank.
 
 Costs: O(1) per add/remove/touch/hit/insert (a swap-remove array of members, a dict
-into the ring), O(sample) per eviction. Memory: a small record per node, and the ring.
+into the ring), O(sample) per pick, one pick per quantum evicted. Memory: a small record
+per node, and the ring.
 
 Only evictable leaves are members (the tree guarantees it), so a chain is always cut from
 its tail: a parent is never a candidate while it has a device child, whatever its rate.

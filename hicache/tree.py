@@ -405,8 +405,9 @@ class RadixTree:
     ) -> EvictResult:
         """Free at least the asked device amounts where possible; returns what was freed.
 
-        FULL comes off least-valuable leaves (whole nodes); SWA and MAMBA come off the least
-        recently used unlocked nodes holding them, cascading to lower priorities there.
+        FULL comes off the tails of the least valuable leaves (no more than asked, in whole
+        pages, unless a leaf must go whole); SWA and MAMBA come off the least recently used
+        unlocked nodes holding them, cascading to lower priorities there.
         """
         want = {
             ComponentType.FULL: full_tokens,
