@@ -160,6 +160,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         self._evictions = 0
         self._history = _History(self.params.history_entries)
         self._fp_bytes = self.params.fingerprint_tokens * _TOKEN_BYTES
+        self._scanned_all = False  # whether the last pick ranked every member
 
     # -- introspection (tests, docs) -----------------------------------------------------
 
@@ -295,7 +296,8 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         n = len(self._members)
         if n == 0:
             return None
-        if n <= self.sample_size:
+        self._scanned_all = n <= self.sample_size
+        if self._scanned_all:
             candidates = self._members
         else:
             candidates = self._rng.choices(self._members, k=self.sample_size)
@@ -319,7 +321,11 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
     def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:
         """A quantum at most: a victim's tail goes, then the next pick samples anew, so the
         room is taken from the tails of several unpromising leaves rather than all of one
-        (a later request that returns to a leaf hits its head first)."""
+        (a later request that returns to a leaf hits its head first). When the pick saw
+        every leaf, the head (same state, same rank) would be picked again at once: then
+        all that is asked goes in one piece."""
+        if self._scanned_all:
+            return want_tokens
         return min(want_tokens, self.params.evict_quantum_tokens)
 
     def on_evict(self, node: TreeNode) -> None:

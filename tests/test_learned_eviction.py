@@ -86,11 +86,10 @@ def test_history_brings_back_the_uses_of_an_evicted_prefix():
 
 
 def test_an_evicted_chain_returns_with_each_piece_s_own_uses():
-    """Eviction takes a quantum from a leaf's tail at a time and the history remembers
-    each piece; a request that brings the chain back gets nodes cut where the pieces
-    were, each with its own count, so blocks nobody reused do not ride on a hot head."""
-    params = LearnedPolicyParams(evict_quantum_tokens=PS)
-    policy = LearnedLeafPolicy(sample_size=64, seed=0, params=params)
+    """Eviction takes what is asked from a leaf's tail and the history remembers each
+    piece; a request that brings the chain back gets nodes cut where the pieces were,
+    each with its own count, so blocks nobody reused do not ride on a hot head."""
+    policy = LearnedLeafPolicy(sample_size=64, seed=0)
     cache = full_cache(pages=16, policy=policy)
     head = chain(2, 0)
     whole = np.concatenate([head, chain(2, 100)])
@@ -99,15 +98,30 @@ def test_an_evicted_chain_returns_with_each_piece_s_own_uses():
     serve(cache, whole)  # the head's fourth use; the tail is new
     assert policy.uses(node_at(cache, head)) == 3
     assert policy.uses(node_at(cache, whole)) == 0
-    cache.evict(full_tokens=10**6)
+    assert cache.evict(full_tokens=PS).full_tokens == PS  # the tail's last page
+    cache.evict(full_tokens=10**6)  # the rest of the tail, then the head
     cache.check_invariants()
-    assert cache.stats().total_tokens == 0 and policy.history_size == 4  # one per page
+    assert cache.stats().total_tokens == 0 and policy.history_size == 3
     serve(cache, whole)
     cache.check_invariants()
     assert policy.uses(node_at(cache, head)) == 4
+    assert policy.uses(node_at(cache, whole[: 3 * PS])) == 1
     assert policy.uses(node_at(cache, whole)) == 1
     assert node_at(cache, whole).num_tokens == PS  # cut at every remembered piece
     assert policy.history_size == 0
+
+
+def test_a_sampled_pick_evicts_a_quantum_and_a_full_scan_all_that_is_asked():
+    params = LearnedPolicyParams(evict_quantum_tokens=PS)
+    for sample, pieces in ((64, 1), (1, 2)):
+        policy = LearnedLeafPolicy(sample_size=sample, seed=0, params=params)
+        cache = full_cache(pages=16, policy=policy)
+        serve(cache, chain(3, 0))
+        serve(cache, chain(3, 1000))  # two leaves: a sample of 1 sees only one of them
+        cache.evict(full_tokens=2 * PS)
+        cache.check_invariants()
+        assert cache.stats().total_tokens == 4 * PS
+        assert policy.history_size == pieces
 
 
 def test_a_leaf_cut_by_eviction_keeps_its_head_s_state():
