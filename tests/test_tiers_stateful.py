@@ -21,10 +21,11 @@ from hypothesis.stateful import initialize, invariant, rule
 from test_tree_stateful import PREFIXES, Model, TreeMachine
 
 from hicache import ComponentType, MatchResult, Request
-from hicache.config import PrefetchPolicy, WritePolicy
+from hicache.config import EvictionPolicyKind, PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
+from hicache.learned_eviction import LearnedPolicyParams
 from hicache.tree import TreeNode
 from hicache.types import PoolExhaustedError
 
@@ -44,8 +45,13 @@ class TieredMachine(TreeMachine):
         # 1: every page of a backup is a part of its own (a failed copy keeps the parts
         # before it); 0: one copy per component.
         backup_chunk=st.sampled_from([1, 4096, 0]),
+        # The learned device policy: a sample of 1 evicts a page-sized quantum per pick
+        # and cuts returning chains into pieces; 64 ranks every leaf of these small pools.
+        eviction=st.sampled_from([("lru", 64), ("learned", 1), ("learned", 64)]),
     )
-    def setup(self, mix, ps, window_pages, pool_pages, write_policy, host_kib, backup_chunk):
+    def setup(
+        self, mix, ps, window_pages, pool_pages, write_policy, host_kib, backup_chunk, eviction
+    ):
         self.start_cache(
             self.local_controller(host_kib, backup_chunk),
             mix,
@@ -53,6 +59,7 @@ class TieredMachine(TreeMachine):
             window=max(1, int(ps * window_pages)),
             full_slots=ps * pool_pages,
             write_policy=write_policy,
+            eviction=eviction,
         )
 
     def local_controller(self, host_kib: int, backup_chunk: int) -> LocalController:
@@ -66,8 +73,11 @@ class TieredMachine(TreeMachine):
             )
         )
 
-    def start_cache(self, ctrl, mix, ps, window, full_slots, write_policy, swa_slots=None):
+    def start_cache(
+        self, ctrl, mix, ps, window, full_slots, write_policy, swa_slots=None, eviction=("lru", 64)
+    ):
         self.ctrl = ctrl
+        policy, sample = eviction
         self.cache = make_cache(
             mix,
             page_size=ps,
@@ -79,7 +89,11 @@ class TieredMachine(TreeMachine):
             write_policy=write_policy,
             prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
             load_timeout_s=5.0,
+            eviction_policy=EvictionPolicyKind(policy),
+            eviction_sample_size=sample,
         )
+        if policy == "learned":  # quanta of one page, so that cuts happen in small pools
+            self.cache.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
         self.engine = MarkerEngine(self.cache)
         self.model = Model(ps, self.cache.mamba is not None)
         self.swa_released = False
