@@ -160,7 +160,6 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         self._evictions = 0
         self._history = _History(self.params.history_entries)
         self._fp_bytes = self.params.fingerprint_tokens * _TOKEN_BYTES
-        self._scanned_all = False  # whether the last pick ranked every member
 
     # -- introspection (tests, docs) -----------------------------------------------------
 
@@ -170,11 +169,6 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         if not self._evictions:
             return self.params.initial_prior_ticks
         return max(1.0, self.params.prior_turnovers * self._turnover_ticks)
-
-    def rate(self, node: TreeNode) -> float:
-        """The estimated reuse rate of a node the policy has seen (uses per tick)."""
-        st = self._state(node)
-        return (st.uses + self.params.prior_uses) / (self._now - st.stamp + self.prior_ticks)
 
     def uses(self, node: TreeNode) -> int:
         """The uses the policy counts for ``node`` (history included)."""
@@ -207,10 +201,12 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         self._fp_bytes = min(self.params.fingerprint_tokens, page_size) * _TOKEN_BYTES
 
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
+        return self._fingerprint_at(node.key, offset_tokens, node.start + offset_tokens)
+
+    def _fingerprint_at(self, key: bytes, offset_tokens: int, position: int) -> int:
+        """Of the tokens of ``key`` from ``offset_tokens``, which sit at ``position``."""
         off = offset_tokens * _TOKEN_BYTES
-        return xxhash.xxh3_64_intdigest(
-            node.key[off : off + self._fp_bytes], seed=node.start + offset_tokens
-        )
+        return xxhash.xxh3_64_intdigest(key[off : off + self._fp_bytes], seed=position)
 
     def _recall(self, node: TreeNode) -> int | None:
         """Uses of the evicted leaves that ``node`` covers from its start (the history
@@ -233,9 +229,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         returning leaf gets back its own uses and the blocks after it start from none."""
         if not len(self._history):
             return end
-        off = start * _TOKEN_BYTES
-        fp = xxhash.xxh3_64_intdigest(key[off : off + self._fp_bytes], seed=start)
-        i = self._history.slot_of.get(fp)
+        i = self._history.slot_of.get(self._fingerprint_at(key, start, start))
         if i is None:
             return end
         old_end = int(self._history.end[i])
@@ -296,14 +290,13 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         n = len(self._members)
         if n == 0:
             return None
-        self._scanned_all = n <= self.sample_size
-        if self._scanned_all:
+        if n <= self.sample_size:
             candidates = self._members
         else:
             candidates = self._rng.choices(self._members, k=self.sample_size)
-        # rate() inlined (this loop is the policy's cost per pick); a leaf the host or
-        # disk tier also holds costs a load-back, not a recomputation, to drop: discounted;
-        # ties go least recently used first.
+        # The rate of the module docstring, in one loop (the policy's cost per pick); a
+        # leaf the host or disk tier also holds costs a load-back, not a recomputation, to
+        # drop: discounted; ties go least recently used first.
         now, prior = self._now, self.prior_ticks
         prior_uses, discount = self.params.prior_uses, self.params.backed_discount
         victim, best = None, None
@@ -324,7 +317,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         (a later request that returns to a leaf hits its head first). When the pick saw
         every leaf, the head (same state, same rank) would be picked again at once: then
         all that is asked goes in one piece."""
-        if self._scanned_all:
+        if len(self._members) < self.sample_size:  # the pick saw them all, and ``node``
             return want_tokens
         return min(want_tokens, self.params.evict_quantum_tokens)
 

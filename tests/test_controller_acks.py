@@ -18,6 +18,7 @@ from test_controller_support import (
     controller_config,
     hybrid_layout,
     load_into,
+    registered_controller,
 )
 
 from hicache.controller.local import LocalController
@@ -27,16 +28,8 @@ from hicache.controller.sidecar_verbs import VerbHandlers
 from hicache.types import Tier
 
 
-def _controller(tmp_path, **kw):
-    layout = hybrid_layout()
-    engine = Engine(layout)
-    ctl = LocalController(controller_config(tmp_path, **kw))
-    ctl.register(layout, PAGE, engine.pools)
-    return engine, ctl
-
-
 def test_a_lapsed_pin_stops_protecting_its_pages_without_another_pin_or_load(tmp_path):
-    engine, ctl = _controller(tmp_path, host_pool_bytes=6000)
+    _, engine, ctl = registered_controller(tmp_path, host_pool_bytes=6000)
     try:
         cap = ctl.stats()["host"]["capacity_pages"]["full"]
         a = engine.write_chain(range(cap * PAGE))
@@ -53,7 +46,9 @@ def test_a_lapsed_pin_stops_protecting_its_pages_without_another_pin_or_load(tmp
 
 
 def test_a_lapsed_pin_does_not_hold_the_disk_over_its_budget(tmp_path):
-    engine, ctl = _controller(tmp_path, host_pool_bytes=1 << 20, disk_budget_bytes=6 * 600)
+    _, engine, ctl = registered_controller(
+        tmp_path, host_pool_bytes=1 << 20, disk_budget_bytes=6 * 600
+    )
     try:
         a = engine.write_chain(range(6 * PAGE))
         assert ctl.backup(a.refs([FULL])).wait(5.0)
@@ -131,7 +126,7 @@ class _LateCopy:
 
 
 def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path):
-    engine, ctl = _controller(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     real_to_host = ctl._transfer.to_host
     late: list[_LateCopy] = []
 

@@ -161,3 +161,13 @@ def load_into(
     finally:
         ctl.unpin(pin, **kw)
     return target
+
+
+def registered_controller(tmp_path, **overrides) -> tuple[ModelLayout, Engine, LocalController]:
+    """A controller (``controller_config`` with ``overrides``) and a hybrid-layout engine
+    registered with it."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    return layout, engine, ctl

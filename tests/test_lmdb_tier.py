@@ -9,12 +9,14 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from test_controller_support import PAGE, Engine, controller_config, hybrid_layout
+from test_controller_support import (
+    PAGE,
+    registered_controller,
+)
 
 from hicache.controller.admin_ops import clear
 from hicache.controller.config import ControllerConfig
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
-from hicache.controller.local import LocalController
 from hicache.controller.page_codec import HEADER_BYTES, decode_header, encode_value
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType, Tier
@@ -236,10 +238,7 @@ def test_a_write_or_read_after_close_is_settled_as_a_failure(tmp_path):
 
 
 def test_a_backup_and_a_load_racing_shutdown_leave_their_pages_consistent(tmp_path):
-    layout = hybrid_layout()
-    engine = Engine(layout)
-    ctl = LocalController(controller_config(tmp_path))
-    ctl.register(layout, PAGE, engine.pools)
+    _, engine, ctl = registered_controller(tmp_path)
     stored = engine.write_chain(range(2 * PAGE))
     assert ctl.backup(stored.refs([FULL])).wait(10.0) and ctl.flush(10.0)
     clear(ctl, None, [Tier.HOST])  # on disk only: a load reads it back
@@ -257,10 +256,7 @@ def test_an_admin_clear_racing_a_new_backup_of_the_page_never_deletes_the_new_co
     """``clear`` drops pages from the index and queues their LMDB deletes; a backup of the
     same pages that gets in between must be committed after those deletes, not deleted
     by them (the index would say on disk, LMDB would have nothing)."""
-    layout = hybrid_layout()
-    engine = Engine(layout)
-    ctl = LocalController(controller_config(tmp_path))
-    ctl.register(layout, PAGE, engine.pools)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(2 * PAGE))
     assert ctl.backup(chain.refs([FULL])).wait(10.0) and ctl.flush(10.0)
     tier = ctl.store.disk

@@ -19,6 +19,7 @@ from test_controller_support import (
     controller_config,
     hybrid_layout,
     load_into,
+    registered_controller,
 )
 
 from hicache.controller.config import DiskWritePolicy
@@ -26,14 +27,6 @@ from hicache.controller.local import ControllerLayoutMismatch, LocalController
 from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller_api import CacheController, ControllerError, PageKey, Presence
 from hicache.types import LayoutMismatchError, Tier
-
-
-def _setup(tmp_path, **overrides):
-    layout = hybrid_layout()
-    engine = Engine(layout)
-    ctl = LocalController(controller_config(tmp_path, **overrides))
-    ctl.register(layout, PAGE, engine.pools)
-    return layout, engine, ctl
 
 
 def _store(ctl, chain) -> None:
@@ -46,14 +39,14 @@ def _presence(ctl, chain, component=FULL) -> list[int]:
 
 
 def test_controller_implements_the_protocol(tmp_path):
-    _, _, ctl = _setup(tmp_path)
+    _, _, ctl = registered_controller(tmp_path)
     assert isinstance(ctl, CacheController)
     assert isinstance(ctl.session("e1"), CacheController)
     ctl.close()
 
 
 def test_backup_then_load_into_other_slots_is_bit_for_bit(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(6 * PAGE), mamba_every=2)
     before = engine.snapshot(chain)
     _store(ctl, chain)
@@ -87,7 +80,7 @@ def _count_copies(ctl) -> list[tuple]:
 
 
 def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     full_bytes = ctl.store.host[FULL].page_bytes
     ctl.config.backup_chunk_bytes = 2 * full_bytes  # a chunk closes at 2 FULL pages' bytes
     copies = _count_copies(ctl)
@@ -123,7 +116,7 @@ def test_backup_time_counts_overlapping_parts_once(tmp_path):
     time, so bytes / seconds is the throughput, not a fraction of it."""
     from hicache.controller.fills import QueuedBackup
 
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE))
     refs = chain.refs([FULL])
     store, fills = ctl.store, ctl._fills
@@ -163,7 +156,7 @@ def test_transfer_seconds_are_the_union_of_overlapping_transfers():
 
 
 def test_backup_dedupes_pages_already_held(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
     _store(ctl, chain)
     _store(ctl, chain)
@@ -176,7 +169,7 @@ def test_backup_dedupes_pages_already_held(tmp_path):
 
 def test_host_evicted_pages_come_back_from_disk(tmp_path):
     # Room for about 40 FULL host pages; 4 chains of 16 pages overflow it.
-    _, engine, ctl = _setup(tmp_path, host_pool_bytes=40 * (512 + 256 + 168 // 4))
+    _, engine, ctl = registered_controller(tmp_path, host_pool_bytes=40 * (512 + 256 + 168 // 4))
     chains = [
         engine.write_chain(range(k, k + 16 * PAGE), mamba_every=4) for k in (0, 1000, 2000, 3000)
     ]
@@ -197,7 +190,7 @@ def test_host_evicted_pages_come_back_from_disk(tmp_path):
 
 
 def test_restart_finds_every_page_and_loads_it_bit_for_bit(tmp_path):
-    layout, engine, ctl = _setup(tmp_path, disk_sync=True)
+    layout, engine, ctl = registered_controller(tmp_path, disk_sync=True)
     chains = [engine.write_chain(range(k, k + 5 * PAGE), mamba_every=5) for k in (0, 500)]
     snaps = [engine.snapshot(c) for c in chains]
     for c in chains:
@@ -218,7 +211,7 @@ def test_restart_finds_every_page_and_loads_it_bit_for_bit(tmp_path):
 
 
 def test_write_back_writes_at_host_eviction_and_at_close(tmp_path):
-    layout, engine, ctl = _setup(
+    layout, engine, ctl = registered_controller(
         tmp_path,
         host_pool_bytes=12 * (512 + 256 + 168 // 4),
         disk_write_policy=DiskWritePolicy.WRITE_BACK,
@@ -253,7 +246,7 @@ def _flip_byte(tmp_path, key: bytes, offset: int) -> None:
 
 
 def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE))
     _store(ctl, chain)
     ctl.close()
@@ -274,6 +267,21 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     ctl.close()
 
 
+def _corrupt_a_stored_page(ctl, engine):
+    """Store a 3-page chain on disk and flip a bit in its second FULL page's LMDB value;
+    returns the chain, that page's storage key and its good value."""
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    assert ctl.flush(10.0)
+    bad = chain.refs([FULL])[1].key.storage_key()
+    with ctl.store.disk.env.begin(write=True) as txn:
+        good = bytes(txn.get(bad))
+        value = bytearray(good)
+        value[HEADER_BYTES + 3] ^= 0x10
+        txn.put(bad, bytes(value))
+    return chain, bad, good
+
+
 def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
     """A repair reports a value repaired only when its delete is committed: a check right
     after it (``hicachectl fsck`` twice in a row) must not find the value again. A slow
@@ -281,16 +289,9 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
     fail every time."""
     from hicache.controller.admin_ops import fsck
 
-    _, engine, ctl = _setup(tmp_path, writer_flush_interval_s=0.5)
-    chain = engine.write_chain(range(3 * PAGE))
-    _store(ctl, chain)
-    assert ctl.flush(10.0)
-    bad = chain.refs([FULL])[1].key.storage_key()
+    _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
+    chain, bad, _ = _corrupt_a_stored_page(ctl, engine)
     env = ctl.store.disk.env
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(bad))
-        value[HEADER_BYTES + 3] ^= 0x10
-        txn.put(bad, bytes(value))
     first = fsck(ctl, repair=True)
     assert (first.corrupt, first.repaired) == (1, 1)
     with env.begin() as txn:
@@ -309,7 +310,7 @@ def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
     return (a crash right after them must not bring it back), however slow the writer."""
     from hicache.controller.admin_ops import clear, evict
 
-    _, engine, ctl = _setup(tmp_path, writer_flush_interval_s=0.5)
+    _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
     a = engine.write_chain(range(3 * PAGE))
     b = engine.write_chain(range(100, 100 + 2 * PAGE))
     _store(ctl, a)
@@ -335,7 +336,7 @@ def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
 
 
 def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
     _store(ctl, chain)
     ctl.close()
@@ -350,7 +351,7 @@ def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
 
 
 def test_pages_of_another_layout_are_never_served(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
     _store(ctl, chain)
     ctl.close()
@@ -372,7 +373,7 @@ def _on_disk(ctl, keys) -> list[int]:
 
 def test_tiny_disk_budget_evicts_lru_chains_from_the_tail(tmp_path):
     page_value = 512 + HEADER_BYTES
-    _, engine, ctl = _setup(tmp_path, disk_budget_bytes=10 * page_value)
+    _, engine, ctl = registered_controller(tmp_path, disk_budget_bytes=10 * page_value)
     old = engine.write_chain(range(6 * PAGE))
     new = engine.write_chain(range(1000, 1000 + 6 * PAGE))
     for c in (old, new):
@@ -392,7 +393,7 @@ def test_tiny_disk_budget_evicts_lru_chains_from_the_tail(tmp_path):
 def test_tiny_map_size_rejects_pages_with_a_clear_error_and_keeps_committed_ones(tmp_path):
     # A 64 KiB budget in an 80 KiB map: LMDB's own pages make the map fill first.
     sizes = dict(disk_budget_bytes=64 << 10, lmdb_map_size_bytes=80 << 10)
-    layout, engine, ctl = _setup(tmp_path, writer_batch_pages=4, **sizes)
+    layout, engine, ctl = registered_controller(tmp_path, writer_batch_pages=4, **sizes)
     chains = [
         engine.write_chain(range(k, k + 8 * PAGE), mamba_every=8) for k in range(0, 12000, 1000)
     ]
@@ -429,7 +430,7 @@ def test_tiny_map_size_rejects_pages_with_a_clear_error_and_keeps_committed_ones
 
 
 def test_a_second_layout_is_refused(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     other = Engine(hybrid_layout(head_dim=16))
     with pytest.raises(ControllerLayoutMismatch) as info:
         ctl.register(other.layout, PAGE, other.pools, engine_id="other")
@@ -462,7 +463,7 @@ def test_engines_share_pages_and_a_closed_session_loses_its_pins(tmp_path):
 
 
 def test_pin_is_all_or_nothing(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
     _store(ctl, chain)
     missing = engine.write_chain(range(900, 900 + PAGE))
@@ -474,7 +475,7 @@ def test_pin_is_all_or_nothing(tmp_path):
 
 
 def test_closed_controller_refuses_calls_and_close_is_idempotent(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     ctl.close()
     ctl.close()
     with pytest.raises(ControllerError, match="closed"):
@@ -482,7 +483,7 @@ def test_closed_controller_refuses_calls_and_close_is_idempotent(tmp_path):
 
 
 def test_bad_refs_are_refused_with_a_clear_error(tmp_path):
-    _, engine, ctl = _setup(tmp_path)
+    _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(PAGE))
     ref = chain.refs([FULL])[0]
     bad = type(ref)(FULL, ref.page_hash, ref.parent_hash, 10**6)
@@ -497,7 +498,9 @@ def test_bad_refs_are_refused_with_a_clear_error(tmp_path):
 
 def test_backup_reports_host_full_when_no_host_page_can_be_evicted(tmp_path):
     # No disk tier; room for about 8 FULL pages, all pinned by a pending load.
-    _, engine, ctl = _setup(tmp_path, disk_path=None, host_pool_bytes=8 * (512 + 256 + 42))
+    _, engine, ctl = registered_controller(
+        tmp_path, disk_path=None, host_pool_bytes=8 * (512 + 256 + 42)
+    )
     held = engine.write_chain(range(8 * PAGE), mamba_every=8)
     _store(ctl, held)
     pin = ctl.pin(held.page_keys(), 30.0)
@@ -513,7 +516,9 @@ def test_backup_reports_host_full_when_no_host_page_can_be_evicted(tmp_path):
 
 
 def test_host_tier_cuts_chains_from_the_tail(tmp_path):
-    _, engine, ctl = _setup(tmp_path, disk_path=None, host_pool_bytes=10 * (512 + 256 + 42))
+    _, engine, ctl = registered_controller(
+        tmp_path, disk_path=None, host_pool_bytes=10 * (512 + 256 + 42)
+    )
     old = engine.write_chain(range(6 * PAGE), mamba_every=6)
     _store(ctl, old)
     ctl.lookup(old.hashes[:1], [FULL])  # a lookup does not reorder eviction
@@ -529,7 +534,7 @@ def test_host_tier_cuts_chains_from_the_tail(tmp_path):
 
 
 def test_verify_on_open_drops_a_corrupt_payload_before_serving(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
     _store(ctl, chain)
     ctl.close()
@@ -544,7 +549,7 @@ def test_verify_on_open_drops_a_corrupt_payload_before_serving(tmp_path):
 
 
 def test_prefetch_brings_disk_pages_to_host(tmp_path):
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE), mamba_every=4)
     _store(ctl, chain)
     ctl.close()
@@ -562,7 +567,7 @@ def test_prefetch_brings_disk_pages_to_host(tmp_path):
 
 def test_a_smaller_budget_at_reopen_evicts_down_to_it_tail_first(tmp_path):
     page_value = 512 + HEADER_BYTES
-    layout, engine, ctl = _setup(tmp_path)
+    layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(8 * PAGE))
     assert ctl.backup(chain.refs([FULL])).wait(5.0)
     ctl.close()
@@ -581,17 +586,9 @@ def test_fsck_repair_leaves_a_value_stored_again_since_its_scan(tmp_path):
     under the lock and deletes only what is still corrupt (it deleted the good copy)."""
     from hicache.controller.admin_ops import fsck
 
-    _, engine, ctl = _setup(tmp_path)
-    chain = engine.write_chain(range(3 * PAGE))
-    _store(ctl, chain)
-    assert ctl.flush(10.0)
-    bad = chain.refs([FULL])[1].key.storage_key()
+    _, engine, ctl = registered_controller(tmp_path)
+    _, bad, good = _corrupt_a_stored_page(ctl, engine)
     env = ctl.store.disk.env
-    with env.begin(write=True) as txn:
-        good = bytes(txn.get(bad))
-        value = bytearray(good)
-        value[HEADER_BYTES + 3] ^= 0x10
-        txn.put(bad, bytes(value))
 
     def stored_again(done, total):  # the scan's last progress call: the scan is over
         if done >= total:

@@ -94,9 +94,15 @@ def test_every_hicache_variable_the_project_reads_is_an_option_or_allowed():
         ("[sidecar]\nlog_level = 3\n", "log_level=3 is not a string"),
         ("[controller]\nhost_pool_bytes = true\n", "host_pool_bytes: expected a size"),
         ("[sidecar]\nleese_s = 3\n", "unknown key 'leese_s' in [sidecar]; did you mean 'lease_s'?"),
+        ("[controler]\n", "unknown table(s) ['controler']"),
+        ("[controller]\nhost_pool_bytes = 'lots'\n", "not a size"),
+        ("[sidecar]\ntcp_endpoint = 'tcp://0.0.0.0:5000'\n", "only served with authentication"),
+        ("[sidecar\n", "not valid TOML"),
     ],
 )
-def test_a_toml_value_of_the_wrong_type_is_named_with_the_type_expected(tmp_path, text, words):
+def test_a_bad_toml_config_is_an_error_naming_what_is_wrong(tmp_path, text, words):
+    """A value of the wrong type names the type expected; an unknown key or table, an
+    unauthenticated TCP endpoint or broken TOML says so."""
     cfg = tmp_path / "hicache.toml"
     cfg.write_text(text)
     with pytest.raises(ConfigError) as e:
