@@ -65,6 +65,9 @@ class ClusterSettings:
     read_timeout_s: float = 1.0
     write_timeout_s: float = 2.0
     failure_hint_s: float = 2.0
+    # While some node is hinted failing, the slot map is re-read this often (a failover
+    # moves its slots to a replica).
+    topology_refresh_s: float = 0.5
     io_threads: int = 8
 
     def timeout_s(self, purpose: Purpose) -> float:
@@ -128,6 +131,7 @@ class ClusterStore:
         self._hints: dict[Addr, float] = {}
         self._refresh_wanted = threading.Event()
         self._refreshing = threading.Lock()
+        self._refreshed_at = 0.0
         self._closed = False
         self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="hicache-remote")
 
@@ -175,6 +179,7 @@ class ClusterStore:
                 with self._lock:
                     self._slots = slots
                     self._masters = tuple(dict.fromkeys(masters))
+                    self._refreshed_at = time.monotonic()
                     for node in [a for a in self._hints if a not in self._masters]:
                         del self._hints[node]
                 return True
@@ -182,8 +187,12 @@ class ClusterStore:
 
     def _topology(self, deadline: float) -> list[Addr | None] | None:
         """The slot map; the first call (or one after a failure) fetches it in time."""
-        if self._refresh_wanted.is_set() or self._slots is None:
+        due = (
+            self._hints and time.monotonic() - self._refreshed_at > self.settings.topology_refresh_s
+        )
+        if self._refresh_wanted.is_set() or self._slots is None or due:
             self._refresh_wanted.clear()
+            self._refreshed_at = time.monotonic()  # one refresh at a time, not one per call
             job = self._pool.submit(self.refresh_topology)
             if self._slots is None:
                 futures.wait([job], timeout=max(0.0, deadline - time.monotonic()))

@@ -104,10 +104,16 @@ class LocalCluster:
                     raise
                 time.sleep(0.02)
 
+    def reserve_ports(self) -> list[int]:
+        """Choose the ports now (the URL is known before the servers start)."""
+        if not self.ports:
+            self.ports = [_free_port() for _ in range(self.masters * (1 + self.replicas))]
+        return self.ports
+
     def start(self) -> LocalCluster:
         """Start, join and wait until every node says ``cluster_state:ok``."""
         n = self.masters * (1 + self.replicas)
-        self.ports = [_free_port() for _ in range(n)]
+        self.reserve_ports()
         for port in self.ports:
             self._spawn(port)
         for port in self.ports:
@@ -171,7 +177,7 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[: self.masters])
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.reserve_ports())
 
     @property
     def master_ports(self) -> list[int]:
