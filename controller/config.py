@@ -128,6 +128,7 @@ class ControllerConfig:
     remote_breaker_failures: int = 3  # calls failing on every key before the breaker opens
     remote_breaker_cooldown_s: float = 1.0  # open this long, then one trial call
     remote_failure_hint_s: float = 2.0  # a failing node's keys are skipped this long
+    remote_topology_refresh_s: float = 0.5  # slot map re-read this often while one fails
     remote_io_threads: int = 8
 
     def __post_init__(self) -> None:

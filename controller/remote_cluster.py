@@ -33,6 +33,13 @@ from urllib.parse import unquote
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    OutOfMemoryError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from hicache.controller.remote_store import FIELD_BODY, FIELD_HEAD, Fetched, KeyStatus
@@ -323,7 +330,7 @@ class ClusterStore:
                 pipe.hset(key, mapping={FIELD_HEAD: head, FIELD_BODY: body})
 
         def parse(reply: Any) -> KeyStatus:
-            if isinstance(reply, redis.ResponseError) and str(reply).startswith("OOM"):
+            if isinstance(reply, OutOfMemoryError):
                 return KeyStatus.FULL
             return KeyStatus.ERROR if isinstance(reply, Exception) else KeyStatus.OK
 
@@ -391,5 +398,5 @@ def _same(status: KeyStatus) -> KeyStatus:
 
 
 def _is_redirect(reply: Any) -> bool:
-    text = str(reply) if isinstance(reply, redis.ResponseError) else ""
-    return text.startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))
+    """A reply that says the slot map changed (or is changing)."""
+    return isinstance(reply, (MovedError, AskError, ClusterDownError, TryAgainError))

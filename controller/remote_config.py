@@ -33,6 +33,7 @@ _POSITIVE_SECONDS = (
     "remote_hint_ttl_s",
     "remote_breaker_cooldown_s",
     "remote_failure_hint_s",
+    "remote_topology_refresh_s",
 )
 _POSITIVE_INTS = (
     "remote_write_queue_pages",

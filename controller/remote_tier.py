@@ -530,6 +530,7 @@ def open_remote(
                 read_timeout_s=config.remote_read_timeout_s,
                 write_timeout_s=config.remote_write_timeout_s,
                 failure_hint_s=config.remote_failure_hint_s,
+                topology_refresh_s=config.remote_topology_refresh_s,
                 io_threads=config.remote_io_threads,
             )
         )
