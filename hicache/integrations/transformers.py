@@ -166,6 +166,30 @@ class PrefixCachedLM:
             pos = nxt
         return ends
 
+    @torch.inference_mode()
+    def reference(
+        self, prompt_ids: Any, max_new_tokens: int, prefix_len: int = 0
+    ) -> list[torch.Tensor]:
+        """The same arithmetic as :meth:`generate` on one live cache object, no pools:
+        ``prompt[:prefix_len]`` is computed as a request of that prompt would compute it,
+        then the rest as a request that matched that prefix would. Returns the logits of
+        each generated token's position: what a restored prefix must reproduce exactly."""
+        seq = _token_list(prompt_ids)
+        hf = self.codec.new_cache()
+        logits = None
+        for start, stop in ((0, prefix_len), (prefix_len, len(seq))):
+            pos = start
+            for end in self.chunk_ends(start, stop):
+                logits = self.forward(torch.tensor([seq[pos:end]]), hf)
+                self.codec.trim_sliding(hf)
+                pos = end
+        out = [logits[0]]
+        for _ in range(max_new_tokens - 1):
+            logits = self.forward(logits.argmax(dim=-1, keepdim=True), hf)
+            self.codec.trim_sliding(hf)
+            out.append(logits[0])
+        return out
+
     # -- requests ------------------------------------------------------------------------
 
     def generate(

@@ -207,7 +207,7 @@ def hf_layout(
 
 
 def _config_dtype(c: Any) -> torch.dtype:
-    d = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+    d = getattr(c, "dtype", None)
     if d is None:
         return torch.float32
     return d if isinstance(d, torch.dtype) else parse_dtype(str(d).removeprefix("torch."))
