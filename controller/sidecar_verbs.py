@@ -40,6 +40,7 @@ from hicache.controller.protocol import (
     hash_column,
     page_count,
 )
+from hicache.controller.remote_sidecar import remote_status, verbs_on_workers
 from hicache.controller.security import PeerCredentials
 from hicache.controller.sidecar_config import BackupAck
 from hicache.controller_api import PinReceipt
@@ -100,6 +101,8 @@ class VerbHandlers:
             Verb.PIN_PREFIX: self.pin_prefix,
             Verb.FSCK: self.fsck,
         }
+        if self.ctl.config.remote_enabled:
+            verbs_on_workers(self)
         self.admin_allowed = frozenset(
             {Verb.HEARTBEAT, Verb.STATS, Verb.HEALTH, Verb.BYE} | {v for v in Verb if v.admin}
         )
@@ -382,6 +385,7 @@ class VerbHandlers:
             "pins_active": stats.get("pins_active", 0),
             "host": stats.get("host", {}),
             "disk": stats.get("disk", {}),
+            "remote": remote_status(self.ctl),
             "config": {
                 "controller": self.ctl.config.to_dict(),
                 "sidecar": srv.config.to_dict(),
