@@ -40,23 +40,26 @@ def _row_addresses(side: RowSide, items: np.ndarray, rows_a: int, rows_b: int) -
 
 
 def row_runs(copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(dst, src, nbytes)`` of each run of rows contiguous on both sides.
-
-    Rows are ordered by source address first, so pages that are neighbours on the source
-    side (a request's consecutive device pages) and land on neighbouring destinations
-    merge, whatever order the caller listed them in.
-    """
-    row_bytes = copy.row_bytes
+    """``(dst, src, nbytes)`` of each run of rows contiguous on both sides."""
     src = _row_addresses(copy.src, src_items, copy.rows_a, copy.rows_b)
     dst = _row_addresses(copy.dst, dst_items, copy.rows_a, copy.rows_b)
+    return merge_runs(dst, src, np.full(src.size, copy.row_bytes, dtype=np.int64))
+
+
+def merge_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Byte ranges ``(dst[i], src[i], nbytes[i])`` merged where one ends exactly where the
+    next begins on both sides. Ranges are ordered by source address first, so pages that
+    are neighbours on the source side (a request's consecutive pages) and land on
+    neighbouring destinations merge, whatever order the caller listed them in."""
     if src.size == 0:
-        return dst, src, np.empty(0, dtype=np.int64)
+        return dst, src, nbytes
     order = np.argsort(src, kind="stable")
-    src, dst = src[order], dst[order]
-    joins = (np.diff(src) == row_bytes) & (np.diff(dst) == row_bytes)
+    src, dst, nbytes = src[order], dst[order], nbytes[order]
+    ends = src[:-1] + nbytes[:-1]
+    joins = (src[1:] == ends) & (dst[1:] == dst[:-1] + nbytes[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    counts = np.diff(np.append(starts, src.size))
-    return dst[starts], src[starts], counts * row_bytes
+    run_bytes = np.add.reduceat(nbytes, starts)
+    return dst[starts], src[starts], run_bytes
 
 
 def _move(dst: list[int], src: list[int], nbytes: list[int]) -> None:
@@ -94,6 +97,20 @@ def copy_rows_cpu(
     if isinstance(dst_items, torch.Tensor):
         dst_items = dst_items.cpu().numpy()
     dst, src, nbytes = row_runs(copy, np.asarray(src_items), np.asarray(dst_items))
+    return move_runs(dst, src, nbytes, threads=threads, parallel_min_bytes=parallel_min_bytes)
+
+
+def move_runs(
+    dst: np.ndarray,
+    src: np.ndarray,
+    nbytes: np.ndarray,
+    *,
+    threads: int = 0,
+    parallel_min_bytes: int = 8 << 20,
+) -> int:
+    """``memmove(dst[i], src[i], nbytes[i])`` for every i (raw addresses, trusted), split
+    across ``threads`` threads (0: torch's count) when it moves ``parallel_min_bytes`` or
+    more. Returns the bytes moved; done on return."""
     total = int(nbytes.sum())
     workers = threads or torch.get_num_threads()
     if workers <= 1 or total < parallel_min_bytes or nbytes.size < 2:
