@@ -191,7 +191,9 @@ class SidecarController:
         self._failures = 0
         self._open = True  # no session until register() handshakes
         self._next_attempt = 0.0
-        self._registration: tuple[ModelLayout, int, dict[str, Any]] | None = None
+        # (layout, page_size, exported buffers); the buffers are None for a session that
+        # only looks up and pins (attach), which never registers memory.
+        self._registration: tuple[ModelLayout, int, dict[str, Any] | None] | None = None
         self._device: Any = None
         self._heartbeat_s = self.config.heartbeat_interval_s or 3.0
         self._hb_pending: int | None = None
@@ -280,9 +282,10 @@ class SidecarController:
         )
         if self.config.heartbeat_interval_s is None:
             self._heartbeat_s = float(hello.get("heartbeat_interval_s", 3.0))
-        reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
-        if reg.get("fenced") is True:
-            self._fenced_generation = ch.generation
+        if desc is not None:
+            reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
+            if reg.get("fenced") is True:
+                self._fenced_generation = ch.generation
         with self._state_lock:
             self._open = False
             self._failures = 0
@@ -350,6 +353,15 @@ class SidecarController:
 
         self._registration = (layout, page_size, export_pools(pools))
         self._device = pools.full.buffer.device
+        self._start_session()
+
+    def attach(self, layout: ModelLayout, page_size: int) -> None:
+        """A session that looks pages up and pins them but registers no memory (an engine's
+        scheduler, whose workers register theirs). Raises as :meth:`register` does."""
+        self._registration = (layout, page_size, None)
+        self._start_session()
+
+    def _start_session(self) -> None:
         try:
             self._connect()
         except RemoteError as exc:
@@ -394,7 +406,8 @@ class SidecarController:
 
     def _cuda_device(self) -> Any:
         """The engine's CUDA device when its pools are on one, else None."""
-        if self._registration is None or self._registration[2].get("device") != "cuda":
+        desc = None if self._registration is None else self._registration[2]
+        if desc is None or desc.get("device") != "cuda":
             return None
         return self._device
 
