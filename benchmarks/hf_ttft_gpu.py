@@ -41,6 +41,15 @@ from gpu_sidecar_check import import_hicache  # noqa: E402
 SUFFIX = 64
 MIB = 1 << 20
 MAX_CHECKED_PREFIX = 8192
+# ``--dry-run``: tiny models and small sizes on the CPU, to check the script off a GPU.
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class SidecarProc:
@@ -91,15 +100,14 @@ def client(endpoint: str, name: str):
 
 def cuda_ms(fn, repeat: int = 5) -> float:
     """Median wall ms of ``fn`` with the device synchronized around each call."""
-    import torch
 
     fn()
-    torch.cuda.synchronize()
+    sync()
     out = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 
@@ -107,8 +115,8 @@ def cuda_ms(fn, repeat: int = 5) -> float:
 def pinned_memcpy_ms(nbytes: int) -> float:
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     return cuda_ms(lambda: dst.copy_(src, non_blocking=True))
 
 
@@ -134,9 +142,11 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
     )
     page_bytes = layout.page_bytes(ComponentType.FULL, page)
     max_pages = max(sizes_mib) * MIB // page_bytes + 1
-    cfg = CacheConfig(page_size=page, full_slots=2 * max_pages * page, shared_memory=False)
+    cfg = CacheConfig(
+        page_size=page, full_slots=2 * max_pages * page, device=DEVICE, shared_memory=True
+    )
     pools = DevicePools.allocate(layout, cfg)
-    pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape, device="cuda").bfloat16())
+    pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape, device=DEVICE).bfloat16())
     fp = layout.fingerprint(page)
     host_bytes = f"{max_pages * page_bytes // MIB + 64}MiB"
     side = SidecarProc(work / "loadback", host_bytes, "64MiB")
@@ -162,7 +172,7 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
         )
         buffers = EngineBuffers.from_pools(pools)
         engine.to_host(ComponentType.FULL, buffers, src.tolist(), list(range(max_pages)))
-        torch.cuda.synchronize()
+        sync()
         for mib in sizes_mib:
             n = max(1, mib * MIB // page_bytes)
             dst_list = dst[:n].tolist()
@@ -200,13 +210,14 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
         remote.close()
         local.close()
         side.stop()
+        pools.close()
     return rows
 
 
 def _slots(pools, pages):
     import torch
 
-    return torch.from_numpy(pools.full.pages_to_slots(pages)).cuda()
+    return torch.from_numpy(pools.full.pages_to_slots(pages)).to(DEVICE)
 
 
 # -- 2. TTFT ------------------------------------------------------------------------------
@@ -218,16 +229,17 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
 
     from hicache.config import PrefetchPolicy
     from hicache.integrations.transformers import PrefixCachedLM
-    from hicache.integrations.transformers_models import realistic_config
+    from hicache.integrations.transformers_models import realistic_config, tiny_config
     from hicache.layout import LayerKind
 
-    cfg = realistic_config(family)
+    cfg = realistic_config(family) if DEVICE == "cuda" else tiny_config(family)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     vocab = cfg.vocab_size
-    page, chunk = 64, 2048
+    page, chunk = (64, 2048) if DEVICE == "cuda" else (16, 64)
     slots = (max(lengths) + 4 * SUFFIX + page) * 3
     side_dir = work / f"ttft-{family}"
     sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
@@ -238,7 +250,7 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         extra = {} if prefetch is None else {"prefetch_policy": prefetch}
         lm = PrefixCachedLM.build(
             model, page_size=page, full_slots=slots, mamba_slots=64, controller=c,
-            chunk_tokens=chunk, keep_logits=True, **extra,
+            chunk_tokens=chunk, keep_logits=True, shared_memory=DEVICE == "cpu", **extra,
         )  # fmt: skip
         made.append((lm, c))
         return lm
@@ -260,7 +272,7 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
             r = lm.generate(prefix + s["none"], 1, use_cache=False)
             row["ttft_no_hit_ms"] = r.ttft_s * 1e3
             lm.generate([*prefix, 7], 1)  # caches the prefix (backed up to the sidecar)
-            torch.cuda.synchronize()
+            sync()
             r = lm.generate(prefix + s["device"], 1)
             assert r.device_hit_tokens == length, r
             row["ttft_device_hit_ms"] = r.ttft_s * 1e3
@@ -292,7 +304,8 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
             lm_c[0].cache.pools.close()
         made.clear()
         del lm
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         sidecar.stop()
         sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
         lm = engine(PrefetchPolicy.WAIT_COMPLETE)
@@ -333,12 +346,16 @@ def main() -> int:
     p.add_argument("--models", default="llama,bamba")
     p.add_argument("--skip-loadback", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
     import_hicache()
     import torch
 
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
