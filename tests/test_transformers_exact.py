@@ -231,9 +231,7 @@ def test_layout_from_config_matches_the_model(family):
     from_config = ModelLayout.from_hf_config(model.config)
     probed = build(model).map.layout
     assert from_config.layer_kinds == probed.layer_kinds
-    assert [t.shape for t in from_config.state_tensors] == [
-        t.shape for t in probed.state_tensors
-    ]
+    assert [t.shape for t in from_config.state_tensors] == [t.shape for t in probed.state_tensors]
     assert ModelLayout.from_dict(probed.to_dict()) == probed
 
 
