@@ -272,6 +272,11 @@ def _show(cmd: str, r: dict) -> None:
         print(
             f"fsck: {r['checked']} values, {r['ok']} ok, {r['corrupt']} corrupt, "
             f"{r['foreign']} of another layout, {r['repaired']} repaired"
+            + (
+                f" (layout unchecked for {r['layout_unchecked']}: no engine has registered)"
+                if r.get("layout_unchecked")
+                else ""
+            )
         )
     else:
         _print_flat(r)

@@ -40,6 +40,7 @@ from hicache.controller.page_codec import (
     payload_checksum,
     verify_into,
 )
+from hicache.controller.security import PRIVATE_FILE_MODE, check_private_dir, make_private_dir
 from hicache.controller_api import ControllerError
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -90,7 +91,8 @@ class LmdbTier:
         self._foreign: dict[bytes, int] = {}
         self._closed = False
         self._closing = threading.Lock()  # a read is submitted wholly before or after close
-        self.path.mkdir(parents=True, exist_ok=True)
+        check_private_dir(self.path, "disk_path", warn=False)
+        make_private_dir(self.path)
         self._lock_fd = self._take_lock()
         try:
             self.env = lmdb.open(
@@ -102,6 +104,7 @@ class LmdbTier:
                 readahead=False,  # random page reads: prefetching neighbours wastes I/O
                 max_readers=max(126, 4 * config.reader_threads),
                 max_dbs=0,
+                mode=PRIVATE_FILE_MODE,  # data.mdb and lock.mdb: pages of users' prompts
             )
             self._leave_room_to_delete()
         except lmdb.Error as exc:
@@ -122,7 +125,7 @@ class LmdbTier:
         )
 
     def _take_lock(self) -> int:
-        fd = os.open(self.path / "hicache.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path / "hicache.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +50,7 @@ from hicache.controller.fills import FillTracker, QueuedBackup
 from hicache.controller.page_index import DiskState, HostState, PageEntry
 from hicache.controller.remote_store import RemoteStore
 from hicache.controller.remote_tier import open_remote
+from hicache.controller.security import check_private_dir
 from hicache.controller.session import EngineSession
 from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
@@ -73,6 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE = "local"
+_PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 # PageKey.storage_key() without building a PageKey: this runs once per page per call.
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
 
@@ -94,6 +98,8 @@ class LocalController:
         """Without ``layout``, the tiers are built at the first :meth:`register`.
         ``remote_store`` replaces the cluster of ``config.remote_url`` (tests)."""
         self.config = config or ControllerConfig()
+        if self.config.disk_enabled:  # before anything is built: refuse a path others write
+            check_private_dir(Path(self.config.disk_path), "disk_path")
         self._remote_store = remote_store
         self.counters = Counters()
         self._store = PageStore(self.config, self.counters)
@@ -103,6 +109,9 @@ class LocalController:
         self._fingerprint: bytes | None = None
         self._transfer: TransferEngine | None = None
         self._closed = False
+        # Held while the tiers are opened, and by an fsck of the disk tier before they are
+        # (LMDB allows one environment per file per process).
+        self.opening_lock = threading.Lock()
         if layout is not None:
             if page_size is None:
                 raise ControllerError("give page_size together with layout")
@@ -113,8 +122,9 @@ class LocalController:
     def _ensure_layout(self, layout: ModelLayout, page_size: int) -> None:
         fp = layout.fingerprint(page_size)
         # Held throughout: a second register waits until the tiers (and the index rebuilt
-        # from LMDB) are complete.
-        with self._store.lock:
+        # from LMDB) are complete; the opening lock first, so that an fsck of the
+        # unopened disk tier (which holds it) ends before the tier is opened here.
+        with self.opening_lock, self._store.lock:
             if self._fingerprint is not None:
                 if fp != self._fingerprint:
                     raise ControllerLayoutMismatch(
@@ -399,25 +409,42 @@ class LocalController:
         if not ttl > 0:
             raise ControllerError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         ttl = min(ttl, self.config.pin_ttl_max_s)
-        with self._store.lock:
-            self._store.expire_pins_locked()
-            entries = []
-            missing = []
-            for k in keys:
-                e = self._store.index.get(k.storage_key())
-                if e is None or not e.held:
-                    missing.append(k)
-                else:
-                    entries.append(e)
-            if missing:
-                remote = self._store.remote
-                if remote is None or not remote.fill_locked(missing):
-                    self.counters.fail(Failure.PIN_ABSENT)
+        store = self._store
+        rec = None
+        # In chunks, the lock released in between: what is pinned stays put meanwhile,
+        # and the other engines' lookups need not wait for a pin of many thousand keys.
+        for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
+            if start:
+                time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
+            with store.lock:
+                if rec is None:
+                    store.expire_pins_locked()
+                elif store.pins.get(rec.pin_id) is not rec:  # expired while being made
+                    self.counters.fail(Failure.PIN_EXPIRED)
                     return None
-                entries += [self._store.index.get(k.storage_key()) for k in missing]
-            rec = self._store.pins.add(engine_id, entries, time.monotonic() + ttl)
-            for e in entries:
-                self._store.index.touch(e)
+                chunk = keys[start : start + _PIN_CHUNK_KEYS]
+                entries = []
+                missing = []
+                for k in chunk:
+                    e = store.index.get(k.storage_key())
+                    if e is None or not e.held:
+                        missing.append(k)
+                    else:
+                        entries.append(e)
+                if missing:
+                    remote = store.remote
+                    if remote is None or not remote.fill_locked(missing):
+                        if rec is not None:
+                            store.pins.release(rec.pin_id)
+                        self.counters.fail(Failure.PIN_ABSENT)
+                        return None
+                    entries += [store.index.get(k.storage_key()) for k in missing]
+                if rec is None:
+                    rec = store.pins.add(engine_id, entries, time.monotonic() + ttl)
+                else:
+                    store.pins.extend(rec, entries)
+                for e in entries:
+                    store.index.touch(e)
         self.counters.inc("pins", "pinned")
         return PinReceipt(rec.pin_id, list(keys), rec.deadline, {"engine_id": engine_id})
 
