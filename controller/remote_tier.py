@@ -251,6 +251,10 @@ class RemoteTier:
 
     # -- fills ---------------------------------------------------------------------------
 
+    def hinted(self, key: PageKey) -> bool:
+        """Whether ``key`` was seen in the store lately (a pin may read it from there)."""
+        return self.hints.get(self.key(key.page_hash, key.component))[0]
+
     def fill_locked(self, keys: Sequence[PageKey]) -> bool:
         """Start reading ``keys`` (held by no local tier) into host pages; False, with
         nothing started, when one is not hinted present or the breaker is open; False
