@@ -8,7 +8,9 @@
   the codec's checks, the copy into the host page, the index) against the raw cluster
   pipeline's ``HMGET`` of the same keys;
 * lookup: a controller lookup of a chain held only remotely (the local index, then the
-  remote probe), p50 and p99, against the raw pipeline's ``EXISTS`` of the same keys.
+  remote probe), p50 and p99, against the raw pipeline's ``EXISTS`` of the same keys;
+* memory: the cluster's ``used_memory`` per page stored as the tier stores it (one hash of
+  two fields) against one string of header and payload.
 
 The tier runs with its default batch sizes and threads; the raw pipeline sends all of
 a round's pages in one batch. Every figure is the median of ``--rounds``
@@ -178,6 +180,35 @@ def run(url: str, pages: int, page_kib: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def memory_per_page(url: str, page_bytes: int, pages: int = 100) -> dict[str, float]:
+    """The cluster's memory per stored page, as a multiple of the page's bytes: the
+    tier's layout (one hash, two fields) against one string of header and payload."""
+    seeds, _, _ = parse_remote_url(url)
+    raw = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds])
+    rng = np.random.default_rng(0)
+
+    def used() -> int:
+        per_node = raw.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return sum(node["used_memory"] for node in per_node.values())
+
+    out = {}
+    for layout in ("hash", "string"):
+        raw.flushall(target_nodes=RedisCluster.PRIMARIES)
+        before = used()
+        for _ in range(pages):
+            value = encode_value(ComponentType.FULL, bytes(16), bytes(16), rng.bytes(page_bytes))
+            key = remote_key("hicache", rng.bytes(16), ComponentType.FULL)
+            if layout == "string":
+                raw.set(key, value)
+            else:
+                head, body = split_value(value)
+                raw.hset(key, mapping={FIELD_HEAD: head, FIELD_BODY: bytes(body)})
+        out[layout] = (used() - before) / pages / page_bytes
+    raw.flushall(target_nodes=RedisCluster.PRIMARIES)
+    raw.close()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, default=64)
@@ -195,6 +226,7 @@ def main() -> int:
         url = cluster.url
     try:
         f = run(url, args.pages, args.page_kib, args.rounds)
+        mem = memory_per_page(url, args.page_kib * 1024)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -207,6 +239,8 @@ def main() -> int:
           f"   ratio {f['get_ratio']:.2f}")  # fmt: skip
     print(f"  lookup of {args.pages} pages: p50 {f['lookup_p50']:.2f} ms, p99 "
           f"{f['lookup_p99']:.2f} ms (raw pipelined EXISTS p50 {f['raw_exists_p50']:.2f} ms)")
+    print(f"  memory per page: {mem['hash']:.3f} x the page as stored (one hash, two fields), "
+          f"{mem['string']:.3f} x as one string of header and payload")  # fmt: skip
     return 0
 
 
