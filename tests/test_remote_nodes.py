@@ -6,6 +6,9 @@ to a cache-off run."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -108,5 +111,18 @@ def test_node_b_hits_what_node_a_computed_with_identical_logits(cluster, tmp_pat
         stats = b.controller.stats()
         assert stats["remote"]["fills"]["ok"] > 0
         assert stats["transfer"]["remote_to_host"]["pages"] > 0
+        # hicachectl shows the tier and the cluster's health.
+        ctl = [sys.executable, "-m", "hicache.controller.admin_cli", "--socket",
+               str(b.sidecar.socket_path)]  # fmt: skip
+        shown = subprocess.run([*ctl, "status"], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "remote:    breaker closed, 3/3 masters up, 16384/16384 slots" in shown.stdout
+        as_json = subprocess.run(
+            [*ctl, "status", "--json"], capture_output=True, text=True, timeout=60
+        )
+        doc = json.loads(as_json.stdout)
+        assert sum(n["keys"] for n in doc["remote"]["nodes"]) == sum(
+            cluster.keys_per_master().values()
+        )
     finally:
         b.close()
