@@ -206,3 +206,10 @@ def test_the_metrics_reference_documents_every_remote_series():
         problems += [f"{name}: label {label!r} not named" for label in series[name]
                      if f"`{label}`" not in row]  # fmt: skip
     assert not problems, "\n".join(problems)
+
+
+def test_the_operator_rule_carries_the_same_remote_alerts():
+    path = REPO / "deploy" / "kubernetes" / "prometheusrule-remote.yaml"
+    crd = yaml.safe_load(path.read_text())
+    assert crd["kind"] == "PrometheusRule"
+    assert crd["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
