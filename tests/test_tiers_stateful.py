@@ -26,7 +26,7 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
 from hicache.learned_eviction import LearnedPolicyParams
-from hicache.tree import TreeNode
+from hicache.node import TreeNode
 from hicache.types import PoolExhaustedError
 
 FAULTS = ["pin", "copy_to_device", "copy_to_host", "evict_before_load", "disk_read"]
@@ -93,7 +93,7 @@ class TieredMachine(TreeMachine):
             eviction_sample_size=sample,
         )
         if policy == "learned":  # quanta of one page, so that cuts happen in small pools
-            self.cache.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
+            self.cache.tree.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
         self.engine = MarkerEngine(self.cache)
         self.model = Model(ps, self.cache.mamba is not None)
         self.swa_released = False
@@ -194,10 +194,10 @@ class TieredMachine(TreeMachine):
     def device_node(self, tokens: np.ndarray, ns: str | None) -> TreeNode:
         """The deepest node on the device within ``tokens``' path in ``ns`` (whatever its
         Mamba state, unlike a match): what a request reading that prefix holds."""
-        node = self.cache.namespace_root(ns)
+        node = self.cache.tree.namespace_root(ns)
         if node is None:
             return self.cache.match_prefix(tokens[:0]).last_node
-        for n in self.cache.walk(node, tokens.tobytes())[0]:
+        for n in self.cache.tree.walk(node, tokens.tobytes())[0]:
             if n.data[0].value is None:
                 break
             node = n
@@ -208,7 +208,7 @@ class TieredMachine(TreeMachine):
         ending at ``m.load_node``, below the match), and whether SWA pages that the match
         does not lock lie above an SWA tombstone on the device there (the load's lock of
         the deepest device node stops at that tombstone)."""
-        swa = self.cache.by_type.get(ComponentType.SWA)
+        swa = self.cache.tree.by_type.get(ComponentType.SWA)
         if swa is None:
             return 0, False
         start = max(swa.window_start(m.load_node.end), m.last_node.end)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -19,12 +19,26 @@ from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.config import CacheConfig
+    from hicache.node import ComponentData, TreeNode
     from hicache.pools import DevicePools
     from hicache.request import Request
-    from hicache.tree import ComponentData, RadixTree, TreeNode
 
 # A predicate over (index into the match path, candidate end in tokens).
 MatchCheck = Callable[[int, int], bool]
+
+
+class TreeAccess(Protocol):
+    """What a component asks of the tree that carries it (the radix tree implements it)."""
+
+    def set_value(self, node: TreeNode, comp: TreeComponent, value: Any) -> None: ...
+
+    def inc_lock(self, node: TreeNode, comp: TreeComponent) -> None: ...
+
+    def dec_lock(self, node: TreeNode, comp: TreeComponent) -> None: ...
+
+    def node_hashes(self, node: TreeNode) -> list[bytes]: ...
+
+    def parent_hash(self, node: TreeNode) -> bytes: ...
 
 
 @dataclass
@@ -63,8 +77,11 @@ class TreeComponent(ABC):
     priority: int
     #: Only device leaves may lose this component (FULL); others can go from any node.
     leaf_only: bool = False
+    #: The head of a node cut by eviction can still end a match (False for a state kept
+    #: only at a node's end: then eviction takes a leaf whole).
+    head_survives_cut: bool = True
 
-    def __init__(self, idx: int, tree: RadixTree, pools: DevicePools, config: CacheConfig) -> None:
+    def __init__(self, idx: int, tree: TreeAccess, pools: DevicePools, config: CacheConfig) -> None:
         self.idx = idx
         self.tree = tree
         self.pools = pools
@@ -145,13 +162,60 @@ class TreeComponent(ABC):
         return node.data[self.idx]
 
     @abstractmethod
-    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
-        """(allocator, pages) of ``node``'s device value of this component."""
+    def pool(self) -> Any:
+        """The device pool (a page allocator) this component's values come from."""
 
-    @abstractmethod
+    def available(self) -> int:
+        """Free amount in this component's pool, in the units of ``size``."""
+        return self.pool().available()
+
+    def request_page_need(self, pages: int) -> int:
+        """How much of this component ``pages`` new pages of a request take from its pool
+        (in the units of ``size``): none unless the pools allocate it with them."""
+        return 0
+
+    def detach(self, node: TreeNode, value: Any) -> list[tuple[Any, np.ndarray]]:
+        """Unhook ``value`` (just taken off ``node``) without returning it to its pool; the
+        (allocator, pages) it held, which the caller frees later."""
+        return [(self.pool(), self.owned_pages(node, value))]
+
     def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
         """(allocator, pages) that ``prepare`` allocated: what a failed load's copy may
         still write into, kept aside instead of freed until the copy has settled."""
+        return [(self.pool(), np.asarray(prep.allocated, dtype=np.int64).reshape(-1))]
+
+    # -- what a match beyond the device needs -----------------------------------------
+
+    def mark_on_device(self, mask: np.ndarray, off: int, take: int, whole: bool) -> None:
+        """A node holding this component on the device covers pages ``[off, off + take)``
+        of a lookup (all of the node when ``whole``): mark the pages after which a match
+        finds what it needs of this component on the device."""
+        mask[off : off + take] = True
+
+    def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
+        """From the tier of each page of this component (0 device, 1 host, 2 disk, 3
+        absent) to, per page, the slowest tier a match ending after it needs of this
+        component. By default every page up to the end."""
+        return np.maximum.accumulate(tiers) if tiers.size else tiers
+
+    def backed_by_lookup(self, present: np.ndarray) -> bool:
+        """A node created from a lookup, whose pages of this component are ``present``
+        (one bool per page): does the controller hold the node's value?"""
+        return bool(np.all(present))
+
+    # -- what a load-back needs --------------------------------------------------------
+
+    def load_need(self, plan: LoadPlan) -> int:
+        """Free amount this component's pool needs for the load (units of ``size``)."""
+        return 0
+
+    def hold_for_load(self, node: TreeNode) -> Any:
+        """Hold what a load ending at ``node`` needs of this component beyond what the
+        path's lock holds, until ``release_hold``; returns the record of it."""
+        return None
+
+    def release_hold(self, held: Any) -> None:  # noqa: B027 - optional hook
+        """Undo ``hold_for_load``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(idx={self.idx})"
@@ -161,15 +225,11 @@ class PagedComponent(TreeComponent):
     """A component whose value is one pool page per page of the node (FULL, SWA): the
     load-back hooks are the same for both, only the pool and the installing differ."""
 
-    def pool(self) -> Any:
-        """The device pool this component's pages come from."""
-        raise NotImplementedError
+    def request_page_need(self, pages: int) -> int:
+        return pages * self.page_size
 
-    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pool(), self.owned_pages(node, node.data[self.idx].value))]
-
-    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pool(), np.asarray(prep.allocated, dtype=np.int64))]
+    def load_need(self, plan: LoadPlan) -> int:
+        return sum(n.num_tokens for n in plan.parts[self.idx])
 
     def load_from(self, plan: LoadPlan) -> int:
         """First token position whose pages a load-back brings (the nodes before it are
@@ -213,6 +273,6 @@ class PagedComponent(TreeComponent):
         for node, pages in self._by_node(plan, prep.allocated):
             self.install(node, pages)
             # Loaded from the controller, so it holds them; an aux component counts as held
-            # only with its FULL pages (FULL finalizes first).
-            if self.idx == 0 or node.data[0].backed:
+            # only with its backbone pages (the backbone finalizes first).
+            if self.leaf_only or node.base.backed:
                 node.data[self.idx].backed = True

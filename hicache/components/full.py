@@ -11,7 +11,7 @@ from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import ComponentData, TreeNode
 
 
 class FullComponent(PagedComponent):

@@ -12,8 +12,8 @@ from hicache.controller_api import PageKey, PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
+    from hicache.node import ComponentData, TreeNode
     from hicache.request import Request
-    from hicache.tree import ComponentData, TreeNode
 
 
 class MambaComponent(TreeComponent):
@@ -21,6 +21,7 @@ class MambaComponent(TreeComponent):
 
     ctype = ComponentType.MAMBA
     priority = 0
+    head_survives_cut = False
 
     def size(self, value: int) -> int:
         return 1
@@ -101,17 +102,27 @@ class MambaComponent(TreeComponent):
             req.mamba_slot = slot
             return
         node = plan.end_node
-        if node.data[self.idx].value is None and node.data[0].value is not None:
+        if node.data[self.idx].value is None and node.base.value is not None:
             self.tree.set_value(node, self, slot)
-            node.data[self.idx].backed = node.data[0].backed  # held only with its FULL pages
+            node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
         else:
             self.pools.mamba.free_state(slot)
 
-    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pools.mamba, self.owned_pages(node, node.data[self.idx].value))]
+    def pool(self) -> Any:
+        return self.pools.mamba
 
-    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pools.mamba, np.array([prep.allocated], dtype=np.int64))]
+    def load_need(self, plan: LoadPlan) -> int:
+        return 1  # the request's (or the end node's) own state slot
+
+    def mark_on_device(self, mask: np.ndarray, off: int, take: int, whole: bool) -> None:
+        if whole:  # the state is at the node's end only
+            mask[off + take - 1] = True
+
+    def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
+        return tiers  # a match needs the state at its end, nothing before
+
+    def backed_by_lookup(self, present: np.ndarray) -> bool:
+        return bool(present[-1])
 
     def state_of(self, node: TreeNode) -> Any:
         return node.data[self.idx].value

@@ -16,7 +16,7 @@ from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import ComponentData, TreeNode
 
 
 class SWAComponent(PagedComponent):
@@ -31,7 +31,7 @@ class SWAComponent(PagedComponent):
         return int(value.size) * self.page_size
 
     def _full_pages(self, node: TreeNode) -> np.ndarray:
-        full = node.data[0].value
+        full = node.base.value
         return full[:: self.page_size] // self.page_size
 
     def free(self, node: TreeNode, value: np.ndarray) -> int:
@@ -41,6 +41,10 @@ class SWAComponent(PagedComponent):
 
     def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:
         return value
+
+    def detach(self, node: TreeNode, value: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+        self.pools.full_to_swa[self._full_pages(node)] = -1
+        return [(self.pools.swa, value)]
 
     def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
         if child.value is not None:
@@ -85,9 +89,9 @@ class SWAComponent(PagedComponent):
             self.tree.dec_lock(node, self)
             node = node.parent
 
-    def hold_window(self, node: TreeNode) -> list[TreeNode]:
+    def hold_for_load(self, node: TreeNode) -> list[TreeNode]:
         """Lock every node of the window ending at ``node`` that holds SWA pages, across
-        tombstones (where ``lock`` stops); returns them for ``release_window``.
+        tombstones (where ``lock`` stops); returns them for ``release_hold``.
 
         A load-back filling the window's tombstones needs the pages already there to
         outlive the eviction that makes room for the missing ones. The caller must not
@@ -102,8 +106,8 @@ class SWAComponent(PagedComponent):
             node = node.parent
         return held
 
-    def release_window(self, held: list[TreeNode]) -> None:
-        """Undo ``hold_window``."""
+    def release_hold(self, held: list[TreeNode]) -> None:
+        """Undo ``hold_for_load``."""
         for node in held:
             self.tree.dec_lock(node, self)
 
@@ -118,6 +122,12 @@ class SWAComponent(PagedComponent):
 
     def load_cut(self, end: int) -> int | None:
         return self.window_start(end)
+
+    def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
+        """A match ending after page j needs the pages of the window before it."""
+        w = -(-self.window // self.page_size)
+        padded = np.concatenate([np.zeros(w - 1, dtype=np.int64), tiers])
+        return np.lib.stride_tricks.sliding_window_view(padded, w).max(axis=1)
 
     def pool(self) -> Any:
         return self.pools.swa
