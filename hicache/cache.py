@@ -14,16 +14,15 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from hicache.backups import Backups
 from hicache.beyond_device import BeyondDevice, Walk
+from hicache.components import COMPONENT_CLASSES
 from hicache.components.base import TreeComponent
-from hicache.components.full import FullComponent
-from hicache.components.mamba import MambaComponent
-from hicache.components.swa import SWAComponent
 from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.eviction import LeafEvictionPolicy, LRULeafPolicy
@@ -37,15 +36,10 @@ from hicache.quarantine import Quarantine
 from hicache.request import CacheStats, EvictResult, LockReceipt, MatchResult, Request
 from hicache.tree import RadixTree
 from hicache.tree_eviction import TreeEviction
+from hicache.tree_insert import TreeInsert
 from hicache.types import ComponentType, PoolExhaustedError
 
 log = logging.getLogger("hicache.cache")
-
-COMPONENT_CLASSES: dict[ComponentType, type[TreeComponent]] = {
-    ComponentType.FULL: FullComponent,
-    ComponentType.SWA: SWAComponent,
-    ComponentType.MAMBA: MambaComponent,
-}
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -113,6 +107,7 @@ class UnifiedRadixCache:
             if config.write_policy is WritePolicy.WRITE_BACK:
                 on_device_free = self.backups.write_back
         self.eviction = TreeEviction(self.tree, on_device_free)
+        self.inserter = TreeInsert(self.tree, pools)
         self._null_root = TreeNode(None, b"", 0, 0)
         if controller is not None:
             controller.register(layout, self.page_size, pools)
@@ -213,24 +208,19 @@ class UnifiedRadixCache:
             self.backups.on_prefix_hit(nodes)
 
     def _attach(self, req: Request, result: MatchResult, tokens: np.ndarray) -> None:
-        """Give ``req`` the matched device prefix: lock, slots and its own Mamba state."""
+        """Give ``req`` the matched device prefix: lock, slots, and what each component
+        gives a request of its own (Mamba: a working state)."""
         if req.kv_slots.size or req.lock_receipt is not None:
             raise ValueError(f"{req!r} already holds slots; match_prefix needs a fresh request")
         receipt = self.lock(result.last_node)
-        if self.mamba is not None:
-            try:
-                slot = self.alloc_mamba_state()
-            except PoolExhaustedError:
-                self.unlock(receipt, touch=False)
-                raise
-            src = self.mamba.state_of(result.last_node) if result.prefix_len else None
-            if src is None:
-                self.pools.mamba.conv[:, slot].zero_()
-                self.pools.mamba.ssm[:, slot].zero_()
-            else:
-                self.pools.mamba.copy_state(src, slot)
-            req.mamba_slot = slot
-            result.mamba_slot = slot
+        try:
+            for comp in self.tree.components:
+                comp.attach_request(req, result, self.make_room)
+        except PoolExhaustedError:
+            for comp in self.tree.components:
+                comp.release_request(req)
+            self.unlock(receipt, touch=False)
+            raise
         req.kv_slots = result.device_slots.copy()
         req.token_ids = tokens[: result.prefix_len].copy()
         req.prefix_len = result.prefix_len
@@ -257,109 +247,33 @@ class UnifiedRadixCache:
         the state after the last token, is taken by the end node, or freed when that node
         already has one. Returns how many leading tokens were already cached on the device.
         """
+        end_values: dict[int, Any] = {}
+        if mamba_slot is not None:
+            if self.mamba is None:
+                raise ValueError("insert: a mamba_slot for a layout without Mamba layers")
+            end_values[self.mamba.idx] = mamba_slot
+        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len)
+
+    def _insert(
+        self,
+        tokens: TokenInput,
+        kv_indices: np.ndarray | torch.Tensor,
+        end_values: dict[int, Any],
+        extra_key: str | None,
+        prev_prefix_len: int,
+    ) -> int:
+        """``insert``, with the values handed to the end node by component index."""
         self.poll_transfers()
-        arr = token_array(tokens)
         slots = np.asarray(
             kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else kv_indices,
             dtype=np.int64,
         )
-        n = arr.size
-        if n % self.page_size or slots.size != n:
-            raise ValueError(
-                f"insert needs whole pages and one slot per token: {n} tokens, {slots.size} "
-                f"slots, page_size {self.page_size}"
-            )
-        if n and not self.pools.full.check_whole_pages(slots[prev_prefix_len:]):
-            raise ValueError("insert: kv_indices beyond prev_prefix_len are not whole pages")
-        root = self.tree.namespace_root(extra_key, create=n > 0)
-        if n == 0:
-            if mamba_slot is not None:
-                self.pools.mamba.free_state(mamba_slot)
-            return 0
-        key = arr.tobytes()
-        swa_from = self._swa_valid_from(slots, prev_prefix_len, n)
-        node, pos, cached, touched = root, 0, 0, []
-        while pos < n:
-            child = node.children.get(key[pos * 8 : pos * 8 + self.page_bytes])
-            if child is None:
-                break
-            m = min(child.num_tokens, self.tree._common_tokens(child.key, key, pos * 8))
-            if m < child.num_tokens:
-                child = self.tree.split(child, m)
-            if child.start < swa_from < child.end and self._lacks_swa(child):
-                # Cut where the request's SWA pages begin: the part after it can be filled
-                # (host-only) or can adopt them (an SWA tombstone on the device).
-                child = self.tree.split(child, swa_from - child.start)
-                m = child.num_tokens
-            if child.base.value is not None:
-                dup = slots[max(pos, prev_prefix_len) : pos + m]
-                if dup.size:
-                    dup_pages = dup[:: self.page_size] // self.page_size
-                    if pos >= prev_prefix_len:
-                        self._adopt_swa(child, dup_pages)
-                    self.pools.free_kv_pages(dup_pages)
-                cached = pos + m
-            else:
-                self._fill_node(child, slots[pos : pos + m], swa_from)
-            touched.append(child)
-            node, pos = child, pos + m
-        while pos < n:
-            end = swa_from if pos < swa_from < n else n
-            end = self.tree.leaf_policy.insert_end(key, pos, end)
-            child = self.tree.add_child(node, key[pos * 8 : end * 8])
-            self._fill_node(child, slots[pos:end], swa_from)
-            touched.append(child)
-            node, pos = child, end
-        if mamba_slot is not None:
-            if self.mamba.state_of(node) is None:
-                self.tree.set_value(node, self.mamba, mamba_slot)
-            else:
-                self.pools.mamba.free_state(mamba_slot)
-        self.tree.touch(touched)
-        if self.backups is not None:
+        cached, touched = self.inserter.insert(
+            token_array(tokens), slots, end_values, extra_key, prev_prefix_len
+        )
+        if touched and self.backups is not None:
             self.backups.after_insert(touched)
         return cached
-
-    def _swa_valid_from(self, slots: np.ndarray, prev_prefix_len: int, n: int) -> int:
-        """Token position from which the inserted tokens have SWA pages (n when none do).
-
-        The request's own pages may have lost their SWA pages from the front (they fell
-        out of the window); a gap anywhere else is an error of the caller.
-        """
-        if self.pools.swa is None:
-            return n
-        own = slots[prev_prefix_len : n : self.page_size] // self.page_size
-        has = self.pools.full_to_swa[own] >= 0
-        first = int(np.argmax(has)) if has.any() else has.size
-        if not has[first:].all():
-            raise ValueError("insert: SWA pages are missing after the window start")
-        return prev_prefix_len + first * self.page_size
-
-    def _lacks_swa(self, node: TreeNode) -> bool:
-        swa = self.tree.by_type.get(ComponentType.SWA)
-        return node.base.value is None or (swa is not None and node.data[swa.idx].value is None)
-
-    def _adopt_swa(self, node: TreeNode, own_pages: np.ndarray) -> None:
-        """``node`` lost its SWA pages, and the request inserting the same tokens holds
-        its own (``own_pages`` are its FULL pages there): the node takes them, so the
-        request, which goes on with the node's slots, keeps the SWA KV of its window."""
-        swa = self.tree.by_type.get(ComponentType.SWA)
-        if swa is None or node.data[swa.idx].value is not None:
-            return
-        swa_pages = self.pools.full_to_swa[own_pages]
-        if (swa_pages < 0).any():
-            return
-        self.pools.full_to_swa[own_pages] = -1
-        self.pools.full_to_swa[self.tree.base.pages(node.base.value)] = swa_pages
-        self.tree.set_value(node, swa, swa_pages.copy())
-
-    def _fill_node(self, node: TreeNode, slots: np.ndarray, swa_from: int) -> None:
-        """Install request-owned ``slots`` as ``node``'s FULL (and SWA, when it has them)."""
-        self.tree.set_value(node, self.tree.base, slots.copy())
-        swa = self.tree.by_type.get(ComponentType.SWA)
-        if swa is not None and node.start >= swa_from:
-            pages = slots[:: self.page_size] // self.page_size
-            self.tree.set_value(node, swa, self.pools.full_to_swa[pages].copy())
 
     # -- requests ------------------------------------------------------------------------
 
@@ -394,67 +308,33 @@ class UnifiedRadixCache:
         if short:
             self.evict(amounts=short)
 
-    def alloc_mamba_state(self) -> int:
-        """A free Mamba state slot, evicting a cached state if none is free."""
-        self.make_room({ComponentType.MAMBA: 1})
-        return self.pools.mamba.alloc_state()
-
     def checkpoint_mamba(self, req: Request) -> None:
         """Copy ``req``'s working state aside, valid at its computed length (which must be
         page aligned), so that caching can later use the state at that page boundary."""
-        if self.mamba is None:
-            return
-        if req.computed_len % self.page_size:
-            raise ValueError(f"checkpoint_mamba at {req.computed_len}: not a page boundary")
-        if req.mamba_ckpt_slot is None:
-            req.mamba_ckpt_slot = self.alloc_mamba_state()
-        self.pools.mamba.copy_state(req.mamba_slot, req.mamba_ckpt_slot)
-        req.mamba_ckpt_len = req.computed_len
+        for comp in self.tree.components:
+            comp.checkpoint_request(req, self.make_room)
 
     def release_swa_outside_window(self, req: Request) -> int:
         """Free the SWA pages of ``req``'s own pages that lie wholly before its window;
         returns the SWA slots freed."""
-        if self.pools.swa is None:
-            return 0
-        ps = self.page_size
-        limit = max(0, req.computed_len - self.config.sliding_window)
-        limit -= limit % ps
-        start = max(req.prefix_len, req.swa_released_upto)
-        if limit <= start:
-            return 0
-        freed = self.pools.free_swa_of(req.kv_slots[start:limit:ps] // ps)
-        req.swa_released_upto = limit
-        return freed
-
-    def _state_for_insert(
-        self, req: Request, aligned: int, finishing: bool
-    ) -> tuple[int, int | None]:
-        """How far ``req`` can be cached and the Mamba state slot to hand over there.
-
-        Without Mamba layers: every aligned token. With them, only up to a page boundary
-        where a state exists: the working state (when computed exactly there), else the
-        checkpoint."""
-        if self.mamba is None:
-            return aligned, None
-        if req.computed_len == aligned and aligned > req.prefix_len:
-            if finishing:
-                slot, req.mamba_slot = req.mamba_slot, None
-            else:
-                slot = self.alloc_mamba_state()
-                self.pools.mamba.copy_state(req.mamba_slot, slot)
-            return aligned, slot
-        if req.mamba_ckpt_slot is not None and req.prefix_len < req.mamba_ckpt_len <= aligned:
-            slot, req.mamba_ckpt_slot = req.mamba_ckpt_slot, None
-            return req.mamba_ckpt_len, slot
-        return req.prefix_len, None
+        return sum(comp.release_outside_window(req) for comp in self.tree.components)
 
     def _insert_request(self, req: Request, finishing: bool) -> int:
-        """Cache what ``req`` computed; returns the new cached length (its new prefix)."""
-        aligned = req.computed_len - req.computed_len % self.page_size
-        end, state = self._state_for_insert(req, aligned, finishing)
+        """Cache what ``req`` computed; returns the new cached length (its new prefix).
+
+        Every aligned token, unless a component stops it earlier (Mamba: only up to a page
+        boundary where a state exists)."""
+        end = req.computed_len - req.computed_len % self.page_size
+        end_values: dict[int, Any] = {}
+        for comp in self.tree.components:
+            end, value = comp.request_insert_end(req, end, finishing, self.make_room)
+            if value is not None:
+                end_values[comp.idx] = value
         if end <= req.prefix_len:
             return req.prefix_len
-        self.insert(req.token_ids[:end], req.kv_slots[:end], state, req.extra_key, req.prefix_len)
+        self._insert(
+            req.token_ids[:end], req.kv_slots[:end], end_values, req.extra_key, req.prefix_len
+        )
         return end
 
     def cache_unfinished_req(self, req: Request) -> None:
@@ -471,27 +351,18 @@ class UnifiedRadixCache:
         req.lock_receipt = self.lock(path[-1])
         req.last_node = path[-1]
         req.prefix_len = end
-        req.swa_released_upto = max(req.swa_released_upto, end)
+        for comp in self.tree.components:
+            comp.request_cached(req, end)
         if old is not None:
             self.unlock(old, touch=False)
 
-    def _return_state(self, req: Request) -> None:
-        """A request that computed nothing past its prefix holds that prefix's state: give
-        it to the prefix's end node when the node has none (e.g. after a load-back, whose
-        state went to the request)."""
-        node = req.last_node
-        if (
-            self.mamba is None
-            or req.mamba_slot is None
-            or node is None
-            or node.parent is None
-            or self.mamba.state_of(node) is not None
-        ):
-            return
-        self.tree.set_value(node, self.mamba, req.mamba_slot)
-        req.mamba_slot = None
-        if self.backups is not None:
-            self.backups.after_insert([node])
+    def _return_values(self, req: Request) -> None:
+        """A request that computed nothing past its prefix gives what it holds of its own
+        (Mamba: that prefix's state, which a load-back gave to it) to the prefix's end
+        node, where the node has none."""
+        returned = [comp.return_request_value(req) for comp in self.tree.components]
+        if any(returned) and self.backups is not None:
+            self.backups.after_insert([req.last_node])
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
         """Cache what ``req`` computed (when ``insert``), free everything else it holds
@@ -500,15 +371,12 @@ class UnifiedRadixCache:
             raise ValueError(f"{req!r} finished twice")
         end = self._insert_request(req, finishing=True) if insert else req.prefix_len
         if insert and end == req.computed_len == req.prefix_len:
-            self._return_state(req)
+            self._return_values(req)
         tail = req.kv_slots[end:]
         if tail.size:
             self.pools.free_kv_pages(self.pools.full.slots_to_pages(tail))
-        for attr in ("mamba_slot", "mamba_ckpt_slot"):
-            slot = getattr(req, attr)
-            if slot is not None:
-                self.pools.mamba.free_state(slot)
-                setattr(req, attr, None)
+        for comp in self.tree.components:
+            comp.release_request(req)
         if req.lock_receipt is not None:
             # After an insert the path was just touched, deepest last; touching the old
             # lock end again would make it look more recent than what was inserted.

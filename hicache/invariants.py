@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.types import ComponentType
-
 if TYPE_CHECKING:
     from hicache.pools import DevicePools
     from hicache.quarantine import Quarantine
@@ -88,26 +86,20 @@ def check_cache(
     check_tree(tree)
     assert not tree.loading, f"nodes {sorted(tree.loading)} still marked as loading"
     owners: dict[str, list[np.ndarray]] = {p.name: [] for p in pools.all()}
-    swa = tree.by_type.get(ComponentType.SWA)
+    base = tree.base
     for node in tree.iter_nodes():
         for comp in tree.components:
             value = node.data[comp.idx].value
-            if value is None:
-                continue
-            owners[comp.pool().name].append(comp.owned_pages(node, value))
-        if swa is not None and node.base.value is not None:
-            mapped = pools.full_to_swa[tree.base.pages(node.base.value)]
-            value = node.data[swa.idx].value
-            expect = np.full(mapped.size, -1) if value is None else value
-            assert np.array_equal(mapped, expect), f"{node}: SWA mapping differs"
+            if value is not None:
+                owners[comp.pool().name].append(comp.owned_pages(node, value))
+        if node.base.value is not None:
+            for comp in tree.components:
+                comp.check_node(node)
     for req in requests:
         own = req.kv_slots[req.prefix_len :]
-        if own.size:
-            pages = pools.full.slots_to_pages(own)
-            owners["full"].append(pages)
-            if pools.swa is not None:
-                swa_pages = pools.full_to_swa[pages]
-                owners["swa"].append(swa_pages[swa_pages >= 0])
+        own_pages = base.pool().slots_to_pages(own) if own.size else _EMPTY
+        for comp in tree.components:
+            owners[comp.pool().name].append(comp.request_owned(req, own_pages))
         if req.prefix_len:
             assert req.lock_receipt is not None and not req.lock_receipt.released
             tree_slots = tree.device_slots(tree.path_to_root(req.last_node))
@@ -115,10 +107,8 @@ def check_cache(
                 f"{req!r}: prefix slots differ from the tree's"
             )
         assert req.computed_len <= req.kv_slots.size
-        _check_request_window(tree, pools, req)
-        for slot in (req.mamba_slot, req.mamba_ckpt_slot):
-            if slot is not None:
-                owners["mamba"].append(np.array([slot], dtype=np.int64))
+        for comp in tree.components:
+            comp.check_request(req)
     for allocator, pages in quarantine.owned():
         owners[allocator.name].append(pages)
     for pool in pools.all():
@@ -130,24 +120,3 @@ def check_cache(
             f"(leaked: {np.setdiff1d(allocated, owned)[:8].tolist()}, "
             f"owned but free: {np.setdiff1d(owned, allocated)[:8].tolist()})"
         )
-
-
-def _check_request_window(tree: RadixTree, pools: DevicePools, req: Request) -> None:
-    """The engine's next token of ``req`` attends over the SWA window ending at its
-    computed length: every page of it has an SWA page (a request gives back only pages
-    wholly before it), and the part that is the tree's prefix is locked against eviction."""
-    swa = tree.by_type.get(ComponentType.SWA)
-    end = req.computed_len
-    if swa is None or not end:
-        return
-    ps = tree.page_size
-    start = swa.window_start(end)
-    pages = req.kv_slots[start:end:ps] // ps
-    holes = np.flatnonzero(pools.full_to_swa[pages] < 0)
-    assert not holes.size, (
-        f"{req!r}: SWA window [{start}, {end}) has no SWA page at token {start + holes[0] * ps}"
-    )
-    node = req.last_node
-    while node is not None and node.parent is not None and node.end > start:
-        assert node.data[swa.idx].lock_ref > 0, f"{req!r}: {node} of its SWA window is unlocked"
-        node = node.parent

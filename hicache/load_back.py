@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep
+from hicache.components.base import LoadPlan, LoadPrep, MakeRoom
 from hicache.config import CacheConfig
 from hicache.controller_api import CacheController, unsettled_load
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots, Quarantine
 from hicache.request import Request
 from hicache.tree import RadixTree
-from hicache.types import ComponentType
 
 log = logging.getLogger("hicache.load_back")
-
-# Evicts until the pools have the asked free amounts (per component, in its own units).
-MakeRoom = Callable[[Mapping[ComponentType, int]], None]
 
 
 class PrefixDropped(LookupError):

@@ -35,6 +35,10 @@ WINDOW_NS = "window"  # the namespace that only load_window_under_swa_pressure c
 
 
 class TieredMachine(TreeMachine):
+    # What the machine builds its cache with and drives it by (a subclass may swap both).
+    make_cache = staticmethod(make_cache)
+    engine_class = MarkerEngine
+
     @initialize(
         mix=st.sampled_from(list(MIXES)),
         ps=st.sampled_from([1, 4, 16]),
@@ -78,7 +82,7 @@ class TieredMachine(TreeMachine):
     ):
         self.ctrl = ctrl
         policy, sample = eviction
-        self.cache = make_cache(
+        self.cache = self.make_cache(
             mix,
             page_size=ps,
             window=window,
@@ -94,7 +98,7 @@ class TieredMachine(TreeMachine):
         )
         if policy == "learned":  # quanta of one page, so that cuts happen in small pools
             self.cache.tree.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
-        self.engine = MarkerEngine(self.cache)
+        self.engine = self.engine_class(self.cache)
         self.model = Model(ps, self.cache.mamba is not None)
         self.swa_released = False
         self.receipts = []

@@ -8,7 +8,7 @@ eviction free, what does a backup or a load-back move.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,10 +21,14 @@ if TYPE_CHECKING:
     from hicache.config import CacheConfig
     from hicache.node import ComponentData, TreeNode
     from hicache.pools import DevicePools
-    from hicache.request import Request
+    from hicache.request import MatchResult, Request
 
 # A predicate over (index into the match path, candidate end in tokens).
 MatchCheck = Callable[[int, int], bool]
+# Evicts until the pools hold the asked free amounts (per component type, in its units).
+MakeRoom = Callable[[Mapping[ComponentType, int]], None]
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class TreeAccess(Protocol):
@@ -217,6 +221,83 @@ class TreeComponent(ABC):
     def release_hold(self, held: Any) -> None:  # noqa: B027 - optional hook
         """Undo ``hold_for_load``."""
 
+    # -- what requests hold (the cache's request lifecycle) ---------------------------
+    #
+    # ``make_room`` arguments evict until the pools hold the asked free amounts; hooks that
+    # allocate from a pool call it first.
+
+    def attach_request(self, req: Request, result: MatchResult, make_room: MakeRoom) -> None:  # noqa: B027 - optional hook
+        """``req`` was just given the matched prefix ending at ``result.last_node``: give it
+        what it needs of this component of its own. Raises PoolExhaustedError having
+        allocated nothing."""
+
+    def checkpoint_request(self, req: Request, make_room: MakeRoom) -> None:  # noqa: B027 - optional hook
+        """``req`` computed a page-aligned length: keep what caching there would need."""
+
+    def release_outside_window(self, req: Request) -> int:
+        """Free what ``req`` holds of this component that its next tokens no longer read;
+        returns the amount freed."""
+        return 0
+
+    def request_insert_end(
+        self, req: Request, end: int, finishing: bool, make_room: MakeRoom
+    ) -> tuple[int, Any]:
+        """Caching ``req`` up to ``end`` (page aligned): how far this component lets it go,
+        and the value it hands to the node ending there (None: none). With ``finishing``
+        the request gives its own value up; otherwise a copy is made."""
+        return end, None
+
+    def insert_valid_from(self, own_pages: np.ndarray, prev_prefix_len: int, n: int) -> int | None:
+        """Of an insert of ``n`` tokens whose pages from ``prev_prefix_len`` on are
+        ``own_pages`` (the request's backbone pages), the token position from which they
+        carry this component (the insert cuts nodes there); None: no such position."""
+        return None
+
+    def fill_from_request(self, node: TreeNode, full_pages: np.ndarray, valid_from: Any) -> None:  # noqa: B027 - optional hook
+        """``node`` was just given the request's backbone pages ``full_pages``: take this
+        component's value from what the request holds with them (``valid_from`` is what
+        ``insert_valid_from`` answered)."""
+
+    def adopt_from_request(self, node: TreeNode, own_pages: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """A request inserts tokens ``node`` already holds on the device, with its own
+        backbone pages ``own_pages`` (about to be freed): where ``node`` lacks this
+        component and the request holds it, ``node`` takes the request's, which the
+        request, going on with ``node``'s slots, still needs."""
+
+    def take_end_value(self, node: TreeNode, value: Any) -> None:
+        """An insert ending at ``node`` hands over ``value`` (see ``request_insert_end``):
+        the node takes it, or it is freed when the node has one already."""
+        raise NotImplementedError(f"{self} keeps no value at a node's end")
+
+    def discard_value(self, value: Any) -> None:
+        """Free a value handed over with nothing to give it to."""
+        raise NotImplementedError(f"{self} keeps no value at a node's end")
+
+    def return_request_value(self, req: Request) -> bool:
+        """``req``, finishing with nothing computed past its prefix, gives its own value to
+        the prefix's end node where that node has none; True when it did."""
+        return False
+
+    def request_cached(self, req: Request, end: int) -> None:  # noqa: B027 - optional hook
+        """The cache now holds ``req``'s first ``end`` tokens as its prefix."""
+
+    def release_request(self, req: Request) -> None:  # noqa: B027 - optional hook
+        """``req`` finishes (or its attach failed): free what it holds of this component
+        apart from its pages, which the pools free with their backbone pages."""
+
+    # -- invariants -------------------------------------------------------------------
+
+    def request_owned(self, req: Request, own_pages: np.ndarray) -> np.ndarray:
+        """Pages (state slots) of this component's pool that ``req`` owns, given its own
+        backbone pages ``own_pages``; checks what it holds is consistent."""
+        return _NONE
+
+    def check_node(self, node: TreeNode) -> None:  # noqa: B027 - optional hook
+        """Check what this component keeps outside the tree for ``node`` (on the device)."""
+
+    def check_request(self, req: Request) -> None:  # noqa: B027 - optional hook
+        """Check what ``req`` needs of this component for its next token."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(idx={self.idx})"
 
@@ -224,6 +305,23 @@ class TreeComponent(ABC):
 class PagedComponent(TreeComponent):
     """A component whose value is one pool page per page of the node (FULL, SWA): the
     load-back hooks are the same for both, only the pool and the installing differ."""
+
+    #: The value has one entry per page of the node (SWA: its pool page); else one per
+    #: token (FULL: its slots).
+    entry_per_page: bool = True
+
+    def _entry_tokens(self) -> int:
+        return self.page_size if self.entry_per_page else 1
+
+    def size(self, value: np.ndarray) -> int:
+        return int(value.size) * self._entry_tokens()
+
+    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
+        if child.value is not None:
+            k = k_tokens // self._entry_tokens()
+            parent.value, child.value = child.value[:k], child.value[k:]
+        parent.lock_ref = child.lock_ref
+        parent.backed = child.backed
 
     def request_page_need(self, pages: int) -> int:
         return pages * self.page_size
