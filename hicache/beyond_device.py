@@ -16,12 +16,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.config import CacheConfig, PrefetchPolicy
-from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, CacheController, LookupResult, PageKey
+from hicache.controller_api import (
+    P_ABSENT,
+    P_DISK,
+    P_HOST,
+    P_REMOTE,
+    CacheController,
+    LookupResult,
+    PageKey,
+)
 from hicache.keys import TOKEN_BYTES, chain_page_hashes
 from hicache.node import TreeNode
 from hicache.tree import RadixTree
-
-ABSENT_RANK = 3  # worse than any tier in the per-page tier arrays below
+from hicache.types import ABSENT_RANK, Tier
 
 log = logging.getLogger("hicache.beyond_device")
 
@@ -46,11 +53,12 @@ class Walk:
 
 @dataclass
 class BeyondHit:
-    """What lies after the device prefix: tokens loadable from host, then from disk, and
-    the node a load-back would end at (None when nothing is to be loaded)."""
+    """What lies after the device prefix: tokens loadable from host, then from disk, then
+    from the remote tier, and the node a load-back would end at (None: nothing to load)."""
 
     host_hit_len: int = 0
     disk_hit_len: int = 0
+    remote_hit_len: int = 0
     load_node: TreeNode | None = None
 
 
@@ -87,18 +95,22 @@ class BeyondDevice:
         tiers = self._end_tiers(lookup, device)
         host_pages = _last_at_most(tiers, P_HOST)
         disk_pages = _last_at_most(tiers, P_DISK)
-        hit = BeyondHit(host_pages * ps, (disk_pages - host_pages) * ps)
+        remote_pages = _last_at_most(tiers, P_REMOTE)
+        hit = BeyondHit(
+            host_pages * ps, (disk_pages - host_pages) * ps, (remote_pages - disk_pages) * ps
+        )
         load_pages = host_pages
-        if disk_pages > host_pages:
+        if remote_pages > host_pages:
+            # Disk and remote pages are read into host by a prefetch or the load's pin.
             policy = self.config.prefetch_policy
             if policy is PrefetchPolicy.WAIT_COMPLETE:
-                load_pages = disk_pages
+                load_pages = remote_pages
             else:
-                handle = self.controller.prefetch(self._disk_keys(lookup, disk_pages, hashes))
+                handle = self.controller.prefetch(self._slow_keys(lookup, remote_pages, hashes))
                 if policy is PrefetchPolicy.TIMEOUT and handle.wait(self.config.prefetch_timeout_s):
                     # Every page asked for is on host now (a second lookup would count the
                     # match's pages twice); one evicted before the load's pin is a miss.
-                    load_pages = disk_pages
+                    load_pages = remote_pages
         if load_pages:
             hit.load_node = self._materialize(walk, start + load_pages * ps, lookup)
         return hit
@@ -147,16 +159,18 @@ class BeyondDevice:
         for comp in self.tree.components:
             t = lookup.presence[comp.ctype].astype(np.int64)
             t = np.where(t == P_ABSENT, ABSENT_RANK, t)
-            t[device[comp.idx][: t.size]] = 0
+            t[device[comp.idx][: t.size]] = Tier.DEVICE
             t = comp.tiers_for_match_end(t)
             worst = t if worst is None else np.maximum(worst, t)
         return worst
 
-    def _disk_keys(self, lookup: LookupResult, pages: int, hashes: list[bytes]) -> list[PageKey]:
+    def _slow_keys(self, lookup: LookupResult, pages: int, hashes: list[bytes]) -> list[PageKey]:
+        """The keys of the first ``pages`` pages that are beyond the host (disk, remote)."""
         keys = []
         for comp in self.tree.components:
-            on_disk = np.flatnonzero(lookup.presence[comp.ctype][:pages] == P_DISK)
-            keys += [PageKey(comp.ctype, hashes[j]) for j in on_disk.tolist()]
+            p = lookup.presence[comp.ctype][:pages]
+            slow = np.flatnonzero((p == P_DISK) | (p == P_REMOTE))
+            keys += [PageKey(comp.ctype, hashes[j]) for j in slow.tolist()]
         return keys
 
     def _materialize(self, walk: Walk, end: int, lookup: LookupResult) -> TreeNode:

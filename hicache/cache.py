@@ -163,13 +163,15 @@ class UnifiedRadixCache:
                 hit = self.beyond.find(Walk(last_node, key, *rest))
                 result.host_hit_len = hit.host_hit_len
                 result.disk_hit_len = hit.disk_hit_len
+                result.remote_hit_len = hit.remote_hit_len
                 result.load_node = hit.load_node
             if not root.children:
                 self.tree.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
-        if result.host_hit_len or result.disk_hit_len:
+        if result.host_hit_len or result.disk_hit_len or result.remote_hit_len:
             self.counters["host_hit_tokens"] += result.host_hit_len
             self.counters["disk_hit_tokens"] += result.disk_hit_len
+            self.counters["remote_hit_tokens"] += result.remote_hit_len
         if req is not None:
             self._attach(req, result, arr)
         return result

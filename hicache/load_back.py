@@ -26,6 +26,10 @@ from hicache.tree import RadixTree
 
 log = logging.getLogger("hicache.load_back")
 
+# A load-back's pin lasts this many load timeouts: past the load it serves (which gives up
+# after one), never forever (a pin whose unpin is lost lapses on its own).
+PIN_TTL_LOADS = 2
+
 
 class PrefixDropped(LookupError):
     """The prefix a load-back was bringing left the tree before its pages were allocated."""
@@ -75,7 +79,7 @@ class LoadBack:
         pin = None
         if keys:
             try:
-                pin = self.controller.pin(keys, self.config.load_timeout_s * 2)
+                pin = self.controller.pin(keys, self.config.load_timeout_s * PIN_TTL_LOADS)
             except Exception as exc:
                 log.warning("pin for load-back failed: %s", exc)
             if pin is None:

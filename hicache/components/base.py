@@ -197,9 +197,9 @@ class TreeComponent(ABC):
         mask[off : off + take] = True
 
     def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
-        """From the tier of each page of this component (0 device, 1 host, 2 disk, 3
-        absent) to, per page, the slowest tier a match ending after it needs of this
-        component. By default every page up to the end."""
+        """From the tier of each page of this component (a ``Tier`` value, or
+        ``ABSENT_RANK``) to, per page, the slowest tier a match ending after it needs of
+        this component. By default every page up to the end."""
         return np.maximum.accumulate(tiers) if tiers.size else tiers
 
     def backed_by_lookup(self, present: np.ndarray) -> bool:
