@@ -66,7 +66,10 @@ class HiCacheStoreSpec(LoadStoreSpec):
     in its group's chain (None for a group's first block) and its block index."""
 
     def __init__(
-        self, keys: Sequence[OffloadKey], parents: Sequence[OffloadKey | None], blocks: Sequence[int]
+        self,
+        keys: Sequence[OffloadKey],
+        parents: Sequence[OffloadKey | None],
+        blocks: Sequence[int],
     ) -> None:
         self.keys = list(keys)
         self.parents = list(parents)
@@ -180,7 +183,8 @@ class HiCacheOffloadingManager(OffloadingManager):
     # -- loads ----------------------------------------------------------------------------
 
     def _pin(self, keys: list[OffloadKey]) -> PinReceipt | None:
-        page_keys = [PageKey(FULL, self.namespace.page_hash(k, r)) for r in self._ranks for k in keys]
+        ns = self.namespace
+        page_keys = [PageKey(FULL, ns.page_hash(k, r)) for r in self._ranks for k in keys]
         receipt = self.client.pin(page_keys, self.config.pin_ttl_s)
         self.counters["pins" if receipt is not None else "pin_failures"] += 1
         return receipt
