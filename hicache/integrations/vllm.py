@@ -224,6 +224,13 @@ class HiCacheConnector(OffloadingConnector):
         with building_with_groups(describe_groups(kv_cache_config)):
             super().__init__(vllm_config, role, kv_cache_config)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        if hasattr(manager, "load_failed"):
+            for req_id in connector_output.failed_recving or ():
+                manager.load_failed(req_id)
+        super().update_connector_output(connector_output)
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         worker = self.connector_worker
         # Which request each load job serves, before the base class forgets finished ones.

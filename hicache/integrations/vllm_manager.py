@@ -84,6 +84,9 @@ class _RequestLookups:
     """What the sidecar said about one request's keys (key -> tier of the slowest rank)."""
 
     answers: dict[OffloadKey, int] = field(default_factory=dict)
+    # A load of this request failed: it is recomputed, with no more connector hits (its
+    # pages may fail again, and vLLM would retry the load for ever).
+    load_failed: bool = False
     pending: Future | None = None
     pending_keys: list[OffloadKey] = field(default_factory=list)
     deadline: float = 0.0
@@ -152,6 +155,8 @@ class HiCacheOffloadingManager(OffloadingManager):
         """HIT when every TP rank's page of ``key`` is in the sidecar (host or disk), MISS
         when not or when the sidecar did not answer in time, RETRY while it may still."""
         state = self._requests.setdefault(req_context.req_id, _RequestLookups())
+        if state.load_failed:
+            return LookupResult.MISS
         self._settle(state)
         tier = state.answers.get(key)
         if tier is None and state.pending is None:
@@ -175,6 +180,12 @@ class HiCacheOffloadingManager(OffloadingManager):
         if tier == P_DISK:
             return CacheHitSource.DISK
         return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def load_failed(self, req_id: str) -> None:
+        """A load of ``req_id`` failed (the connector saw it): vLLM recomputes the request,
+        and its lookups are misses from now on."""
+        self.counters["requests_with_failed_loads"] += 1
+        self._requests.setdefault(req_id, _RequestLookups()).load_failed = True
 
     def has_pending_work(self) -> bool:
         """True while a lookup is in flight: vLLM keeps stepping to ask again."""

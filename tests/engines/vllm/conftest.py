@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def sidecar_dir() -> Path:
-    return short_tmpdir("hv")
+def sidecar_dir() -> Iterator[Path]:
+    path = short_tmpdir("hv")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def flat_stats(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
