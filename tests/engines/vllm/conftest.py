@@ -23,35 +23,10 @@ ENGINE_TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(ENGINE_TESTS.parents[1]))  # tests/: sidecar_support, bit_support
 
 from sidecar_support import Sidecar, short_tmpdir, wait_for  # noqa: E402
+from vllm_instance import make_tiny_llama  # noqa: E402
 
 INSTANCE = ENGINE_TESTS / "vllm_instance.py"
 INSTANCE_TIMEOUT_S = 900.0  # a vLLM start takes 1-2 minutes on a busy 2-core machine
-
-
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A random-weight Llama (hidden 256, head_dim 64, 2 layers, weights normal(0, 0.05)),
-    saved with ``save_pretrained``: vLLM's dummy loader gives degenerate output."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,32 @@ import time
 from pathlib import Path
 
 
+def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A random-weight Llama (hidden 256, head_dim 64, 2 layers, weights normal(0, 0.05)),
+    saved with ``save_pretrained``: vLLM's dummy loader gives degenerate output."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
 def build_llm(model: str, socket: str | None, extra: dict) -> object:
     from vllm import LLM
     from vllm.config import KVTransferConfig
