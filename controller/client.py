@@ -42,6 +42,8 @@ from hicache.controller.channel import (
     result_of,
 )
 from hicache.controller.protocol import (
+    MAX_LOOKUP_HASHES,
+    MAX_PIN_KEYS,
     ErrorCode,
     Role,
     Verb,
@@ -378,21 +380,23 @@ class SidecarController:
     def lookup(
         self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
     ) -> LookupResult:
-        """Presence per component; all misses when the sidecar is unavailable."""
+        """Presence per component; all misses when the sidecar is unavailable. A chain
+        longer than the sidecar takes in one lookup is asked in parts."""
         try:
-            res = self._call(
-                Verb.LOOKUP,
-                {"hashes": b"".join(page_hashes), "components": [int(c) for c in components]},
-                self.config.lookup_timeout_s,
-            )
-            rows = res["presence"]
-            out = {}
-            for comp, raw in zip(components, rows):
-                pres = np.frombuffer(raw, dtype=np.int8).copy()
-                if pres.size != len(page_hashes):
-                    raise ControllerError("lookup reply has the wrong length")
-                out[comp] = pres
-            return LookupResult(out)
+            parts: dict[ComponentType, list[np.ndarray]] = {c: [] for c in components}
+            for start in range(0, max(len(page_hashes), 1), MAX_LOOKUP_HASHES):
+                chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
+                res = self._call(
+                    Verb.LOOKUP,
+                    {"hashes": b"".join(chunk), "components": [int(c) for c in components]},
+                    self.config.lookup_timeout_s,
+                )
+                for comp, raw in zip(components, res["presence"]):
+                    pres = np.frombuffer(raw, dtype=np.int8)
+                    if pres.size != len(chunk):
+                        raise ControllerError("lookup reply has the wrong length")
+                    parts[comp].append(pres)
+            return LookupResult({c: np.concatenate(p) for c, p in parts.items()})
         except (ControllerError, KeyError, TypeError) as exc:
             self.counters["lookup_misses_unavailable"] += 1
             log.debug("lookup answered as a miss: %s", exc)
@@ -438,6 +442,12 @@ class SidecarController:
         return handle
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        if len(keys) > MAX_PIN_KEYS:  # one pin holds one load: a prefix this long misses
+            self.counters["pin_too_large"] += 1
+            log.warning(
+                "a pin of %d keys is over the sidecar's %d: a miss", len(keys), MAX_PIN_KEYS
+            )
+            return None
         try:
             res = self._call(
                 Verb.PIN,
