@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO / "tests" / "engines" / "vllm"))
 from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
 
 
-def start_sidecar(workdir: Path) -> tuple[subprocess.Popen, Path]:
+def start_sidecar(workdir: Path, host_pool: str = "256MiB") -> tuple[subprocess.Popen, Path]:
+    """``hicache serve`` in ``workdir``, once it serves; (the process, its socket)."""
     socket = workdir / "run" / "hicache.sock"
     ready = workdir / "ready.json"
     cmd = [
@@ -43,7 +44,7 @@ def start_sidecar(workdir: Path) -> tuple[subprocess.Popen, Path]:
         "--metrics-port",
         "0",
         "--host-pool-bytes",
-        "256MiB",
+        host_pool,
         "--disk-budget-bytes",
         "1GiB",
         "--ready-file",
