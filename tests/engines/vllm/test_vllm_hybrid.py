@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from conftest import sidecar_stats
 from sidecar_support import Sidecar, wait_for
 from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -134,7 +135,7 @@ def hybrid(sidecar_dir):
     caches = HybridWorkerCaches(groups, seed=5)
     worker = spec.get_worker(caches.canonical)
     wait_for(lambda: worker.client.available, 60, "the worker's registration")
-    yield scheduler, spec.get_manager(), worker, caches
+    yield scheduler, spec.get_manager(), worker, caches, sidecar
     worker.shutdown()
     spec.get_manager().shutdown()
     sidecar.stop()
@@ -208,7 +209,7 @@ def complete(scheduler, job_id: int) -> None:
 
 
 def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hybrid) -> None:
-    scheduler, manager, worker, caches = hybrid
+    scheduler, manager, worker, caches, sidecar = hybrid
     tokens = list(range(1, 5 * BLOCK + 1))  # five blocks
     first = request("first", tokens)
     scheduler.on_new_request(first)
@@ -225,6 +226,10 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     # its window before the boundary: 4 of 5 blocks.
     hit = lookup_until_answered(scheduler, second)
     assert hit == 4 * BLOCK
+    # What the sidecar said it holds is not stored again.
+    ctx = scheduler._req_status["second"].req_context
+    held = [make_offload_key(h, FULL_G) for h in second.block_hashes[:4]]
+    assert manager.prepare_store(held, ctx).keys_to_store == []
     null = KVCacheBlock(0, is_null=True)
     dst = (
         [KVCacheBlock(b) for b in (31, 32, 33, 34, 35)],
@@ -234,9 +239,12 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     scheduler.update_state_after_alloc(second, KVCacheBlocks(dst), hit)
     ((job_id, job),) = scheduler._current_batch_load_jobs.items()
     assert list(job.dst_spec.group_sizes) == [4, 2, 1]
+    # The scheduler's pin holds the 7 pages from prepare_load to complete_load.
+    wait_for(lambda: sidecar_stats(sidecar)["pins_active"] == 1, 30, "the scheduler's pin")
     assert worker.submit_load(job_id, job.src_spec, job.dst_spec)
     assert finish(worker, job_id).success and not worker.take_failed_loads()
     complete(scheduler, job_id)
+    wait_for(lambda: sidecar_stats(sidecar)["pins_active"] == 0, 30, "the unpin")
     # Every group's bytes are exactly where vLLM's load job put them.
     copied = {
         FULL_G: [(1, 31), (2, 32), (3, 33), (4, 34)],
