@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,9 @@ sys.path.insert(0, str(REPO / "tests" / "engines" / "vllm"))
 from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
 
 
-def start_sidecar(workdir: Path, host_pool: str = "256MiB") -> tuple[subprocess.Popen, Path]:
+def start_sidecar(
+    workdir: Path, host_pool: str = "256MiB", extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, Path]:
     """``hicache serve`` in ``workdir``, once it serves; (the process, its socket)."""
     socket = workdir / "run" / "hicache.sock"
     ready = workdir / "ready.json"
@@ -49,6 +52,7 @@ def start_sidecar(workdir: Path, host_pool: str = "256MiB") -> tuple[subprocess.
         "1GiB",
         "--ready-file",
         str(ready),
+        *extra,
     ]
     log = open(workdir / "sidecar.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -120,6 +124,7 @@ def main() -> None:
     finally:
         sidecar.terminate()
         sidecar.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
