@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-all lint demo bench-tree clean
+.PHONY: setup test test-all test-vllm lint demo bench-tree clean
 
 setup:
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -11,6 +11,13 @@ setup:
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+# vLLM's CPU engine with hicache as its host and disk tier (tests/engines/vllm), in its own
+# environment: scripts/vllm_env.sh builds .venv-vllm once and reuses it.
+test-vllm:
+	bash scripts/vllm_env.sh
+	.venv-vllm/bin/python -m pytest -q tests/engines/vllm
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"
@@ -25,4 +32,4 @@ bench-tree: setup
 	$(PY) benchmarks/bench_tree.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info .pytest_cache
