@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-all lint demo bench-tree clean
+.PHONY: setup test test-all test-sglang lint demo bench-tree clean
 
 setup:
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -11,9 +11,15 @@ setup:
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	$(MAKE) test-sglang
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"
+
+# SGLang's released code in its own environment (.venv-sglang, built on first use).
+test-sglang:
+	bash scripts/sglang_env.sh
+	.venv-sglang/bin/python -m pytest -q tests/engines/sglang
 
 lint: setup
 	$(VENV)/bin/ruff check .

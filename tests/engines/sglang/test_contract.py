@@ -1,0 +1,131 @@
+"""hicache's backend against SGLang's reference file backend, driven by SGLang's own
+controller methods over SGLang's own host pools: the same hits and the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang_support import (
+    PAGE_SIZE,
+    ControllerShim,
+    file_backend,
+    hicache_backend,
+    mamba_host_pool,
+    mha_host_pool,
+    page_keys,
+)
+
+STORED_PAGES = 6
+QUERY_PAGES = 9  # three pages past what was stored: the hit must stop there
+
+
+def _fill(pool, pages: int, seed: int) -> torch.Tensor:
+    """Allocate ``pages`` host pages and write random bytes into them; their indices."""
+    idx = pool.alloc(pages * pool.page_size)
+    gen = torch.Generator().manual_seed(seed)
+    for p in range(pages):
+        page = pool.get_data_page(int(idx[p * pool.page_size]), flat=True)
+        data = torch.randint(0, 255, (page.numel() * page.element_size(),), generator=gen,
+                             dtype=torch.uint8)
+        pool.set_from_flat_data_page(int(idx[p * pool.page_size]), data.view(page.dtype))
+    return idx
+
+
+def _pages(pool, idx: torch.Tensor, pages: int) -> list[bytes]:
+    ps = pool.page_size
+    return [bytes(pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8)
+                  .numpy()) for p in range(pages)]
+
+
+def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: list[int]):
+    """Back up ``tokens`` from host pages, then prefetch ``query`` into fresh host pages,
+    through SGLang's controller methods; returns what the run saw."""
+    ctl = ControllerShim(backend, pool, zero_copy)
+    src = _fill(pool, STORED_PAGES, seed=7)
+    written = ctl.backup(src, tokens)
+    dst = pool.alloc(QUERY_PAGES * PAGE_SIZE)
+    found, loaded = ctl.prefetch(query, dst)
+    return {
+        "written": written,
+        "found": found,
+        "loaded": loaded,
+        "stored_bytes": _pages(pool, src, STORED_PAGES),
+        "loaded_bytes": _pages(pool, dst, loaded // PAGE_SIZE),
+    }
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "generic"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_kv_pages_same_hits_and_bytes_as_the_file_backend(sidecar, tmp_path, layout, zero_copy):
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    query = tokens + list(range(1000, 1000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+
+    oracle_pool = mha_host_pool(layout)
+    oracle = _run_controller(file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool,
+                             False, tokens, query)
+    pool = mha_host_pool(layout)
+    backend = hicache_backend(sidecar.endpoint, pool)
+    try:
+        ours = _run_controller(backend, pool, zero_copy, tokens, query)
+    finally:
+        backend.close()
+
+    assert oracle["written"] == ours["written"] == STORED_PAGES * PAGE_SIZE
+    assert oracle["found"] == ours["found"] == STORED_PAGES * PAGE_SIZE
+    assert oracle["loaded"] == ours["loaded"] == STORED_PAGES * PAGE_SIZE
+    assert ours["loaded_bytes"] == ours["stored_bytes"] == oracle["stored_bytes"]
+    assert oracle["loaded_bytes"] == oracle["stored_bytes"]
+
+
+def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool):
+    """KV for six pages, Mamba states only at ``state_pages`` (as the hybrid controller
+    writes them: KV through the controller's backup, each state a MAMBA PoolTransfer);
+    then the existence checks the hybrid controller makes, under both hit policies, and a
+    read of the last state."""
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    keys = page_keys(tokens)
+    ctl = ControllerShim(backend, kv_pool, zero_copy)
+    assert ctl.backup(_fill(kv_pool, STORED_PAGES, seed=11), tokens) == len(tokens)
+    stored = {}
+    for p in state_pages:
+        slot = _fill(mamba_pool, 1, seed=100 + p)
+        stored[p] = _pages(mamba_pool, slot, 1)[0]
+        res = backend.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[p]])]
+        )
+        assert res[PoolName.MAMBA] == [True]
+    seen = {}
+    for policy, trailing in ((PoolHitPolicy.TRAILING_PAGES, 1), (PoolHitPolicy.TRAILING_PAGES, 2),
+                             (PoolHitPolicy.ALL_PAGES, 1)):
+        r = backend.batch_exists_v2(
+            keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=policy)]
+        )
+        seen[(policy.value, trailing)] = (r.kv_hit_pages, dict(r.extra_pool_hit_pages),
+                                          r.restorable_prefix_pages)
+    last = max(state_pages)
+    slot = mamba_pool.alloc(2)
+    got = backend.batch_get_v2(
+        [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[last], keys[0]])]
+    )
+    seen["get"] = got[PoolName.MAMBA]
+    seen["bytes"] = _pages(mamba_pool, slot[:1], 1)[0] == stored[last]
+    return seen
+
+
+@pytest.mark.parametrize("state_pages", [[2, 5], [1, 2, 3], [0, 1, 2, 3, 4, 5]])
+def test_hybrid_hit_policies_match_the_file_backend(sidecar, tmp_path, state_pages):
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
+    expected = _hybrid_run(oracle, kv, mamba, state_pages, zero_copy=False)
+
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
+    try:
+        got = _hybrid_run(backend, kv, mamba, state_pages, zero_copy=True)
+    finally:
+        backend.close()
+    assert got == expected
+    assert got["bytes"] is True
+    # the rule itself, not only agreement: a trailing-1 hit ends at the last state
+    assert got[("trailing_pages", 1)][0] == max(state_pages) + 1
