@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,7 +49,8 @@ from hicache.integrations.sglang_pages import (
     ranks_of,
     sidecar_layout,
 )
-from hicache.integrations.sglang_staging import Staging, StagingHalf
+from hicache.integrations.sglang_staging import Staging
+from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
 from hicache.types import ComponentType
 
 log = logging.getLogger("hicache.integrations.sglang")
@@ -64,6 +66,8 @@ DEFAULTS: dict[str, Any] = {
     "hicache_connect_timeout_s": 2.0,
     "hicache_reconnect_interval_s": 1.0,
     "hicache_staging_pages": 128,  # per direction: SGLang's STORAGE_BATCH_SIZE
+    "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
+    "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
 }
 
 
@@ -89,6 +93,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.staging: Staging | None = None
         self.hasher: PageHasher | None = None
         self.page_size = 0
+        self.zero_copy = False  # the sidecar maps the KV host pool itself
         self._lock = threading.Lock()
 
     # -- registration --------------------------------------------------------------------
@@ -138,9 +143,18 @@ class HiCacheSidecarStorage(HiCacheStorage):
             reconnect_interval_s=o["hicache_reconnect_interval_s"],
         )
         self.controller = SidecarController(o["hicache_endpoint"], config=config)
-        self.controller.register(layout, self.page_size, self.staging.pools)
+        fd = pool_memfd(self.mem_pool_host) if o["hicache_zero_copy"] else None
+        if fd is not None and self.controller.endpoint.startswith("ipc://"):
+            describe = memfd_description(
+                self.controller.endpoint, self.staging.pools, layout, self.mem_pool_host, fd
+            )
+            self.controller.register_described(layout, self.page_size, describe)
+            self.zero_copy = True
+        else:
+            self.controller.register(layout, self.page_size, self.staging.pools)
         self.layout = layout
-        log.info("hicache L3 namespace %s (pools: %s)", layout.model_id, ", ".join(pools))
+        log.info("hicache L3 namespace %s (pools: %s; KV %s)", layout.model_id,
+                 ", ".join(pools), "zero-copy" if self.zero_copy else "through staging")
 
     def _pool(self, name: str) -> Any:
         return self.mem_pool_host if name == "kv" else self.registered_pools.get(name)
@@ -263,6 +277,10 @@ class HiCacheSidecarStorage(HiCacheStorage):
         offsets = self._page_offsets(pool, keys, host_indices)
         if offsets is None:
             return [False] * len(keys)
+        if name == "kv" and self.zero_copy:
+            return self._guarded(
+                "set", lambda: self._store_direct(keys, offsets, prefix), [False] * len(keys)
+            )
         pages = [pool.get_data_page(o, flat=True) for o in offsets]
         return self._guarded(
             "set", lambda: self._store(POOL_COMPONENTS[name], keys, pages, prefix),
@@ -276,6 +294,9 @@ class HiCacheSidecarStorage(HiCacheStorage):
         offsets = self._page_offsets(pool, keys, host_indices)
         if offsets is None:
             return [False] * len(keys)
+        if name == "kv" and self.zero_copy:
+            return self._guarded("get", lambda: self._fetch_direct(keys, offsets),
+                                 [False] * len(keys))
         dtype = pool.get_dummy_flat_data_page().dtype
 
         def deliver(i: int, data: torch.Tensor) -> None:
@@ -334,7 +355,10 @@ class HiCacheSidecarStorage(HiCacheStorage):
                 if not half.usable() or not self.controller.available:
                     self.counters["get_unavailable"] += len(chunk)
                     return ok
-                loaded = self._load_chunk(component, [keys[i] for i in chunk], half)
+                loaded = self._load_chunk(
+                    component, [keys[i] for i in chunk], lambda j: half.first + j,
+                    half.unsettled.append,
+                )
                 for j in loaded:
                     deliver(chunk[j], self.staging.read(component, half.first + j))
                     ok[chunk[j]] = True
@@ -343,11 +367,16 @@ class HiCacheSidecarStorage(HiCacheStorage):
         return ok
 
     def _load_chunk(
-        self, component: ComponentType, keys: list[str], half: StagingHalf
+        self,
+        component: ComponentType,
+        keys: list[str],
+        device_index: Callable[[int], int],
+        abandoned: Callable[[Any], None],
     ) -> list[int]:
-        """Positions of ``keys`` loaded into the staging half. A load that fails (a page
-        found corrupt and dropped, one evicted meanwhile) is retried once with what the
-        sidecar still holds, so one bad page costs only itself."""
+        """Positions of ``keys`` loaded, the page of position j into registered page or
+        slot ``device_index(j)``; a load given up on goes to ``abandoned``. A load that
+        fails (a page found corrupt and dropped, one evicted meanwhile) is retried once
+        with what the sidecar still holds, so one bad page costs only itself."""
         for attempt in range(2):
             present = self._present(keys, [component])[component]
             held = [j for j, p in enumerate(present) if p]
@@ -357,7 +386,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
             pin = self.controller.pin(page_keys, float(self.options["hicache_load_timeout_s"]) * 2)
             if pin is None:
                 continue
-            refs = [PageRef(component, k.page_hash, k.page_hash, half.first + j)
+            refs = [PageRef(component, k.page_hash, k.page_hash, device_index(j))
                     for k, j in zip(page_keys, held)]
             try:
                 outcome = self.controller.load(
@@ -367,7 +396,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
                 self.controller.unpin(pin)
             pending = getattr(outcome, "pending", None)
             if pending is not None and not pending.done():
-                half.unsettled.append(pending)
+                abandoned(pending)
                 return []
             if outcome:
                 return held
@@ -375,6 +404,54 @@ class HiCacheSidecarStorage(HiCacheStorage):
             if attempt == 0:
                 log.info("hicache: a load of %d pages failed; retrying what is held", len(held))
         return []
+
+    def _store_direct(
+        self, keys: list[str], offsets: list[int], prefix: list[str] | None
+    ) -> list[bool]:
+        """Zero-copy backup: the sidecar reads SGLang's KV host pages itself."""
+        if not self.controller.available:
+            self.counters["set_unavailable"] += len(keys)
+            return [False] * len(keys)
+        hashes, parents = self.hasher.chain(keys, prefix)
+        refs = [PageRef(ComponentType.FULL, h, p, o // self.page_size)
+                for h, p, o in zip(hashes, parents, offsets)]
+        handle = self.controller.backup(refs)
+        done = handle.wait()
+        if not handle.done():
+            self._settle(handle)
+        if not done:
+            self.counters["set_failed"] += len(keys)
+            return [False] * len(keys)
+        self.counters["set_pages"] += len(keys)
+        return [True] * len(keys)
+
+    def _fetch_direct(self, keys: list[str], offsets: list[int]) -> list[bool]:
+        """Zero-copy load: the sidecar writes SGLang's KV host pages itself."""
+        ok = [False] * len(keys)
+        if not self.controller.available:
+            self.counters["get_unavailable"] += len(keys)
+            return ok
+        for j in self._load_chunk(ComponentType.FULL, keys,
+                                  lambda j: offsets[j] // self.page_size, self._settle):
+            ok[j] = True
+        self.counters["get_pages"] += sum(ok)
+        self.counters["get_misses"] += len(keys) - sum(ok)
+        return ok
+
+    def _settle(self, transfer: Any) -> None:
+        """Wait (up to ``hicache_settle_timeout_s``) for a transfer given up on to end: it
+        names SGLang's own host pages, which SGLang reuses once this call returns. It ends
+        once the client's reconnect is fenced (the sidecar answers a new registration only
+        when the old session's requests are over)."""
+        end = time.monotonic() + float(self.options["hicache_settle_timeout_s"])
+        while not transfer.done():
+            if time.monotonic() > end:
+                self.counters["unsettled_transfers"] += 1
+                log.error("hicache: a zero-copy transfer given up on has not ended after "
+                          "%.1fs; its host pages may still be touched",
+                          self.options["hicache_settle_timeout_s"])
+                return
+            time.sleep(0.01)
 
     def _guarded(self, what: str, fn: Callable[[], Any], fallback: Any) -> Any:
         """``fn()``, or ``fallback`` (counted, logged) for anything it raises: SGLang's

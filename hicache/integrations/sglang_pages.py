@@ -2,12 +2,14 @@
 
 hicache stores an SGLang page as the bytes SGLang's own file backend stores for it: the
 host pool's flat data page (``get_data_page(index, flat=True)``), whatever the pool's
-layout. The sidecar's layout is therefore a byte-sized one ("opaque" pages, counted in
-2-byte units): FULL pages hold the KV pool's page, SWA pages the SWA pool's, MAMBA state
-slots the Mamba pool's. What makes those bytes usable (model, dtype, page size, the TP, PP,
-CP and DP ranks and each pool's class, layout, dtype and geometry) goes into the layout's
-``model_id`` as a digest, so it seeds every page hash: no two incompatible runs share a
-page, and a bf16 and an fp8 run of one model never collide.
+layout. The sidecar's layout is one of 2-byte units: FULL pages hold the KV pool's page
+(with an MHA pool's own layers and heads, so that a ``layer_first`` host buffer is exactly
+a sidecar FULL buffer: the zero-copy path), SWA pages the SWA pool's, MAMBA state slots
+the Mamba pool's (opaque bytes, split in two). What makes those bytes usable (model,
+dtype, page size, the TP, PP, CP and DP ranks, each pool's class, layout, dtype and
+geometry) goes into the layout's ``model_id`` as a digest, so it seeds every page hash:
+no two incompatible runs share a page, and a bf16 and an fp8 run of one model never
+collide.
 
 Nothing here imports SGLang: pools are read through the attributes SGLang's host pools
 have (``page_size``, ``layout``, ``dtype``, ``get_dummy_flat_data_page``).
@@ -96,27 +98,41 @@ def _units(nbytes: int, what: str) -> int:
     return nbytes // UNIT_BYTES
 
 
+def kv_geometry(kv: dict[str, Any], page_size: int) -> tuple[int, int, int]:
+    """(layers, heads, head size in 2-byte units) of the sidecar's FULL pages for the KV
+    pool ``kv`` (a :func:`describe_pool` map). An MHA pool's own layers and heads, so that
+    its ``layer_first`` buffer is exactly a sidecar FULL buffer (the zero-copy path);
+    otherwise one layer of one head holding the page's bytes."""
+    units = _units(kv["page_bytes"], "the KV pool's")
+    layers, heads, dim = kv.get("layer_num"), kv.get("head_num"), kv.get("head_dim")
+    if all(isinstance(v, int) and v > 0 for v in (layers, heads, dim)):
+        elems = 2 * layers * page_size * heads * dim
+        if (UNIT_BYTES * units) % elems == 0:
+            itemsize = UNIT_BYTES * units // elems  # bytes per element
+            if dim * itemsize % UNIT_BYTES == 0:
+                return layers, heads, dim * itemsize // UNIT_BYTES
+    if units % (2 * page_size):
+        raise ConfigError(
+            f"the KV pool's page of {kv['page_bytes']} bytes is not K and V of {page_size} tokens"
+        )
+    return 1, 1, units // (2 * page_size)
+
+
 def sidecar_layout(ns: SGLangNamespace, page_size: int) -> ModelLayout:
     """The sidecar layout whose FULL, SWA and MAMBA pages hold exactly the KV, SWA and
     Mamba pools' page bytes (ConfigError when a pool's page does not fit one)."""
     kv = ns.pools["kv"]
-    kv_units = _units(kv["page_bytes"], "the KV pool's")
-    # One FULL "layer", one KV "head": head_dim carries half a token's page bytes (K and V).
-    per_token = kv_units // page_size
-    if kv_units % (2 * page_size):
-        raise ConfigError(
-            f"the KV pool's page of {kv['page_bytes']} bytes is not K and V of {page_size} tokens"
-        )
-    head_dim = per_token // 2
-    kinds = [LayerKind.FULL]
+    layers, heads, head_dim = kv_geometry(kv, page_size)
+    kinds = [LayerKind.FULL] * layers
     if "swa" in ns.pools:
         swa_units = _units(ns.pools["swa"]["page_bytes"], "the SWA pool's")
-        if swa_units % (2 * page_size * head_dim):
+        per_layer = 2 * page_size * heads * head_dim
+        if swa_units % per_layer:
             raise ConfigError(
                 "the SWA pool's page is not a whole number of KV-sized layers; hicache holds "
                 "SWA pages as layers of the KV pool's token size"
             )
-        kinds += [LayerKind.SWA] * (swa_units // (2 * page_size * head_dim))
+        kinds += [LayerKind.SWA] * (swa_units // per_layer)
     conv_dim, ssm = 0, ()
     if "mamba" in ns.pools:
         units = _units(ns.pools["mamba"]["page_bytes"], "the Mamba pool's")
@@ -127,7 +143,7 @@ def sidecar_layout(ns: SGLangNamespace, page_size: int) -> ModelLayout:
         conv_dim, ssm = units // 2, (units - units // 2,)
     return ModelLayout(
         tuple(kinds),
-        num_kv_heads=1,
+        num_kv_heads=heads,
         head_dim=head_dim,
         dtype=UNIT_DTYPE,
         conv_dim=conv_dim,

@@ -55,18 +55,29 @@ def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: li
     }
 
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "generic"])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_kv_pages_same_hits_and_bytes_as_the_file_backend(sidecar, tmp_path, layout, zero_copy):
+@pytest.mark.parametrize(
+    ("layout", "allocator", "zero_copy"),
+    [
+        ("layer_first", "shm", True),  # the sidecar maps SGLang's memfd pool
+        ("layer_first", "default", True),  # interface_v1 through the staging pages
+        ("page_first", "default", True),
+        ("layer_first", "default", False),  # SGLang's generic batch_get / batch_set
+        ("page_first", "shm", False),
+    ],
+)
+def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
+    sidecar, tmp_path, layout, allocator, zero_copy
+):
     tokens = list(range(STORED_PAGES * PAGE_SIZE))
     query = tokens + list(range(1000, 1000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
 
     oracle_pool = mha_host_pool(layout)
     oracle = _run_controller(file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool,
                              False, tokens, query)
-    pool = mha_host_pool(layout)
+    pool = mha_host_pool(layout, allocator)
     backend = hicache_backend(sidecar.endpoint, pool)
     try:
+        assert backend.zero_copy == (layout == "layer_first" and allocator == "shm")
         ours = _run_controller(backend, pool, zero_copy, tokens, query)
     finally:
         backend.close()

@@ -16,6 +16,7 @@ from sglang_support import (
     mha_host_pool,
     page_keys,
 )
+from sidecar_support import wait_for
 from test_contract import _fill, _pages
 
 from hicache.controller.channel import RemoteLayoutMismatch
@@ -28,15 +29,21 @@ PAGES = 6
 TOKENS = list(range(PAGES * PAGE_SIZE))
 
 
-def _instance(sidecar, **overrides):
-    pool = mha_host_pool()
+def _instance(sidecar, allocator: str = "default", **overrides):
+    pool = mha_host_pool(allocator=allocator)
     return pool, hicache_backend(sidecar.endpoint, pool, **overrides), ControllerShim
 
 
-def test_a_page_one_instance_stores_is_a_hit_with_the_same_bytes_for_another(sidecar):
-    pool_a, a, shim = _instance(sidecar)
-    pool_b, b, _ = _instance(sidecar)
+@pytest.mark.parametrize(("writer", "reader"), [("shm", "default"), ("default", "shm")])
+def test_a_page_one_instance_stores_is_a_hit_with_the_same_bytes_for_another(
+    sidecar, writer, reader
+):
+    # one instance zero-copy (its host pool in a memfd the sidecar maps), one through the
+    # staging pages: the same layout, the same pages
+    pool_a, a, shim = _instance(sidecar, writer)
+    pool_b, b, _ = _instance(sidecar, reader)
     try:
+        assert (a.zero_copy, b.zero_copy) == (writer == "shm", reader == "shm")
         src = _fill(pool_a, PAGES, seed=3)
         assert shim(a, pool_a, True).backup(src, TOKENS) == len(TOKENS)
         dst = pool_b.alloc(PAGES * PAGE_SIZE)
@@ -78,6 +85,26 @@ def test_pages_come_back_from_disk_after_a_sidecar_restart(sidecar):
         hashes = [backend.hasher.page_hash(k) for k in page_keys(TOKENS)]
         where = backend.controller.lookup(hashes, [ComponentType.FULL]).presence
         assert list(where[ComponentType.FULL]) == [Presence.DISK] * PAGES  # host tier is new
+        dst = pool.alloc(PAGES * PAGE_SIZE)
+        found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
+        assert found == loaded == len(TOKENS)
+        assert _pages(pool, dst, PAGES) == want
+    finally:
+        backend.close()
+
+
+def test_a_zero_copy_instance_registers_its_pool_again_after_a_sidecar_restart(sidecar):
+    pool, backend, shim = _instance(sidecar, "shm")
+    try:
+        assert backend.zero_copy
+        src = _fill(pool, PAGES, seed=21)
+        want = _pages(pool, src, PAGES)
+        assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
+        assert sidecar.stop() == 0
+        assert backend.batch_exists(page_keys(TOKENS)) == 0  # down: a miss, no exception
+        sidecar.start()
+        # the client reconnects on its own, handing the memfd over again
+        wait_for(lambda: backend.controller.available, 30.0, "the backend to reconnect")
         dst = pool.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
         assert found == loaded == len(TOKENS)
