@@ -4,11 +4,13 @@ Run in the SGLang environment (``bash scripts/sglang_env.sh`` builds it)::
 
     .venv-sglang/bin/python benchmarks/bench_sglang_storage.py [--pages 128] [--rounds 3]
 
-One run, the same host pages for all three: ``batch_set_v1`` / ``batch_get_v1`` through a
-fresh ``hicache serve`` (the copy path: SGLang's host pages through the backend's shared
-staging pages), HiCacheFile's ``batch_set`` / ``batch_get`` (the calls SGLang's controller
-makes for it) in a temporary directory, and a plain ``copy_`` of the same bytes between
-two host buffers. Prints GB/s per direction and each one's ratio to the memcpy.
+One run, the same host pages for all: ``batch_set_v1`` / ``batch_get_v1`` through a fresh
+``hicache serve``, HiCacheFile's ``batch_set`` / ``batch_get`` (the calls SGLang's
+controller makes for it) in a temporary directory, and a plain ``copy_`` of the same
+bytes between two contiguous host buffers (the floor). The sidecar runs twice: through
+the backend's staging pages (the copy path) and with the host pool in a memfd the sidecar
+maps (the zero-copy path, SGLang's ``"allocator": "shm"``). Prints GB/s per direction
+and each one's ratio to the memcpy.
 """
 
 from __future__ import annotations
@@ -39,6 +41,30 @@ def _best(fn, rounds: int) -> float:
     return min(times)
 
 
+def _through_sidecar(endpoint, pool, src, dst, keys, args, label) -> tuple[float, float]:
+    """(set seconds, get seconds) of ``batch_set_v1`` / ``batch_get_v1`` of ``src`` /
+    into ``dst`` through the sidecar at ``endpoint``."""
+    ps = pool.page_size
+    backend = sgl.hicache_backend(endpoint, pool, hicache_staging_pages=args.pages,
+                                  hicache_backup_timeout_s=60.0, hicache_load_timeout_s=60.0)
+    try:
+        assert backend.zero_copy == ("zero-copy" in label), label
+        # fresh keys each round: a page already held is only deduplicated
+        rounds = iter(range(1, 10 * args.rounds))
+        set_s = _best(
+            lambda: backend.batch_set_v1(
+                sgl.page_keys([next(rounds) * 1000, *range(args.pages * ps - 1)]), src
+            ),
+            args.rounds,
+        )
+        assert all(backend.batch_set_v1(keys, src)), "hicache refused pages"
+        assert all(backend.batch_get_v1(keys, dst)), "hicache lost pages"
+        get_s = _best(lambda: backend.batch_get_v1(keys, dst), args.rounds)
+    finally:
+        backend.close()
+    return set_s, get_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang's batch)")
@@ -58,14 +84,12 @@ def main() -> None:
     page_bytes = pool.get_data_page(offsets[0]).numel() * pool.dtype.itemsize
     total = pages * page_bytes
 
+    # the floor: one contiguous copy of as many bytes as the batch holds
+    copy_src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     copy_dst = torch.empty(total, dtype=torch.uint8)
 
     def memcpy() -> None:
-        at = 0
-        for o in offsets:
-            page = pool.get_data_page(o).view(torch.uint8)
-            copy_dst[at : at + page.numel()].copy_(page)
-            at += page.numel()
+        copy_dst.copy_(copy_src)
 
     results = {"memcpy": (_best(memcpy, args.rounds),) * 2}
 
@@ -85,26 +109,20 @@ def main() -> None:
         results["HiCacheFile"] = (_best(file_set, args.rounds), _best(file_get, args.rounds))
 
     workdir = short_tmpdir("hcbench")
-    sidecar_args = ["--host-pool-bytes", "512MiB", "--disk-budget-bytes", "2GiB"]
+    sidecar_args = ["--host-pool-bytes", "1GiB", "--disk-budget-bytes", "4GiB"]
     with Sidecar(workdir, args=sidecar_args) as car:
-        backend = sgl.hicache_backend(car.endpoint, pool, hicache_staging_pages=pages,
-                                      hicache_backup_timeout_s=60.0, hicache_load_timeout_s=60.0)
-        try:
-            # fresh keys each round: a page already held is only deduplicated
-            rounds = iter(range(1, args.rounds + 1))
-            set_s = _best(
-                lambda: backend.batch_set_v1(
-                    sgl.page_keys([next(rounds), *range(pages * ps - 1)]), src
-                ),
-                args.rounds,
-            )
-            assert all(backend.batch_set_v1(keys, src)), "hicache refused pages"
-            ok = backend.batch_get_v1(keys, dst)
-            assert all(ok), "hicache lost pages during the benchmark"
-            get_s = _best(lambda: backend.batch_get_v1(keys, dst), args.rounds)
-        finally:
-            backend.close()
-        results["hicache sidecar (copy path)"] = (set_s, get_s)
+        # the same bytes in a memfd host pool (SGLang's "allocator": "shm"): zero-copy
+        shm_pool = sgl.mha_host_pool(allocator="shm")
+        shm_src = shm_pool.alloc(pages * ps)
+        shm_dst = shm_pool.alloc(pages * ps)
+        shm_pool.kv_buffer.view(torch.int16).copy_(pool.kv_buffer.view(torch.int16))
+        for label, host, put, take in (
+            ("hicache sidecar, copy path", pool, src, dst),
+            ("hicache sidecar, zero-copy", shm_pool, shm_src, shm_dst),
+        ):
+            results[label] = _through_sidecar(car.endpoint, host, put, take, keys, args, label)
+        got = shm_pool.kv_buffer.view(torch.int16)[:, :, shm_dst[0] : shm_dst[-1] + 1]
+        assert torch.equal(got, pool.kv_buffer.view(torch.int16)[:, :, src[0] : src[-1] + 1])
 
     base_set, base_get = results["memcpy"]
     print(f"{pages} pages of {page_bytes / 1024:.0f} KiB ({total / 2**20:.1f} MiB), best of "
@@ -113,9 +131,11 @@ def main() -> None:
     for name, (s, g) in results.items():
         print(f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
               f"{total / g / 1e9:9.2f} {base_get / g:9.3f}")
-    hc_set, hc_get = results["hicache sidecar (copy path)"]
     f_set, f_get = results["HiCacheFile"]
-    print(f"hicache / HiCacheFile throughput: set {f_set / hc_set:.2f}x, get {f_get / hc_get:.2f}x")
+    for label in ("hicache sidecar, copy path", "hicache sidecar, zero-copy"):
+        hc_set, hc_get = results[label]
+        print(f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
+              f"get {f_get / hc_get:.2f}x")
 
 
 if __name__ == "__main__":
