@@ -31,56 +31,30 @@ import sglang_support as sgl  # noqa: E402
 from sidecar_support import Sidecar, short_tmpdir  # noqa: E402
 
 
-def _best(fn, rounds: int) -> float:
-    """The fastest of ``rounds`` runs of ``fn`` (seconds): the least disturbed one."""
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _through_sidecar(endpoint, pool, src, dst, keys, args, label) -> tuple[float, float]:
-    """(set seconds, get seconds) of ``batch_set_v1`` / ``batch_get_v1`` of ``src`` /
-    into ``dst`` through the sidecar at ``endpoint``."""
-    ps = pool.page_size
-    backend = sgl.hicache_backend(endpoint, pool, hicache_staging_pages=args.pages,
-                                  hicache_backup_timeout_s=60.0, hicache_load_timeout_s=60.0)
-    try:
-        assert backend.zero_copy == ("zero-copy" in label), label
-        # fresh keys each round: a page already held is only deduplicated
-        rounds = iter(range(1, 10 * args.rounds))
-        set_s = _best(
-            lambda: backend.batch_set_v1(
-                sgl.page_keys([next(rounds) * 1000, *range(args.pages * ps - 1)]), src
-            ),
-            args.rounds,
-        )
-        assert all(backend.batch_set_v1(keys, src)), "hicache refused pages"
-        assert all(backend.batch_get_v1(keys, dst)), "hicache lost pages"
-        get_s = _best(lambda: backend.batch_get_v1(keys, dst), args.rounds)
-    finally:
-        backend.close()
-    return set_s, get_s
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang's batch)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
     sgl.LAYERS, sgl.HEADS, sgl.HEAD_DIM = 8, 4, 128  # a page of 2 x 8 x 4 x 128 x 4 tokens
     sgl.DEVICE_TOKENS = args.pages * sgl.PAGE_SIZE
+    pages, ps = args.pages, sgl.PAGE_SIZE
     pool = sgl.mha_host_pool()
-    pages = args.pages
-    src = pool.alloc(pages * sgl.PAGE_SIZE)
-    dst = pool.alloc(pages * sgl.PAGE_SIZE)
+    shm_pool = sgl.mha_host_pool(allocator="shm")  # SGLang's "allocator": "shm": a memfd
+    src, dst = pool.alloc(pages * ps), pool.alloc(pages * ps)
+    assert torch.equal(shm_pool.alloc(pages * ps), src)
+    assert torch.equal(shm_pool.alloc(pages * ps), dst)
     pool.kv_buffer.view(torch.int16).random_()
-    ps = pool.page_size
+    shm_pool.kv_buffer.view(torch.int16).copy_(pool.kv_buffer.view(torch.int16))
     offsets = [int(src[i * ps]) for i in range(pages)]
-    keys = sgl.page_keys(list(range(pages * ps)))
+    dst_offsets = [int(dst[i * ps]) for i in range(pages)]
     page_bytes = pool.get_data_page(offsets[0]).numel() * pool.dtype.itemsize
     total = pages * page_bytes
 
@@ -88,52 +62,68 @@ def main() -> None:
     copy_src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     copy_dst = torch.empty(total, dtype=torch.uint8)
 
-    def memcpy() -> None:
-        copy_dst.copy_(copy_src)
+    tmp = tempfile.TemporaryDirectory()
+    hf = sgl.file_backend(tmp.name, pool)
+    car = Sidecar(short_tmpdir("hcbench"),
+                  args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]).start()
+    opts = {"hicache_staging_pages": pages, "hicache_backup_timeout_s": 60.0,
+            "hicache_load_timeout_s": 60.0}
+    copy_path = sgl.hicache_backend(car.endpoint, pool, **opts)
+    zero_copy = sgl.hicache_backend(car.endpoint, shm_pool, **opts)
+    assert zero_copy.zero_copy and not copy_path.zero_copy
+    times: dict[str, list[list[float]]] = {}
+    try:
+        for r in range(args.rounds):
+            # fresh keys each round (a page already held is only deduplicated), the
+            # methods interleaved so that a busy moment of the machine hits them alike
+            keys = sgl.page_keys([r * 7919 + 1, *range(pages * ps - 1)])
+            zc_keys = sgl.page_keys([r * 7919 + 2, *range(pages * ps - 1)])
 
-    results = {"memcpy": (_best(memcpy, args.rounds),) * 2}
+            def file_get(keys=keys) -> None:
+                got = hf.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+                for o, page in zip(dst_offsets, got):
+                    pool.set_from_flat_data_page(o, page)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = sgl.file_backend(tmp, pool)
-
-        def file_set() -> None:
-            hf.clear()
-            hf.batch_set(keys, [pool.get_data_page(o) for o in offsets])
-
-        def file_get() -> None:
-            targets = [pool.get_dummy_flat_data_page() for _ in keys]
-            got = hf.batch_get(keys, targets)
-            for o, page in zip([int(dst[i * ps]) for i in range(pages)], got):
-                pool.set_from_flat_data_page(o, page)
-
-        results["HiCacheFile"] = (_best(file_set, args.rounds), _best(file_get, args.rounds))
-
-    workdir = short_tmpdir("hcbench")
-    sidecar_args = ["--host-pool-bytes", "1GiB", "--disk-budget-bytes", "4GiB"]
-    with Sidecar(workdir, args=sidecar_args) as car:
-        # the same bytes in a memfd host pool (SGLang's "allocator": "shm"): zero-copy
-        shm_pool = sgl.mha_host_pool(allocator="shm")
-        shm_src = shm_pool.alloc(pages * ps)
-        shm_dst = shm_pool.alloc(pages * ps)
-        shm_pool.kv_buffer.view(torch.int16).copy_(pool.kv_buffer.view(torch.int16))
-        for label, host, put, take in (
-            ("hicache sidecar, copy path", pool, src, dst),
-            ("hicache sidecar, zero-copy", shm_pool, shm_src, shm_dst),
-        ):
-            results[label] = _through_sidecar(car.endpoint, host, put, take, keys, args, label)
-        got = shm_pool.kv_buffer.view(torch.int16)[:, :, shm_dst[0] : shm_dst[-1] + 1]
+            rows = {
+                "memcpy": (lambda: copy_dst.copy_(copy_src), lambda: copy_dst.copy_(copy_src)),
+                "HiCacheFile": (
+                    lambda keys=keys: hf.batch_set(keys, [pool.get_data_page(o) for o in offsets]),
+                    file_get,
+                ),
+                "hicache sidecar, copy path": (
+                    lambda keys=keys: copy_path.batch_set_v1(keys, src),
+                    lambda keys=keys: copy_path.batch_get_v1(keys, dst),
+                ),
+                "hicache sidecar, zero-copy": (
+                    lambda zc_keys=zc_keys: zero_copy.batch_set_v1(zc_keys, src),
+                    lambda keys=keys: zero_copy.batch_get_v1(keys, dst),
+                ),
+            }
+            for name, (put, take) in rows.items():
+                times.setdefault(name, [[], []])
+                times[name][0].append(_timed(put))
+                times[name][1].append(_timed(take))
+        hit = zero_copy.batch_get_v1(keys, dst)
+        assert all(hit), "hicache lost pages during the benchmark"
+        got = shm_pool.kv_buffer.view(torch.int16)[:, :, dst[0] : dst[-1] + 1]
         assert torch.equal(got, pool.kv_buffer.view(torch.int16)[:, :, src[0] : src[-1] + 1])
+    finally:
+        copy_path.close()
+        zero_copy.close()
+        car.stop()
+        tmp.cleanup()
 
-    base_set, base_get = results["memcpy"]
+    best = {name: (min(t[0]), min(t[1])) for name, t in times.items()}
+    base_set, base_get = best["memcpy"]
     print(f"{pages} pages of {page_bytes / 1024:.0f} KiB ({total / 2**20:.1f} MiB), best of "
-          f"{args.rounds}")
+          f"{args.rounds} interleaved rounds")
     print(f"{'':30s} {'set GB/s':>9s} {'x memcpy':>9s} {'get GB/s':>9s} {'x memcpy':>9s}")
-    for name, (s, g) in results.items():
+    for name, (s, g) in best.items():
         print(f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
               f"{total / g / 1e9:9.2f} {base_get / g:9.3f}")
-    f_set, f_get = results["HiCacheFile"]
+    f_set, f_get = best["HiCacheFile"]
     for label in ("hicache sidecar, copy path", "hicache sidecar, zero-copy"):
-        hc_set, hc_get = results[label]
+        hc_set, hc_get = best[label]
         print(f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
               f"get {f_get / hc_get:.2f}x")
 

@@ -15,7 +15,7 @@ from hicache.integrations.sglang import DEFAULTS
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "sglang"
 DOC = Path(__file__).resolve().parents[3] / "docs" / "integrations" / "sglang.md"
-SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
+SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator"}
 
 
 def _env() -> dict[str, str]:
