@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     PoolHitPolicy,
+    PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
@@ -87,6 +88,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.options = _options(storage_config, extra_config)
         self.counters: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()  # what get_stats has reported so far
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
         self.controller: SidecarController | None = None
@@ -200,7 +202,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         ]
         present = self._present(keys, comps)
         kv_pages = _leading(present[ComponentType.FULL])
-        hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for t in transfers:
             if not restorable:
@@ -219,7 +221,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
             else:
                 raise ValueError(f"hicache does not support the pool hit policy {t.hit_policy}")
             if boundary:
-                hit_count[name] = boundary
+                hit_count[t.name] = boundary
             restorable = [p for p in restorable if p in pool_ok]
         return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
 
@@ -247,7 +249,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
     ) -> dict[str, list[bool]]:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         return {
-            str(t.name): self._set_pool(str(t.name), t.keys or [], t.host_indices, prefix)
+            t.name: self._set_pool(str(t.name), t.keys or [], t.host_indices, prefix)
             for t in transfers
         }
 
@@ -255,7 +257,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         return {
-            str(t.name): self._get_pool(str(t.name), t.keys or [], t.host_indices)
+            t.name: self._get_pool(str(t.name), t.keys or [], t.host_indices)
             for t in transfers
         }
 
@@ -537,12 +539,14 @@ class HiCacheSidecarStorage(HiCacheStorage):
             return False
 
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics (pages moved since the last call); the backend's own
-        counters are in ``counters``."""
+        """SGLang's StorageMetrics: pages prefetched and backed up since the last call (the
+        backend's cumulative counters stay in ``counters``)."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         with self._lock:
-            got, put = self.counters.pop("get_pages", 0), self.counters.pop("set_pages", 0)
+            got = self.counters["get_pages"] - self._reported["get_pages"]
+            put = self.counters["set_pages"] - self._reported["set_pages"]
+            self._reported.update(get_pages=got, set_pages=put)
         metrics = StorageMetrics()
         if got:
             metrics.prefetch_pgs.append(got)

@@ -153,3 +153,24 @@ class ControllerShim:
         op.host_indices = host_indices[:hit_tokens]
         loaded_pages = self._page_transfer(op) if hashes else 0
         return hit_tokens, loaded_pages * self.page_size
+
+
+def fill_pages(pool, pages: int, seed: int) -> torch.Tensor:
+    """Allocate ``pages`` host pages of ``pool`` and write random bytes into them;
+    returns their host indices."""
+    idx = pool.alloc(pages * pool.page_size)
+    gen = torch.Generator().manual_seed(seed)
+    for p in range(pages):
+        page = pool.get_data_page(int(idx[p * pool.page_size]), flat=True)
+        data = torch.randint(0, 255, (page.numel() * page.element_size(),), generator=gen,
+                             dtype=torch.uint8)
+        pool.set_from_flat_data_page(int(idx[p * pool.page_size]), data.view(page.dtype))
+    return idx
+
+
+def host_page_bytes(pool, idx: torch.Tensor, pages: int) -> list[bytes]:
+    """The bytes of the first ``pages`` host pages at ``idx``, as SGLang's file backend
+    stores them."""
+    ps = pool.page_size
+    return [bytes(pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8)
+                  .numpy()) for p in range(pages)]

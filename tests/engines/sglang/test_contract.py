@@ -4,13 +4,14 @@ controller methods over SGLang's own host pools: the same hits and the same byte
 from __future__ import annotations
 
 import pytest
-import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang_support import (
     PAGE_SIZE,
     ControllerShim,
     file_backend,
+    fill_pages,
     hicache_backend,
+    host_page_bytes,
     mamba_host_pool,
     mha_host_pool,
     page_keys,
@@ -20,29 +21,11 @@ STORED_PAGES = 6
 QUERY_PAGES = 9  # three pages past what was stored: the hit must stop there
 
 
-def _fill(pool, pages: int, seed: int) -> torch.Tensor:
-    """Allocate ``pages`` host pages and write random bytes into them; their indices."""
-    idx = pool.alloc(pages * pool.page_size)
-    gen = torch.Generator().manual_seed(seed)
-    for p in range(pages):
-        page = pool.get_data_page(int(idx[p * pool.page_size]), flat=True)
-        data = torch.randint(0, 255, (page.numel() * page.element_size(),), generator=gen,
-                             dtype=torch.uint8)
-        pool.set_from_flat_data_page(int(idx[p * pool.page_size]), data.view(page.dtype))
-    return idx
-
-
-def _pages(pool, idx: torch.Tensor, pages: int) -> list[bytes]:
-    ps = pool.page_size
-    return [bytes(pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8)
-                  .numpy()) for p in range(pages)]
-
-
 def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: list[int]):
     """Back up ``tokens`` from host pages, then prefetch ``query`` into fresh host pages,
     through SGLang's controller methods; returns what the run saw."""
     ctl = ControllerShim(backend, pool, zero_copy)
-    src = _fill(pool, STORED_PAGES, seed=7)
+    src = fill_pages(pool, STORED_PAGES, seed=7)
     written = ctl.backup(src, tokens)
     dst = pool.alloc(QUERY_PAGES * PAGE_SIZE)
     found, loaded = ctl.prefetch(query, dst)
@@ -50,8 +33,8 @@ def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: li
         "written": written,
         "found": found,
         "loaded": loaded,
-        "stored_bytes": _pages(pool, src, STORED_PAGES),
-        "loaded_bytes": _pages(pool, dst, loaded // PAGE_SIZE),
+        "stored_bytes": host_page_bytes(pool, src, STORED_PAGES),
+        "loaded_bytes": host_page_bytes(pool, dst, loaded // PAGE_SIZE),
     }
 
 
@@ -97,11 +80,11 @@ def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy:
     tokens = list(range(STORED_PAGES * PAGE_SIZE))
     keys = page_keys(tokens)
     ctl = ControllerShim(backend, kv_pool, zero_copy)
-    assert ctl.backup(_fill(kv_pool, STORED_PAGES, seed=11), tokens) == len(tokens)
+    assert ctl.backup(fill_pages(kv_pool, STORED_PAGES, seed=11), tokens) == len(tokens)
     stored = {}
     for p in state_pages:
-        slot = _fill(mamba_pool, 1, seed=100 + p)
-        stored[p] = _pages(mamba_pool, slot, 1)[0]
+        slot = fill_pages(mamba_pool, 1, seed=100 + p)
+        stored[p] = host_page_bytes(mamba_pool, slot, 1)[0]
         res = backend.batch_set_v2(
             [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[p]])]
         )
@@ -120,7 +103,7 @@ def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy:
         [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[last], keys[0]])]
     )
     seen["get"] = got[PoolName.MAMBA]
-    seen["bytes"] = _pages(mamba_pool, slot[:1], 1)[0] == stored[last]
+    seen["bytes"] = host_page_bytes(mamba_pool, slot[:1], 1)[0] == stored[last]
     return seen
 
 

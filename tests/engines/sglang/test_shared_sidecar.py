@@ -12,12 +12,13 @@ import torch
 from sglang_support import (
     PAGE_SIZE,
     ControllerShim,
+    fill_pages,
     hicache_backend,
+    host_page_bytes,
     mha_host_pool,
     page_keys,
 )
 from sidecar_support import wait_for
-from test_contract import _fill, _pages
 
 from hicache.controller.channel import RemoteLayoutMismatch
 from hicache.controller.lmdb_tier import HEADER_BYTES
@@ -44,12 +45,12 @@ def test_a_page_one_instance_stores_is_a_hit_with_the_same_bytes_for_another(
     pool_b, b, _ = _instance(sidecar, reader)
     try:
         assert (a.zero_copy, b.zero_copy) == (writer == "shm", reader == "shm")
-        src = _fill(pool_a, PAGES, seed=3)
+        src = fill_pages(pool_a, PAGES, seed=3)
         assert shim(a, pool_a, True).backup(src, TOKENS) == len(TOKENS)
         dst = pool_b.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(b, pool_b, True).prefetch(TOKENS, dst)
         assert found == loaded == len(TOKENS)
-        assert _pages(pool_b, dst, PAGES) == _pages(pool_a, src, PAGES)
+        assert host_page_bytes(pool_b, dst, PAGES) == host_page_bytes(pool_a, src, PAGES)
     finally:
         a.close()
         b.close()
@@ -58,7 +59,8 @@ def test_a_page_one_instance_stores_is_a_hit_with_the_same_bytes_for_another(
 def test_another_namespace_is_refused_at_attach_and_never_reads_a_page(sidecar):
     pool_a, a, shim = _instance(sidecar)
     try:
-        assert shim(a, pool_a, True).backup(_fill(pool_a, PAGES, seed=3), TOKENS) == len(TOKENS)
+        src = fill_pages(pool_a, PAGES, seed=3)
+        assert shim(a, pool_a, True).backup(src, TOKENS) == len(TOKENS)
         assert a.batch_exists(page_keys(TOKENS)) == PAGES
         # The sidecar serves one layout; another namespace (a salt here; another model,
         # dtype or rank the same way) is another layout: SGLang's attach fails, saying so.
@@ -73,8 +75,8 @@ def test_another_namespace_is_refused_at_attach_and_never_reads_a_page(sidecar):
 
 def test_pages_come_back_from_disk_after_a_sidecar_restart(sidecar):
     pool, backend, shim = _instance(sidecar)
-    src = _fill(pool, PAGES, seed=5)
-    want = _pages(pool, src, PAGES)
+    src = fill_pages(pool, PAGES, seed=5)
+    want = host_page_bytes(pool, src, PAGES)
     assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
     backend.close()
     assert sidecar.stop() == 0  # drains: every queued disk write is committed
@@ -88,7 +90,7 @@ def test_pages_come_back_from_disk_after_a_sidecar_restart(sidecar):
         dst = pool.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
         assert found == loaded == len(TOKENS)
-        assert _pages(pool, dst, PAGES) == want
+        assert host_page_bytes(pool, dst, PAGES) == want
     finally:
         backend.close()
 
@@ -97,8 +99,8 @@ def test_a_zero_copy_instance_registers_its_pool_again_after_a_sidecar_restart(s
     pool, backend, shim = _instance(sidecar, "shm")
     try:
         assert backend.zero_copy
-        src = _fill(pool, PAGES, seed=21)
-        want = _pages(pool, src, PAGES)
+        src = fill_pages(pool, PAGES, seed=21)
+        want = host_page_bytes(pool, src, PAGES)
         assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
         assert sidecar.stop() == 0
         assert backend.batch_exists(page_keys(TOKENS)) == 0  # down: a miss, no exception
@@ -108,15 +110,15 @@ def test_a_zero_copy_instance_registers_its_pool_again_after_a_sidecar_restart(s
         dst = pool.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
         assert found == loaded == len(TOKENS)
-        assert _pages(pool, dst, PAGES) == want
+        assert host_page_bytes(pool, dst, PAGES) == want
     finally:
         backend.close()
 
 
 def test_a_corrupt_page_is_a_miss_and_is_counted(sidecar):
     pool, backend, shim = _instance(sidecar)
-    src = _fill(pool, PAGES, seed=9)
-    want = _pages(pool, src, PAGES)
+    src = fill_pages(pool, PAGES, seed=9)
+    want = host_page_bytes(pool, src, PAGES)
     assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
     bad = backend.hasher.page_hash(page_keys(TOKENS)[2])
     backend.close()
@@ -135,7 +137,7 @@ def test_a_corrupt_page_is_a_miss_and_is_counted(sidecar):
         dst = pool.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
         assert loaded == 2 * PAGE_SIZE  # the pages before the corrupt one, never it
-        assert _pages(pool, dst, 2) == want[:2]
+        assert host_page_bytes(pool, dst, 2) == want[:2]
         admin = sidecar.admin()
         try:
             stats = admin.call(Verb.STATS)
@@ -154,7 +156,7 @@ def _corrupt_count(stats: dict) -> int:
 
 def test_a_killed_sidecar_gives_misses_within_the_bound(sidecar):
     pool, backend, shim = _instance(sidecar)
-    src = _fill(pool, PAGES, seed=13)
+    src = fill_pages(pool, PAGES, seed=13)
     keys = page_keys(TOKENS)
     assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
     sidecar.kill()
