@@ -9,7 +9,9 @@ attributes below, so the suite runs those very methods, unmodified, on ``Control
 
 from __future__ import annotations
 
+import contextlib
 import queue
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,7 +26,21 @@ from sglang.srt.mem_cache.device_pool_info import (
     MambaStateBufferInfo,
     MHABufferInfo,
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheFile,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    HybridCacheController,
+)
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    PrefetchOperation as HybridPrefetchOperation,
+)
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    StorageOperation as HybridStorageOperation,
+)
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -174,3 +190,76 @@ def host_page_bytes(pool, idx: torch.Tensor, pages: int) -> list[bytes]:
     ps = pool.page_size
     return [bytes(pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8)
                   .numpy()) for p in range(pages)]
+
+
+class _HostPoolGroup:
+    """What the hybrid controller's storage methods read of its host pool group: the
+    pools by name, and the layout lease (a no-op on a pool whose layout never changes)."""
+
+    def __init__(self, kv_pool: Any, extra: dict) -> None:
+        self.kv_pool = kv_pool
+        self.entry_map = {name: SimpleNamespace(host_pool=pool) for name, pool in extra.items()}
+
+    def layout_lease(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class HybridControllerShim(HybridCacheController):
+    """SGLang's HybridCacheController with its constructor skipped (it needs device pools
+    and process groups): the attributes its storage methods read are set here, and its
+    own methods run unmodified (``_storage_hit_query``, ``_page_backup_with_stable_layout``,
+    ``_page_transfer_with_stable_layout``, and the base controller's through ``super()``)."""
+
+    def __init__(self, backend: Any, kv_pool: Any, extra_pools: dict, zero_copy: bool) -> None:
+        self.storage_backend = backend
+        self.storage_backend_type = "dynamic"
+        self.storage_config = storage_config()
+        self.mem_pool_host = _HostPoolGroup(kv_pool, extra_pools)
+        self.storage_host_pool = kv_pool
+        self.page_size = kv_pool.page_size
+        self.prefetch_sync_queue = queue.Queue()
+        if zero_copy:  # as attach_storage_backend picks them
+            self.page_get_func = self._page_get_zero_copy
+            self.page_set_func = self._page_set_zero_copy
+        else:
+            self.page_get_func = self._generic_page_get
+            self.page_set_func = self._generic_page_set
+
+    def backup(self, kv_idx: torch.Tensor, tokens: list[int], states: dict) -> int:
+        """A hybrid write-through as the backup thread runs it: KV of ``tokens`` and, per
+        extra pool, its state for the last page (``states``: pool name -> host slots)."""
+        transfers = [PoolTransfer(name=name, host_indices=slots, keys=None,
+                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)
+                     for name, slots in states.items()]
+        keys = page_keys(tokens)
+        for t in transfers:
+            t.keys = keys[-len(t.host_indices):]
+        op = HybridStorageOperation(kv_idx, tokens, hash_value=keys, prefix_keys=[],
+                                    pool_transfers=transfers)
+        self._page_backup_with_stable_layout(op)
+        return op.completed_tokens
+
+    def prefetch(self, tokens: list[int], kv_dst: torch.Tensor, states: dict) -> dict:
+        """A hybrid prefetch as the prefetch threads run it: the hit query under the
+        trailing-pages rule, then the KV and each extra pool read into host pages."""
+        transfers = [PoolTransfer(name=name, host_indices=slots, keys=[None] * len(slots),
+                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)
+                     for name, slots in states.items()]
+        op = HybridPrefetchOperation(SimpleNamespace(rid="req"), tokens, None, prefix_keys=[],
+                                     pool_transfers=transfers)
+        hashes, hit_tokens = self._storage_hit_query(op)
+        op.hash_value = hashes
+        op.host_indices = kv_dst[:hit_tokens]
+        if hashes:
+            self._page_transfer_with_stable_layout(op)
+        acks = []
+        while not self.prefetch_sync_queue.empty():
+            acks.append(self.prefetch_sync_queue.get())
+        return {
+            "hit_tokens": hit_tokens,
+            "restorable": op.pool_storage_result.restorable_prefix_pages,
+            "query_pool_hit_pages": {str(k): v for k, v in op.query_pool_hit_pages.items()},
+            "completed_tokens": [a.completed_tokens for a in acks if a.completed_tokens],
+            "pool_hits": [{str(k): v for k, v in (a.pool_hits or {}).items()} for a in acks
+                          if getattr(a, "pool_hits", None) is not None],
+        }

@@ -8,6 +8,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang_support import (
     PAGE_SIZE,
     ControllerShim,
+    HybridControllerShim,
     file_backend,
     fill_pages,
     hicache_backend,
@@ -123,3 +124,43 @@ def test_hybrid_hit_policies_match_the_file_backend(sidecar, tmp_path, state_pag
     assert got["bytes"] is True
     # the rule itself, not only agreement: a trailing-1 hit ends at the last state
     assert got[("trailing_pages", 1)][0] == max(state_pages) + 1
+
+
+def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int]):
+    """SGLang's hybrid controller writes a 6-page prefix in two steps (its first
+    ``state_at[0]`` pages, then all six), each with a Mamba state for its last page when
+    that step is in ``state_at``; then prefetches 8 pages (6 stored) into fresh pages."""
+    ctl = HybridControllerShim(backend, kv, {PoolName.MAMBA: mamba}, zero_copy)
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    kv_idx = fill_pages(kv, STORED_PAGES, seed=17)
+    states = {}
+    for pages in (3, STORED_PAGES):
+        slot = fill_pages(mamba, 1, seed=pages)
+        states[pages] = host_page_bytes(mamba, slot, 1)[0]
+        extra = {PoolName.MAMBA: slot} if pages in state_at else {}
+        assert ctl.backup(kv_idx[: pages * PAGE_SIZE], tokens[: pages * PAGE_SIZE], extra) \
+            == pages * PAGE_SIZE
+    query = tokens + list(range(5000, 5000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+    dst_slot = mamba.alloc(1)
+    seen = ctl.prefetch(query, kv.alloc(QUERY_PAGES * PAGE_SIZE), {PoolName.MAMBA: dst_slot})
+    hit = seen["hit_tokens"] // PAGE_SIZE
+    seen["state_bytes_match"] = hit in states and \
+        host_page_bytes(mamba, dst_slot, 1)[0] == states[hit]
+    return seen
+
+
+@pytest.mark.parametrize("state_at", [[3, STORED_PAGES], [3], [STORED_PAGES]])
+def test_hybrid_controller_calls_match_the_file_backend(sidecar, tmp_path, state_at):
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
+    expected = _hybrid_controller_run(oracle, kv, mamba, False, state_at)
+    kv, mamba = mha_host_pool(allocator="shm"), mamba_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
+    try:
+        got = _hybrid_controller_run(backend, kv, mamba, True, state_at)
+    finally:
+        backend.close()
+    assert got == expected
+    # the trailing-pages rule itself: the hit ends at the last page with a state
+    assert got["hit_tokens"] == max(state_at) * PAGE_SIZE
+    assert got["state_bytes_match"] is True
