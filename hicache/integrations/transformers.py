@@ -220,6 +220,14 @@ class PrefixCachedLM:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         runs = [_Run(_token_list(p)) for p in prompts]
+        capacity = self.cache.pools.full.capacity
+        for run in runs:
+            if len(run.sequence) + max_new_tokens - 1 > capacity:
+                raise ValueError(
+                    f"a request of {len(run.sequence)} prompt and {max_new_tokens} new tokens "
+                    f"needs more token slots than the device pool's {capacity}; give the "
+                    "cache more full_slots"
+                )
         try:
             for run in runs:
                 self._admit(run, extra_key, use_cache)
