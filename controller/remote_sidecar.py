@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hicache.controller.protocol import Verb
-from hicache.controller.remote_tier import BreakerState
+from hicache.controller.remote_health import BreakerState
 
 
 def remote_families(s: dict[str, Any]) -> Iterator[Any]:

@@ -30,7 +30,6 @@ from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteRe
 from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.pins import PinTable
-from hicache.controller.remote_tier import RemoteTier
 from hicache.controller_api import ControllerError, PageKey
 from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier
@@ -71,7 +70,9 @@ class PageStore:
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None
-        self.remote: RemoteTier | None = None  # set by the controller when configured
+        # The remote tier (controller/remote_tier.py), set by the controller when one is
+        # configured; it builds on this module, so it is not imported here.
+        self.remote: Any = None
 
     def fault(self, what: str) -> bool:
         return self.faults is not None and self.faults.take(what)

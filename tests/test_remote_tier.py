@@ -23,8 +23,8 @@ from hicache.config import PrefetchPolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
 from hicache.controller.remote_config import RemoteWritePolicy
+from hicache.controller.remote_health import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller.remote_store import KeyStatus, MemoryStore
-from hicache.controller.remote_tier import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller_api import P_ABSENT, P_REMOTE
 from hicache.keys import chain_page_hashes, namespace_hash
 from hicache.types import ComponentType

@@ -26,7 +26,6 @@ MAX_LINES = 500
 # this list only shrinks.
 KNOWN_CYCLES = {
     frozenset({"hicache.layout", "hicache.integrations.transformers_layout"}),
-    frozenset({"hicache.controller.remote_tier", "hicache.controller.tiers"}),
     frozenset({"hicache.controller.local", "hicache.controller.session"}),
     frozenset({"hicache.controller.server", "hicache.controller.sidecar_verbs"}),
     frozenset(
@@ -42,7 +41,6 @@ KNOWN_LONG_FILES = {
     "controller/local.py",
     "controller/page_index.py",
     "controller/protocol.py",
-    "controller/remote_tier.py",
     "controller/serve.py",
     "controller/server.py",
 }
