@@ -271,12 +271,12 @@ class ClusterStore:
                     moved = moved or _is_redirect(reply)
                 if moved:
                     self._refresh_wanted.set()
-            else:
-                if replies is not None or job in late:
-                    self._mark_failing(addr)
-                    if job in late:
-                        log.warning("remote node %s:%d outlasted a %.3f s deadline", *addr,
-                                    timeout_s)  # fmt: skip
+            else:  # the node failed, or outlasted the deadline: its keys fail, it is hinted
+                self._mark_failing(addr)
+                if job in late:
+                    log.warning(
+                        "remote node %s:%d outlasted a %.3f s deadline", *addr, timeout_s
+                    )
                 for i in idxs:
                     out[i] = failed(KeyStatus.ERROR)
         return out
