@@ -52,6 +52,7 @@ def node(tmp_path, name: str, url: str, **remote) -> LocalController:
             disk_path=tmp_path / name,
             disk_budget_bytes=32 << 20,
             remote_url=url,
+            remote_lookup_timeout_s=2.0,  # what is served is asserted, not how fast
             **remote,
         )
     )

@@ -76,6 +76,8 @@ def reference_logits(model: HybridModel, request: GenerationRequest) -> torch.Te
 
 def test_node_b_hits_what_node_a_computed_with_identical_logits(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("HICACHE_REMOTE_URL", cluster.url)
+    # What is served is asserted, not how fast: a late node must not turn hits into misses.
+    monkeypatch.setenv("HICACHE_REMOTE_LOOKUP_TIMEOUT_S", "2.0")
     requests = [
         GenerationRequest.of(f"r{i}", SYSTEM + [(40 * i + j) % 256 for j in range(2 * PAGE)], 3)
         for i in range(3)
