@@ -45,8 +45,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hicache.replay import BlockShape, load_trace, page_chains, unique_blocks
-from hicache.replay_bounds import optimal_hits
+from hicache.apps.replay import BlockShape, load_trace, page_chains, unique_blocks
+from hicache.apps.replay_bounds import optimal_hits
 
 AGE_BUCKETS = 14
 

@@ -33,14 +33,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "bench",
         "benchmarks: `bench replay` replays a Mooncake trace against the offline bounds",
-        "hicache.replay_bench",
+        "hicache.apps.replay_bench",
         "add_bench_arguments",
         "run_bench",
     ),
     Subcommand(
         "demo",
         "run a sidecar and two engines on a chat workload; show hits per tier, prove exactness",
-        "hicache.demo",
+        "hicache.apps.demo",
         "add_demo_arguments",
         "run_demo",
     ),

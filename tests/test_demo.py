@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.demo import QUICK_WORKLOAD, add_demo_arguments, demo_settings, report_demo, run_demo
-from hicache.engine.demo_report import PhaseReport
-from hicache.engine.worker import WorkerEngine, WorkerSettings
+from hicache.apps.demo import (
+    QUICK_WORKLOAD,
+    add_demo_arguments,
+    demo_settings,
+    report_demo,
+    run_demo,
+)
+from hicache.apps.engine.demo_report import PhaseReport
+from hicache.apps.engine.worker import WorkerEngine, WorkerSettings
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -252,9 +252,9 @@ def test_performance_doc_says_how_to_run_every_benchmark():
         if m:
             source = REPO / m.group(0)
         elif "hicache bench replay" in command:
-            source = REPO / "hicache" / "replay_bench.py"
+            source = REPO / "hicache" / "apps" / "replay_bench.py"
         else:
-            source = REPO / "hicache" / "demo.py"
+            source = REPO / "hicache" / "apps" / "demo.py"
         defined = set(re.findall(r"add_argument\(\s*\"(--[a-z-]+)\"", source.read_text()))
         shown = set(re.findall(r"--[a-z][a-z-]*", command))
         assert shown <= defined, f"{command}: flags {shown - defined} are not defined"

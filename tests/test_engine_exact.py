@@ -16,19 +16,19 @@ import pytest
 import torch
 
 from hicache import CacheConfig, ConfigError, DevicePools, UnifiedRadixCache
-from hicache.config import PrefetchPolicy
-from hicache.controller.client import SidecarClientConfig, SidecarController
-from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.engine import HybridModel, generate, tiny_hybrid
-from hicache.engine.cluster import SidecarProcess
-from hicache.engine.scheduler import (
+from hicache.apps.engine import HybridModel, generate, tiny_hybrid
+from hicache.apps.engine.cluster import SidecarProcess
+from hicache.apps.engine.scheduler import (
     GenerationRequest,
     RequestResult,
     Scheduler,
     SchedulerConfig,
 )
-from hicache.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
+from hicache.apps.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
+from hicache.config import PrefetchPolicy
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
 
 KINDS = {
     "full": ("full", "full"),

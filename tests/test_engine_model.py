@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hicache import CacheConfig, ConfigError, DevicePools, ModelLayout, Request, UnifiedRadixCache
-from hicache.engine import (
+from hicache.apps.engine import (
     HybridModel,
     ModelConfig,
     SequenceChunk,

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine_exact import KINDS, Engine, Reference
 
+from hicache.apps.engine.scheduler import GenerationRequest, SchedulerConfig
 from hicache.config import PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
-from hicache.engine.scheduler import GenerationRequest, SchedulerConfig
 
 EXAMPLES = int(os.environ.get("HICACHE_ENGINE_SOAK_EXAMPLES", "60"))
 _REFERENCES: dict[tuple[str, int], Reference] = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache.replay_bounds import infinite_hits, optimal_hits
+from hicache.apps.replay_bounds import infinite_hits, optimal_hits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import eviction_study as study

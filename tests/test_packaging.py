@@ -58,7 +58,7 @@ def test_wheel_in_a_fresh_venv_imports_the_mapped_packages(tmp_path):
         "hicache/controller/local.py",
         "hicache/kernels/reference.py",
         "hicache/tree.py",
-        "hicache/engine/model.py",
+        "hicache/apps/engine/model.py",
     ):
         assert member in names, f"{member} missing from the wheel"
     assert not any(n.startswith(("controller/", "kernels/", "tests/")) for n in names)

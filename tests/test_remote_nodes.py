@@ -16,11 +16,11 @@ import torch
 from remote_support import LocalCluster
 
 from hicache import CacheConfig, DevicePools, UnifiedRadixCache
+from hicache.apps.engine import HybridModel, generate, tiny_hybrid
+from hicache.apps.engine.cluster import SidecarProcess
+from hicache.apps.engine.scheduler import GenerationRequest, Scheduler, SchedulerConfig
 from hicache.config import PrefetchPolicy
 from hicache.controller.client import SidecarClientConfig, SidecarController
-from hicache.engine import HybridModel, generate, tiny_hybrid
-from hicache.engine.cluster import SidecarProcess
-from hicache.engine.scheduler import GenerationRequest, Scheduler, SchedulerConfig
 
 KINDS = ("full", "swa", "mamba", "full")
 PAGE = 16

@@ -10,9 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache.cli import main
-from hicache.config import EvictionPolicyKind, WritePolicy
-from hicache.replay import (
+from hicache.apps.replay import (
     BlockShape,
     OutputTokens,
     ReplayError,
@@ -25,8 +23,10 @@ from hicache.replay import (
     request_tokens,
     unique_blocks,
 )
-from hicache.replay_bench import parse_capacity
-from hicache.replay_bounds import infinite_hits, optimal_hits
+from hicache.apps.replay_bench import parse_capacity
+from hicache.apps.replay_bounds import infinite_hits, optimal_hits
+from hicache.cli import main
+from hicache.config import EvictionPolicyKind, WritePolicy
 from hicache.types import ConfigError
 
 SHARED_TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
@@ -173,7 +173,7 @@ def test_block_tokens_and_pages_are_fixed_per_id():
 
 
 def load_trace_from_rows(rows: list[dict]):
-    from hicache.replay import _trace_record
+    from hicache.apps.replay import _trace_record
 
     return [_trace_record(r, "row") for r in rows]
 

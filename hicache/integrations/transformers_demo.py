@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.engine.demo_report import PhaseReport, phase_table
+from hicache.apps.engine.demo_report import PhaseReport, phase_table
 from hicache.integrations.transformers_models import FAMILIES, realistic_config, tiny_config
 
 

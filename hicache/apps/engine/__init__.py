@@ -1,7 +1,7 @@
 """The reference engine: a tiny hybrid model and a scheduler that uses the cache."""
 
-from hicache.engine.config import DEFAULT_KINDS, ModelConfig, mamba_dims, tiny_hybrid_layout
-from hicache.engine.model import (
+from hicache.apps.engine.config import DEFAULT_KINDS, ModelConfig, mamba_dims, tiny_hybrid_layout
+from hicache.apps.engine.model import (
     ChunkOutput,
     HybridModel,
     MambaSnapshot,
@@ -10,8 +10,8 @@ from hicache.engine.model import (
     page_boundaries,
     tiny_hybrid,
 )
-from hicache.engine.reference import Generation, generate
-from hicache.engine.scheduler import (
+from hicache.apps.engine.reference import Generation, generate
+from hicache.apps.engine.scheduler import (
     GenerationRequest,
     RequestResult,
     Scheduler,

@@ -1,6 +1,6 @@
 """Throughput of the reference model on the CPU: prefill and decode tokens per second.
 
-Run ``python -m hicache.engine.bench_model`` (``--help`` for sizes). It prints prefill
+Run ``python -m hicache.apps.engine.bench_model`` (``--help`` for sizes). It prints prefill
 tokens/s per chunk size and decode tokens/s for one request per step (the baseline) and
 for batches of requests, with the ratio of each to the baseline, all measured in the
 same run on the default tiny hybrid layout.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.engine.model import DEFAULT_KINDS, HybridModel, SequenceChunk, tiny_hybrid
+from hicache.apps.engine.model import DEFAULT_KINDS, HybridModel, SequenceChunk, tiny_hybrid
 from hicache.pools import DevicePools
 
 
@@ -82,7 +82,7 @@ def _free(pools: DevicePools, slots: np.ndarray, state: int | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hicache.engine.bench_model", description=__doc__
+        prog="python -m hicache.apps.engine.bench_model", description=__doc__
     )
     parser.add_argument(
         "--kinds", default=",".join(DEFAULT_KINDS), help="layer kinds, comma-separated"

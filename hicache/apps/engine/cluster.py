@@ -2,7 +2,7 @@
 
 :class:`SidecarProcess` runs ``python -m hicache.controller.serve`` (what ``hicache serve``
 runs) on a Unix socket in a work folder, with its LMDB tier there; :class:`EngineCluster`
-starts engine workers (:mod:`hicache.engine.worker`) that reach it through
+starts engine workers (:mod:`hicache.apps.engine.worker`) that reach it through
 ``SidecarController``, hands each its share of a batch of requests, and collects their
 events. Both stop cleanly (the sidecar drains its disk writes on SIGTERM), so a restart
 keeps every page the disk tier committed.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.engine.worker import WorkerError, WorkerProcess, WorkerSettings
+from hicache.apps.engine.worker import WorkerError, WorkerProcess, WorkerSettings
 
 # sockaddr_un holds 108 bytes with the terminating NUL
 _MAX_SOCKET_PATH_CHARS = 107

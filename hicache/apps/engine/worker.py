@@ -17,7 +17,7 @@ command's end:
 * ``stop`` — close the sidecar session and the pools, answer ``stopped``, exit.
 
 A command that fails answers ``error`` with the message and traceback; the worker keeps
-serving. Run as ``python -m hicache.engine.worker '<settings JSON>'``
+serving. Run as ``python -m hicache.apps.engine.worker '<settings JSON>'``
 (:class:`WorkerSettings`).
 """
 
@@ -119,9 +119,9 @@ class WorkerEngine:
         import torch
 
         from hicache import CacheConfig, DevicePools, UnifiedRadixCache
+        from hicache.apps.engine.model import HybridModel, tiny_hybrid
+        from hicache.apps.engine.scheduler import Scheduler, SchedulerConfig
         from hicache.config import PrefetchPolicy
-        from hicache.engine.model import HybridModel, tiny_hybrid
-        from hicache.engine.scheduler import Scheduler, SchedulerConfig
 
         torch.set_num_threads(settings.torch_threads)
         self.settings = settings
@@ -175,7 +175,7 @@ class WorkerEngine:
         self.logits: dict[str, dict[str, Any]] = {"cached": {}, "nocache": {}}
 
     def run(self, mode: str, requests: list[dict]) -> dict:
-        from hicache.engine.scheduler import GenerationRequest
+        from hicache.apps.engine.scheduler import GenerationRequest
 
         if mode not in self.logits:
             raise ValueError(f"run mode must be 'cached' or 'nocache', got {mode!r}")
@@ -200,7 +200,7 @@ class WorkerEngine:
     def verify(self, rids: list[str]) -> dict:
         import torch
 
-        from hicache.engine.reference import generate
+        from hicache.apps.engine.reference import generate
 
         for rid in rids:
             spec = self.requests[rid]
@@ -266,10 +266,10 @@ def _plain(value: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The worker process: ``python -m hicache.engine.worker '<settings JSON>'``."""
+    """The worker process: ``python -m hicache.apps.engine.worker '<settings JSON>'``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m hicache.engine.worker '<settings JSON>'", file=sys.stderr)
+        print("usage: python -m hicache.apps.engine.worker '<settings JSON>'", file=sys.stderr)
         return 2
     settings = WorkerSettings.from_json(argv[0])
     # Frames own the real stdout; anything else printed goes to stderr.
@@ -328,7 +328,7 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [python, "-m", "hicache.engine.worker", settings.to_json()],
+            [python, "-m", "hicache.apps.engine.worker", settings.to_json()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

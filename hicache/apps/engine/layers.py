@@ -2,7 +2,7 @@
 
 Both work on a *group*: ``B`` requests that each bring ``n`` new tokens, as tensors
 ``[B, n, ...]``. Every operation is per token and batch-invariant (see
-:mod:`hicache.engine.exact`): sums are exact, so a token's bits depend neither on ``B``,
+:mod:`hicache.apps.engine.exact`): sums are exact, so a token's bits depend neither on ``B``,
 nor on ``n``, nor on how many masked or padded keys sit beside its real ones.
 
 Attention reads every key and value back from the pool, including those of the tokens it
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.engine import exact
-from hicache.engine.exact import PROBABILITY, QUERY_KEY, SSM_READOUT, SSM_STATE, VALUE
+from hicache.apps.engine import exact
+from hicache.apps.engine.exact import PROBABILITY, QUERY_KEY, SSM_READOUT, SSM_STATE, VALUE
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.engine import exact
+from hicache.apps.engine import exact
 from hicache.layout import LayerKind, ModelLayout
 from hicache.types import ConfigError
 

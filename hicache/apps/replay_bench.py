@@ -1,8 +1,8 @@
 """``hicache bench replay``: trace replay through the cache, against the offline bounds.
 
 For every device capacity (and the host capacity), every listed eviction policy replays
-the trace through a fresh cache (:mod:`hicache.replay`), and the table puts its hit
-ratios next to two bounds computed on the same trace (:mod:`hicache.replay_bounds`): the
+the trace through a fresh cache (:mod:`hicache.apps.replay`), and the table puts its hit
+ratios next to two bounds computed on the same trace (:mod:`hicache.apps.replay_bounds`): the
 infinite cache, and the offline optimum for the device capacity and for device + host as
 one cache (an upper bound of any two-tier policy). Capacities are in trace blocks, given
 as a count or as a percentage of the trace's distinct blocks (``5%``).
@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
-from hicache.config import EvictionPolicyKind, WritePolicy
-from hicache.replay import (
+from hicache.apps.replay import (
     BlockShape,
     OutputTokens,
     ReplayError,
@@ -35,7 +34,8 @@ from hicache.replay import (
     replay,
     unique_blocks,
 )
-from hicache.replay_bounds import infinite_hits, optimal_hits
+from hicache.apps.replay_bounds import infinite_hits, optimal_hits
+from hicache.config import EvictionPolicyKind, WritePolicy
 from hicache.types import ConfigError
 
 

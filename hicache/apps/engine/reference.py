@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hicache.engine.model import HybridModel
+from hicache.apps.engine.model import HybridModel
 from hicache.pools import DevicePools
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 64

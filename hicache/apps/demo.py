@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hicache.engine.cluster import EngineCluster, SidecarProcess, SidecarSettings
-from hicache.engine.config import DEFAULT_KINDS
-from hicache.engine.demo_report import (
+from hicache.apps.engine.cluster import EngineCluster, SidecarProcess, SidecarSettings
+from hicache.apps.engine.config import DEFAULT_KINDS
+from hicache.apps.engine.demo_report import (
     DIRECTIONS,
     PhaseReport,
     Progress,
@@ -46,10 +46,10 @@ from hicache.engine.demo_report import (
     phase_table,
     write_plot,
 )
-from hicache.engine.model import tiny_hybrid
-from hicache.engine.scheduler import RequestResult
-from hicache.engine.worker import WorkerError, WorkerSettings
-from hicache.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
+from hicache.apps.engine.model import tiny_hybrid
+from hicache.apps.engine.scheduler import RequestResult
+from hicache.apps.engine.worker import WorkerError, WorkerSettings
+from hicache.apps.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
 from hicache.types import ConfigError
 
 ENGINES = 2
@@ -445,7 +445,7 @@ def report_demo(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hicache.demo`` (the same as ``hicache demo``)."""
+    """``python -m hicache.apps.demo`` (the same as ``hicache demo``)."""
     parser = argparse.ArgumentParser(prog="hicache demo", description=__doc__.split("\n\n")[0])
     add_demo_arguments(parser)
     return run_demo(parser.parse_args(argv))

@@ -6,7 +6,7 @@ state in the request's state slot. A forward pass takes, per request, the new to
 their positions, the FULL slots of *all* tokens so far and the Mamba slot, and returns
 float32 logits for the new tokens.
 
-Its arithmetic is batch-invariant by construction (:mod:`hicache.engine.exact`): the
+Its arithmetic is batch-invariant by construction (:mod:`hicache.apps.engine.exact`): the
 logits of a token are bit-identical whether its sequence was processed in one chunk, in
 page-aligned chunks, token by token, batched with other requests, or resumed from KV and
 state that were computed earlier in another chunking or loaded from the cache. This is
@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hicache.config import CacheConfig
-from hicache.engine import exact
-from hicache.engine.config import DEFAULT_KINDS, ModelConfig, mamba_dims, tiny_hybrid_layout
-from hicache.engine.layers import (
+from hicache.apps.engine import exact
+from hicache.apps.engine.config import DEFAULT_KINDS, ModelConfig, mamba_dims, tiny_hybrid_layout
+from hicache.apps.engine.layers import (
     AttentionWeights,
     KeyAddressing,
     MambaStep,
@@ -41,6 +40,7 @@ from hicache.engine.layers import (
     attention,
     mamba,
 )
+from hicache.config import CacheConfig
 from hicache.layout import LayerKind, ModelLayout
 from hicache.pools import DevicePools
 from hicache.types import ConfigError
@@ -178,7 +178,7 @@ class HybridModel:
 
     Each layer is ``h += mixer(rms_norm(h))``, the mixer being attention (rotary, grouped
     KV heads; full or sliding-window) or a Mamba2-style conv + SSM; a final norm and the
-    LM head give the logits. Activations are float64 (see :mod:`hicache.engine.exact`),
+    LM head give the logits. Activations are float64 (see :mod:`hicache.apps.engine.exact`),
     K/V are stored in the layout's dtype and Mamba state in its state dtype. Two models
     built from equal layouts and configs have bit-identical weights, in any process on
     the same torch build.

@@ -19,7 +19,7 @@ only take room. ``INSERT`` allocates and caches them as unique blocks, to measur
 
 Time: requests are admitted in timestamp order. With ``decode_ms_per_token`` = 0 (the
 default) each request finishes before the next one starts, which is the model the offline
-bounds (:mod:`hicache.replay_bounds`) assume. Otherwise a request stays in flight, holding
+bounds (:mod:`hicache.apps.replay_bounds`) assume. Otherwise a request stays in flight, holding
 its prefix and slots, until ``timestamp / time_scale + output_length ×
 decode_ms_per_token``; a request that finds the device full of held slots waits for the
 earliest one in flight to finish.

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hicache.apps.engine.model import HybridModel, SequenceChunk, page_boundaries
 from hicache.cache import UnifiedRadixCache
-from hicache.engine.model import HybridModel, SequenceChunk, page_boundaries
 from hicache.request import Request
 from hicache.types import ConfigError, PoolExhaustedError
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.engine.scheduler import GenerationRequest, RequestResult
+from hicache.apps.engine.scheduler import GenerationRequest, RequestResult
 from hicache.types import ConfigError
 
 
