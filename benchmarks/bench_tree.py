@@ -11,18 +11,31 @@ matches a prompt the device evicted and the host tier holds (the lookup of every
 through an in-process ``LocalController``), against the same match while it is on the
 device.
 
-    .venv/bin/python benchmarks/bench_tree.py [--quick]
+    .venv/bin/python benchmarks/bench_tree.py [--quick] [--compare-ref REF]
+
+With ``--compare-ref REF`` (a git revision) the same cases also run on that revision's code,
+in the same process: its library (``git archive`` of it) is imported as ``hicache_ref``,
+and the two take turns case by case over several rounds, so that both see the same load
+of a shared machine. Each side keeps its best time per operation; the table prints both
+and this checkout's time as a ratio of the revision's (below 1: faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import platform
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
-
-from hicache import CacheConfig, DevicePools, ModelLayout, UnifiedRadixCache
 
 TURNS = 4
 SYSTEM_PROMPTS = 64
@@ -51,7 +64,11 @@ def floor_cost(requests: list[np.ndarray], page_size: int) -> float:
     return (time.perf_counter() - start) / len(requests)
 
 
-def run_case(prompt_len: int, page_size: int, conversations: int) -> dict:
+def run_case(prompt_len: int, page_size: int, conversations: int, lib: str = "hicache") -> dict:
+    """The tree workload on library ``lib`` (``hicache``, or ``hicache_ref``)."""
+    api = importlib.import_module(lib)
+    CacheConfig, DevicePools = api.CacheConfig, api.DevicePools
+    ModelLayout, UnifiedRadixCache = api.ModelLayout, api.UnifiedRadixCache
     layout = ModelLayout(("full",), num_kv_heads=1, head_dim=1, dtype="float32")
     requests = make_workload(prompt_len, conversations)
     total_tokens = sum(r.size for r in requests)
@@ -100,12 +117,17 @@ def run_case(prompt_len: int, page_size: int, conversations: int) -> dict:
     }
 
 
-def run_host_case(prompt_len: int, page_size: int, kinds: tuple[str, ...]) -> dict:
+def run_host_case(
+    prompt_len: int, page_size: int, kinds: tuple[str, ...], lib: str = "hicache"
+) -> dict:
     """match_prefix of a prompt the device evicted and the host tier (an in-process
     ``LocalController``) holds: the tree walk plus the controller lookup of every page,
     against a match of the same prompt while it is on the device."""
-    from hicache.controller.config import ControllerConfig
-    from hicache.controller.local import LocalController
+    api = importlib.import_module(lib)
+    CacheConfig, DevicePools = api.CacheConfig, api.DevicePools
+    ModelLayout, UnifiedRadixCache = api.ModelLayout, api.UnifiedRadixCache
+    ControllerConfig = importlib.import_module(f"{lib}.controller.config").ControllerConfig
+    LocalController = importlib.import_module(f"{lib}.controller.local").LocalController
 
     layout = ModelLayout(kinds, num_kv_heads=1, head_dim=1, dtype="float32")
     cfg = CacheConfig(page_size=page_size, full_slots=2 * prompt_len, sliding_window=1024)
@@ -135,11 +157,90 @@ def run_host_case(prompt_len: int, page_size: int, kinds: tuple[str, ...]) -> di
     return {"device_us": device_us, "host_us": host_us, "pages": tokens.size // page_size}
 
 
+TREE_CASES = [(p, ps) for p in (1024, 8192) for ps in (1, 16, 64)]
+HOST_CASES = [(p, kinds) for p in (1024, 8192) for kinds in (("full",), ("full", "swa"))]
+TREE_OPS = ("match_us", "match_warm_us", "insert_us", "evict_us")
+HOST_OPS = ("host_us", "device_us")
+
+
+def cases(conversations: int) -> list[tuple[str, tuple[str, ...], object]]:
+    """(name, operations, run(lib) -> results) of every case."""
+    out = []
+    for prompt_len, page_size in TREE_CASES:
+        out.append(
+            (
+                f"tree {prompt_len} p{page_size}",
+                TREE_OPS,
+                lambda lib, p=prompt_len, ps=page_size: run_case(p, ps, conversations, lib),
+            )
+        )
+    for prompt_len, kinds in HOST_CASES:
+        out.append(
+            (
+                f"host {prompt_len} {'+'.join(kinds)}",
+                HOST_OPS,
+                lambda lib, p=prompt_len, k=kinds: run_host_case(p, 16, k, lib),
+            )
+        )
+    return out
+
+
+def import_revision(ref: str, into: Path) -> ModuleType:
+    """The library of git revision ``ref`` as package ``hicache_ref`` (its controller and
+    kernels folders as ``hicache_ref.controller`` and ``.kernels``), written under ``into``."""
+    here = Path(__file__).resolve().parents[1]
+    tar = subprocess.run(
+        ["git", "-C", str(here), "archive", ref, "hicache", "controller", "kernels"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    package = into / "hicache_ref"
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        for member in archive.getmembers():
+            if not member.isfile() or not member.name.endswith(".py"):
+                continue
+            top, _, rest = member.name.partition("/")
+            dest = package / rest if top == "hicache" else package / top / rest
+            text = archive.extractfile(member).read().decode()
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(re.sub(r"\bhicache(?=[.\s])", "hicache_ref", text))
+    sys.path.insert(0, str(into))
+    return importlib.import_module("hicache_ref")
+
+
+def compare(ref: str, conversations: int, rounds: int) -> None:
+    """Both libraries' best time per operation over ``rounds`` turns per case."""
+    with tempfile.TemporaryDirectory(prefix="bench-tree-ref-") as tmp:
+        import_revision(ref, Path(tmp))
+        best: dict[str, dict[str, dict[str, float]]] = {}
+        for name, ops, run in cases(conversations):
+            mine = best.setdefault(name, {"hicache_ref": {}, "hicache": {}})
+            for _ in range(rounds):
+                for lib in ("hicache_ref", "hicache"):
+                    r = run(lib)
+                    for op in ops:
+                        mine[lib][op] = min(r[op], mine[lib].get(op, float("inf")))
+    print(f"# this checkout against {ref}: best of {rounds} turns each, µs per call")
+    print(f"{'case':>22} {'operation':>14} {'ref µs':>9} {'this µs':>9} {'this/ref':>8}")
+    worst = 0.0
+    for name, sides in best.items():
+        for op, ref_us in sides["hicache_ref"].items():
+            this_us = sides["hicache"][op]
+            worst = max(worst, this_us / ref_us)
+            print(f"{name:>22} {op:>14} {ref_us:>9.1f} {this_us:>9.1f} {this_us / ref_us:>8.2f}")
+    print(f"# slowest ratio: {worst:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer conversations")
+    parser.add_argument("--compare-ref", metavar="REF", help="a git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=5, help="turns per side and case")
     args = parser.parse_args()
     conversations = 64 if args.quick else 256
+    if args.compare_ref:
+        compare(args.compare_ref, conversations, args.rounds)
+        return
     print(
         f"# tree benchmark, {platform.processor() or platform.machine()}, "
         f"python {platform.python_version()}, {conversations} conversations x {TURNS} turns"
@@ -150,17 +251,16 @@ def main() -> None:
         f"{'floor µs':>8} {'warm/floor':>10}"
     )
     print(header)
-    for prompt_len in (1024, 8192):
-        for page_size in (1, 16, 64):
-            r = run_case(prompt_len, page_size, conversations)
-            print(
-                f"{r['prompt']:>6} {r['page']:>4} {100 * r['hit_ratio']:>5.1f} "
-                f"{r['match_us']:>9.1f} {r['match_warm_us']:>8.1f} "
-                f"{1e6 / r['match_warm_us']:>9.0f} {r['insert_us']:>9.1f} "
-                f"{1e6 / r['insert_us']:>9.0f} {r['evict_us']:>8.1f} "
-                f"{1e6 / r['evict_us']:>9.0f} {r['floor_us']:>8.1f} "
-                f"{r['match_warm_us'] / r['floor_us']:>10.2f}"
-            )
+    for prompt_len, page_size in TREE_CASES:
+        r = run_case(prompt_len, page_size, conversations)
+        print(
+            f"{r['prompt']:>6} {r['page']:>4} {100 * r['hit_ratio']:>5.1f} "
+            f"{r['match_us']:>9.1f} {r['match_warm_us']:>8.1f} "
+            f"{1e6 / r['match_warm_us']:>9.0f} {r['insert_us']:>9.1f} "
+            f"{1e6 / r['insert_us']:>9.0f} {r['evict_us']:>8.1f} "
+            f"{1e6 / r['evict_us']:>9.0f} {r['floor_us']:>8.1f} "
+            f"{r['match_warm_us'] / r['floor_us']:>10.2f}"
+        )
     print("\n# match of a prompt on the host tier (LocalController), page 16")
     print(
         f"{'prompt':>6} {'layout':>9} {'pages':>5} {'host-hit µs':>11} {'device-hit µs':>13} "

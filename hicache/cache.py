@@ -85,6 +85,7 @@ class UnifiedRadixCache:
             layout.fingerprint(config.page_size),
             leaf_policy or make_leaf_policy(config),
         )
+        # The component that insert's ``mamba_slot`` (ARCHITECTURE §4) hands a value to.
         self.mamba = self.tree.by_type.get(ComponentType.MAMBA)
         self.quarantine = Quarantine(self.counters)
         self.backups: Backups | None = None

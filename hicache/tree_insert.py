@@ -57,11 +57,14 @@ class TreeInsert:
             return 0, []
         key = arr.tobytes()
         aux = tree.components[1:]
-        own_pages = slots[prev_prefix_len:n:ps] // ps
-        # Where the request's pages of a component begin (SWA's may have fallen out of its
-        # window at the front): nodes are cut there, so the part after it can be filled
-        # (host-only) or can adopt them (a tombstone on the device).
-        valid_from = {c.idx: c.insert_valid_from(own_pages, prev_prefix_len, n) for c in aux}
+        valid_from: dict[int, Any] = {}
+        if aux:
+            # Where the request's pages of a component begin (SWA's may have fallen out of
+            # its window at the front): nodes are cut there, so the part after it can be
+            # filled (host-only) or can adopt them (a tombstone on the device).
+            own_pages = slots[prev_prefix_len:n:ps] // ps
+            for c in aux:
+                valid_from[c.idx] = c.insert_valid_from(own_pages, prev_prefix_len, n)
         cuts = sorted({v for v in valid_from.values() if v is not None})
         node, pos, cached, touched = root, 0, 0, []
         while pos < n:
@@ -110,6 +113,7 @@ class TreeInsert:
         component's value from what the request holds with them."""
         tree = self.tree
         tree.set_value(node, tree.base, slots.copy())
-        pages = slots[:: tree.page_size] // tree.page_size
-        for comp in tree.components[1:]:
-            comp.fill_from_request(node, pages, valid_from[comp.idx])
+        if valid_from:
+            pages = slots[:: tree.page_size] // tree.page_size
+            for comp in tree.components[1:]:
+                comp.fill_from_request(node, pages, valid_from[comp.idx])
