@@ -27,12 +27,13 @@ import ctypes
 import hmac
 import logging
 import math
+import mmap
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ from hicache.controller_api import ControllerError
 from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
 from hicache.pools import SEGMENT_KEY_BYTES, DevicePools
 from hicache.types import ConfigError
+
+if TYPE_CHECKING:
+    from hicache.controller.fd_pass import FdInbox
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +258,8 @@ def _segment_names(buffers: dict[str, Any]) -> None:
     pools in one memory would overwrite each other; ``/x`` and ``x`` are one segment)."""
     seen: dict[str, str] = {}
     for buf_name, d in buffers.items():
+        if d.get("kind") != "shm":
+            continue
         name = d.get("shm_name")
         if not isinstance(name, str) or not _SHM_NAME.match(name):
             raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
@@ -263,6 +269,42 @@ def _segment_names(buffers: dict[str, Any]) -> None:
                 f"buffers {other!r} and {buf_name!r} name the same segment {name!r}: each "
                 "pool has a segment of its own"
             )
+
+
+def _map_memfd(
+    desc: dict[str, Any], segments: list, peer: PeerCredentials, inbox: FdInbox | None
+) -> torch.Tensor:
+    """A pool in anonymous shared memory whose descriptor the engine handed over on the
+    descriptor socket (controller/fd_pass.py), named by its ticket."""
+    if inbox is None:
+        raise RegistrationRefused("this sidecar takes no memory descriptors (no descriptor socket)")
+    dtype, shape = _check_shape(desc)
+    offset = desc.get("offset", 0)
+    if type(offset) is not int or offset < 0 or offset % dtype.itemsize:
+        raise RegistrationRefused(f"a memfd buffer's offset must be a whole number of {dtype}")
+    fd = inbox.take(desc.get("ticket"), peer)
+    if fd is None:
+        raise RegistrationRefused(
+            "unknown, expired or foreign descriptor ticket: the registering process must "
+            "hand its descriptor to the sidecar's descriptor socket first"
+        )
+    try:
+        st = os.fstat(fd)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if st.st_uid != peer.uid:
+            raise RegistrationRefused("the descriptor's memory belongs to another user")
+        if offset + nbytes > st.st_size or st.st_size == 0:
+            raise RegistrationRefused(
+                f"the descriptor's memory holds {st.st_size} bytes, fewer than the "
+                f"{offset + nbytes} its offset and shape {shape} of {dtype_name(dtype)} need"
+            )
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    segments.append(mm)
+    # Through NumPy, which holds an export of the mapping while a tensor lives (see _map_shm).
+    raw = np.frombuffer(mm, dtype=np.uint8, count=max(nbytes, 1), offset=offset)
+    return torch.from_numpy(raw)[:nbytes].view(dtype).view(shape)
 
 
 def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
@@ -393,6 +435,7 @@ def map_pools(
     desc: dict[str, Any],
     allowed_gpus: Sequence[str] = (),
     peer: PeerCredentials | None = _THIS_PROCESS,
+    fd_inbox: FdInbox | None = None,
 ) -> MappedPools:
     """Map an engine's exported pools; raises RegistrationRefused saying what is wrong.
 
@@ -413,19 +456,23 @@ def map_pools(
             "device pools are registered only over the sidecar's Unix socket, by a process "
             "of the node: a TCP peer cannot name this machine's memory"
         )
-    kind = "shm" if device == "cpu" else "cuda_ipc"
+    kinds = ("shm", "memfd") if device == "cpu" else ("cuda_ipc",)
     for name, d in buffers.items():
         if not isinstance(d, dict):
             raise RegistrationRefused(f"buffer {name!r} must be a map")
-        if d.get("kind") != kind:
-            raise RegistrationRefused(f"buffer {name!r}: a {device} pool is shared as {kind}")
+        if d.get("kind") not in kinds:
+            raise RegistrationRefused(
+                f"buffer {name!r}: a {device} pool is shared as {' or '.join(kinds)}"
+            )
     if device == "cpu":
         _segment_names(buffers)
     segments: list[shared_memory.SharedMemory] = []
     tensors: dict[str, torch.Tensor] = {}
     try:
         for name, d in buffers.items():
-            if device == "cpu":
+            if d["kind"] == "memfd":
+                tensors[name] = _map_memfd(d, segments, peer, fd_inbox)
+            elif device == "cpu":
                 tensors[name] = _map_shm(d, segments, peer)
             else:
                 tensors[name] = _map_cuda(d, allowed_gpus)

@@ -45,6 +45,7 @@ import zmq
 import zmq.auth
 
 from hicache.controller.fair_lane import FairLane
+from hicache.controller.fd_pass import FdInbox, fd_socket_path
 from hicache.controller.local import LocalController
 from hicache.controller.metrics import SidecarMetrics
 from hicache.controller.protocol import (
@@ -170,6 +171,7 @@ class SidecarServer:
         self.started = time.monotonic()
         self.endpoints: list[str] = []
         self.admin_token = b""
+        self.fd_inbox: FdInbox | None = None  # memory descriptors (controller/fd_pass.py)
         self.conns: dict[tuple[int, bytes], Connection] = {}
         self.engines: dict[str, Connection] = {}
         self.stopping = False
@@ -351,6 +353,7 @@ class SidecarServer:
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(self._reply_addr)
         self.endpoints.append(self._bind_ipc())
+        self.fd_inbox = FdInbox(fd_socket_path(self.config.socket))
         if self.config.tcp_endpoint:
             self.endpoints.append(self._bind_tcp())
         log.info("listening on %s", ", ".join(self.endpoints))
@@ -688,6 +691,8 @@ class SidecarServer:
             self._auth.stop()
         with contextlib.suppress(OSError):
             self.config.socket.unlink()
+        if self.fd_inbox is not None:
+            self.fd_inbox.close()
         self._ctx.destroy(linger=0)
         log.info("sockets closed")
 

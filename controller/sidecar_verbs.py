@@ -253,7 +253,9 @@ class VerbHandlers:
         if conn.dropped:  # a newer connection of the engine came meanwhile: it registers
             raise ProtocolError(ErrorCode.NO_SESSION, "the session ended before register")
         try:
-            mapped = map_pools(conn.layout, page_size, desc, srv.config.gpu_uuids, conn.peer)
+            mapped = map_pools(
+                conn.layout, page_size, desc, srv.config.gpu_uuids, conn.peer, srv.fd_inbox
+            )
         except RegistrationRefused as exc:
             srv.metrics.registrations.labels("refused").inc()
             raise ProtocolError(ErrorCode.REGISTRATION_REFUSED, str(exc)) from None
