@@ -161,6 +161,8 @@ class HiCacheOffloadingManager(OffloadingManager):
         tier = state.answers.get(key)
         if tier is None and state.pending is None:
             # Every key of the request this manager has not asked about, this one first.
+            # vLLM records them all in the context before its first lookup; the context
+            # has no public way to list them (vllm 0.32).
             keys = [key, *(k for k in req_context._offload_key_positions if k != key)]
             state.pending_keys = [k for k in keys if k not in state.answers]
             state.deadline = time.monotonic() + self.config.lookup_deadline_ms / 1000

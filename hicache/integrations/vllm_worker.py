@@ -367,7 +367,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         receipt = self.client.pin([PageKey(FULL, h) for h in hashes], self.config.pin_ttl_s)
         if receipt is None:
             return False, None
-        refs = [PageRef(FULL, h, h, page) for h, page in zip(hashes, pages.tolist())]
+        # A load names pages by hash; the chain (parent) matters only to stores.
+        root = self.namespace.root_hash
+        refs = [PageRef(FULL, h, root, page) for h, page in zip(hashes, pages.tolist())]
         try:
             outcome = self.client.load(refs, receipt, self.config.load_timeout_s)
         finally:

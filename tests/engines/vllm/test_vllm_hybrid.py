@@ -269,3 +269,21 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     again = request("no-state-again", other)
     scheduler.on_new_request(again)
     assert lookup_until_answered(scheduler, again) == 0
+
+
+def test_the_indexed_copy_a_gpu_runs_moves_the_bytes_the_memmove_path_moves(hybrid) -> None:
+    """On a GPU the worker copies with indexed tensor copies instead of memmoves: on CPU
+    tensors both must stage the same bytes of every group, and restore them."""
+    _, _, worker, caches, _ = hybrid
+    pairs = [(0, FULL_G, 3), (1, SWA_G, 9), (2, MAMBA_G, 14), (3, FULL_G, 4)]
+    by_memmove, by_index = worker.staging.alloc(len(pairs)), worker.staging.alloc(len(pairs))
+    worker._copy(pairs, by_memmove, to_stage=True)
+    worker._copy_indexed(pairs, by_index, to_stage=True)
+    for half in worker.staging.halves:
+        assert torch.equal(half[torch.from_numpy(by_memmove)], half[torch.from_numpy(by_index)])
+    back = [(k, group, block + 40) for k, group, block in pairs]
+    worker._copy_indexed(back, by_index, to_stage=False)
+    for (_, group, block), (_, _, restored) in zip(pairs, back):
+        assert caches.block(group, restored) == caches.block(group, block)
+    worker.staging.free(by_memmove)
+    worker.staging.free(by_index)
