@@ -424,21 +424,22 @@ class LocalController:
                     return None
                 chunk = keys[start : start + _PIN_CHUNK_KEYS]
                 entries = []
-                missing = []
+                missing: list[PageKey] | None = []  # hinted remotely: read below
                 for k in chunk:
                     e = store.index.get(k.storage_key())
-                    if e is None or not e.held:
-                        missing.append(k)
-                    else:
+                    if e is not None and e.held:
                         entries.append(e)
-                if missing:
-                    remote = store.remote
-                    if remote is None or not remote.fill_locked(missing):
-                        if rec is not None:
-                            store.pins.release(rec.pin_id)
-                        self.counters.fail(Failure.PIN_ABSENT)
-                        return None
-                    entries += [store.index.get(k.storage_key()) for k in missing]
+                    elif store.remote is not None and store.remote.hinted(k):
+                        missing.append(k)
+                    else:  # absent: fail at once, a pin of many keys must not scan on
+                        missing = None
+                        break
+                if missing is None or (missing and not store.remote.fill_locked(missing)):
+                    if rec is not None:
+                        store.pins.release(rec.pin_id)
+                    self.counters.fail(Failure.PIN_ABSENT)
+                    return None
+                entries += [store.index.get(k.storage_key()) for k in missing]
                 if rec is None:
                     rec = store.pins.add(engine_id, entries, time.monotonic() + ttl)
                 else:
@@ -463,13 +464,16 @@ class LocalController:
         fills: list[Future] = []
         ok = True
         with self._store.lock:
-            remote = self._store.remote
-            index = self._store.index
-            missing = [
-                k for k in keys if (e := index.get(k.storage_key())) is None or not e.held
-            ]
-            if missing:
-                ok = remote is not None and remote.fill_locked(missing)
+            remote, index = self._store.remote, self._store.index
+            if remote is not None:  # the hinted pages no local tier holds: read them in
+                missing = [
+                    k
+                    for k in keys
+                    if ((e := index.get(k.storage_key())) is None or not e.held)
+                    and remote.hinted(k)
+                ]
+                if missing and not remote.fill_locked(missing):
+                    ok = False
             for k in keys:
                 e = self._store.index.get(k.storage_key())
                 if e is None or not e.held:

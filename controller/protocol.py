@@ -478,6 +478,9 @@ def _column(v: Any, name: str, itemsize: int, n: int | None) -> bytes:
     return v
 
 
+_COMPONENT_BY_TAG = {int(c): c for c in ComponentType}
+
+
 def _components(raw: bytes) -> list[ComponentType]:
     tags = np.frombuffer(raw, dtype=np.uint8)
     if tags.size > _MAX_PAGES:
@@ -485,7 +488,8 @@ def _components(raw: bytes) -> list[ComponentType]:
     bad = set(np.unique(tags).tolist()) - _COMPONENT_TAGS
     if bad:
         raise _bad(f"unknown component tag(s) {sorted(bad)}; known: {sorted(_COMPONENT_TAGS)}")
-    return [ComponentType(t) for t in tags.tolist()]
+    by_tag = _COMPONENT_BY_TAG  # a dict lookup: an enum call per page costs ~1 µs
+    return [by_tag[t] for t in tags.tolist()]
 
 
 def _split_hashes(raw: bytes) -> list[bytes]:
