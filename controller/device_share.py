@@ -27,7 +27,6 @@ import ctypes
 import hmac
 import logging
 import math
-import mmap
 import os
 import re
 from collections.abc import Sequence
@@ -279,32 +278,14 @@ def _map_memfd(
     if inbox is None:
         raise RegistrationRefused("this sidecar takes no memory descriptors (no descriptor socket)")
     dtype, shape = _check_shape(desc)
-    offset = desc.get("offset", 0)
-    if type(offset) is not int or offset < 0 or offset % dtype.itemsize:
-        raise RegistrationRefused(f"a memfd buffer's offset must be a whole number of {dtype}")
-    fd = inbox.take(desc.get("ticket"), peer)
-    if fd is None:
-        raise RegistrationRefused(
-            "unknown, expired or foreign descriptor ticket: the registering process must "
-            "hand its descriptor to the sidecar's descriptor socket first"
-        )
     try:
-        st = os.fstat(fd)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if st.st_uid != peer.uid:
-            raise RegistrationRefused("the descriptor's memory belongs to another user")
-        if offset + nbytes > st.st_size or st.st_size == 0:
-            raise RegistrationRefused(
-                f"the descriptor's memory holds {st.st_size} bytes, fewer than the "
-                f"{offset + nbytes} its offset and shape {shape} of {dtype_name(dtype)} need"
-            )
-        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    segments.append(mm)
-    # Through NumPy, which holds an export of the mapping while a tensor lives (see _map_shm).
-    raw = np.frombuffer(mm, dtype=np.uint8, count=max(nbytes, 1), offset=offset)
-    return torch.from_numpy(raw)[:nbytes].view(dtype).view(shape)
+        tensor, mapping = inbox.map_descriptor(
+            desc.get("ticket"), peer, dtype, shape, desc.get("offset", 0)
+        )
+    except ValueError as exc:
+        raise RegistrationRefused(str(exc)) from None
+    segments.append(mapping)
+    return tensor
 
 
 def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import array
 import logging
+import math
+import mmap
 import os
 import secrets
 import socket
@@ -26,6 +28,9 @@ import struct
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from hicache.controller.security import PeerCredentials
 
@@ -145,6 +150,40 @@ class FdInbox:
                 return None
             del self._held[ticket]
         return held[0]
+
+    def map_descriptor(
+        self, ticket: object, peer: PeerCredentials, dtype: torch.dtype, shape: list[int],
+        offset: object,
+    ) -> tuple[torch.Tensor, mmap.mmap]:
+        """The memory under ``ticket`` as a ``dtype`` tensor of ``shape`` from byte
+        ``offset``, and its mapping (closed by the caller once no tensor uses it). Raises
+        ValueError saying what is wrong: a ticket that is not ``peer``'s, memory of
+        another user, or too small."""
+        if type(offset) is not int or offset < 0 or offset % dtype.itemsize:
+            raise ValueError(f"a memfd buffer's offset must be a whole number of {dtype}")
+        fd = self.take(ticket, peer)
+        if fd is None:
+            raise ValueError(
+                "unknown, expired or foreign descriptor ticket: the registering process must "
+                "hand its descriptor to the sidecar's descriptor socket first"
+            )
+        try:
+            st = os.fstat(fd)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if st.st_uid != peer.uid:
+                raise ValueError("the descriptor's memory belongs to another user")
+            if offset + nbytes > st.st_size or st.st_size == 0:
+                raise ValueError(
+                    f"the descriptor's memory holds {st.st_size} bytes, fewer than the "
+                    f"{offset + nbytes} its offset and shape {shape} need"
+                )
+            mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        # Through NumPy, whose array holds an export of the mapping while a tensor lives:
+        # closing the mapping then fails (BufferError) instead of unmapping under a copy.
+        raw = np.frombuffer(mapping, dtype=np.uint8, count=max(nbytes, 1), offset=offset)
+        return torch.from_numpy(raw)[:nbytes].view(dtype).view(shape), mapping
 
     def close(self) -> None:
         """Stop accepting, close every unredeemed descriptor and remove the socket."""

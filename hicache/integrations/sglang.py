@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +40,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.controller.channel import SidecarClientConfig
 from hicache.controller.client import SidecarController
-from hicache.controller_api import PageKey, PageRef, Presence
 from hicache.integrations.sglang_pages import (
     POOL_COMPONENTS,
     PageHasher,
@@ -51,6 +49,7 @@ from hicache.integrations.sglang_pages import (
     sidecar_layout,
 )
 from hicache.integrations.sglang_staging import Staging
+from hicache.integrations.sglang_transfers import SidecarPages
 from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
 from hicache.types import ComponentType
 
@@ -94,6 +93,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.controller: SidecarController | None = None
         self.staging: Staging | None = None
         self.hasher: PageHasher | None = None
+        self.pages: SidecarPages | None = None  # the transfers, once registered
         self.page_size = 0
         self.zero_copy = False  # the sidecar maps the KV host pool itself
         self._lock = threading.Lock()
@@ -155,6 +155,9 @@ class HiCacheSidecarStorage(HiCacheStorage):
         else:
             self.controller.register(layout, self.page_size, self.staging.pools)
         self.layout = layout
+        self.pages = SidecarPages(
+            self.controller, self.hasher, self.staging, self.page_size, o, self.counters
+        )
         log.info("hicache L3 namespace %s (pools: %s; KV %s)", layout.model_id,
                  ", ".join(pools), "zero-copy" if self.zero_copy else "through staging")
 
@@ -163,19 +166,11 @@ class HiCacheSidecarStorage(HiCacheStorage):
 
     # -- presence ------------------------------------------------------------------------
 
-    def _present(self, keys: Sequence[str], components: Sequence[ComponentType]) -> dict:
-        """Per component, a bool per key: held on host or disk (all False when unavailable)."""
-        if self.controller is None or not keys:
-            return {c: [False] * len(keys) for c in components}
-        hashes = [self.hasher.page_hash(k) for k in keys]
-        res = self.controller.lookup(hashes, list(dict.fromkeys(components)))
-        return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
-
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading KV pages are held."""
-        row = self._guarded("exists", lambda: self._present(keys, [ComponentType.FULL]), None)
+        row = self._guarded("exists", lambda: self.pages.present(keys, [ComponentType.FULL]), None)
         if row is None:
             return 0
         return _leading(row[ComponentType.FULL])
@@ -200,7 +195,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         comps = [ComponentType.FULL] + [
             POOL_COMPONENTS[str(t.name)] for t in transfers if str(t.name) in POOL_COMPONENTS
         ]
-        present = self._present(keys, comps)
+        present = self.pages.present(keys, comps)
         kv_pages = _leading(present[ComponentType.FULL])
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
@@ -281,11 +276,11 @@ class HiCacheSidecarStorage(HiCacheStorage):
             return [False] * len(keys)
         if name == "kv" and self.zero_copy:
             return self._guarded(
-                "set", lambda: self._store_direct(keys, offsets, prefix), [False] * len(keys)
+                "set", lambda: self.pages.store_direct(keys, offsets, prefix), [False] * len(keys)
             )
         pages = [pool.get_data_page(o, flat=True) for o in offsets]
         return self._guarded(
-            "set", lambda: self._store(POOL_COMPONENTS[name], keys, pages, prefix),
+            "set", lambda: self.pages.store(POOL_COMPONENTS[name], keys, pages, prefix),
             [False] * len(keys),
         )
 
@@ -297,168 +292,24 @@ class HiCacheSidecarStorage(HiCacheStorage):
         if offsets is None:
             return [False] * len(keys)
         if name == "kv" and self.zero_copy:
-            return self._guarded("get", lambda: self._fetch_direct(keys, offsets),
+            return self._guarded("get", lambda: self.pages.fetch_direct(keys, offsets),
                                  [False] * len(keys))
         dtype = pool.get_dummy_flat_data_page().dtype
 
         def deliver(i: int, data: torch.Tensor) -> None:
             pool.set_from_flat_data_page(offsets[i], data.view(dtype))
 
+        component = POOL_COMPONENTS[name]
         return self._guarded(
-            "get", lambda: self._fetch(POOL_COMPONENTS[name], keys, deliver), [False] * len(keys)
+            "get", lambda: self.pages.fetch(component, keys, deliver), [False] * len(keys)
         )
 
     # -- the two transfers -----------------------------------------------------------------
 
-    def _store(
-        self,
-        component: ComponentType,
-        keys: list[str],
-        pages: list[torch.Tensor],
-        prefix: list[str] | None,
-    ) -> list[bool]:
-        """Back ``pages`` up under ``keys``: all True once the sidecar holds them."""
-        half = self.staging.set_half
-        hashes, parents = self.hasher.chain(keys, prefix)
-        ok = [False] * len(keys)
-        for start in range(0, len(keys), half.count):
-            end = min(start + half.count, len(keys))
-            with half.lock:
-                if not half.usable() or not self.controller.available:
-                    self.counters["set_unavailable"] += end - start
-                    return ok
-                refs = []
-                for j, i in enumerate(range(start, end)):
-                    self.staging.write(component, half.first + j, pages[i])
-                    refs.append(PageRef(component, hashes[i], parents[i], half.first + j))
-                handle = self.controller.backup(refs)
-                done = handle.wait()
-                if not handle.done():
-                    half.unsettled.append(handle)
-            if not done:
-                self.counters["set_failed"] += end - start
-                return ok
-            ok[start:end] = [True] * (end - start)
-            self.counters["set_pages"] += end - start
-        return ok
-
-    def _fetch(
-        self,
-        component: ComponentType,
-        keys: list[str],
-        deliver: Callable[[int, torch.Tensor], None],
-    ) -> list[bool]:
-        """Load every held page of ``keys`` and hand it to ``deliver(i, bytes)``."""
-        half = self.staging.get_half
-        ok = [False] * len(keys)
-        for start in range(0, len(keys), half.count):
-            chunk = list(range(start, min(start + half.count, len(keys))))
-            with half.lock:
-                if not half.usable() or not self.controller.available:
-                    self.counters["get_unavailable"] += len(chunk)
-                    return ok
-                loaded = self._load_chunk(
-                    component, [keys[i] for i in chunk], lambda j: half.first + j,
-                    half.unsettled.append,
-                )
-                for j in loaded:
-                    deliver(chunk[j], self.staging.read(component, half.first + j))
-                    ok[chunk[j]] = True
-        self.counters["get_pages"] += sum(ok)
-        self.counters["get_misses"] += len(keys) - sum(ok)
-        return ok
-
-    def _load_chunk(
-        self,
-        component: ComponentType,
-        keys: list[str],
-        device_index: Callable[[int], int],
-        abandoned: Callable[[Any], None],
-    ) -> list[int]:
-        """Positions of ``keys`` loaded, the page of position j into registered page or
-        slot ``device_index(j)``; a load given up on goes to ``abandoned``. A load that
-        fails (a page found corrupt and dropped, one evicted meanwhile) is retried once
-        with what the sidecar still holds, so one bad page costs only itself."""
-        for attempt in range(2):
-            present = self._present(keys, [component])[component]
-            held = [j for j, p in enumerate(present) if p]
-            if not held:
-                return []
-            page_keys = [PageKey(component, self.hasher.page_hash(keys[j])) for j in held]
-            pin = self.controller.pin(page_keys, float(self.options["hicache_load_timeout_s"]) * 2)
-            if pin is None:
-                continue
-            refs = [PageRef(component, k.page_hash, k.page_hash, device_index(j))
-                    for k, j in zip(page_keys, held)]
-            try:
-                outcome = self.controller.load(
-                    refs, pin, float(self.options["hicache_load_timeout_s"])
-                )
-            finally:
-                self.controller.unpin(pin)
-            pending = getattr(outcome, "pending", None)
-            if pending is not None and not pending.done():
-                abandoned(pending)
-                return []
-            if outcome:
-                return held
-            self.counters["load_failed"] += 1
-            if attempt == 0:
-                log.info("hicache: a load of %d pages failed; retrying what is held", len(held))
-        return []
-
-    def _store_direct(
-        self, keys: list[str], offsets: list[int], prefix: list[str] | None
-    ) -> list[bool]:
-        """Zero-copy backup: the sidecar reads SGLang's KV host pages itself."""
-        if not self.controller.available:
-            self.counters["set_unavailable"] += len(keys)
-            return [False] * len(keys)
-        hashes, parents = self.hasher.chain(keys, prefix)
-        refs = [PageRef(ComponentType.FULL, h, p, o // self.page_size)
-                for h, p, o in zip(hashes, parents, offsets)]
-        handle = self.controller.backup(refs)
-        done = handle.wait()
-        if not handle.done():
-            self._settle(handle)
-        if not done:
-            self.counters["set_failed"] += len(keys)
-            return [False] * len(keys)
-        self.counters["set_pages"] += len(keys)
-        return [True] * len(keys)
-
-    def _fetch_direct(self, keys: list[str], offsets: list[int]) -> list[bool]:
-        """Zero-copy load: the sidecar writes SGLang's KV host pages itself."""
-        ok = [False] * len(keys)
-        if not self.controller.available:
-            self.counters["get_unavailable"] += len(keys)
-            return ok
-        for j in self._load_chunk(ComponentType.FULL, keys,
-                                  lambda j: offsets[j] // self.page_size, self._settle):
-            ok[j] = True
-        self.counters["get_pages"] += sum(ok)
-        self.counters["get_misses"] += len(keys) - sum(ok)
-        return ok
-
-    def _settle(self, transfer: Any) -> None:
-        """Wait (up to ``hicache_settle_timeout_s``) for a transfer given up on to end: it
-        names SGLang's own host pages, which SGLang reuses once this call returns. It ends
-        once the client's reconnect is fenced (the sidecar answers a new registration only
-        when the old session's requests are over)."""
-        end = time.monotonic() + float(self.options["hicache_settle_timeout_s"])
-        while not transfer.done():
-            if time.monotonic() > end:
-                self.counters["unsettled_transfers"] += 1
-                log.error("hicache: a zero-copy transfer given up on has not ended after "
-                          "%.1fs; its host pages may still be touched",
-                          self.options["hicache_settle_timeout_s"])
-                return
-            time.sleep(0.01)
-
     def _guarded(self, what: str, fn: Callable[[], Any], fallback: Any) -> Any:
         """``fn()``, or ``fallback`` (counted, logged) for anything it raises: SGLang's
         controller threads never see an exception from the backend."""
-        if self.controller is None:
+        if self.pages is None:
             self.counters[f"{what}_before_registration"] += 1
             return fallback
         try:
@@ -490,7 +341,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
             return False
         return all(
             self._guarded(
-                "set", lambda: self._store(ComponentType.FULL, keys, list(values), None),
+                "set", lambda: self.pages.store(ComponentType.FULL, keys, list(values), None),
                 [False],
             )
         )
@@ -515,7 +366,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
             targets[i].view(-1).view(torch.uint8).copy_(data)
 
         ok = self._guarded(
-            "get", lambda: self._fetch(ComponentType.FULL, keys, deliver), [False] * len(keys)
+            "get", lambda: self.pages.fetch(ComponentType.FULL, keys, deliver), [False] * len(keys)
         )
         return [t if hit else None for t, hit in zip(targets, ok)]
 
@@ -559,6 +410,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         if self.controller is not None:
             self.controller.close()
             self.controller = None
+            self.pages = None
         if self.staging is not None:
             self.staging.close()
             self.staging = None

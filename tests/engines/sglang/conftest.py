@@ -3,7 +3,9 @@ host pools built on the CPU, its reference file backend, and a hicache sidecar."
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,28 @@ def sidecar():
     car = Sidecar(workdir)
     with car:
         yield car
+
+
+@pytest.fixture(scope="session")
+def sidecar_per_layout():
+    """``get(name)``: a sidecar for one layout (a sidecar serves one), shared by the tests
+    that neither restart nor kill it; each is stopped by its PID when the session ends."""
+    started: dict[str, Sidecar] = {}
+
+    def get(layout_name: str) -> Sidecar:
+        if layout_name not in started:
+            started[layout_name] = Sidecar(short_tmpdir("hcsgl")).start()
+        return started[layout_name]
+
+    yield get
+    for car in started.values():
+        with contextlib.suppress(Exception):
+            car.stop(30)
+        car.kill()
+
+
+@pytest.fixture
+def token_base(request) -> int:
+    """A first token of this test's own: tests sharing a sidecar never share a page."""
+    return zlib.crc32(request.node.nodeid.encode()) % 1_000_000 * 1000
+

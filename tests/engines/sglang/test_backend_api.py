@@ -14,20 +14,12 @@ from sglang_support import (
     mha_host_pool,
     page_keys,
 )
-from sidecar_support import Sidecar, short_tmpdir
-
-
-@pytest.fixture(scope="module")
-def shared_sidecar():
-    """One sidecar for this module: every test here uses the same layout."""
-    with Sidecar(short_tmpdir("hcsglapi")) as car:
-        yield car
 
 
 @pytest.fixture
-def instance(shared_sidecar):
+def instance(sidecar_per_layout):
     pool = mha_host_pool()
-    backend = hicache_backend(shared_sidecar.endpoint, pool)
+    backend = hicache_backend(sidecar_per_layout("layer_first").endpoint, pool)
     yield pool, backend
     backend.close()
 

@@ -50,10 +50,11 @@ def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: li
     ],
 )
 def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
-    sidecar, tmp_path, layout, allocator, zero_copy
+    sidecar_per_layout, token_base, tmp_path, layout, allocator, zero_copy
 ):
-    tokens = list(range(STORED_PAGES * PAGE_SIZE))
-    query = tokens + list(range(1000, 1000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+    sidecar = sidecar_per_layout(layout)
+    tokens = list(range(token_base, token_base + STORED_PAGES * PAGE_SIZE))
+    query = tokens + [900_000_000 + t for t in range((QUERY_PAGES - STORED_PAGES) * PAGE_SIZE)]
 
     oracle_pool = mha_host_pool(layout)
     oracle = _run_controller(file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool,
@@ -73,12 +74,13 @@ def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
     assert oracle["loaded_bytes"] == oracle["stored_bytes"]
 
 
-def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool):
+def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool,
+                base: int):
     """KV for six pages, Mamba states only at ``state_pages`` (as the hybrid controller
     writes them: KV through the controller's backup, each state a MAMBA PoolTransfer);
     then the existence checks the hybrid controller makes, under both hit policies, and a
     read of the last state."""
-    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    tokens = list(range(base, base + STORED_PAGES * PAGE_SIZE))
     keys = page_keys(tokens)
     ctl = ControllerShim(backend, kv_pool, zero_copy)
     assert ctl.backup(fill_pages(kv_pool, STORED_PAGES, seed=11), tokens) == len(tokens)
@@ -109,15 +111,18 @@ def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy:
 
 
 @pytest.mark.parametrize("state_pages", [[2, 5], [1, 2, 3], [0, 1, 2, 3, 4, 5]])
-def test_hybrid_hit_policies_match_the_file_backend(sidecar, tmp_path, state_pages):
+def test_hybrid_hit_policies_match_the_file_backend(
+    sidecar_per_layout, token_base, tmp_path, state_pages
+):
+    sidecar = sidecar_per_layout("hybrid")
     kv, mamba = mha_host_pool(), mamba_host_pool()
     oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
-    expected = _hybrid_run(oracle, kv, mamba, state_pages, zero_copy=False)
+    expected = _hybrid_run(oracle, kv, mamba, state_pages, False, token_base)
 
     kv, mamba = mha_host_pool(), mamba_host_pool()
     backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
     try:
-        got = _hybrid_run(backend, kv, mamba, state_pages, zero_copy=True)
+        got = _hybrid_run(backend, kv, mamba, state_pages, True, token_base)
     finally:
         backend.close()
     assert got == expected
@@ -126,12 +131,13 @@ def test_hybrid_hit_policies_match_the_file_backend(sidecar, tmp_path, state_pag
     assert got[("trailing_pages", 1)][0] == max(state_pages) + 1
 
 
-def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int]):
+def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int],
+                           base: int):
     """SGLang's hybrid controller writes a 6-page prefix in two steps (its first
     ``state_at[0]`` pages, then all six), each with a Mamba state for its last page when
     that step is in ``state_at``; then prefetches 8 pages (6 stored) into fresh pages."""
     ctl = HybridControllerShim(backend, kv, {PoolName.MAMBA: mamba}, zero_copy)
-    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    tokens = list(range(base, base + STORED_PAGES * PAGE_SIZE))
     kv_idx = fill_pages(kv, STORED_PAGES, seed=17)
     states = {}
     for pages in (3, STORED_PAGES):
@@ -140,7 +146,7 @@ def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[i
         extra = {PoolName.MAMBA: slot} if pages in state_at else {}
         assert ctl.backup(kv_idx[: pages * PAGE_SIZE], tokens[: pages * PAGE_SIZE], extra) \
             == pages * PAGE_SIZE
-    query = tokens + list(range(5000, 5000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+    query = tokens + [900_000_000 + t for t in range((QUERY_PAGES - STORED_PAGES) * PAGE_SIZE)]
     dst_slot = mamba.alloc(1)
     seen = ctl.prefetch(query, kv.alloc(QUERY_PAGES * PAGE_SIZE), {PoolName.MAMBA: dst_slot})
     hit = seen["hit_tokens"] // PAGE_SIZE
@@ -150,14 +156,17 @@ def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[i
 
 
 @pytest.mark.parametrize("state_at", [[3, STORED_PAGES], [3], [STORED_PAGES]])
-def test_hybrid_controller_calls_match_the_file_backend(sidecar, tmp_path, state_at):
+def test_hybrid_controller_calls_match_the_file_backend(
+    sidecar_per_layout, token_base, tmp_path, state_at
+):
+    sidecar = sidecar_per_layout("hybrid")
     kv, mamba = mha_host_pool(), mamba_host_pool()
     oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
-    expected = _hybrid_controller_run(oracle, kv, mamba, False, state_at)
+    expected = _hybrid_controller_run(oracle, kv, mamba, False, state_at, token_base)
     kv, mamba = mha_host_pool(allocator="shm"), mamba_host_pool()
     backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
     try:
-        got = _hybrid_controller_run(backend, kv, mamba, True, state_at)
+        got = _hybrid_controller_run(backend, kv, mamba, True, state_at, token_base)
     finally:
         backend.close()
     assert got == expected

@@ -28,7 +28,7 @@ def _env() -> dict[str, str]:
 
 
 def test_the_example_extra_config_loads_the_backend_through_sglangs_loader():
-    extra = json.loads(_env()["HICACHE_EXTRA_CONFIG"])
+    extra = json.loads(_env()["SGLANG_HICACHE_EXTRA_CONFIG"])
     assert set(extra) <= SGLANG_KEYS | set(DEFAULTS), set(extra) - SGLANG_KEYS - set(DEFAULTS)
     cls = StorageBackendFactory._load_backend_class(
         extra["module_path"], extra["class_name"], extra["backend_name"]
