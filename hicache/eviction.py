@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hicache.config import CacheConfig
     from hicache.tree import ComponentData, TreeNode
 
 
@@ -95,11 +96,20 @@ class LRULeafPolicy(LeafEvictionPolicy):
             self.add(node)
 
     def pop(self) -> TreeNode | None:
-        while self._heap:
-            _, seq, node = heapq.heappop(self._heap)
+        node = self.peek()
+        if node is not None:
+            heapq.heappop(self._heap)
+            del self._live[node.id]
+        return node
+
+    def peek(self) -> TreeNode | None:
+        """The least recently used member, left a member (stale heap entries dropped)."""
+        heap = self._heap
+        while heap:
+            _, seq, node = heap[0]
             if self._live.get(node.id) == seq:
-                del self._live[node.id]
                 return node
+            heapq.heappop(heap)
         return None
 
     def members(self) -> set[int]:
@@ -203,3 +213,19 @@ class LRUList:
             if seen > self._size:
                 raise AssertionError("LRU list is longer than its size: a cycle")
             cd = cd.lru_next
+
+
+def make_leaf_policy(config: CacheConfig) -> LeafEvictionPolicy:
+    """The device-tier leaf eviction policy named in ``config.eviction_policy``."""
+    from hicache.config import EvictionPolicyKind
+
+    kind = config.eviction_policy
+    if kind is EvictionPolicyKind.LRU:
+        return LRULeafPolicy()
+    if kind is EvictionPolicyKind.LEARNED:
+        from hicache.learned_eviction import LearnedLeafPolicy
+
+        return LearnedLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
+    from hicache.adaptive_eviction import AdaptiveLeafPolicy
+
+    return AdaptiveLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)

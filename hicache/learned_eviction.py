@@ -200,6 +200,11 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         # more than its first page, so a piece and the same tokens inserted again agree.
         self._fp_bytes = min(self.params.fingerprint_tokens, page_size) * _TOKEN_BYTES
 
+    def fingerprint(self, node: TreeNode) -> int:
+        """A 64-bit id of ``node``'s start position and first tokens: equal for the same
+        prefix piece cached again, or the head a split leaves."""
+        return self._fingerprint(node)
+
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         return self._fingerprint_at(node.key, offset_tokens, node.start + offset_tokens)
 
@@ -287,6 +292,13 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
     # -- eviction ------------------------------------------------------------------------
 
     def pop(self) -> TreeNode | None:
+        victim = self.propose()
+        if victim is not None:
+            self.remove(victim)
+        return victim
+
+    def propose(self) -> TreeNode | None:
+        """The leaf ``pop`` would name now, left a member (a fresh sample each call)."""
         n = len(self._members)
         if n == 0:
             return None
@@ -308,7 +320,6 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
             key = (rate, node.last_access)
             if best is None or key < best:
                 victim, best = node, key
-        self.remove(victim)
         return victim
 
     def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:
