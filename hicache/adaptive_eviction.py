@@ -23,8 +23,10 @@ cheaper and safer rule while nothing is known.
 
 Chains are still cut from the tail: both rules only ever name evictable leaves, and the
 tail the tree takes of a victim is what the rule that named it asks (``tail_tokens``).
-Cost per pick: one LRU heap peek, one learned sample, and a few dictionary operations;
-per hook, the two rules' own O(1)/O(log n) upkeep.
+Cost per pick: one LRU heap peek and a few dictionary operations, plus a learned sample
+(the learned rule's pick) at every pick while it is followed and at one pick in
+``lru_dispute_every_picks`` while LRU is; per hook, the two rules' own O(1)/O(log n)
+upkeep.
 """
 
 from __future__ import annotations
@@ -50,16 +52,19 @@ class AdaptivePolicyParams:
 
     ghost_turnovers: float = 2.0  # a ghost entry's life, in cache turnovers
     ghost_min_ticks: float = 256.0  # its least life, while the turnover is not yet known
-    charge_window_events: int = 512  # horizon of the decayed charges, in charges
-    switch_margin: float = 0.1  # follow the other rule when its charge is this much lower
+    charge_window_events: int = 4096  # horizon of the decayed charges, in charges
+    to_lru_margin: float = 0.3  # follow LRU when its charge is this much below the learned's
+    to_learned_margin: float = 0.0  # follow the learned rule when its charge is this much below
+    start_with_learned: bool = True
+    lru_dispute_every_picks: int = 4  # while following LRU, ask the learned rule this often
 
     def __post_init__(self) -> None:
         if not self.ghost_turnovers > 0 or not self.ghost_min_ticks > 0:
             raise ValueError("ghost_turnovers and ghost_min_ticks must be > 0")
-        if self.charge_window_events < 1:
-            raise ValueError("charge_window_events must be >= 1")
-        if not 0 <= self.switch_margin < 1:
-            raise ValueError("switch_margin must be within [0, 1)")
+        if self.charge_window_events < 1 or self.lru_dispute_every_picks < 1:
+            raise ValueError("charge_window_events and lru_dispute_every_picks must be >= 1")
+        if not (0 <= self.to_lru_margin < 1 and 0 <= self.to_learned_margin < 1):
+            raise ValueError("to_lru_margin and to_learned_margin must be within [0, 1)")
 
 
 class AdaptiveLeafPolicy(LeafEvictionPolicy):
@@ -76,15 +81,17 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self.params = params or AdaptivePolicyParams()
         self.lru = LRULeafPolicy()
         self.learned = LearnedLeafPolicy(sample_size, seed, learned_params)
-        self.following = LRU
+        self.following = LEARNED if self.params.start_with_learned else LRU
         self.charges = [0.0, 0.0]
         self.picks = [0, 0]  # victims evicted on each rule's word (agreements not counted)
         self.switches = 0
         self._decay = 1.0 - 1.0 / self.params.charge_window_events
-        self._ghost: dict[int, tuple[int, int, int]] = {}  # fp -> (rule, what, tick)
+        # fp -> (rule, what, tick, picks): ``picks`` is how many picks named the leaf.
+        self._ghost: dict[int, tuple[int, int, int, int]] = {}
         self._ghost_order: deque[tuple[int, int]] = deque()  # (tick, fp), oldest first
         self._last_rule = LRU  # the rule whose victim the tree is evicting now
         self._disputed = False  # the rules named different victims at the last pick
+        self._pops = 0
 
     # -- introspection -------------------------------------------------------------------
 
@@ -109,9 +116,14 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
                 del ghost[fp]
 
     def _remember(self, node: TreeNode, rule: int, what: int) -> None:
+        """One pick of ``rule`` named ``node``. A leaf the other rule keeps evicting around
+        is named again at every pick: each pick counts, so that both rules are charged
+        per pick, the one followed (a new victim each pick) and the other alike."""
         fp = self.learned.fingerprint(node)
         tick = self.learned._now
-        self._ghost[fp] = (rule, what, tick)
+        entry = self._ghost.get(fp)
+        picks = entry[3] + 1 if entry is not None and entry[:2] == (rule, what) else 1
+        self._ghost[fp] = (rule, what, tick, picks)
         self._ghost_order.append((tick, fp))
 
     def _settle(self, node: TreeNode, what: int) -> None:
@@ -128,9 +140,10 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         charges = self.charges
         charges[LRU] *= self._decay
         charges[LEARNED] *= self._decay
-        charges[entry[0]] += 1.0
+        charges[entry[0]] += entry[3]
         other = 1 - self.following
-        if charges[other] < (1.0 - self.params.switch_margin) * charges[self.following]:
+        margin = self.params.to_lru_margin if other == LRU else self.params.to_learned_margin
+        if charges[other] < (1.0 - margin) * charges[self.following]:
             self.following = other
             self.switches += 1
 
@@ -180,8 +193,14 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         by_lru = self.lru.peek()
         if by_lru is None:
             return None
-        by_learned = self.learned.propose()
         self._disputed = False
+        self._pops += 1
+        if self.following == LRU and self._pops % self.params.lru_dispute_every_picks:
+            # Following LRU, a sample of the picks is enough to keep judging the rules;
+            # the learned rule's pick (a sample of leaves ranked in Python) is the cost.
+            by_learned = by_lru
+        else:
+            by_learned = self.learned.propose()
         if by_learned is by_lru:
             victim, rule = by_lru, self.following
         else:
