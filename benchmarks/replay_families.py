@@ -77,7 +77,8 @@ def _table(rows: list[tuple[str, BenchRow]], with_host: bool) -> tuple[str, list
         where = f"{label} {r.device_spec} {r.policy}"
         slack = COLD_SLACK_POINTS if label.startswith("q") else DEVICE_SLACK_POINTS
         if with_host and r.total_hit < base.total_hit:
-            misses.append(f"{where}: total {100 * r.total_hit:.2f}% < LRU {100 * base.total_hit:.2f}%")
+            ours, theirs = 100 * r.total_hit, 100 * base.total_hit
+            misses.append(f"{where}: total {ours:.2f}% < LRU {theirs:.2f}%")
         elif not with_host and delta < -slack:
             misses.append(f"{where}: {delta:+.2f} points against LRU")
         if rate < MIN_RATE_OF_LRU:
@@ -107,15 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {name}: {len(trace):,} requests, {unique_blocks(trace):,} distinct blocks\n")
         parts = [("device", _rows(trace, policies, devices, "0", "whole"), False)]
         if not args.no_host:
-            parts.append(("5% device + 20% host, write-back",
-                          _rows(trace, policies, ["5%"], "20%", "whole"), True))
+            parts.append(
+                (
+                    "5% device + 20% host, write-back",
+                    _rows(trace, policies, ["5%"], "20%", "whole"),
+                    True,
+                )
+            )
         if not args.no_quarters:
             q = len(trace) // 4
             cold = []
             for k in range(4):
                 part = trace[k * q : (k + 1) * q if k < 3 else len(trace)]
                 cold += _rows(part, policies, devices, "0", f"q{k + 1}")
-            parts.append(("each quarter from empty (capacities of the quarter's blocks)", cold, False))
+            title = "each quarter from empty (capacities of the quarter's blocks)"
+            parts.append((title, cold, False))
         for title, rows, with_host in parts:
             table, misses = _table(rows, with_host)
             print(f"{title}:\n\n{table}\n", flush=True)

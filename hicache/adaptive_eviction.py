@@ -55,7 +55,7 @@ class AdaptivePolicyParams:
     charge_window_events: int = 4096  # horizon of the decayed charges, in charges
     to_lru_margin: float = 0.3  # follow LRU when its charge is this much below the learned's
     to_learned_margin: float = 0.0  # follow the learned rule when its charge is this much below
-    start_with_learned: bool = True
+    start_with_learned: bool = False
     lru_dispute_every_picks: int = 4  # while following LRU, ask the learned rule this often
 
     def __post_init__(self) -> None:

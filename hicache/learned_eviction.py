@@ -96,13 +96,14 @@ class LearnedPolicyParams:
 class _LeafState:
     """What the policy keeps on a node (in ``node.policy_state``)."""
 
-    __slots__ = ("evicted", "slot", "stamp", "uses")
+    __slots__ = ("evicted", "fp", "slot", "stamp", "uses")
 
     def __init__(self, stamp: int, uses: int) -> None:
         self.stamp = stamp  # tree clock of the last use (insert, hit or return)
         self.uses = uses
         self.slot = -1  # index in the member array, -1 when not a member
         self.evicted = False  # left the device (and may come back from the host tier)
+        self.fp: int | None = None  # the node's fingerprint, once asked for
 
 
 class _History:
@@ -202,8 +203,12 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
 
     def fingerprint(self, node: TreeNode) -> int:
         """A 64-bit id of ``node``'s start position and first tokens: equal for the same
-        prefix piece cached again, or the head a split leaves."""
-        return self._fingerprint(node)
+        prefix piece cached again, or the head a split leaves (kept on the node's state;
+        a split resets the suffix's, whose start moved)."""
+        st = self._state(node)
+        if st.fp is None:
+            st.fp = self._fingerprint(node)
+        return st.fp
 
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         return self._fingerprint_at(node.key, offset_tokens, node.start + offset_tokens)
@@ -252,7 +257,10 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
 
     def on_split(self, node: TreeNode) -> None:
         # Both parts share the state until now: take it before the suffix's changes.
-        self._state(node)
+        self._state(node).fp = None
+        for child in node.children.values():
+            if child.policy_state is not None:
+                child.policy_state.fp = None  # the suffix starts later now
 
     def on_hit(self, node: TreeNode) -> None:
         self._saw(node)
