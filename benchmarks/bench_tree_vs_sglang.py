@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree import make_workload  # noqa: E402
+from bench_tree import make_workload
 
-from hicache import CacheConfig, DevicePools, ModelLayout, UnifiedRadixCache  # noqa: E402
+from hicache import CacheConfig, DevicePools, ModelLayout, UnifiedRadixCache
 
 GOALS = {"insert": 1.5, "match": 2.5, "match_warm": 2.5, "evict": 1.5}
 
