@@ -9,8 +9,9 @@ requests/s as a multiple of LRU's), and ends with the cells that miss the goals 
 docs/performance.md ("Which policy to pick"): device hit >= LRU - 0.3 points, total hit
 with a host tier >= LRU's, cold quarters within 0.5 points of LRU, requests/s >= 0.5x LRU.
 
-    .venv/bin/python benchmarks/replay_families.py --workloads DIR [--policy lru,learned,adaptive]
-        [--families chat,agent] [--device 1%,2%,5%,10%,20%] [--no-host] [--no-quarters]
+    .venv/bin/python benchmarks/replay_families.py --workloads DIR
+        [--policy lru,learned,adaptive] [--families chat,agent] [--device 1%,2%,5%,10%,20%]
+        [--no-device] [--no-host] [--no-quarters]
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", help="comma-separated subset of the manifest's families")
     ap.add_argument("--policy", default="lru,learned,adaptive")
     ap.add_argument("--device", default="1%,2%,5%,10%,20%")
+    ap.add_argument("--no-device", action="store_true", help="skip the device-only rows")
     ap.add_argument("--no-host", action="store_true", help="skip the 5%% + 20%% host rows")
     ap.add_argument("--no-quarters", action="store_true", help="skip the cold quarters")
     args = ap.parse_args(argv)
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         trace = load_trace(root / manifest[name]["file"])
         print(f"\n### {name}: {len(trace):,} requests, {unique_blocks(trace):,} distinct blocks\n")
-        parts = [("device", _rows(trace, policies, devices, "0", "whole"), False)]
+        parts = []
+        if not args.no_device:
+            parts.append(("device", _rows(trace, policies, devices, "0", "whole"), False))
         if not args.no_host:
             parts.append(
                 (
