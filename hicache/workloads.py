@@ -32,7 +32,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -265,19 +265,33 @@ def compressed_sessions(trace: Sequence[TraceRequest], factor: float) -> list[di
 
 
 def subsampled_sessions(trace: Sequence[TraceRequest], share: float, seed: int) -> list[dict]:
-    """A random ``share`` of the sessions, whole."""
+    """A random ``share`` of the sessions, whole (at least one)."""
     rng = np.random.default_rng([seed, 5])
-    keep = [s for s in _sessions(trace) if rng.random() < share]
+    sessions = _sessions(trace)
+    keep = [s for s in sessions if rng.random() < share] or sessions[:1]
     rows = _as_rows(trace)
     return [rows[i] for i in sorted(i for s in keep for i in s)]
 
 
 # -- the command ---------------------------------------------------------------------------
 
-GENERATED: dict[str, Callable[[int], list[dict]]] = {
-    "chat": lambda seed: chat_workload(ChatFamily(), seed),
-    "agent": lambda seed: agent_workload(AgentFamily(), seed),
-    "rag": lambda seed: rag_workload(RagFamily(), seed),
+
+def _scaled(family: object, scale: float, counts: tuple[str, ...]) -> object:
+    """``family`` with its ``counts`` fields (and its duration) times ``scale``, so the
+    rate of arrivals stays what it was."""
+    changes = {name: max(1, round(getattr(family, name) * scale)) for name in counts}
+    changes["duration_s"] = family.duration_s * scale
+    return replace(family, **changes)
+
+
+GENERATED: dict[str, Callable[[int, float], list[dict]]] = {
+    "chat": lambda seed, scale: chat_workload(
+        _scaled(ChatFamily(), scale, ("conversations", "system_prompts")), seed
+    ),
+    "agent": lambda seed, scale: agent_workload(_scaled(AgentFamily(), scale, ("sessions",)), seed),
+    "rag": lambda seed, scale: rag_workload(
+        _scaled(RagFamily(), scale, ("requests", "documents")), seed
+    ),
 }
 
 
@@ -288,10 +302,15 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def build_workloads(
-    out_dir: Path, seed: int, shared_trace: Path | None, compress_factor: float = 4.0
+    out_dir: Path,
+    seed: int,
+    shared_trace: Path | None,
+    compress_factor: float = 4.0,
+    scale: float = 1.0,
 ) -> dict[str, dict]:
-    """Write every family's trace into ``out_dir``; returns the manifest (also written as
-    ``manifest.json``): per family its file, requests and distinct blocks."""
+    """Write every family's trace into ``out_dir`` (generated ones at ``scale`` times
+    their size); returns the manifest (also written as ``manifest.json``): per family its
+    file, requests and distinct blocks."""
     out_dir.mkdir(parents=True, exist_ok=True)
     families: dict[str, list[dict]] = {}
     if shared_trace is not None:
@@ -301,7 +320,7 @@ def build_workloads(
         families["shared-compressed"] = compressed_sessions(base, compress_factor)
         families["shared-subsample"] = subsampled_sessions(base, 0.5, seed)
     for name, make in GENERATED.items():
-        families[name] = make(seed)
+        families[name] = make(seed, scale)
     manifest = {}
     for name, rows in families.items():
         path = out_dir / f"{name}.jsonl"
@@ -313,7 +332,8 @@ def build_workloads(
             "distinct_blocks": unique_blocks(trace),
             "requested_blocks": sum(len(r.hash_ids) for r in trace),
         }
-    (out_dir / "manifest.json").write_text(json.dumps({"seed": seed, "families": manifest}))
+    doc = {"seed": seed, "scale": scale, "families": manifest}
+    (out_dir / "manifest.json").write_text(json.dumps(doc))
     return manifest
 
 
@@ -333,15 +353,18 @@ def add_workload_arguments(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compress-factor", type=float, default=4.0, help="gap divisor of shared-compressed"
     )
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="size of the generated families (1: trace scale)"
+    )
 
 
 def run_workloads(args: argparse.Namespace) -> int:
     """Build the workloads and print one line per family."""
-    if not args.compress_factor > 0:
-        print("hicache bench workloads: --compress-factor must be > 0", file=sys.stderr)
+    if not (args.compress_factor > 0 and args.scale > 0):
+        print("hicache bench workloads: --compress-factor and --scale must be > 0", file=sys.stderr)
         return 2
     trace = Path(args.trace) if args.trace else None
-    manifest = build_workloads(Path(args.out), args.seed, trace, args.compress_factor)
+    manifest = build_workloads(Path(args.out), args.seed, trace, args.compress_factor, args.scale)
     for name, m in manifest.items():
         reuse = 1 - m["distinct_blocks"] / m["requested_blocks"]
         print(
