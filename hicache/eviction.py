@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hicache.config import CacheConfig
     from hicache.tree import ComponentData, TreeNode
 
 
@@ -214,18 +213,3 @@ class LRUList:
                 raise AssertionError("LRU list is longer than its size: a cycle")
             cd = cd.lru_next
 
-
-def make_leaf_policy(config: CacheConfig) -> LeafEvictionPolicy:
-    """The device-tier leaf eviction policy named in ``config.eviction_policy``."""
-    from hicache.config import EvictionPolicyKind
-
-    kind = config.eviction_policy
-    if kind is EvictionPolicyKind.LRU:
-        return LRULeafPolicy()
-    if kind is EvictionPolicyKind.LEARNED:
-        from hicache.learned_eviction import LearnedLeafPolicy
-
-        return LearnedLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
-    from hicache.adaptive_eviction import AdaptiveLeafPolicy
-
-    return AdaptiveLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)

@@ -39,8 +39,8 @@ import numpy as np
 
 from hicache.cache import UnifiedRadixCache
 from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
-from hicache.eviction import make_leaf_policy
 from hicache.layout import ModelLayout
+from hicache.leaf_policies import make_leaf_policy
 from hicache.pools import DevicePools
 from hicache.request import Request
 from hicache.types import ComponentType, ConfigError, PoolExhaustedError
