@@ -133,9 +133,10 @@ class PageAllocator:
 
     def free_pages(self, pages: np.ndarray, distinct: bool = False) -> None:
         """Return pages to the pool; raises SlotStateError (changing nothing) on a page out
-        of range or not allocated. ``distinct=True`` says the caller knows no page appears
-        twice (a tree node's own pages), which skips the sort that checks it, unless
-        :data:`DEBUG_CHECKS` is on (as in the tests)."""
+        of range or not allocated. ``distinct=True`` says the caller knows its pages are
+        distinct and were handed out by this pool (a tree node's own pages), which skips
+        the sort that checks for a page given twice and the range check, unless
+        :data:`DEBUG_CHECKS` is on (as in the tests); a page not allocated still raises."""
         if type(pages) is not np.ndarray or pages.dtype != np.int64 or pages.ndim != 1:
             pages = np.asarray(pages, dtype=np.int64).reshape(-1)
         n = pages.size
@@ -152,13 +153,15 @@ class PageAllocator:
             self._free[self._top] = page
             self._top += 1
             return
-        if pages.min() < 0 or pages.max() >= self.num_pages:
+        checked = DEBUG_CHECKS or not distinct
+        # Distinct pages come from a tree node, which got them from this pool: in range.
+        if checked and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise SlotStateError(f"{self.name} pool: page id out of range in free")
         held = state[pages]
         if not held.all():  # _ALLOCATED is 1, _FREE 0
             bad = pages[held != _ALLOCATED][:8].tolist()
             raise SlotStateError(f"{self.name} pool: free of pages not allocated: {bad}")
-        if (DEBUG_CHECKS or not distinct) and np.unique(pages).size != n:
+        if checked and np.unique(pages).size != n:
             raise SlotStateError(f"{self.name} pool: the same page freed twice in one call")
         state[pages] = _FREE
         self._free[self._top : self._top + n] = pages
