@@ -42,6 +42,7 @@ from hicache.controller.protocol import (
     normalize_endpoint,
     socket_dir,
 )
+from hicache.controller.remote_sidecar import print_remote_status
 from hicache.types import ConfigError
 
 EXIT_OK, EXIT_BAD_NEWS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_ERROR = range(6)
@@ -148,6 +149,7 @@ def _print_status(r: dict) -> None:
             f"{_human_bytes(disk['file_bytes'])}, budget {_human_bytes(disk['budget_bytes'])}"
         )
     print(f"  pages:     {r['entries']} indexed, {r['pins_active']} pins")
+    print_remote_status(r.get("remote", {}))
 
 
 def _print_engines(r: dict) -> None:
@@ -270,6 +272,11 @@ def _show(cmd: str, r: dict) -> None:
         print(
             f"fsck: {r['checked']} values, {r['ok']} ok, {r['corrupt']} corrupt, "
             f"{r['foreign']} of another layout, {r['repaired']} repaired"
+            + (
+                f" (layout unchecked for {r['layout_unchecked']}: no engine has registered)"
+                if r.get("layout_unchecked")
+                else ""
+            )
         )
     else:
         _print_flat(r)

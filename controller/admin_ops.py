@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import lmdb
 
 from hicache.controller.counters import Failure, component_label
 from hicache.controller.local import LocalController
 from hicache.controller.page_codec import HEADER_BYTES, KEY_BYTES, decode_header, payload_checksum
 from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.security import PRIVATE_FILE_MODE
 from hicache.controller_api import ControllerError, PageKey, PinReceipt
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType, Tier
@@ -237,14 +241,17 @@ class FsckResult:
     corrupt: int = 0
     foreign: int = 0
     repaired: int = 0
+    # Sound values whose layout digest was not compared: no layout was known (no engine
+    # had registered and the sidecar's config names none). ``ok`` counts them too.
+    layout_unchecked: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
 
-def _verdict(skey: bytes, value: Any, digest: bytes) -> str:
+def _verdict(skey: bytes, value: Any, digest: bytes | None) -> str:
     """``corrupt`` (bad header, length or checksum), ``foreign`` (another layout) or
-    ``ok``, for one LMDB value."""
+    ``ok``, for one LMDB value; with no ``digest`` the layout is not compared."""
     hdr = decode_header(value) if len(skey) == KEY_BYTES else None
     if (
         hdr is None
@@ -252,33 +259,22 @@ def _verdict(skey: bytes, value: Any, digest: bytes) -> str:
         or len(value) != HEADER_BYTES + hdr.payload_nbytes
     ):
         return "corrupt"
-    if hdr.layout_digest != digest:
+    if digest is not None and hdr.layout_digest != digest:
         return "foreign"
     if payload_checksum(value[HEADER_BYTES:]) != hdr.checksum:
         return "corrupt"
     return "ok"
 
 
-def fsck(
-    ctl: LocalController,
-    repair: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-) -> FsckResult:
-    """Read every LMDB value and check its header and payload checksum.
-
-    A value of another layout is counted as foreign (never served, not corrupt). With
-    ``repair``, corrupt values are dropped from the index and deleted from LMDB (a page
-    in flight is left to the read path, which never serves a bad checksum either);
-    ``repaired`` counts the deletes committed when the call returns.
-    ``progress(done, total)`` is called every few hundred values.
-    """
-    store = ctl.store
-    out = FsckResult()
-    if store.disk is None:
-        return out
-    env = store.disk.env
+def _scan(
+    env: lmdb.Environment,
+    digest: bytes | None,
+    out: FsckResult,
+    progress: Callable[[int, int], None] | None,
+) -> list[bytes]:
+    """Check every value of ``env`` in short read transactions (a long one would pin old
+    pages); counts into ``out`` and returns the keys of the corrupt values."""
     total = env.stat()["entries"]
-    digest = store.disk.layout_digest
     bad: list[bytes] = []
     last: bytes | None = None
     while True:
@@ -306,8 +302,41 @@ def fsck(
         if batch < _FSCK_BATCH:
             break
     out.corrupt = len(bad)
+    if digest is None:
+        out.layout_unchecked = out.ok
     if bad:
         log.warning("fsck: %d corrupt values of %d", len(bad), out.checked)
+    return bad
+
+
+def fsck(
+    ctl: LocalController,
+    repair: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> FsckResult:
+    """Read every LMDB value and check its header and payload checksum.
+
+    A value of another layout is counted as foreign (never served, not corrupt). With
+    ``repair``, corrupt values are dropped from the index and deleted from LMDB (a page
+    in flight is left to the read path, which never serves a bad checksum either);
+    ``repaired`` counts the deletes committed when the call returns.
+    ``progress(done, total)`` is called every few hundred values.
+
+    Before any engine has registered (the tiers are not open) the environment is opened
+    on its own and checked the same way, the layout digest aside (``layout_unchecked``);
+    a registration waits until that check has ended.
+    """
+    store = ctl.store
+    if store.disk is None:
+        if not ctl.config.disk_enabled:
+            return FsckResult()
+        with ctl.opening_lock:
+            if store.disk is None:
+                return _fsck_unopened(ctl, repair, progress)
+    out = FsckResult()
+    env = store.disk.env
+    digest = store.disk.layout_digest
+    bad = _scan(env, digest, out, progress)
     if repair and bad:
         deletes = []
         with store.lock, env.begin(buffers=True) as txn:
@@ -328,6 +357,40 @@ def fsck(
         if deletes and _wait_for_deletes(store, len(deletes)):
             left = store.disk.pending_deletes  # deletes the writer must retry
             out.repaired = sum(1 for k in deletes if k not in left)
+    return out
+
+
+def _fsck_unopened(
+    ctl: LocalController, repair: bool, progress: Callable[[int, int], None] | None
+) -> FsckResult:
+    """fsck of a disk tier no layout has opened (``ctl.opening_lock`` held): nothing else
+    in this process uses the environment, so corrupt values are deleted directly."""
+    out = FsckResult()
+    path = Path(ctl.config.disk_path)
+    if not (path / "data.mdb").exists():
+        return out
+    env = lmdb.open(
+        str(path),
+        map_size=ctl.config.map_size_bytes,
+        subdir=True,
+        create=False,
+        readonly=not repair,
+        readahead=False,
+        max_dbs=0,
+        mode=PRIVATE_FILE_MODE,
+    )
+    try:
+        bad = _scan(env, None, out, progress)
+        if repair and bad:
+            with env.begin(write=True, buffers=True) as txn:
+                for skey in bad:
+                    now = txn.get(skey)
+                    if now is not None and _verdict(skey, now, None) == "corrupt":
+                        txn.delete(skey)
+                        out.repaired += 1
+            ctl.counters.fail(Failure.CHECKSUM, out.repaired)
+    finally:
+        env.close()
     return out
 
 

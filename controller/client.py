@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,8 @@ from hicache.controller.channel import (
     result_of,
 )
 from hicache.controller.protocol import (
+    MAX_LOOKUP_HASHES,
+    MAX_PIN_KEYS,
     ErrorCode,
     Role,
     Verb,
@@ -189,7 +191,9 @@ class SidecarController:
         self._failures = 0
         self._open = True  # no session until register() handshakes
         self._next_attempt = 0.0
-        self._registration: tuple[ModelLayout, int, dict[str, Any]] | None = None
+        # (layout, page_size, exported buffers); the buffers are None for a session that
+        # only looks up and pins (attach), which never registers memory.
+        self._registration: tuple[ModelLayout, int, dict[str, Any] | Callable | None] | None = None
         self._device: Any = None
         self._heartbeat_s = self.config.heartbeat_interval_s or 3.0
         self._hb_pending: int | None = None
@@ -261,6 +265,8 @@ class SidecarController:
         """Fresh socket, handshake, registration; raises on failure."""
         layout, page_size, desc = self._registration
         ch = self._channel
+        if callable(desc):
+            desc = desc()  # at each session: a restarted sidecar holds no descriptors
         ch.reset()
         t = self.config.connect_timeout_s
         hello = ch.call(
@@ -278,9 +284,10 @@ class SidecarController:
         )
         if self.config.heartbeat_interval_s is None:
             self._heartbeat_s = float(hello.get("heartbeat_interval_s", 3.0))
-        reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
-        if reg.get("fenced") is True:
-            self._fenced_generation = ch.generation
+        if desc is not None:
+            reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
+            if reg.get("fenced") is True:
+                self._fenced_generation = ch.generation
         with self._state_lock:
             self._open = False
             self._failures = 0
@@ -348,6 +355,25 @@ class SidecarController:
 
         self._registration = (layout, page_size, export_pools(pools))
         self._device = pools.full.buffer.device
+        self._start_session()
+
+    def register_described(
+        self, layout: ModelLayout, page_size: int, describe: Callable[[], dict[str, Any]]
+    ) -> None:
+        """Register CPU memory the caller describes (``{"device": "cpu", "buffers": ...}``,
+        e.g. memfd buffers whose descriptors ``describe`` hands over on the descriptor
+        socket). ``describe()`` runs at every session; it raises SidecarUnavailable when it
+        cannot reach the sidecar. Raises as :meth:`register` does."""
+        self._registration = (layout, page_size, describe)
+        self._start_session()
+
+    def attach(self, layout: ModelLayout, page_size: int) -> None:
+        """A session that looks pages up and pins them but registers no memory (an engine's
+        scheduler, whose workers register theirs). Raises as :meth:`register` does."""
+        self._registration = (layout, page_size, None)
+        self._start_session()
+
+    def _start_session(self) -> None:
         try:
             self._connect()
         except RemoteError as exc:
@@ -366,21 +392,23 @@ class SidecarController:
     def lookup(
         self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
     ) -> LookupResult:
-        """Presence per component; all misses when the sidecar is unavailable."""
+        """Presence per component; all misses when the sidecar is unavailable. A chain
+        longer than the sidecar takes in one lookup is asked in parts."""
         try:
-            res = self._call(
-                Verb.LOOKUP,
-                {"hashes": b"".join(page_hashes), "components": [int(c) for c in components]},
-                self.config.lookup_timeout_s,
-            )
-            rows = res["presence"]
-            out = {}
-            for comp, raw in zip(components, rows):
-                pres = np.frombuffer(raw, dtype=np.int8).copy()
-                if pres.size != len(page_hashes):
-                    raise ControllerError("lookup reply has the wrong length")
-                out[comp] = pres
-            return LookupResult(out)
+            parts: dict[ComponentType, list[np.ndarray]] = {c: [] for c in components}
+            for start in range(0, max(len(page_hashes), 1), MAX_LOOKUP_HASHES):
+                chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
+                res = self._call(
+                    Verb.LOOKUP,
+                    {"hashes": b"".join(chunk), "components": [int(c) for c in components]},
+                    self.config.lookup_timeout_s,
+                )
+                for comp, raw in zip(components, res["presence"]):
+                    pres = np.frombuffer(raw, dtype=np.int8)
+                    if pres.size != len(chunk):
+                        raise ControllerError("lookup reply has the wrong length")
+                    parts[comp].append(pres)
+            return LookupResult({c: np.concatenate(p) for c, p in parts.items()})
         except (ControllerError, KeyError, TypeError) as exc:
             self.counters["lookup_misses_unavailable"] += 1
             log.debug("lookup answered as a miss: %s", exc)
@@ -390,7 +418,8 @@ class SidecarController:
 
     def _cuda_device(self) -> Any:
         """The engine's CUDA device when its pools are on one, else None."""
-        if self._registration is None or self._registration[2].get("device") != "cuda":
+        desc = None if self._registration is None else self._registration[2]
+        if not isinstance(desc, dict) or desc.get("device") != "cuda":
             return None
         return self._device
 
@@ -425,6 +454,12 @@ class SidecarController:
         return handle
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        if len(keys) > MAX_PIN_KEYS:  # one pin holds one load: a prefix this long misses
+            self.counters["pin_too_large"] += 1
+            log.warning(
+                "a pin of %d keys is over the sidecar's %d: a miss", len(keys), MAX_PIN_KEYS
+            )
+            return None
         try:
             res = self._call(
                 Verb.PIN,

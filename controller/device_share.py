@@ -6,37 +6,53 @@ tensors over the same memory, checked against the layout so that a bad descripti
 never make a copy run outside the engine's pools.
 
 * CPU: the pools live in named POSIX shared memory (``CacheConfig(shared_memory=True)``);
-  a description is the segment name, dtype and shape.
+  a description is the segment name, dtype, shape and the key the segment ends with.
+  A segment is mapped only when it is exactly the tensor plus its key (so the key cannot
+  be placed inside another tensor by a shorter shape), the key is not all zero (memory
+  nobody wrote), it matches, and the peer that names it is a local process of the
+  segment's owner (``SO_PEERCRED`` on the Unix socket): a TCP peer cannot name this
+  machine's memory at all.
 * CUDA: a description is the CUDA IPC handle of the tensor's storage (raw bytes, from
   ``UntypedStorage._share_cuda_``) plus the GPU's UUID, dtype, shape, stride and offset.
   The sidecar opens it with ``UntypedStorage._new_shared_cuda`` on its own index of the
   same GPU (UUIDs, not indices, are compared: two processes may number GPUs differently).
+  Only a local peer on the Unix socket may register one (a handle opens only on its own
+  node, so a TCP peer could only name a memory that is not its own), and the view must
+  lie inside the allocation the handle opens (its real extent is asked of the driver).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
 import math
+import mmap
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from hicache.controller.security import PeerCredentials
 from hicache.controller.transfer import EngineBuffers
 from hicache.controller_api import ControllerError
 from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
 from hicache.pools import SEGMENT_KEY_BYTES, DevicePools
 from hicache.types import ConfigError
 
+if TYPE_CHECKING:
+    from hicache.controller.fd_pass import FdInbox
+
 log = logging.getLogger(__name__)
 
 BUFFER_NAMES = ("full", "swa", "mamba_conv", "mamba_ssm")
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.-]{1,200}$")
+_THIS_PROCESS = PeerCredentials.of_this_process()
 
 
 class RegistrationRefused(ControllerError):
@@ -191,28 +207,38 @@ def _check_shape(desc: dict[str, Any]) -> tuple[torch.dtype, list[int]]:
     return dtype, shape
 
 
-def _map_shm(desc: dict[str, Any], segments: list) -> torch.Tensor:
-    name = desc.get("shm_name")
-    if not isinstance(name, str) or not _SHM_NAME.match(name):
-        raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
+def _map_shm(desc: dict[str, Any], segments: list, peer: PeerCredentials) -> torch.Tensor:
+    name = desc["shm_name"]
     dtype, shape = _check_shape(desc)
     key = desc.get("key")
     if not isinstance(key, bytes) or len(key) != SEGMENT_KEY_BYTES:
         raise RegistrationRefused(
             f"buffer in segment {name!r}: 'key' must be the segment's {SEGMENT_KEY_BYTES} key bytes"
         )
+    if not any(key):
+        # Memory nobody has written is zero: a zero key proves nothing about the sender.
+        raise RegistrationRefused(
+            f"buffer in segment {name!r}: an all-zero key is never a segment's key"
+        )
     seg = _attach_segment(name)
     segments.append(seg)
+    owner = os.fstat(seg._fd).st_uid  # type: ignore[attr-defined]
+    if owner != peer.uid:
+        raise RegistrationRefused(
+            f"segment {name!r} belongs to uid {owner}, the registering process (pid "
+            f"{peer.pid}) runs as uid {peer.uid}: an engine registers only its own pools"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     end = max(nbytes, 1)
-    if end + SEGMENT_KEY_BYTES > seg.size:
+    if seg.size != end + SEGMENT_KEY_BYTES:
+        # Exactly the tensor and its key: with a shorter shape "the key" would be bytes
+        # inside the pool (zero until written), which anyone can name.
         raise RegistrationRefused(
-            f"segment {name!r} holds {seg.size} bytes, fewer than the {nbytes} its "
-            f"shape {shape} of {dtype_name(dtype)} needs and its key"
+            f"segment {name!r} holds {seg.size} bytes, not the {end + SEGMENT_KEY_BYTES} of "
+            f"its shape {shape} of {dtype_name(dtype)} and its key: send the pool's own shape"
         )
-    # Only a reader of the segment knows the bytes after the tensor: this keeps a peer
-    # that cannot read it (a TCP client on another machine) from having the sidecar map
-    # an engine's pools, or another program's shared memory, and write into them.
+    # Only a reader of the segment knows the bytes after the tensor: another process of
+    # the same user that cannot read it (or a stale description) is refused here.
     if not hmac.compare_digest(bytes(seg.buf[end : end + SEGMENT_KEY_BYTES]), key):
         raise RegistrationRefused(
             f"segment {name!r} does not hold the key sent with it: not an engine pool this "
@@ -225,6 +251,60 @@ def _map_shm(desc: dict[str, Any], segments: list) -> torch.Tensor:
     raw = np.frombuffer(seg.buf, dtype=np.uint8, count=max(nbytes, 1))
     flat = torch.from_numpy(raw)[:nbytes]
     return flat.view(dtype).view(shape)
+
+
+def _segment_names(buffers: dict[str, Any]) -> None:
+    """Check every shm buffer's segment name, and that no segment is named twice (two
+    pools in one memory would overwrite each other; ``/x`` and ``x`` are one segment)."""
+    seen: dict[str, str] = {}
+    for buf_name, d in buffers.items():
+        if d.get("kind") != "shm":
+            continue
+        name = d.get("shm_name")
+        if not isinstance(name, str) or not _SHM_NAME.match(name):
+            raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
+        other = seen.setdefault(name.lstrip("/"), buf_name)
+        if other != buf_name:
+            raise RegistrationRefused(
+                f"buffers {other!r} and {buf_name!r} name the same segment {name!r}: each "
+                "pool has a segment of its own"
+            )
+
+
+def _map_memfd(
+    desc: dict[str, Any], segments: list, peer: PeerCredentials, inbox: FdInbox | None
+) -> torch.Tensor:
+    """A pool in anonymous shared memory whose descriptor the engine handed over on the
+    descriptor socket (controller/fd_pass.py), named by its ticket."""
+    if inbox is None:
+        raise RegistrationRefused("this sidecar takes no memory descriptors (no descriptor socket)")
+    dtype, shape = _check_shape(desc)
+    offset = desc.get("offset", 0)
+    if type(offset) is not int or offset < 0 or offset % dtype.itemsize:
+        raise RegistrationRefused(f"a memfd buffer's offset must be a whole number of {dtype}")
+    fd = inbox.take(desc.get("ticket"), peer)
+    if fd is None:
+        raise RegistrationRefused(
+            "unknown, expired or foreign descriptor ticket: the registering process must "
+            "hand its descriptor to the sidecar's descriptor socket first"
+        )
+    try:
+        st = os.fstat(fd)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if st.st_uid != peer.uid:
+            raise RegistrationRefused("the descriptor's memory belongs to another user")
+        if offset + nbytes > st.st_size or st.st_size == 0:
+            raise RegistrationRefused(
+                f"the descriptor's memory holds {st.st_size} bytes, fewer than the "
+                f"{offset + nbytes} its offset and shape {shape} of {dtype_name(dtype)} need"
+            )
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    segments.append(mm)
+    # Through NumPy, which holds an export of the mapping while a tensor lives (see _map_shm).
+    raw = np.frombuffer(mm, dtype=np.uint8, count=max(nbytes, 1), offset=offset)
+    return torch.from_numpy(raw)[:nbytes].view(dtype).view(shape)
 
 
 def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
@@ -303,8 +383,32 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
             f"cannot open the CUDA IPC handle ({exc}); it is stale (the engine's memory was "
             "freed or the engine exited) or malformed: register again from a live engine"
         ) from None
+    _check_allocation_extent(index, storage.data_ptr(), desc["storage_bytes"])
     t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", index))
     return t.set_(storage, offset, shape, stride)
+
+
+def _check_allocation_extent(index: int, ptr: int, nbytes: int) -> None:
+    """Refuse a storage that claims more bytes than the allocation its handle opened: the
+    sidecar maps every engine's memory into one address space, so a view past the end
+    could reach another engine's pools."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver library by that name: the CUDA runtime found another
+        log.warning("cannot ask the CUDA driver for an allocation's extent; not checked")
+        return
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    with torch.cuda.device(index):
+        rc = driver.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
+        )
+    if rc != 0:
+        raise RegistrationRefused(f"the CUDA driver cannot place the engine's storage (error {rc})")
+    if ptr + nbytes > base.value + size.value:
+        raise RegistrationRefused(
+            f"a CUDA buffer claims {nbytes} bytes of storage, its allocation holds "
+            f"{base.value + size.value - ptr} from there: send the storage's real size"
+        )
 
 
 def _expected_shapes(layout: ModelLayout, page_size: int, tensors: dict) -> dict[str, tuple]:
@@ -330,11 +434,15 @@ def map_pools(
     page_size: int,
     desc: dict[str, Any],
     allowed_gpus: Sequence[str] = (),
+    peer: PeerCredentials | None = _THIS_PROCESS,
+    fd_inbox: FdInbox | None = None,
 ) -> MappedPools:
     """Map an engine's exported pools; raises RegistrationRefused saying what is wrong.
 
     Every buffer's dtype and shape are checked against ``layout`` (slot counts must be
-    whole pages), so later copies cannot reach outside the engine's memory.
+    whole pages), so later copies cannot reach outside the engine's memory. ``peer``: the
+    registering process as the kernel reports it (None for a TCP peer, which may not
+    register at all); the default is this process, for an in-process caller.
     """
     device = desc.get("device")
     buffers = desc.get("buffers")
@@ -343,16 +451,31 @@ def map_pools(
     unknown = set(buffers) - set(BUFFER_NAMES)
     if unknown:
         raise RegistrationRefused(f"unknown buffer name(s) {sorted(map(str, unknown))}")
+    if peer is None:
+        raise RegistrationRefused(
+            "device pools are registered only over the sidecar's Unix socket, by a process "
+            "of the node: a TCP peer cannot name this machine's memory"
+        )
+    kinds = ("shm", "memfd") if device == "cpu" else ("cuda_ipc",)
+    for name, d in buffers.items():
+        if not isinstance(d, dict):
+            raise RegistrationRefused(f"buffer {name!r} must be a map")
+        if d.get("kind") not in kinds:
+            raise RegistrationRefused(
+                f"buffer {name!r}: a {device} pool is shared as {' or '.join(kinds)}"
+            )
+    if device == "cpu":
+        _segment_names(buffers)
     segments: list[shared_memory.SharedMemory] = []
     tensors: dict[str, torch.Tensor] = {}
     try:
         for name, d in buffers.items():
-            if not isinstance(d, dict):
-                raise RegistrationRefused(f"buffer {name!r} must be a map")
-            kind = "shm" if device == "cpu" else "cuda_ipc"
-            if d.get("kind") != kind:
-                raise RegistrationRefused(f"buffer {name!r}: a {device} pool is shared as {kind}")
-            tensors[name] = _map_shm(d, segments) if device == "cpu" else _map_cuda(d, allowed_gpus)
+            if d["kind"] == "memfd":
+                tensors[name] = _map_memfd(d, segments, peer, fd_inbox)
+            elif device == "cpu":
+                tensors[name] = _map_shm(d, segments, peer)
+            else:
+                tensors[name] = _map_cuda(d, allowed_gpus)
         want = _expected_shapes(layout, page_size, tensors)
         if set(want) != set(tensors):
             raise RegistrationRefused(

@@ -11,7 +11,6 @@ batched commits, the byte budget and the full-map policy).
 
 from __future__ import annotations
 
-import enum
 import fcntl
 import logging
 import os
@@ -36,27 +35,19 @@ from hicache.controller.lmdb_writer import (
 from hicache.controller.page_codec import (
     HEADER_BYTES,
     KEY_BYTES,
+    ReadStatus,
     decode_header,
     payload_checksum,
-    read_header,
+    verify_into,
 )
+from hicache.controller.security import PRIVATE_FILE_MODE, check_private_dir, make_private_dir
 from hicache.controller_api import ControllerError
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
 
 log = logging.getLogger(__name__)
 
-# Pages up to this size are copied holding the GIL (a few microseconds); larger ones
-# through numpy, which lets the engine's threads run during the copy.
-_GIL_FREE_COPY_BYTES = 256 << 10
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"  # not in LMDB (evicted meanwhile)
-    CORRUPT = "corrupt"  # bad header, length or checksum: never served
-    FOREIGN = "foreign"  # another layout's page: never served
-    ERROR = "error"  # LMDB raised; the value may be fine
+__all__ = ["DiskRecord", "LmdbTier", "ReadStatus", "WriteJob", "WriteResult"]
 
 
 @dataclass
@@ -100,7 +91,8 @@ class LmdbTier:
         self._foreign: dict[bytes, int] = {}
         self._closed = False
         self._closing = threading.Lock()  # a read is submitted wholly before or after close
-        self.path.mkdir(parents=True, exist_ok=True)
+        check_private_dir(self.path, "disk_path", warn=False)
+        make_private_dir(self.path)
         self._lock_fd = self._take_lock()
         try:
             self.env = lmdb.open(
@@ -112,6 +104,7 @@ class LmdbTier:
                 readahead=False,  # random page reads: prefetching neighbours wastes I/O
                 max_readers=max(126, 4 * config.reader_threads),
                 max_dbs=0,
+                mode=PRIVATE_FILE_MODE,  # data.mdb and lock.mdb: pages of users' prompts
             )
             self._leave_room_to_delete()
         except lmdb.Error as exc:
@@ -132,7 +125,7 @@ class LmdbTier:
         )
 
     def _take_lock(self) -> int:
-        fd = os.open(self.path / "hicache.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path / "hicache.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -276,25 +269,13 @@ class LmdbTier:
                 value = txn.get(skey)
                 if value is None:
                     return ReadStatus.MISSING
-                hdr = read_header(value)
-                if hdr is None or hdr[2] != skey[-1]:
-                    return ReadStatus.CORRUPT
-                if hdr[4] != self.layout_digest:
-                    return ReadStatus.FOREIGN
-                if hdr[6] != dst.nbytes or len(value) != HEADER_BYTES + dst.nbytes:
-                    return ReadStatus.CORRUPT
-                if dst.nbytes > _GIL_FREE_COPY_BYTES:
-                    # numpy copies without the GIL: engine threads run meanwhile.
-                    np.copyto(dst, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
-                else:  # a short copy: cheaper to call than numpy's
-                    memoryview(dst)[:] = value[HEADER_BYTES:]
+                # Checked and copied inside the transaction: the map's pages stay valid.
+                return verify_into(
+                    value, (value[HEADER_BYTES:],), skey[-1], self.layout_digest, dst
+                )
         except lmdb.Error as exc:
             log.error("LMDB read of %s failed: %s", skey.hex(), exc)
             return ReadStatus.ERROR
-        # Verified after the copy: what is checked is exactly what will be served.
-        if payload_checksum(dst) != hdr[7]:
-            return ReadStatus.CORRUPT
-        return ReadStatus.OK
 
     # -- the writer ----------------------------------------------------------------------
 

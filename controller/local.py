@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +48,9 @@ from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
 from hicache.controller.fills import FillTracker, QueuedBackup
 from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.remote_store import RemoteStore
+from hicache.controller.remote_tier import open_remote
+from hicache.controller.security import check_private_dir
 from hicache.controller.session import EngineSession
 from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
@@ -71,6 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE = "local"
+_PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 # PageKey.storage_key() without building a PageKey: this runs once per page per call.
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
 
@@ -87,9 +93,14 @@ class LocalController:
         config: ControllerConfig | None = None,
         layout: ModelLayout | None = None,
         page_size: int | None = None,
+        remote_store: RemoteStore | None = None,
     ) -> None:
-        """Without ``layout``, the tiers are built at the first :meth:`register`."""
+        """Without ``layout``, the tiers are built at the first :meth:`register`.
+        ``remote_store`` replaces the cluster of ``config.remote_url`` (tests)."""
         self.config = config or ControllerConfig()
+        if self.config.disk_enabled:  # before anything is built: refuse a path others write
+            check_private_dir(Path(self.config.disk_path), "disk_path")
+        self._remote_store = remote_store
         self.counters = Counters()
         self._store = PageStore(self.config, self.counters)
         self._engines: dict[str, EngineBuffers] = {}
@@ -98,6 +109,9 @@ class LocalController:
         self._fingerprint: bytes | None = None
         self._transfer: TransferEngine | None = None
         self._closed = False
+        # Held while the tiers are opened, and by an fsck of the disk tier before they are
+        # (LMDB allows one environment per file per process).
+        self.opening_lock = threading.Lock()
         if layout is not None:
             if page_size is None:
                 raise ControllerError("give page_size together with layout")
@@ -108,8 +122,9 @@ class LocalController:
     def _ensure_layout(self, layout: ModelLayout, page_size: int) -> None:
         fp = layout.fingerprint(page_size)
         # Held throughout: a second register waits until the tiers (and the index rebuilt
-        # from LMDB) are complete.
-        with self._store.lock:
+        # from LMDB) are complete; the opening lock first, so that an fsck of the
+        # unopened disk tier (which holds it) ends before the tier is opened here.
+        with self.opening_lock, self._store.lock:
             if self._fingerprint is not None:
                 if fp != self._fingerprint:
                     raise ControllerLayoutMismatch(
@@ -119,6 +134,9 @@ class LocalController:
                     )
                 return
             self._store.open_locked(layout, page_size, fp)
+            self._store.remote = open_remote(
+                self.config, self._store, fp, self.counters, self._remote_store
+            )
             self._transfer = TransferEngine(self._store.host)
             self._layout, self._fingerprint = layout, fp
 
@@ -245,6 +263,8 @@ class LocalController:
         with self._store.lock:
             for comp in components:
                 rows[comp] = self._store.index.presence(page_hashes, comp)
+        if self._store.remote is not None:  # outside the lock: it waits on the network
+            self._store.remote.probe(page_hashes, rows)
         for comp, row in rows.items():
             label = component_label(comp)
             self.counters.add(row.count(P_HOST), "lookup", "host", label)
@@ -389,18 +409,43 @@ class LocalController:
         if not ttl > 0:
             raise ControllerError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         ttl = min(ttl, self.config.pin_ttl_max_s)
-        with self._store.lock:
-            self._store.expire_pins_locked()
-            entries = []
-            for k in keys:
-                e = self._store.index.get(k.storage_key())
-                if e is None or not e.held:
+        store = self._store
+        rec = None
+        # In chunks, the lock released in between: what is pinned stays put meanwhile,
+        # and the other engines' lookups need not wait for a pin of many thousand keys.
+        for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
+            if start:
+                time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
+            with store.lock:
+                if rec is None:
+                    store.expire_pins_locked()
+                elif store.pins.get(rec.pin_id) is not rec:  # expired while being made
+                    self.counters.fail(Failure.PIN_EXPIRED)
+                    return None
+                chunk = keys[start : start + _PIN_CHUNK_KEYS]
+                entries = []
+                missing: list[PageKey] | None = []  # hinted remotely: read below
+                for k in chunk:
+                    e = store.index.get(k.storage_key())
+                    if e is not None and e.held:
+                        entries.append(e)
+                    elif store.remote is not None and store.remote.hinted(k):
+                        missing.append(k)
+                    else:  # absent: fail at once, a pin of many keys must not scan on
+                        missing = None
+                        break
+                if missing is None or (missing and not store.remote.fill_locked(missing)):
+                    if rec is not None:
+                        store.pins.release(rec.pin_id)
                     self.counters.fail(Failure.PIN_ABSENT)
                     return None
-                entries.append(e)
-            rec = self._store.pins.add(engine_id, entries, time.monotonic() + ttl)
-            for e in entries:
-                self._store.index.touch(e)
+                entries += [store.index.get(k.storage_key()) for k in missing]
+                if rec is None:
+                    rec = store.pins.add(engine_id, entries, time.monotonic() + ttl)
+                else:
+                    store.pins.extend(rec, entries)
+                for e in entries:
+                    store.index.touch(e)
         self.counters.inc("pins", "pinned")
         return PinReceipt(rec.pin_id, list(keys), rec.deadline, {"engine_id": engine_id})
 
@@ -413,11 +458,22 @@ class LocalController:
             self._store.pins.release(pin.pin_id)
 
     def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
-        """Start reading disk-only pages into host pages; the handle waits for them."""
+        """Start reading disk-only (and remote-hinted) pages into host pages; the handle
+        waits for them."""
         self._check_open()
         fills: list[Future] = []
         ok = True
         with self._store.lock:
+            remote, index = self._store.remote, self._store.index
+            if remote is not None:  # the hinted pages no local tier holds: read them in
+                missing = [
+                    k
+                    for k in keys
+                    if ((e := index.get(k.storage_key())) is None or not e.held)
+                    and remote.hinted(k)
+                ]
+                if missing and not remote.fill_locked(missing):
+                    ok = False
             for k in keys:
                 e = self._store.index.get(k.storage_key())
                 if e is None or not e.held:
@@ -534,6 +590,8 @@ class LocalController:
                     self._store.unhold_locked(e)
                     if ok:
                         self._store.index.served(e)
+                        if self._store.remote is not None:
+                            self._store.remote.on_served_locked(e)
         if ok:
             self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
             self.counters.inc("load", "ok")
@@ -559,7 +617,9 @@ class LocalController:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued backups are published and queued disk writes committed."""
         self._fills.reap(block=True)
-        return True if self._store.disk is None else self._store.disk.flush(timeout_s)
+        remote = self._store.remote
+        sent = True if remote is None else remote.flush(timeout_s)
+        return sent and (True if self._store.disk is None else self._store.disk.flush(timeout_s))
 
     def stats(self, engine_id: str = DEFAULT_ENGINE) -> dict[str, Any]:
         """Counters and residency as a JSON/msgpack-safe dict (see docs/metrics.md)."""
@@ -568,6 +628,8 @@ class LocalController:
             out.update(self._store.stats_locked())
             out["engines"] = len(self._engines)
             out["kernels"] = None if self._transfer is None else self._transfer.source
+        remote = self._store.remote
+        out["remote_tier"] = {"enabled": False} if remote is None else remote.stats()
         return out
 
     def check_invariants(self, deep: bool = False) -> None:
@@ -600,6 +662,8 @@ class LocalController:
         with self._store.lock:
             # Write-back keeps pages in memory only; a clean shutdown must not lose them.
             self._store.write_back_all_locked()
+        if self._store.remote is not None:  # first: its fills may still queue disk writes
+            self._store.remote.close(self.config.close_timeout_s)
         drained = self._store.close(self.config.close_timeout_s)
         with self._store.lock:  # a writer still running settles pages under this lock
             failed = sum(self.counters.get("failures", f.value) for f in write_failures)

@@ -51,6 +51,13 @@ class PinTable:
             heapq.heapify(self._deadlines)
         return rec
 
+    def extend(self, rec: PinRecord, entries: list[PageEntry]) -> None:
+        """Pin ``entries`` too, under the same pin (a large pin is made in chunks)."""
+        for e in entries:
+            self._index.pin(e)
+        rec.entries += entries
+        rec.skeys = rec.skeys | {e.skey for e in entries}
+
     def records(self) -> list[PinRecord]:
         """Every active pin (for admin listings)."""
         return list(self._pins.values())

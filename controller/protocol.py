@@ -22,22 +22,26 @@ memory speed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
 from hicache.controller_api import PageKey, PageRef
 from hicache.keys import HASH_BYTES
-from hicache.types import ComponentType, HicacheError
+from hicache.types import ComponentType, ConfigError, HicacheError
+
+if TYPE_CHECKING:
+    from hicache.layout import ModelLayout
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
@@ -49,6 +53,16 @@ ADMIN_TOKEN_NAME = "admin.token"
 _MAX_STR = 4096
 _MAX_PAGES = 1 << 20
 _MAX_TTL_MS = 3_600_000
+
+# Per-request work (docs/protocol.md, "Limits"): a lookup names at most this many
+# hashes and a pin at most this many keys (4 M tokens of pages of 16); more is refused
+# with bad_args, and SidecarController splits its own larger lookups. Requests above
+# INLINE_MAX_PAGES leave the I/O thread for the fair lane (controller/fair_lane.py) and
+# are worked through in chunks of WORK_CHUNK_PAGES, the I/O thread running in between.
+MAX_LOOKUP_HASHES = 1 << 18
+MAX_PIN_KEYS = 1 << 18
+INLINE_MAX_PAGES = 1024
+WORK_CHUNK_PAGES = 1024
 _COMPONENT_TAGS = frozenset(int(c) for c in ComponentType)
 
 # Bounds on what one message may decode to. Every empty msgpack map or array is one byte
@@ -270,7 +284,8 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a request needs an integer 'id' >= 0")
     try:
         version = msg.get("v")
-        if version != PROTOCOL_VERSION:
+        # ``type(...) is int``: 1.0 and true equal 1 in Python, but are not version 1.
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.VERSION_MISMATCH,
                 f"protocol version {version!r} is not supported; this sidecar speaks "
@@ -408,6 +423,50 @@ class Args:
         return v
 
 
+# -- layouts ------------------------------------------------------------------------------
+
+_MAX_LAYERS = 4096
+_LAYOUT_INTS = ("num_kv_heads", "head_dim", "conv_dim", "conv_kernel", "tp_rank", "tp_size")
+_LAYOUT_STRS = ("model_id", "dtype", "state_dtype")
+
+
+def decode_layout(v: Any, where: str) -> ModelLayout:
+    """A layout sent on the wire, every field's type checked before the layout is built:
+    raises BAD_ARGS naming the field (``where``: the verb and argument, for the message)."""
+    from hicache.layout import ModelLayout  # torch: not for hicachectl, which never calls this
+
+    if not isinstance(v, dict):
+        raise _bad(f"{where} must be a map of layout fields")
+    known = {f.name for f in dataclasses.fields(ModelLayout)}
+    unknown = set(v) - known
+    if unknown:
+        raise _bad(f"{where}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
+    kinds = v.get("layer_kinds")
+    if (
+        not isinstance(kinds, list)
+        or not 0 < len(kinds) <= _MAX_LAYERS
+        or not all(isinstance(k, str) and len(k) <= 16 for k in kinds)
+    ):
+        raise _bad(f"{where}.layer_kinds must be a list of 1..{_MAX_LAYERS} layer kind names")
+    for name in _LAYOUT_INTS:
+        if name in v and (type(v[name]) is not int or not 0 <= v[name] < 1 << 30):
+            raise _bad(f"{where}.{name} must be an integer in 0..{(1 << 30) - 1}")
+    for name in _LAYOUT_STRS:
+        if name in v and (not isinstance(v[name], str) or not 0 < len(v[name]) <= _MAX_STR):
+            raise _bad(f"{where}.{name} must be a string of 1..{_MAX_STR} characters")
+    shape = v.get("ssm_state_shape", [])
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 8
+        or not all(type(n) is int and 0 < n < 1 << 30 for n in shape)
+    ):
+        raise _bad(f"{where}.ssm_state_shape must be a list of <= 8 positive integers")
+    try:
+        return ModelLayout.from_dict(v)
+    except (ConfigError, TypeError, KeyError, ValueError) as exc:
+        raise _bad(f"{where}: bad layout ({exc})") from None
+
+
 # -- page columns -------------------------------------------------------------------------
 
 
@@ -419,6 +478,9 @@ def _column(v: Any, name: str, itemsize: int, n: int | None) -> bytes:
     return v
 
 
+_COMPONENT_BY_TAG = {int(c): c for c in ComponentType}
+
+
 def _components(raw: bytes) -> list[ComponentType]:
     tags = np.frombuffer(raw, dtype=np.uint8)
     if tags.size > _MAX_PAGES:
@@ -426,7 +488,8 @@ def _components(raw: bytes) -> list[ComponentType]:
     bad = set(np.unique(tags).tolist()) - _COMPONENT_TAGS
     if bad:
         raise _bad(f"unknown component tag(s) {sorted(bad)}; known: {sorted(_COMPONENT_TAGS)}")
-    return [ComponentType(t) for t in tags.tolist()]
+    by_tag = _COMPONENT_BY_TAG  # a dict lookup: an enum call per page costs ~1 µs
+    return [by_tag[t] for t in tags.tolist()]
 
 
 def _split_hashes(raw: bytes) -> list[bytes]:
@@ -439,11 +502,25 @@ def encode_hashes(hashes: Sequence[bytes]) -> bytes:
     return b"".join(hashes)
 
 
-def decode_hashes(v: Any) -> list[bytes]:
+def hash_column(v: Any, limit: int = _MAX_PAGES) -> bytes:
+    """A ``hashes`` argument checked (whole hashes, at most ``limit``), not yet split."""
     raw = _column(v, "hashes", HASH_BYTES, None)
-    if len(raw) // HASH_BYTES > _MAX_PAGES:
-        raise _bad(f"at most {_MAX_PAGES} pages per request")
-    return _split_hashes(raw)
+    if len(raw) // HASH_BYTES > limit:
+        raise _bad(f"{len(raw) // HASH_BYTES} hashes in one request; at most {limit}: split it")
+    return raw
+
+
+def decode_hashes(v: Any, limit: int = _MAX_PAGES) -> list[bytes]:
+    return _split_hashes(hash_column(v, limit))
+
+
+def page_count(args: dict[str, Any], verb: Verb) -> int:
+    """How many pages a lookup or pin names, read from its column's length without
+    decoding it (0 when the column is malformed: the handler refuses it)."""
+    column = args.get("hashes") if verb is Verb.LOOKUP else args.get("keys")
+    if isinstance(column, dict):
+        column = column.get("h")
+    return len(column) // HASH_BYTES if isinstance(column, bytes) else 0
 
 
 def encode_refs(refs: Sequence[PageRef]) -> dict[str, bytes]:
@@ -476,12 +553,26 @@ def encode_keys(keys: Sequence[PageKey]) -> dict[str, bytes]:
     }
 
 
-def decode_keys(v: Any) -> list[PageKey]:
+def decode_keys(
+    v: Any, limit: int = _MAX_PAGES, between_chunks: Callable[[], None] | None = None
+) -> list[PageKey]:
+    """The keys of a ``keys`` argument (at most ``limit``); ``between_chunks`` is called
+    after each WORK_CHUNK_PAGES keys built, so that a long decode lets others run."""
     if not isinstance(v, dict) or set(v) != {"c", "h"}:
         raise _bad("'keys' must be a map of the columns c and h")
-    comps = _components(_column(v["c"], "c", 1, None))
-    hashes = _split_hashes(_column(v["h"], "h", HASH_BYTES, len(comps)))
-    return [PageKey(c, h) for c, h in zip(comps, hashes)]
+    tags = _column(v["c"], "c", 1, None)
+    if len(tags) > limit:
+        raise _bad(f"{len(tags)} keys in one request; at most {limit}: split it")
+    comps = _components(tags)
+    raw = _column(v["h"], "h", HASH_BYTES, len(comps))
+    keys: list[PageKey] = []
+    for start in range(0, len(comps), WORK_CHUNK_PAGES):
+        if start and between_chunks is not None:
+            between_chunks()
+        end = min(start + WORK_CHUNK_PAGES, len(comps))
+        hashes = _split_hashes(raw[start * HASH_BYTES : end * HASH_BYTES])
+        keys += [PageKey(c, h) for c, h in zip(comps[start:end], hashes)]
+    return keys
 
 
 def decode_component_list(values: list[int]) -> list[ComponentType]:

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.auth
 
+from hicache.controller.fair_lane import FairLane
+from hicache.controller.fd_pass import FdInbox, fd_socket_path
 from hicache.controller.local import LocalController
 from hicache.controller.metrics import SidecarMetrics
 from hicache.controller.protocol import (
@@ -57,6 +59,7 @@ from hicache.controller.protocol import (
     ok_reply,
     progress_reply,
 )
+from hicache.controller.security import PeerCredentials, peer_credentials
 from hicache.controller.sidecar_config import SidecarConfig, TcpAuth
 from hicache.controller.sidecar_verbs import VerbHandlers
 from hicache.controller_api import ControllerError
@@ -79,6 +82,35 @@ _ZAP_DOMAIN = "hicache"
 _HARD_LIMIT_FACTOR = 4
 
 
+class _TracebackLimiter:
+    """Logs the traceback of an unexpected error at most once per ``interval_s``; the
+    others in between are counted and reported with the next one. Anyone who can connect
+    can trigger a bug as often as they like: the log must not grow with them."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -interval_s
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def log(self, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._suppressed += 1
+                return
+            self._last, suppressed, self._suppressed = now, self._suppressed, 0
+        log.error(
+            "internal error (%d more since the last traceback, not shown)",
+            suppressed,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+
+
+_TRACEBACK_INTERVAL_S = 60.0
+_internal_errors = _TracebackLimiter(_TRACEBACK_INTERVAL_S)
+
+
 class SidecarError(HicacheError):
     """The sidecar cannot start or serve; the message says what to do."""
 
@@ -99,6 +131,7 @@ class Connection:
     page_size: int = 0
     inflight: int = 0
     mapped: MappedPools | None = None
+    peer: PeerCredentials | None = None  # SO_PEERCRED of a Unix-socket peer; None over TCP
     requests: int = 0
     running: int = 0  # worker jobs under way (under the server's ``jobs`` condition)
     dropped: bool = False
@@ -138,6 +171,7 @@ class SidecarServer:
         self.started = time.monotonic()
         self.endpoints: list[str] = []
         self.admin_token = b""
+        self.fd_inbox: FdInbox | None = None  # memory descriptors (controller/fd_pass.py)
         self.conns: dict[tuple[int, bytes], Connection] = {}
         self.engines: dict[str, Connection] = {}
         self.stopping = False
@@ -154,6 +188,7 @@ class SidecarServer:
         self._executor = ThreadPoolExecutor(
             self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
         )
+        self._lane = FairLane("hicache-sidecar-bulk")
         self._inflight = 0
         # Worker jobs per connection, and engines' dropped connections with jobs still
         # running: a new registration of the engine waits for them (``fence``).
@@ -318,6 +353,7 @@ class SidecarServer:
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(self._reply_addr)
         self.endpoints.append(self._bind_ipc())
+        self.fd_inbox = FdInbox(fd_socket_path(self.config.socket))
         if self.config.tcp_endpoint:
             self.endpoints.append(self._bind_tcp())
         log.info("listening on %s", ", ".join(self.endpoints))
@@ -388,7 +424,8 @@ class SidecarServer:
     def _read_router(self, i: int, router: zmq.Socket) -> None:
         for _ in range(_MAX_BATCH):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                # Frames, not bytes: a Unix-socket message carries its sender's credentials.
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._on_message(i, frames)
@@ -421,9 +458,9 @@ class SidecarServer:
         log.debug("refused %s: %s %s", verb, exc.code.value, exc.message)
         self._send(i, rid, error_reply(req_id, exc.code, exc.message))
 
-    def _on_message(self, i: int, frames: list[bytes]) -> None:
+    def _on_message(self, i: int, frames: list[zmq.Frame]) -> None:
         t0 = time.monotonic()
-        rid = frames[0]
+        rid = frames[0].bytes
         if len(frames) != 2:
             self._reject(
                 i,
@@ -434,13 +471,17 @@ class SidecarServer:
             )
             return
         try:
-            req = decode_request(frames[1], self.config.max_message_bytes)
+            req = decode_request(frames[1].bytes, self.config.max_message_bytes)
         except ProtocolError as exc:
             self._reject(i, rid, getattr(exc, "request_id", None), "invalid", exc)
             return
         verb = req.verb.value
         self.metrics.requests.labels(verb).inc()
+        peer = peer_credentials(frames[1]) if self._transports[i] == "ipc" else None
         conn = self.conns.get((i, rid))
+        if conn is not None and conn.peer != peer:
+            # Another process reusing a departed peer's routing id: not its session.
+            conn = None
         if conn is not None:
             conn.last_seen = t0
             conn.requests += 1
@@ -448,8 +489,8 @@ class SidecarServer:
             self._check_allowed(conn, req)
             deadline = t0 + min(req.ttl_s, self.config.max_request_ttl_s)
             if req.verb is Verb.HELLO:
-                result = self.verbs.hello(i, rid, req, t0)
-            elif req.verb in self.verbs.inline:
+                result = self.verbs.hello(i, rid, req, t0, peer)
+            elif req.verb in self.verbs.inline and not self.verbs.is_bulk(req):
                 result = self.verbs.inline[req.verb](conn, req)
             else:
                 self._dispatch(conn, req, deadline, t0)
@@ -502,7 +543,10 @@ class SidecarServer:
             )
         self._inflight += 1
         conn.inflight += 1
-        self._executor.submit(self._run_job, conn, req, deadline, t0)
+        if req.verb in self.verbs.inline:  # a large lookup or pin: one engine at a time
+            self._lane.submit(conn.engine_id, lambda: self._run_job(conn, req, deadline, t0))
+        else:
+            self._executor.submit(self._run_job, conn, req, deadline, t0)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -539,7 +583,10 @@ class SidecarServer:
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"{verb} waited past its deadline ({req.ttl_s:.3f}s) before it could start",
                 )
-            result = self.verbs.workers[req.verb](conn, req, deadline)
+            if req.verb in self.verbs.workers:
+                result = self.verbs.workers[req.verb](conn, req, deadline)
+            else:  # a bulk lookup or pin: its deadline is the client's, it ends soon
+                result = self.verbs.inline[req.verb](conn, req)
             payload = ok_reply(req.id, result)
         except Exception as exc:
             perr = exc if isinstance(exc, ProtocolError) else _as_protocol_error(exc)
@@ -629,6 +676,7 @@ class SidecarServer:
     def _shutdown_sockets(self) -> None:
         # After a drain that timed out, a stuck request is abandoned, not waited for.
         self._executor.shutdown(wait=self._inflight == 0, cancel_futures=True)
+        self._lane.shutdown(self.config.drain_timeout_s if self._inflight == 0 else 0.0)
         for conn in list(self.conns.values()):
             self.drop_connection(conn, "sidecar stopping")
         with self._push_lock:
@@ -643,6 +691,8 @@ class SidecarServer:
             self._auth.stop()
         with contextlib.suppress(OSError):
             self.config.socket.unlink()
+        if self.fd_inbox is not None:
+            self.fd_inbox.close()
         self._ctx.destroy(linger=0)
         log.info("sockets closed")
 
@@ -660,7 +710,7 @@ def _as_protocol_error(exc: Exception) -> ProtocolError:
         return ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(exc))
     if isinstance(exc, (ControllerError, HicacheError)):
         return ProtocolError(ErrorCode.CONTROLLER_ERROR, str(exc))
-    log.exception("internal error")
+    _internal_errors.log(exc)
     return ProtocolError(
         ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the sidecar log"
     )

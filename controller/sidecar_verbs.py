@@ -19,8 +19,13 @@ import numpy as np
 from hicache import __version__
 from hicache.controller import admin_ops
 from hicache.controller.device_share import RegistrationRefused, map_pools, open_ready_event
+from hicache.controller.fair_lane import yield_to_io
 from hicache.controller.protocol import (
+    INLINE_MAX_PAGES,
+    MAX_LOOKUP_HASHES,
+    MAX_PIN_KEYS,
     PROTOCOL_VERSION,
+    WORK_CHUNK_PAGES,
     Args,
     ErrorCode,
     ProtocolError,
@@ -30,12 +35,17 @@ from hicache.controller.protocol import (
     decode_component_list,
     decode_hashes,
     decode_keys,
+    decode_layout,
     decode_refs,
+    hash_column,
+    page_count,
 )
+from hicache.controller.remote_sidecar import remote_status, verbs_on_workers
+from hicache.controller.security import PeerCredentials
 from hicache.controller.sidecar_config import BackupAck
 from hicache.controller_api import PinReceipt
-from hicache.layout import ModelLayout
-from hicache.types import ComponentType, ConfigError, Tier
+from hicache.keys import HASH_BYTES
+from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
     from hicache.controller.server import Connection, SidecarServer
@@ -91,13 +101,22 @@ class VerbHandlers:
             Verb.PIN_PREFIX: self.pin_prefix,
             Verb.FSCK: self.fsck,
         }
+        if self.ctl.config.remote_enabled:
+            verbs_on_workers(self)
         self.admin_allowed = frozenset(
             {Verb.HEARTBEAT, Verb.STATS, Verb.HEALTH, Verb.BYE} | {v for v in Verb if v.admin}
         )
 
     # -- handshake -----------------------------------------------------------------------
 
-    def hello(self, sock: int, routing_id: bytes, req: Request, now: float) -> dict[str, Any]:
+    def hello(
+        self,
+        sock: int,
+        routing_id: bytes,
+        req: Request,
+        now: float,
+        peer: PeerCredentials | None = None,
+    ) -> dict[str, Any]:
         from hicache.controller.server import Connection
 
         srv = self.server
@@ -127,10 +146,7 @@ class VerbHandlers:
         else:
             fingerprint = a.bytes("fingerprint", length=16)
             page_size = a.int("page_size", 1, 1 << 20)
-            try:
-                layout = ModelLayout.from_dict(a.map("layout"))
-            except (ConfigError, TypeError, KeyError, ValueError) as exc:
-                raise ProtocolError(ErrorCode.BAD_ARGS, f"hello: bad layout ({exc})") from None
+            layout = decode_layout(a.map("layout"), "hello: layout")
             if layout.fingerprint(page_size) != fingerprint:
                 raise ProtocolError(
                     ErrorCode.BAD_ARGS,
@@ -152,6 +168,7 @@ class VerbHandlers:
         conn = Connection(
             sock, routing_id, role, engine_id, pid, srv.transport(sock), now, now, layout, page_size
         )
+        conn.peer = peer
         srv.add_connection(conn)
         if role is Role.ENGINE:
             log.info(f"engine {engine_id} (pid {pid}) connected over {conn.transport}")
@@ -170,16 +187,31 @@ class VerbHandlers:
         Args(req.verb, req.args, ())
         return {"lease_s": self.server.config.lease_s}
 
+    def is_bulk(self, req: Request) -> bool:
+        """A lookup or pin too large for the I/O thread: it runs on the fair lane."""
+        return req.verb in (Verb.LOOKUP, Verb.PIN) and page_count(req.args, req.verb) > (
+            INLINE_MAX_PAGES
+        )
+
     def lookup(self, conn: Connection, req: Request) -> dict[str, Any]:
         a = Args(req.verb, req.args, ("hashes", "components"))
-        hashes = decode_hashes(a.bytes("hashes"))
+        raw = hash_column(a.bytes("hashes"), MAX_LOOKUP_HASHES)
         comps = decode_component_list(a.int_list("components", max_len=3))
-        res = self.ctl.lookup(hashes, comps, engine_id=conn.engine_id)
-        return {"presence": [res.presence[c].astype(np.int8).tobytes() for c in comps]}
+        rows: dict[ComponentType, list[np.ndarray]] = {c: [] for c in comps}
+        step = WORK_CHUNK_PAGES * HASH_BYTES
+        for start in range(0, max(len(raw), 1), step):
+            if start:
+                yield_to_io()
+            res = self.ctl.lookup(
+                decode_hashes(raw[start : start + step]), comps, engine_id=conn.engine_id
+            )
+            for c in comps:
+                rows[c].append(res.presence[c])
+        return {"presence": [np.concatenate(rows[c]).astype(np.int8).tobytes() for c in comps]}
 
     def pin(self, conn: Connection, req: Request) -> dict[str, Any]:
         a = Args(req.verb, req.args, ("keys", "ttl_s"))
-        keys = decode_keys(a.map("keys"))
+        keys = decode_keys(a.map("keys"), MAX_PIN_KEYS, yield_to_io)
         ttl = _ttl(a)
         receipt = self.ctl.pin(keys, ttl, engine_id=conn.engine_id)
         if receipt is None:
@@ -221,7 +253,9 @@ class VerbHandlers:
         if conn.dropped:  # a newer connection of the engine came meanwhile: it registers
             raise ProtocolError(ErrorCode.NO_SESSION, "the session ended before register")
         try:
-            mapped = map_pools(conn.layout, page_size, desc, srv.config.gpu_uuids)
+            mapped = map_pools(
+                conn.layout, page_size, desc, srv.config.gpu_uuids, conn.peer, srv.fd_inbox
+            )
         except RegistrationRefused as exc:
             srv.metrics.registrations.labels("refused").inc()
             raise ProtocolError(ErrorCode.REGISTRATION_REFUSED, str(exc)) from None
@@ -353,6 +387,7 @@ class VerbHandlers:
             "pins_active": stats.get("pins_active", 0),
             "host": stats.get("host", {}),
             "disk": stats.get("disk", {}),
+            "remote": remote_status(self.ctl),
             "config": {
                 "controller": self.ctl.config.to_dict(),
                 "sidecar": srv.config.to_dict(),

@@ -30,6 +30,7 @@ from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteRe
 from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.pins import PinTable
+from hicache.controller.remote_tier import RemoteTier
 from hicache.controller_api import ControllerError, PageKey
 from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier
@@ -70,6 +71,7 @@ class PageStore:
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None
+        self.remote: RemoteTier | None = None  # set by the controller when configured
 
     def fault(self, what: str) -> bool:
         return self.faults is not None and self.faults.take(what)
@@ -152,6 +154,8 @@ class PageStore:
                 frame = bytearray(self.host[e.component].frame(e.host_page))
                 self._queue_write_locked(e, frame)
                 e.pending_payload = frame
+            if self.remote is not None:
+                self.remote.on_host_evict_locked(e)
             self.host[e.component].free(self.index.clear_host(e))
             self.counters.inc("evictions", "host", component_label(e.component))
             self.index.discard_if_unused(e)

@@ -15,6 +15,7 @@ from sidecar_support import short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import (
+    RemoteError,
     RemoteLayoutMismatch,
     SidecarClientConfig,
     SidecarController,
@@ -273,14 +274,21 @@ def test_tcp_with_curve_keys_serves_only_authorized_clients(workdir):
     )
     good, bad = Engine(tcp, known), Engine(tcp, unknown)
     try:
-        good.register()
-        assert good.client.available
-        refs = good.chain()
-        assert good.client.backup(refs).wait(10)
-        assert good.presence(refs) == [Presence.HOST] * 4
+        # Answered (the handshake passed CURVE), and refused: a TCP peer never names this
+        # machine's memory; its pools would be registered over the Unix socket.
+        with pytest.raises(RemoteError, match=r"registration_refused: .*Unix socket"):
+            good.register()
         bad.register()  # not refused with an error: the sidecar answers nothing at all
         assert not bad.client.available
-        assert side.controller.engines == [good.client.engine_id]
+        assert side.controller.engines == []
+        local = Engine(side.endpoint)
+        try:
+            local.register()
+            refs = local.chain()
+            assert local.client.backup(refs).wait(10)
+            assert local.presence(refs) == [Presence.HOST] * 4
+        finally:
+            local.close()
     finally:
         good.close()
         bad.close()

@@ -159,7 +159,7 @@ def test_a_segment_is_mapped_only_with_the_key_it_holds(what):
         desc = export_pools(pools)
         full = desc["buffers"]["full"]
         if what == "wrong key":
-            full["key"] = bytes(16)
+            full["key"] = bytes(15) + b"\x01"  # not the key (an all-zero one: see below)
         elif what == "no key":
             del full["key"]
         else:
