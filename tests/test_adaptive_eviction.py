@@ -84,13 +84,13 @@ def test_the_charges_pick_the_rule_and_the_replay_keeps_the_invariants():
     try:
         replayer.run()
         replayer.check()
-        policy = replayer.cache.leaf_policy
+        policy = replayer.cache.tree.leaf_policy
         assert isinstance(policy, AdaptiveLeafPolicy)
         # It ends following LRU, the rule charged less, after trying the learned one.
         assert policy.following_name == "lru"
         assert policy.charges[0] < policy.charges[1]
         assert policy.picks[0] > 0 and policy.picks[1] > 0
-        assert policy.members() == replayer.cache.leaf_policy.lru.members()
+        assert policy.members() == policy.learned.members()
     finally:
         replayer.close()
 
