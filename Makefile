@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-all test-engines test-vllm test-sglang lint demo bench-tree clean
+.PHONY: setup test test-all test-engines test-vllm test-sglang lint demo bench-tree bench-tree-vs-sglang clean
 
 setup:
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -39,5 +39,10 @@ demo: setup
 bench-tree: setup
 	$(PY) benchmarks/bench_tree.py
 
+# hicache's tree against SGLang's RadixCache, in SGLang's own environment (built on first use).
+bench-tree-vs-sglang:
+	bash scripts/sglang_anchor_env.sh
+	.venv-sglang-anchor/bin/python -W ignore benchmarks/bench_tree_vs_sglang.py
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-sglang build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-sglang .venv-sglang-anchor build dist *.egg-info .pytest_cache

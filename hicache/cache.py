@@ -23,12 +23,13 @@ from hicache.backups import Backups
 from hicache.beyond_device import BeyondDevice, Walk
 from hicache.components import COMPONENT_CLASSES
 from hicache.components.base import TreeComponent
-from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
+from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
-from hicache.eviction import LeafEvictionPolicy, LRULeafPolicy
+from hicache.eviction import LeafEvictionPolicy
 from hicache.invariants import check_cache
 from hicache.keys import TOKEN_BYTES, TokenInput, token_array
 from hicache.layout import ModelLayout
+from hicache.leaf_policies import make_leaf_policy
 from hicache.load_back import LoadBack
 from hicache.node import TreeNode
 from hicache.pools import DevicePools
@@ -42,15 +43,6 @@ from hicache.types import ComponentType, PoolExhaustedError
 log = logging.getLogger("hicache.cache")
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def make_leaf_policy(config: CacheConfig) -> LeafEvictionPolicy:
-    """The device-tier leaf eviction policy named in ``config``."""
-    if config.eviction_policy is EvictionPolicyKind.LRU:
-        return LRULeafPolicy()
-    from hicache.learned_eviction import LearnedLeafPolicy
-
-    return LearnedLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
 
 
 class UnifiedRadixCache:

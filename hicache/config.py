@@ -33,6 +33,7 @@ class EvictionPolicyKind(enum.Enum):
 
     LRU = "lru"
     LEARNED = "learned"
+    ADAPTIVE = "adaptive"  # follows the better of the two online (hicache.adaptive_eviction)
 
 
 def parse_enum(enum_cls: type[E], value: object, name: str) -> E:

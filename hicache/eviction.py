@@ -95,11 +95,20 @@ class LRULeafPolicy(LeafEvictionPolicy):
             self.add(node)
 
     def pop(self) -> TreeNode | None:
-        while self._heap:
-            _, seq, node = heapq.heappop(self._heap)
+        node = self.peek()
+        if node is not None:
+            heapq.heappop(self._heap)
+            del self._live[node.id]
+        return node
+
+    def peek(self) -> TreeNode | None:
+        """The least recently used member, left a member (stale heap entries dropped)."""
+        heap = self._heap
+        while heap:
+            _, seq, node = heap[0]
             if self._live.get(node.id) == seq:
-                del self._live[node.id]
                 return node
+            heapq.heappop(heap)
         return None
 
     def members(self) -> set[int]:
@@ -203,3 +212,4 @@ class LRUList:
             if seen > self._size:
                 raise AssertionError("LRU list is longer than its size: a cycle")
             cd = cd.lru_next
+

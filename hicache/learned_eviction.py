@@ -96,13 +96,14 @@ class LearnedPolicyParams:
 class _LeafState:
     """What the policy keeps on a node (in ``node.policy_state``)."""
 
-    __slots__ = ("evicted", "slot", "stamp", "uses")
+    __slots__ = ("evicted", "fp", "slot", "stamp", "uses")
 
     def __init__(self, stamp: int, uses: int) -> None:
         self.stamp = stamp  # tree clock of the last use (insert, hit or return)
         self.uses = uses
         self.slot = -1  # index in the member array, -1 when not a member
         self.evicted = False  # left the device (and may come back from the host tier)
+        self.fp: int | None = None  # the node's fingerprint, once asked for
 
 
 class _History:
@@ -200,6 +201,15 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
         # more than its first page, so a piece and the same tokens inserted again agree.
         self._fp_bytes = min(self.params.fingerprint_tokens, page_size) * _TOKEN_BYTES
 
+    def fingerprint(self, node: TreeNode) -> int:
+        """A 64-bit id of ``node``'s start position and first tokens: equal for the same
+        prefix piece cached again, or the head a split leaves (kept on the node's state;
+        a split resets the suffix's, whose start moved)."""
+        st = self._state(node)
+        if st.fp is None:
+            st.fp = self._fingerprint(node)
+        return st.fp
+
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         return self._fingerprint_at(node.key, offset_tokens, node.start + offset_tokens)
 
@@ -247,7 +257,10 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
 
     def on_split(self, node: TreeNode) -> None:
         # Both parts share the state until now: take it before the suffix's changes.
-        self._state(node)
+        self._state(node).fp = None
+        for child in node.children.values():
+            if child.policy_state is not None:
+                child.policy_state.fp = None  # the suffix starts later now
 
     def on_hit(self, node: TreeNode) -> None:
         self._saw(node)
@@ -287,6 +300,13 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
     # -- eviction ------------------------------------------------------------------------
 
     def pop(self) -> TreeNode | None:
+        victim = self.propose()
+        if victim is not None:
+            self.remove(victim)
+        return victim
+
+    def propose(self) -> TreeNode | None:
+        """The leaf ``pop`` would name now, left a member (a fresh sample each call)."""
         n = len(self._members)
         if n == 0:
             return None
@@ -308,7 +328,6 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
             key = (rate, node.last_access)
             if best is None or key < best:
                 victim, best = node, key
-        self.remove(victim)
         return victim
 
     def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:

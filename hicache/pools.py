@@ -13,6 +13,7 @@ can be registered with a sidecar as one buffer.
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -26,6 +27,11 @@ from hicache.types import PoolExhaustedError, SlotStateError
 
 _FREE = 0
 _ALLOCATED = 1
+
+# Check on every free that a caller claiming distinct pages really has them (a sort per
+# call). Off by default (the hot path of eviction); the test suite turns it on through
+# HICACHE_DEBUG_CHECKS=1 (tests/conftest.py).
+DEBUG_CHECKS = os.environ.get("HICACHE_DEBUG_CHECKS", "") not in ("", "0")
 
 # A shared pool segment ends with this many random bytes, right after the tensor. The
 # engine sends them at register; the sidecar maps a segment only if its bytes there are
@@ -125,21 +131,41 @@ class PageAllocator:
         self._state[pages] = _ALLOCATED
         return pages
 
-    def free_pages(self, pages: np.ndarray) -> None:
-        """Return pages to the pool; raises SlotStateError (changing nothing) on a bad page."""
-        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if pages.size == 0:
+    def free_pages(self, pages: np.ndarray, distinct: bool = False) -> None:
+        """Return pages to the pool; raises SlotStateError (changing nothing) on a page out
+        of range or not allocated. ``distinct=True`` says the caller knows its pages are
+        distinct and were handed out by this pool (a tree node's own pages), which skips
+        the sort that checks for a page given twice and the range check, unless
+        :data:`DEBUG_CHECKS` is on (as in the tests); a page not allocated still raises."""
+        if type(pages) is not np.ndarray or pages.dtype != np.int64 or pages.ndim != 1:
+            pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        n = pages.size
+        if n == 0:
             return
-        if pages.min() < 0 or pages.max() >= self.num_pages:
+        state = self._state
+        if n == 1:  # the common single-page case: plain integers, no array operations
+            page = int(pages[0])
+            if not 0 <= page < self.num_pages:
+                raise SlotStateError(f"{self.name} pool: page id out of range in free")
+            if state[page] != _ALLOCATED:
+                raise SlotStateError(f"{self.name} pool: free of pages not allocated: [{page}]")
+            state[page] = _FREE
+            self._free[self._top] = page
+            self._top += 1
+            return
+        checked = DEBUG_CHECKS or not distinct
+        # Distinct pages come from a tree node, which got them from this pool: in range.
+        if checked and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise SlotStateError(f"{self.name} pool: page id out of range in free")
-        if np.any(self._state[pages] != _ALLOCATED):
-            bad = pages[self._state[pages] != _ALLOCATED][:8].tolist()
+        held = state[pages]
+        if not held.all():  # _ALLOCATED is 1, _FREE 0
+            bad = pages[held != _ALLOCATED][:8].tolist()
             raise SlotStateError(f"{self.name} pool: free of pages not allocated: {bad}")
-        if pages.size > 1 and np.unique(pages).size != pages.size:
+        if checked and np.unique(pages).size != n:
             raise SlotStateError(f"{self.name} pool: the same page freed twice in one call")
-        self._state[pages] = _FREE
-        self._free[self._top : self._top + pages.size] = pages
-        self._top += pages.size
+        state[pages] = _FREE
+        self._free[self._top : self._top + n] = pages
+        self._top += n
 
     def take_pages(self, pages: np.ndarray) -> None:
         """Allocate exactly ``pages`` (all free) again: a caller that had to free pages
@@ -363,21 +389,24 @@ class DevicePools:
             raise SlotStateError("alloc_swa_for: a FULL page already has an SWA page")
         self.full_to_swa[full_pages] = self.swa.alloc_pages(full_pages.size)
 
-    def free_swa_of(self, full_pages: np.ndarray) -> int:
-        """Free the SWA pages of ``full_pages`` (those that have one); returns slots freed."""
+    def free_swa_of(self, full_pages: np.ndarray, distinct: bool = False) -> int:
+        """Free the SWA pages of ``full_pages`` (those that have one); returns slots freed.
+        ``distinct``: as in :meth:`PageAllocator.free_pages` (distinct FULL pages map to
+        distinct SWA pages)."""
         if self.swa is None:
             return 0
         full_pages = np.asarray(full_pages, dtype=np.int64)
         swa = self.full_to_swa[full_pages]
         swa = swa[swa >= 0]
-        self.swa.free_pages(swa)
+        self.swa.free_pages(swa, distinct)
         self.full_to_swa[full_pages] = -1
         return int(swa.size) * self.swa.page_size
 
-    def free_kv_pages(self, full_pages: np.ndarray) -> None:
-        """Free FULL pages together with their SWA pages."""
-        self.free_swa_of(full_pages)
-        self.full.free_pages(full_pages)
+    def free_kv_pages(self, full_pages: np.ndarray, distinct: bool = False) -> None:
+        """Free FULL pages together with their SWA pages (``distinct``: as in
+        :meth:`PageAllocator.free_pages`)."""
+        self.free_swa_of(full_pages, distinct)
+        self.full.free_pages(full_pages, distinct)
 
     def swa_slots_of(self, full_slots: np.ndarray) -> np.ndarray:
         """The SWA slot of each FULL slot (-1 where its page has no SWA page)."""

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 
+# The pools' debug checks (a duplicate page in a free that claims distinct pages raises)
+# are on for every test, and for the processes tests start.
+os.environ.setdefault("HICACHE_DEBUG_CHECKS", "1")
+
 try:
     from hypothesis import settings
 except ImportError:  # a bare GPU host running only `-m gpu` files has no hypothesis

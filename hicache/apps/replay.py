@@ -40,6 +40,7 @@ import numpy as np
 from hicache.cache import UnifiedRadixCache
 from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
 from hicache.layout import ModelLayout
+from hicache.leaf_policies import make_leaf_policy
 from hicache.pools import DevicePools
 from hicache.request import Request
 from hicache.types import ComponentType, ConfigError, PoolExhaustedError
@@ -330,7 +331,9 @@ class TraceReplayer:
             )
             self.controller = LocalController(ccfg)
         self.pools = DevicePools.allocate(REPLAY_LAYOUT, config)
-        self.cache = UnifiedRadixCache(REPLAY_LAYOUT, config, self.pools, self.controller)
+        self.cache = UnifiedRadixCache(
+            REPLAY_LAYOUT, config, self.pools, self.controller, make_leaf_policy(config)
+        )
         self.result = ReplayResult()
         self._inflight: list[tuple[float, int, Request]] = []
         self._output_base = output_block_base(trace, self.shape.block_tokens)

@@ -35,6 +35,7 @@ from hicache.apps.replay import (
     unique_blocks,
 )
 from hicache.apps.replay_bounds import infinite_hits, optimal_hits
+from hicache.apps.workloads import add_workload_arguments, run_workloads
 from hicache.config import EvictionPolicyKind, WritePolicy
 from hicache.types import ConfigError
 
@@ -245,6 +246,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="check the cache's invariants every N requests (slow; 0: never)",
     )
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    add_workload_arguments(sub)
 
 
 def _parse_window(text: str | None) -> tuple[float, float] | None:
@@ -365,6 +367,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.bench == "replay":
             return bench_replay(args)
+        if args.bench == "workloads":
+            return run_workloads(args)
     except (ConfigError, TraceError, ReplayError) as exc:
         print(f"hicache bench {args.bench}: {exc}", file=sys.stderr)
         return 2

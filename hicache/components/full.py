@@ -27,7 +27,7 @@ class FullComponent(PagedComponent):
         return value[:: self.page_size] // self.page_size
 
     def free(self, node: TreeNode, value: np.ndarray) -> int:
-        self.pools.free_kv_pages(self.pages(value))
+        self.pools.free_kv_pages(self.pages(value), distinct=True)  # a node's own pages
         return int(value.size)
 
     def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:

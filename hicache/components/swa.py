@@ -35,7 +35,7 @@ class SWAComponent(PagedComponent):
     def free(self, node: TreeNode, value: np.ndarray) -> int:
         full_pages = self._full_pages(node)
         assert np.array_equal(self.pools.full_to_swa[full_pages], value), "SWA mapping drifted"
-        return self.pools.free_swa_of(full_pages)
+        return self.pools.free_swa_of(full_pages, distinct=True)  # a node's own pages
 
     def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:
         return value
