@@ -22,9 +22,11 @@ from test_controller_support import (
 )
 
 from hicache.controller.local import LocalController
-from hicache.controller.protocol import Request, Verb, encode_refs
+from hicache.controller.protocol import Request, Verb
 from hicache.controller.sidecar_config import BackupAck
-from hicache.controller.sidecar_verbs import VerbHandlers
+from hicache.controller.sidecar_verbs import Call, VerbHandlers
+from hicache.controller.verb_specs import SPECS
+from hicache.controller.wire_fields import encode_refs
 from hicache.types import Tier
 
 
@@ -144,15 +146,17 @@ def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path)
 
     ctl.backup = slow_backup
     try:
-        server = SimpleNamespace(controller=ctl, config=SimpleNamespace(backup_ack=BackupAck.HOST))
-        verbs = VerbHandlers(server)
+        config = SimpleNamespace(backup_ack=BackupAck.HOST)
+        verbs = VerbHandlers(None, ctl, config, None, [], lambda: None)
         conn = SimpleNamespace(engine_id="local", mapped=SimpleNamespace(device="cuda"))
         chain = engine.write_chain(range(3 * PAGE))
         snap = engine.snapshot(chain)
+        spec = SPECS[Verb.BACKUP]
         req = Request(1, Verb.BACKUP, 1.0, {"refs": encode_refs(chain.refs([FULL]))})
-        reply = verbs.backup(conn, req, time.monotonic() + 0.05)  # the deadline passes
+        call = Call(conn, req, time.monotonic() + 0.05, lambda done, total: None)
+        reply = verbs.backup(call, spec.decode_args(req.args))  # the deadline passes
         assert late and all(ev.query() for ev in late), "answered while the copy could read"
-        assert reply == {"ok": False}
+        assert spec.encode_reply(reply) == {"ok": False}
         engine.scribble(chain)  # the engine reuses its pages once answered
         ctl._transfer.to_host = real_to_host
         ctl.flush()

@@ -27,7 +27,7 @@ from test_controller_support import (
 
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
-from hicache.controller_api import ControllerError, Presence
+from hicache.controller_api import ControllerError, LoadResult, Presence
 from hicache.types import Tier
 
 
@@ -76,7 +76,7 @@ def test_disk_read_error_fails_the_load_and_keeps_the_page(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.disk_read = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["disk_read_error"] == 1
     _no_holds(ctl)
@@ -91,7 +91,7 @@ def test_copy_to_device_error_fails_the_load_and_releases_holds(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.copy_to_device = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["copy_error"] == 1
     _no_holds(ctl)
@@ -239,7 +239,7 @@ def test_slow_disk_times_the_load_out_and_the_reads_finish_later(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.disk_read_delay_s = 0.3
     ok, pin = _pin_and_load(ctl, engine, chain, timeout_s=0.02)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["load_timeout"] == 1
     ctl.check_invariants()  # consistent with the reads still in flight
@@ -255,7 +255,7 @@ def test_a_page_evicted_meanwhile_fails_the_load(tmp_path):
     engine, ctl, chain, _ = _disk_only(tmp_path)
     ctl.faults.evict_before_load = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     ctl.unpin(pin)  # twice: harmless
     assert ctl.stats()["failures"]["page_absent"] == 1
@@ -284,7 +284,7 @@ def test_an_expired_pin_fails_the_load_and_frees_its_pages(tmp_path):
     refs = target.refs()
     pin = ctl.pin([r.key for r in refs], 0.01)
     time.sleep(0.05)
-    assert ctl.load(refs, pin, 5.0) is False
+    assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED  # failed, nothing left writing
     assert ctl.stats()["failures"]["pin_expired"] == 1
     assert ctl.stats()["pins"]["expired"] == 1
     ctl.unpin(pin)  # after expiry: harmless

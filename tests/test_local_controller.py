@@ -25,7 +25,7 @@ from test_controller_support import (
 from hicache.controller.config import DiskWritePolicy
 from hicache.controller.local import ControllerLayoutMismatch, LocalController
 from hicache.controller.page_codec import HEADER_BYTES
-from hicache.controller_api import CacheController, ControllerError, PageKey, Presence
+from hicache.controller_api import CacheController, ControllerError, LoadResult, PageKey, Presence
 from hicache.types import LayoutMismatchError, Tier
 
 
@@ -259,7 +259,7 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     target = engine.place(chain.hashes, chain.parents)
     refs = target.refs([FULL])
     pin = ctl.pin([r.key for r in refs], 5.0)
-    assert ctl.load(refs, pin, 5.0) is False
+    assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["checksum"] == 1
     assert _presence(ctl, chain) == [1, 1, 0, 1]  # the bad page is gone: a miss now

@@ -17,7 +17,8 @@ from sidecar_support import Sidecar, layout_file, short_tmpdir, wait_for
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import SidecarController
 from hicache.controller.device_share import export_pools
-from hicache.controller.protocol import encode_refs, pack
+from hicache.controller.protocol import pack
+from hicache.controller.wire_fields import encode_refs
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType

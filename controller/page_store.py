@@ -17,6 +17,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,12 +30,14 @@ from hicache.controller.host_pool import HostPool
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
 from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
-from hicache.controller.pins import PinTable
+from hicache.controller.pins import PinRecord, PinTable
 from hicache.controller_api import ControllerError, PageKey
 from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier
 
 log = logging.getLogger(__name__)
+
+_PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 
 _READ_FAILURES = {
     ReadStatus.CORRUPT: Failure.CHECKSUM,
@@ -115,6 +118,49 @@ class PageStore:
     def unhold_locked(self, e: PageEntry) -> None:
         e.copies -= 1
         self.index.release(e)
+
+    def pin_keys(
+        self, keys: Sequence[PageKey], engine_id: str, ttl_s: float
+    ) -> PinRecord | Failure:
+        """Pin every page of ``keys`` (held on host or disk) for ``ttl_s``, in chunks of
+        ``_PIN_CHUNK_KEYS`` with the lock released in between: what is pinned stays put
+        meanwhile, and the other engines' lookups need not wait for a pin of many
+        thousand keys. The failure (nothing pinned) when a page is absent, or when the
+        pin expired while it was being made."""
+        rec = None
+        for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
+            if start:
+                time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
+            with self.lock:
+                if rec is None:
+                    self.expire_pins_locked()
+                elif self.pins.get(rec.pin_id) is not rec:
+                    return Failure.PIN_EXPIRED
+                entries = []
+                for k in keys[start : start + _PIN_CHUNK_KEYS]:
+                    e = self.index.get(k.storage_key())
+                    if e is None or not e.held:
+                        if rec is not None:
+                            self.pins.release(rec.pin_id)
+                        return Failure.PIN_ABSENT
+                    entries.append(e)
+                if rec is None:
+                    rec = self.pins.add(engine_id, entries, time.monotonic() + ttl_s)
+                else:
+                    self.pins.extend(rec, entries)
+                for e in entries:
+                    self.index.touch(e)
+        return rec
+
+    def tiers_locked(self, key: PageKey) -> frozenset[Tier]:
+        """HOST once ``key``'s host copy is ready, DISK once it is committed to LMDB."""
+        e = self.index.get(key.storage_key())
+        tiers = set()
+        if e is not None and e.host_state is HostState.READY:
+            tiers.add(Tier.HOST)
+        if e is not None and e.disk_state is DiskState.READY:
+            tiers.add(Tier.DISK)
+        return frozenset(tiers)
 
     def expire_pins_locked(self) -> None:
         n = self.pins.expire(time.monotonic())
