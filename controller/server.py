@@ -1,7 +1,7 @@
 """The sidecar's ZeroMQ server: a ROUTER socket in front of a :class:`LocalController`.
 
 Layers: :mod:`~hicache.controller.security` (the private socket directory, the admin
-token, TCP authentication, peer credentials), :mod:`~hicache.controller.sessions` (the
+token, TCP authentication, peer credentials), :mod:`~hicache.controller.sidecar_sessions` (the
 connections, engines, leases, fencing and unmapping), :mod:`~hicache.controller.
 sidecar_verbs` (what each verb does) and this module: the loop and the dispatch.
 
@@ -56,8 +56,8 @@ from hicache.controller.security import (
     private_dir,
     secure_tcp,
 )
-from hicache.controller.sessions import Connection, ServedLayout, Sessions
 from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar_sessions import Connection, ServedLayout, Sessions
 from hicache.controller.sidecar_verbs import Call, VerbHandlers
 from hicache.controller.verb_specs import ADMIN, SPECS, Runs, VerbSpec
 from hicache.controller.wire_fields import INLINE_MAX_PAGES, page_count

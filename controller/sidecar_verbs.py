@@ -32,7 +32,7 @@ from hicache.controller.protocol import (
     Role,
     Verb,
 )
-from hicache.controller.sessions import Connection, ServedLayout, Sessions
+from hicache.controller.sidecar_sessions import Connection, ServedLayout, Sessions
 from hicache.controller.verb_specs import (
     BackupArgs,
     ClearArgs,
