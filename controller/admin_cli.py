@@ -43,6 +43,7 @@ from hicache.controller.protocol import (
     normalize_endpoint,
     socket_dir,
 )
+from hicache.controller.remote_sidecar import print_remote_status
 from hicache.controller.verb_specs import SPECS, HelloArgs, NoArgs
 from hicache.types import ConfigError
 
@@ -151,6 +152,7 @@ def _print_status(r: dict) -> None:
             f"{_human_bytes(disk['file_bytes'])}, budget {_human_bytes(disk['budget_bytes'])}"
         )
     print(f"  pages:     {r['entries']} indexed, {r['pins_active']} pins")
+    print_remote_status(r.get("remote", {}))
 
 
 def _print_engines(r: dict) -> None:

@@ -114,7 +114,9 @@ class SidecarController:
         self._failures = 0
         self._open = True  # no session until register() handshakes
         self._next_attempt = 0.0
-        self._registration: tuple[ModelLayout, int, dict[str, Any]] | None = None
+        # (layout, page_size, exported buffers); the buffers are None for a session that
+        # only looks up and pins (attach), which never registers memory.
+        self._registration: tuple[ModelLayout, int, dict[str, Any] | None] | None = None
         self._device: Any = None
         self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
@@ -199,9 +201,10 @@ class SidecarController:
         welcome = ch.call(Verb.HELLO, hello, t, connect_wait_s=t)
         if self.config.heartbeat_interval_s is None:
             self._heartbeat_s = welcome.heartbeat_interval_s
-        register = RegisterArgs(page_size, desc["device"], desc["buffers"])
-        if ch.call(Verb.REGISTER, register, t).fenced:
-            self._fenced_generation = ch.generation
+        if desc is not None:
+            register = RegisterArgs(page_size, desc["device"], desc["buffers"])
+            if ch.call(Verb.REGISTER, register, t).fenced:
+                self._fenced_generation = ch.generation
         with self._state_lock:
             self._open = False
             self._failures = 0
@@ -269,6 +272,15 @@ class SidecarController:
 
         self._registration = (layout, page_size, export_pools(pools))
         self._device = pools.full.buffer.device
+        self._start_session()
+
+    def attach(self, layout: ModelLayout, page_size: int) -> None:
+        """A session that looks pages up and pins them but registers no memory (an engine's
+        scheduler, whose workers register theirs). Raises as :meth:`register` does."""
+        self._registration = (layout, page_size, None)
+        self._start_session()
+
+    def _start_session(self) -> None:
         try:
             self._connect()
         except RemoteError as exc:
@@ -313,7 +325,8 @@ class SidecarController:
 
     def _cuda_device(self) -> Any:
         """The engine's CUDA device when its pools are on one, else None."""
-        if self._registration is None or self._registration[2].get("device") != "cuda":
+        desc = None if self._registration is None else self._registration[2]
+        if desc is None or desc.get("device") != "cuda":
             return None
         return self._device
 

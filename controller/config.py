@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.config import parse_enum
+from hicache.controller.remote_config import RemoteWritePolicy, validate_remote
 from hicache.controller.settings import config_from_dict, config_to_dict
 from hicache.types import ComponentType, ConfigError
 
@@ -113,10 +114,38 @@ class ControllerConfig:
     prefetch_timeout_s: float = 5.0  # prefetch handles' wait() without a timeout
     close_timeout_s: float = 60.0  # close() waits this long for queued writes
 
+    # Remote tier (a Valkey/Redis Cluster shared by every node): None runs without one.
+    # ``redis://host:port[,host:port…]`` (seed nodes), ``rediss://`` for TLS; a user may
+    # precede the hosts (``redis://cache@host:port``), the password comes from a file.
+    # See controller/remote_tier.py and docs/operations.md.
+    remote_url: str | None = None
+    remote_password_file: str | None = None
+    remote_tls_ca_file: str | None = None
+    remote_key_prefix: str = "hicache"
+    remote_write_policy: RemoteWritePolicy = RemoteWritePolicy.WRITE_THROUGH
+    remote_fill_to_disk: bool = True  # a page read from remote is queued to LMDB too
+    remote_lookup_timeout_s: float = 0.1  # a lookup's remote probe, all of it
+    remote_read_timeout_s: float = 1.0  # one batch of remote reads (a load waits on it)
+    remote_write_timeout_s: float = 2.0  # one batch of remote writes
+    remote_write_queue_pages: int = 1024  # pages waiting to be written; beyond: dropped
+    remote_write_batch_pages: int = 32
+    remote_read_batch_pages: int = 32
+    remote_probe_chunk_pages: int = 64  # pages probed per round trip of a lookup
+    remote_hint_entries: int = 65536  # pages remembered as present remotely
+    remote_hint_ttl_s: float = 30.0  # how long a presence hint is believed
+    remote_breaker_failures: int = 3  # calls failing on every key before the breaker opens
+    remote_breaker_cooldown_s: float = 1.0  # open this long, then one trial call
+    remote_failure_hint_s: float = 2.0  # a failing node's keys are skipped this long
+    remote_topology_refresh_s: float = 0.5  # slot map re-read this often while one fails
+    remote_io_threads: int = 8
+
     def __post_init__(self) -> None:
         self.host_pinning = parse_enum(HostPinning, self.host_pinning, "host_pinning")
         self.disk_write_policy = parse_enum(
             DiskWritePolicy, self.disk_write_policy, "disk_write_policy"
+        )
+        self.remote_write_policy = parse_enum(
+            RemoteWritePolicy, self.remote_write_policy, "remote_write_policy"
         )
         if self.disk_path is not None:
             self.disk_path = Path(self.disk_path)
@@ -127,6 +156,10 @@ class ControllerConfig:
     @property
     def disk_enabled(self) -> bool:
         return self.disk_path is not None
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self.remote_url is not None
 
     @property
     def map_size_bytes(self) -> int:
@@ -203,6 +236,7 @@ class ControllerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        validate_remote(self)
         if self.pin_ttl_default_s > self.pin_ttl_max_s:
             raise ConfigError(
                 f"pin_ttl_default_s={self.pin_ttl_default_s} exceeds "

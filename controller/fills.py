@@ -90,6 +90,8 @@ class FillTracker:
             store.index.release(e)
             e.fill = None
             store.write_through_locked(e)
+            if store.remote is not None:
+                store.remote.on_backup_locked(e)
             nbytes += store.host[e.component].page_bytes
         backup.fill.set_result(True)
         n = len(backup.plan)

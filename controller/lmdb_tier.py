@@ -11,7 +11,6 @@ batched commits, the byte budget and the full-map policy).
 
 from __future__ import annotations
 
-import enum
 import fcntl
 import logging
 import os
@@ -36,9 +35,10 @@ from hicache.controller.lmdb_writer import (
 from hicache.controller.page_codec import (
     HEADER_BYTES,
     KEY_BYTES,
+    ReadStatus,
     decode_header,
     payload_checksum,
-    read_header,
+    verify_into,
 )
 from hicache.controller.security import PRIVATE_FILE_MODE, check_private_dir, make_private_dir
 from hicache.controller_api import ControllerError
@@ -47,17 +47,7 @@ from hicache.types import ComponentType
 
 log = logging.getLogger(__name__)
 
-# Pages up to this size are copied holding the GIL (a few microseconds); larger ones
-# through numpy, which lets the engine's threads run during the copy.
-_GIL_FREE_COPY_BYTES = 256 << 10
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"  # not in LMDB (evicted meanwhile)
-    CORRUPT = "corrupt"  # bad header, length or checksum: never served
-    FOREIGN = "foreign"  # another layout's page: never served
-    ERROR = "error"  # LMDB raised; the value may be fine
+__all__ = ["DiskRecord", "LmdbTier", "ReadStatus", "WriteJob", "WriteResult"]
 
 
 @dataclass
@@ -279,25 +269,13 @@ class LmdbTier:
                 value = txn.get(skey)
                 if value is None:
                     return ReadStatus.MISSING
-                hdr = read_header(value)
-                if hdr is None or hdr[2] != skey[-1]:
-                    return ReadStatus.CORRUPT
-                if hdr[4] != self.layout_digest:
-                    return ReadStatus.FOREIGN
-                if hdr[6] != dst.nbytes or len(value) != HEADER_BYTES + dst.nbytes:
-                    return ReadStatus.CORRUPT
-                if dst.nbytes > _GIL_FREE_COPY_BYTES:
-                    # numpy copies without the GIL: engine threads run meanwhile.
-                    np.copyto(dst, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
-                else:  # a short copy: cheaper to call than numpy's
-                    memoryview(dst)[:] = value[HEADER_BYTES:]
+                # Checked and copied inside the transaction: the map's pages stay valid.
+                return verify_into(
+                    value, (value[HEADER_BYTES:],), skey[-1], self.layout_digest, dst
+                )
         except lmdb.Error as exc:
             log.error("LMDB read of %s failed: %s", skey.hex(), exc)
             return ReadStatus.ERROR
-        # Verified after the copy: what is checked is exactly what will be served.
-        if payload_checksum(dst) != hdr[7]:
-            return ReadStatus.CORRUPT
-        return ReadStatus.OK
 
     # -- the writer ----------------------------------------------------------------------
 

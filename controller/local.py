@@ -50,6 +50,8 @@ from hicache.controller.fills import FillTracker
 from hicache.controller.page_copies import PageCopies, check_refs
 from hicache.controller.page_index import DiskState, HostState, PageEntry
 from hicache.controller.page_store import PageStore
+from hicache.controller.remote_store import RemoteStore
+from hicache.controller.remote_tier import open_remote
 from hicache.controller.security import check_private_dir
 from hicache.controller.session import EngineSession
 from hicache.controller.transfer import EngineBuffers, TransferEngine
@@ -90,11 +92,14 @@ class LocalController:
         config: ControllerConfig | None = None,
         layout: ModelLayout | None = None,
         page_size: int | None = None,
+        remote_store: RemoteStore | None = None,
     ) -> None:
-        """Without ``layout``, the tiers are built at the first :meth:`register`."""
+        """Without ``layout``, the tiers are built at the first :meth:`register`.
+        ``remote_store`` replaces the cluster of ``config.remote_url`` (tests)."""
         self.config = config or ControllerConfig()
         if self.config.disk_enabled:  # before anything is built: refuse a path others write
             check_private_dir(Path(self.config.disk_path), "disk_path")
+        self._remote_store = remote_store
         self.counters = Counters()
         self._store = PageStore(self.config, self.counters)
         self._engines: dict[str, EngineBuffers] = {}
@@ -128,16 +133,14 @@ class LocalController:
                     )
                 return
             self._store.open_locked(layout, page_size, fp)
+            self._store.remote = open_remote(
+                self.config, self._store, fp, self.counters, self._remote_store
+            )
             transfer = TransferEngine(self._store.host)
             self._copies = PageCopies(
                 self._store, self._fills, transfer, self.counters, self.config
             )
             self._layout, self._fingerprint = layout, fp
-
-    @property
-    def _transfer(self) -> TransferEngine | None:
-        """The transfer engine the copies run on (None before the layout is known)."""
-        return None if self._copies is None else self._copies.transfer
 
     @property
     def faults(self) -> FaultPlan | None:
@@ -235,6 +238,8 @@ class LocalController:
         with self._store.lock:
             for comp in components:
                 rows[comp] = self._store.index.presence(page_hashes, comp)
+        if self._store.remote is not None:  # outside the lock: it waits on the network
+            self._store.remote.probe(page_hashes, rows)
         for comp, row in rows.items():
             label = component_label(comp)
             self.counters.add(row.count(P_HOST), "lookup", "host", label)
@@ -291,22 +296,11 @@ class LocalController:
             self._store.pins.release(pin.pin_id)
 
     def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
-        """Start reading disk-only pages into host pages; the handle waits for them."""
+        """Start reading disk-only (and remote-hinted) pages into host pages; the handle
+        waits for them."""
         self._check_open()
-        fills: list[Future] = []
-        ok = True
         with self._store.lock:
-            for k in keys:
-                e = self._store.index.get(k.storage_key())
-                if e is None or not e.held:
-                    ok = False
-                elif e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
-                elif e.host_state is HostState.NONE:
-                    fut = self._store.start_read_locked(e)
-                    ok = ok and fut is not None
-                    if fut is not None:
-                        fills.append(fut)
+            fills, ok = self._store.start_fills_locked(keys)
         self.counters.add(len(fills), "prefetch", "pages")
         return self._fills.handle(fills, ok, self.config.prefetch_timeout_s)
 
@@ -446,7 +440,9 @@ class LocalController:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued backups are published and queued disk writes committed."""
         self._fills.reap(block=True)
-        return True if self._store.disk is None else self._store.disk.flush(timeout_s)
+        remote = self._store.remote
+        sent = True if remote is None else remote.flush(timeout_s)
+        return sent and (True if self._store.disk is None else self._store.disk.flush(timeout_s))
 
     def stats(self, engine_id: str = DEFAULT_ENGINE) -> dict[str, Any]:
         """Counters and residency as a JSON/msgpack-safe dict (see docs/metrics.md)."""
@@ -455,6 +451,8 @@ class LocalController:
             out.update(self._store.stats_locked())
             out["engines"] = len(self._engines)
             out["kernels"] = None if self._copies is None else self._copies.transfer.source
+        remote = self._store.remote
+        out["remote_tier"] = {"enabled": False} if remote is None else remote.stats()
         return out
 
     def check_invariants(self, deep: bool = False) -> None:
@@ -487,6 +485,8 @@ class LocalController:
         with self._store.lock:
             # Write-back keeps pages in memory only; a clean shutdown must not lose them.
             self._store.write_back_all_locked()
+        if self._store.remote is not None:  # first: its fills may still queue disk writes
+            self._store.remote.close(self.config.close_timeout_s)
         drained = self._store.close(self.config.close_timeout_s)
         with self._store.lock:  # a writer still running settles pages under this lock
             failed = sum(self.counters.get("failures", f.value) for f in write_failures)

@@ -28,6 +28,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hicache.controller.remote_sidecar import remote_families
+
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS_S = (
@@ -72,7 +74,7 @@ class ControllerCollector(Collector):
             "Tokens of looked-up FULL pages found beyond the device, by tier.",
             labels=["tier"],
         )
-        for result in ("host", "disk", "miss"):
+        for result in ("host", "disk", "remote", "miss"):
             for comp, n in _get(s, "lookup", result, default={}).items():
                 lookup.add_metric([result, comp], n)
             if result != "miss":
@@ -182,6 +184,7 @@ class ControllerCollector(Collector):
             "Pins that ended by expiry or with their engine, not by an unpin.",
             value=expired,
         )
+        yield from remote_families(s)
 
 
 class SidecarMetrics:

@@ -14,11 +14,14 @@ memory speed, so checking every page on every read costs little next to the copy
 
 from __future__ import annotations
 
+import enum
 import struct
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import xxhash
 
 from hicache.keys import HASH_BYTES
@@ -31,6 +34,19 @@ HEADER_BYTES = _HEADER.size
 _CRC_SPAN = HEADER_BYTES - 8  # the header CRC covers every field before it
 KEY_BYTES = HASH_BYTES + 1
 _COMPONENTS = {int(c): c for c in ComponentType}
+# Parts up to this size are copied holding the GIL (a few microseconds); larger ones
+# through numpy, which lets the engine's threads run during the copy.
+_GIL_FREE_COPY_BYTES = 256 << 10
+
+
+class ReadStatus(enum.Enum):
+    """The outcome of reading one stored page (from LMDB or the remote tier)."""
+
+    OK = "ok"
+    MISSING = "missing"  # not stored (evicted meanwhile)
+    CORRUPT = "corrupt"  # bad header, length or checksum: never served
+    FOREIGN = "foreign"  # another layout's page: never served
+    ERROR = "error"  # the store failed; the value may be fine
 
 
 def payload_checksum(payload: Any) -> int:
@@ -127,3 +143,36 @@ def decode_header(value: Any) -> PageHeader | None:
     if zlib.crc32(value[:_CRC_SPAN]) != crc:
         return None
     return PageHeader(component, digest, parent, nbytes, checksum, written)
+
+
+def verify_into(
+    header: Any, parts: Sequence[Any], tag: int, layout_digest: bytes, dst: np.ndarray
+) -> ReadStatus:
+    """Check a stored page and copy its payload into ``dst`` (uint8, the page's size).
+
+    ``header`` starts with the stored header; ``parts`` are the payload's bytes in
+    order (one part for an LMDB value, two for the remote tier's split layout). Every
+    tier reads through this one function, so a value served from any of them passed the
+    same checks: header CRC, component tag, layout digest, length, then the payload
+    checksum over the bytes as copied into ``dst`` (what is checked is what is served).
+    Anything but OK leaves ``dst`` undefined.
+    """
+    hdr = read_header(header)
+    if hdr is None or hdr[2] != tag:
+        return ReadStatus.CORRUPT
+    if hdr[4] != layout_digest:
+        return ReadStatus.FOREIGN
+    if hdr[6] != dst.nbytes or sum(len(p) for p in parts) != dst.nbytes:
+        return ReadStatus.CORRUPT
+    at = 0
+    for part in parts:
+        n = len(part)
+        if n > _GIL_FREE_COPY_BYTES:
+            # numpy copies without the GIL: engine threads run meanwhile.
+            np.copyto(dst[at : at + n], np.frombuffer(part, np.uint8))
+        elif n:  # a short copy: cheaper to call than numpy's
+            memoryview(dst)[at : at + n] = part
+        at += n
+    if payload_checksum(dst) != hdr[7]:
+        return ReadStatus.CORRUPT
+    return ReadStatus.OK

@@ -189,6 +189,8 @@ class PageCopies:
                     self._store.unhold_locked(e)
                     if ok:
                         self._store.index.served(e)
+                        if self._store.remote is not None:
+                            self._store.remote.on_served_locked(e)
         if ok:
             self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
             self.counters.inc("load", "ok")

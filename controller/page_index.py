@@ -220,6 +220,23 @@ class PageIndex:
                 heap.append((e.last_access, seq, e))
         heapq.heapify(heap)
 
+    def set_parent(self, entry: PageEntry, parent_hash: bytes) -> None:
+        """Move ``entry`` to the chain of ``parent_hash``: for a page created before its
+        parent was known (a remote fill of a chain's first page learns it from the value)."""
+        if entry.component is ComponentType.FULL and parent_hash != entry.parent_hash:
+            present = [t for t in _TIERS if entry.present(t)]
+            for t in present:
+                self._presence_changed(entry, t, -1)
+            siblings = self._children_of[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children_of[entry.parent_hash]
+            entry.parent_hash = parent_hash
+            self._children_of.setdefault(parent_hash, set()).add(entry)
+            for t in present:
+                self._presence_changed(entry, t, +1)
+        entry.parent_hash = parent_hash
+
     def discard_if_unused(self, entry: PageEntry) -> bool:
         """Drop ``entry`` when it is in no tier and nothing is in flight on it."""
         if not entry.attached or entry.held or entry.busy:

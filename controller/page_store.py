@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +61,23 @@ def _gc_paused():
             gc.enable()
 
 
+class RemoteHooks(Protocol):
+    """What the local tiers ask of a tier behind them (the remote tier,
+    :class:`hicache.controller.remote_tier.RemoteTier`), under the store's lock unless
+    said otherwise: the place where a tier beyond disk plugs in."""
+
+    def fill_locked(self, keys: list[PageKey]) -> bool: ...
+    def on_host_evict_locked(self, e: PageEntry) -> None: ...
+    def on_served_locked(self, e: PageEntry) -> None: ...
+    def probe(self, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]) -> None:
+        """Fill in absent pages of ``rows`` that the tier holds (without the lock)."""
+
+    def flush(self, timeout_s: float | None) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+    def health(self, timeout_s: float) -> dict[str, Any]: ...
+    def close(self, timeout_s: float) -> Any: ...
+
+
 class PageStore:
     """Index, pins, host pool and LMDB tier of one layout, under one lock."""
 
@@ -73,6 +90,7 @@ class PageStore:
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None
+        self.remote: RemoteHooks | None = None  # set by the controller when configured
 
     def fault(self, what: str) -> bool:
         return self.faults is not None and self.faults.take(what)
@@ -137,13 +155,19 @@ class PageStore:
                 elif self.pins.get(rec.pin_id) is not rec:
                     return Failure.PIN_EXPIRED
                 entries = []
+                missing = []
                 for k in keys[start : start + _PIN_CHUNK_KEYS]:
                     e = self.index.get(k.storage_key())
                     if e is None or not e.held:
+                        missing.append(k)
+                    else:
+                        entries.append(e)
+                if missing:  # the remote tier may hold them: filled into host pages
+                    if self.remote is None or not self.remote.fill_locked(missing):
                         if rec is not None:
                             self.pins.release(rec.pin_id)
                         return Failure.PIN_ABSENT
-                    entries.append(e)
+                    entries += [self.index.get(k.storage_key()) for k in missing]
                 if rec is None:
                     rec = self.pins.add(engine_id, entries, time.monotonic() + ttl_s)
                 else:
@@ -198,6 +222,8 @@ class PageStore:
                 frame = bytearray(self.host[e.component].frame(e.host_page))
                 self._queue_write_locked(e, frame)
                 e.pending_payload = frame
+            if self.remote is not None:
+                self.remote.on_host_evict_locked(e)
             self.host[e.component].free(self.index.clear_host(e))
             self.counters.inc("evictions", "host", component_label(e.component))
             self.index.discard_if_unused(e)
@@ -292,6 +318,26 @@ class PageStore:
         self.counters.transfer("host_to_disk", len(results) - len(failed), ok_bytes, seconds)
 
     # -- disk → host (reader threads) ----------------------------------------------------
+
+    def start_fills_locked(self, keys: Sequence[PageKey]) -> tuple[list[Future], bool]:
+        """Start reading every disk-only (or remote-hinted) page of ``keys`` into a host
+        page; the futures of those reads and of fills already running, and whether every
+        page is held and every read could start."""
+        missing = [k for k in keys if (e := self.index.get(k.storage_key())) is None or not e.held]
+        ok = not missing or (self.remote is not None and self.remote.fill_locked(missing))
+        fills: list[Future] = []
+        for k in keys:
+            e = self.index.get(k.storage_key())
+            if e is None or not e.held:
+                ok = False
+            elif e.host_state is HostState.FILLING:
+                fills.append(e.fill)
+            elif e.host_state is HostState.NONE:
+                fut = self.start_read_locked(e)
+                ok = ok and fut is not None
+                if fut is not None:
+                    fills.append(fut)
+        return fills, ok
 
     def start_read_locked(self, e: PageEntry) -> Future | None:
         """Reserve a host page for a disk-only entry and queue its read; None if host full."""

@@ -58,6 +58,7 @@ OTHER_VARIABLES = frozenset(
         "HICACHE_FAULTS",
         "HICACHE_ENDPOINT",
         "HICACHE_REQUIRE_PROMETHEUS",
+        "HICACHE_REQUIRE_REDIS",
         "HICACHE_HYPOTHESIS_PROFILE",
         "HICACHE_SOAK_EXAMPLES",
         "HICACHE_SOAK_STEPS",
@@ -217,6 +218,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-disk", action="store_true", help="run without a disk tier")
     p.add_argument("--disk-budget-bytes", help="disk tier budget, e.g. 100GiB")
     p.add_argument("--backup-ack", choices=["host", "disk"], help="when backups are acknowledged")
+    p.add_argument(
+        "--remote-url",
+        help="remote tier: Valkey/Redis Cluster seeds, redis://host:port[,host:port...] "
+        "(rediss:// for TLS)",
+    )
     p.add_argument("--lease-s", help="seconds without heartbeats before an engine is dropped")
     p.add_argument("--metrics-port", help="Prometheus port (0: off; default 9464)")
     p.add_argument("--metrics-addr", help="Prometheus address (default 127.0.0.1)")
@@ -241,6 +247,7 @@ _FLAG_FIELDS = (
     "disk_path",
     "disk_budget_bytes",
     "backup_ack",
+    "remote_url",
     "lease_s",
     "metrics_port",
     "metrics_addr",

@@ -323,7 +323,9 @@ class SidecarServer:
             if req.verb is Verb.HELLO:
                 args = spec.decode_args(req.args)
                 reply = self.verbs.hello((i, rid), self._transports[i], peer, args, t0)
-            elif spec.runs is Runs.IO or (spec.runs is Runs.IO_OR_LANE and not _large(spec, req)):
+            elif req.verb not in self.verbs.on_workers and (
+                spec.runs is Runs.IO or (spec.runs is Runs.IO_OR_LANE and not _large(spec, req))
+            ):
                 args = spec.decode_args(req.args)
                 call = Call(conn, req, deadline, _no_progress)
                 reply = self.verbs.handlers[req.verb](call, args)
@@ -379,7 +381,8 @@ class SidecarServer:
             )
         sessions.inflight += 1
         conn.inflight += 1
-        if spec.runs is Runs.IO_OR_LANE:  # a large lookup or pin: one engine at a time
+        if spec.runs is Runs.IO_OR_LANE and req.verb not in self.verbs.on_workers:
+            # A large lookup or pin: on the lane, one engine's request after another's.
             self._lane.submit(conn.engine_id, lambda: self._run_job(conn, spec, req, deadline, t0))
         else:
             self._executor.submit(self._run_job, conn, spec, req, deadline, t0)

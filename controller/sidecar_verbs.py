@@ -32,6 +32,7 @@ from hicache.controller.protocol import (
     Role,
     Verb,
 )
+from hicache.controller.remote_sidecar import remote_status, verbs_on_workers
 from hicache.controller.sidecar_sessions import Connection, ServedLayout, Sessions
 from hicache.controller.verb_specs import (
     BackupArgs,
@@ -138,6 +139,9 @@ class VerbHandlers:
             Verb.UNPIN_PREFIX: self.unpin_prefix,
             Verb.FSCK: self.fsck,
         }
+        self.on_workers: set[Verb] = set()  # run on a worker whatever their spec says
+        if self.ctl.config.remote_enabled:
+            verbs_on_workers(self)
 
     # -- handshake -----------------------------------------------------------------------
 
@@ -364,6 +368,7 @@ class VerbHandlers:
             "pins_active": stats.get("pins_active", 0),
             "host": stats.get("host", {}),
             "disk": stats.get("disk", {}),
+            "remote": remote_status(self.ctl),
             "config": {
                 "controller": self.ctl.config.to_dict(),
                 "sidecar": self.config.to_dict(),

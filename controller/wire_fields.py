@@ -449,6 +449,26 @@ def decode_layout(v: Any, where: str) -> ModelLayout:
         or not all(type(n) is int and 0 < n < 1 << 30 for n in shape)
     ):
         raise bad_args(f"{where}.ssm_state_shape must be a list of <= 8 positive integers")
+    tensors = v.get("state_tensors", [])
+    if (
+        not isinstance(tensors, list)
+        or len(tensors) > 64
+        or not all(
+            isinstance(t, dict)
+            and set(t) == {"name", "shape", "dtype"}
+            and isinstance(t["name"], str)
+            and 0 < len(t["name"]) <= 64
+            and isinstance(t["dtype"], str)
+            and isinstance(t["shape"], list)
+            and 0 < len(t["shape"]) <= 8
+            and all(type(n) is int and 0 < n < 1 << 30 for n in t["shape"])
+            for t in tensors
+        )
+    ):
+        raise bad_args(
+            f"{where}.state_tensors must be a list of <= 64 maps of name, shape (positive "
+            "integers) and dtype"
+        )
     try:
         return ModelLayout.from_dict(v)
     except (ConfigError, TypeError, KeyError, ValueError) as exc:

@@ -114,9 +114,10 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             if not root.children:
                 self.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
-        if result.host_hit_len or result.disk_hit_len:
+        if result.host_hit_len or result.disk_hit_len or result.remote_hit_len:
             self.counters["host_hit_tokens"] += result.host_hit_len
             self.counters["disk_hit_tokens"] += result.disk_hit_len
+            self.counters["remote_hit_tokens"] += result.remote_hit_len
         if req is not None:
             self._attach(req, result, arr)
         return result

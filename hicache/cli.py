@@ -44,6 +44,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "add_demo_arguments",
         "run_demo",
     ),
+    Subcommand(
+        "run-hf",
+        "serve a multi-turn chat on a transformers model (hybrid or not) with and without "
+        "the cache",
+        "hicache.integrations.transformers_demo",
+        "add_run_hf_arguments",
+        "run_run_hf",
+    ),
 )
 
 

@@ -28,11 +28,13 @@ class Presence(enum.IntEnum):
     ABSENT = 0
     HOST = 1
     DISK = 2
+    REMOTE = 3  # a hint: the remote tier held it at the lookup; a pin reads it to host
 
 
 # Presence as plain ints, for numpy: an array compared with an IntEnum member takes numpy's
 # slow path (about 11 µs for a small array, against 2 µs with an int; numpy 2.4).
 P_ABSENT, P_HOST, P_DISK = int(Presence.ABSENT), int(Presence.HOST), int(Presence.DISK)
+P_REMOTE = int(Presence.REMOTE)
 
 
 @dataclass(frozen=True)

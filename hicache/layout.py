@@ -25,7 +25,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
 }
+
+#: The storage dtype of packed Mamba state (see :class:`StateTensor`): raw bytes, so that
+#: every copy (kernels, host pages, LMDB values) moves each state tensor bit for bit.
+PACKED_STATE_DTYPE = torch.uint8
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,13 +50,53 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One state tensor that every Mamba/linear-attention layer keeps per state slot.
+
+    Real models keep several per layer (a conv window and a recurrent state, or only a conv
+    window), each with its own shape and dtype; a layout that lists them stores a layer's
+    states packed one after another as raw bytes (``PACKED_STATE_DTYPE``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if not self.name or not self.shape or any(s <= 0 for s in self.shape):
+            raise ConfigError(
+                f"state tensor {self.name!r} needs a name and a positive shape, got {self.shape}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def of(cls, value: StateTensor | dict) -> StateTensor:
+        if isinstance(value, StateTensor):
+            return value
+        return cls(value["name"], tuple(value["shape"]), value["dtype"])
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     """Which layers keep which state, and the shape of that state per token or per slot.
 
     * full-attention and sliding-window layers keep K and V of shape
       ``[num_kv_heads, head_dim]`` per token;
     * Mamba layers keep a conv state ``[conv_dim, conv_kernel - 1]`` and an SSM state of
-      shape ``ssm_state_shape`` per state slot, in ``state_dtype``.
+      shape ``ssm_state_shape`` per state slot, in ``state_dtype``;
+    * or, with ``state_tensors``, any number of state tensors per Mamba layer, each with
+      its own shape and dtype. They are stored packed as bytes: the conv part of the pool
+      holds the first tensor's bytes and the SSM part the rest (a lone tensor is split in
+      two halves), so ``conv_dim``, ``conv_kernel``, ``ssm_state_shape`` and
+      ``state_dtype`` are derived and need not be given.
     """
 
     layer_kinds: tuple[LayerKind, ...]
@@ -65,14 +110,56 @@ class ModelLayout:
     model_id: str = "model"
     tp_rank: int = 0
     tp_size: int = 1
+    state_tensors: tuple[StateTensor, ...] = ()
 
     def __post_init__(self) -> None:
+        tensors = tuple(StateTensor.of(t) for t in self.state_tensors)
+        object.__setattr__(self, "state_tensors", tensors)
+        if tensors:
+            self._derive_packed_storage(tensors)
         kinds = tuple(LayerKind(k) if not isinstance(k, LayerKind) else k for k in self.layer_kinds)
         object.__setattr__(self, "layer_kinds", kinds)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         object.__setattr__(self, "state_dtype", parse_dtype(self.state_dtype))
         object.__setattr__(self, "ssm_state_shape", tuple(int(s) for s in self.ssm_state_shape))
         self.validate()
+
+    def _derive_packed_storage(self, tensors: tuple[StateTensor, ...]) -> None:
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"state tensor names must be distinct, got {names}")
+        total = sum(t.nbytes for t in tensors)
+        head = tensors[0].nbytes if len(tensors) > 1 else (total + 1) // 2
+        if total < 2:
+            raise ConfigError("packed Mamba state needs at least 2 bytes per layer")
+        derived = {
+            "conv_dim": head,
+            "conv_kernel": 2,
+            "ssm_state_shape": (total - head,),
+            "state_dtype": PACKED_STATE_DTYPE,
+        }
+        for name, want in derived.items():
+            have = getattr(self, name)
+            if name == "state_dtype":
+                # float32 is the field's default: it cannot tell "given" from "left out"
+                given = parse_dtype(have) not in (torch.float32, PACKED_STATE_DTYPE)
+            else:
+                have = tuple(have) if name == "ssm_state_shape" else have
+                given = have not in (0, ())
+            if given and have != want:
+                raise ConfigError(
+                    f"{name}={have!r} conflicts with state_tensors (packed storage needs "
+                    f"{want!r}); leave it out"
+                )
+            object.__setattr__(self, name, want)
+
+    def state_byte_offsets(self) -> list[tuple[StateTensor, int]]:
+        """Each state tensor with the byte offset of its bytes in a layer's packed state."""
+        out, offset = [], 0
+        for t in self.state_tensors:
+            out.append((t, offset))
+            offset += t.nbytes
+        return out
 
     def validate(self) -> None:
         """Raise ConfigError naming the first inconsistent field."""
@@ -179,6 +266,7 @@ class ModelLayout:
         d["dtype"] = dtype_name(self.dtype)
         d["state_dtype"] = dtype_name(self.state_dtype)
         d["ssm_state_shape"] = list(self.ssm_state_shape)
+        d["state_tensors"] = [t.to_dict() for t in self.state_tensors]
         return d
 
     @classmethod
@@ -190,7 +278,23 @@ class ModelLayout:
         d = dict(d)
         d["layer_kinds"] = tuple(LayerKind(k) for k in d["layer_kinds"])
         d["ssm_state_shape"] = tuple(d.get("ssm_state_shape", ()))
+        d["state_tensors"] = tuple(StateTensor.of(t) for t in d.get("state_tensors", ()))
         return cls(**d)
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: object,
+        dtype: torch.dtype | str | None = None,
+        model_id: str | None = None,
+    ) -> ModelLayout:
+        """The layout of a ``transformers`` causal LM built from ``config`` (a
+        ``PretrainedConfig``; transformers itself is not imported). See
+        :func:`hicache.integrations.transformers_layout.hf_layout` for the families and
+        how their layers map onto FULL, SWA and MAMBA layers."""
+        from hicache.integrations.transformers_layout import hf_layout
+
+        return hf_layout(config, dtype=dtype, model_id=model_id).layout
 
     def fingerprint(self, page_size: int) -> bytes:
         """A 16-byte digest of everything that makes cached bytes of this layout usable.
@@ -212,4 +316,11 @@ class ModelLayout:
             str(self.tp_size),
             str(page_size),
         ]
+        if self.state_tensors:  # only then: fingerprints of older layouts stay as they were
+            parts.append(
+                ";".join(
+                    f"{t.name}:{'x'.join(map(str, t.shape))}:{dtype_name(t.dtype)}"
+                    for t in self.state_tensors
+                )
+            )
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).digest()

@@ -88,7 +88,8 @@ class MatchResult:
     ``device_slots`` (numpy) / ``device_indices`` (the same as a torch tensor) are the FULL
     slots of the first ``prefix_len`` tokens, usable now; they are the caller's copy.
     ``host_hit_len`` tokens after them can be loaded from the host tier, and
-    ``disk_hit_len`` tokens after those from disk; ``load_node`` is where ``load_back``
+    ``disk_hit_len`` tokens after those from disk, ``remote_hit_len`` after those from the
+    remote tier (read into host by the load's pin); ``load_node`` is where ``load_back``
     would end (None when there is nothing to load).
     """
 
@@ -97,6 +98,7 @@ class MatchResult:
     last_node: TreeNode
     host_hit_len: int = 0
     disk_hit_len: int = 0
+    remote_hit_len: int = 0
     load_node: TreeNode | None = None
     mamba_slot: int | None = None
 
@@ -107,7 +109,7 @@ class MatchResult:
 
     @property
     def total_hit_len(self) -> int:
-        return self.prefix_len + self.host_hit_len + self.disk_hit_len
+        return self.prefix_len + self.host_hit_len + self.disk_hit_len + self.remote_hit_len
 
 
 @dataclass

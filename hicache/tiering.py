@@ -22,6 +22,7 @@ from hicache.controller_api import (
     P_ABSENT,
     P_DISK,
     P_HOST,
+    P_REMOTE,
     CacheController,
     LookupResult,
     PageKey,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicache.tiering")
 
-_ABSENT_TIER = 3  # worse than any tier in the per-page tier arrays below
+_ABSENT_TIER = P_REMOTE + 1  # worse than any tier in the per-page tier arrays below
 
 
 @dataclass
@@ -296,19 +297,22 @@ class TieringMixin:
         tiers = self._end_tiers(lookup, device, start)
         host_pages = _last_at_most(tiers, P_HOST)
         disk_pages = _last_at_most(tiers, P_DISK)
+        remote_pages = _last_at_most(tiers, P_REMOTE)
         result.host_hit_len = host_pages * ps
         result.disk_hit_len = (disk_pages - host_pages) * ps
+        result.remote_hit_len = (remote_pages - disk_pages) * ps
         load_pages = host_pages
-        if disk_pages > host_pages:
+        if remote_pages > host_pages:
+            # Disk and remote pages are read into host by a prefetch or the load's pin.
             policy = self.config.prefetch_policy
             if policy is PrefetchPolicy.WAIT_COMPLETE:
-                load_pages = disk_pages
+                load_pages = remote_pages
             else:
-                handle = self.controller.prefetch(self._disk_keys(lookup, disk_pages, hashes))
+                handle = self.controller.prefetch(self._disk_keys(lookup, remote_pages, hashes))
                 if policy is PrefetchPolicy.TIMEOUT and handle.wait(self.config.prefetch_timeout_s):
                     # Every page asked for is on host now (a second lookup would count the
                     # match's pages twice); one evicted before the load's pin is a miss.
-                    load_pages = disk_pages
+                    load_pages = remote_pages
         if load_pages:
             result.load_node = self._materialize(
                 last, key, sub_path, sub_partial, sub_k, start + load_pages * ps, lookup
@@ -397,7 +401,8 @@ class TieringMixin:
     ) -> list[PageKey]:
         keys = []
         for comp in self.components:
-            on_disk = np.flatnonzero(lookup.presence[comp.ctype][:pages] == P_DISK)
+            p = lookup.presence[comp.ctype][:pages]
+            on_disk = np.flatnonzero((p == P_DISK) | (p == P_REMOTE))
             keys += [PageKey(comp.ctype, hashes[j]) for j in on_disk.tolist()]
         return keys
 

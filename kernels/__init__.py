@@ -2,8 +2,9 @@
 
 Every function here checks its arguments, then dispatches: on CUDA tensors to the fast
 path (Triton, the copy engines, or for large KV transfers the staged path, where
-measured faster; see :mod:`hicache.kernels.tuning`), on CPU tensors to the torch
-reference. ``backend=`` overrides the choice; ``Backend.TRITON`` on CPU tensors runs
+measured faster; see :mod:`hicache.kernels.tuning`), on CPU tensors to one memmove per
+run of rows (:mod:`hicache.kernels.cpu_rows`). ``backend=`` overrides the choice;
+``Backend.TORCH`` runs the torch reference, ``Backend.TRITON`` on CPU tensors runs
 Triton's interpreter and ``Backend.STAGED`` its plan with host memcpys for the DMAs,
 which is how the tests compare them with the reference on a machine without a GPU. GPU
 work runs on (or is waited for by) the current CUDA stream and returns without waiting.
@@ -69,9 +70,23 @@ def _transfer(
     chosen = parse_backend(backend)
     if chosen is None:
         if device.type != "cuda":
-            return Backend.TORCH
-        chosen = tuning.auto_backend(copy.item_bytes, to_host)
+            chosen = _cpu_or_reference(src_items, dst_items)
+        else:
+            chosen = tuning.auto_backend(copy.item_bytes, to_host)
     if chosen is Backend.TORCH:
+        return chosen
+    if chosen is Backend.CPU:
+        if device.type == "cuda":
+            raise ValueError("backend='cpu' needs CPU tensors; use 'triton' or 'copy_engine'")
+        from hicache.kernels.cpu_rows import copy_rows_cpu
+
+        copy_rows_cpu(
+            copy,
+            src_items,
+            dst_items,
+            threads=tuning.cpu_copy_threads,
+            parallel_min_bytes=tuning.cpu_parallel_min_bytes,
+        )
         return chosen
     if chosen is Backend.STAGED:
         raise ValueError(
@@ -88,6 +103,14 @@ def _transfer(
 
         copy_rows(copy, src_items, dst_items, tuning)
     return chosen
+
+
+def _cpu_or_reference(src_items: torch.Tensor, dst_items: torch.Tensor) -> Backend:
+    """The default for CPU tensors: the memmove path, whose indices the argument checks
+    have range-checked (they check CPU indices only), else the reference."""
+    if src_items.device.type == "cpu" and dst_items.device.type == "cpu":
+        return Backend.CPU
+    return Backend.TORCH
 
 
 def _staged_dma_bytes(
@@ -115,7 +138,7 @@ def _kv_backend(
         return chosen
     dev, host = (copy.src, copy.dst) if to_host else (copy.dst, copy.src)
     if dev.tensor.device.type != "cuda":
-        return Backend.TORCH
+        return _cpu_or_reference(device_pages, host_pages)
     transfer_bytes = host_pages.numel() * copy.item_bytes
     dma_bytes = 0
     if transfer_bytes >= tuning.staged_min_transfer_bytes:

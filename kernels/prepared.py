@@ -38,7 +38,8 @@ class PreparedTransfer:
 
     ``backend`` forces one backend as ``backend=`` of the functions does (tests run the
     Triton interpreter and the staged plan on CPU tensors that way); left None, CUDA
-    transfers pick theirs by ``tuning`` and CPU ones run the torch reference.
+    transfers pick theirs by ``tuning`` and CPU ones take ``Backend.CPU`` (one memmove
+    per run of rows; ``backend="torch"`` keeps the reference).
     """
 
     def __init__(
@@ -161,7 +162,7 @@ class PreparedTransfer:
         if self.backend is not None:
             return self.backend
         if self.device.type != "cuda":
-            return Backend.TORCH
+            return Backend.CPU
         n = idx.shape[1]
         transfer_bytes = dma_bytes = 0
         if self._kv:  # the staged path is open to KV pages only
@@ -193,6 +194,20 @@ class PreparedTransfer:
             if chosen is Backend.TORCH:
                 self._reference(cpu)
                 return
+            if chosen is Backend.CPU:
+                if self.device.type == "cuda":
+                    raise ValueError("backend='cpu' needs CPU tensors; use 'triton'")
+                from hicache.kernels.cpu_rows import copy_rows_cpu
+
+                src, dst = (idx[0], idx[1]) if self.to_host else (idx[1], idx[0])
+                copy_rows_cpu(
+                    copy,
+                    src,
+                    dst,
+                    threads=self.tuning.cpu_copy_threads,
+                    parallel_min_bytes=self.tuning.cpu_parallel_min_bytes,
+                )
+                continue
             if chosen is Backend.TRITON:
                 if on_device is None:
                     on_device = cpu.to(self.device, non_blocking=True).unbind(0)

@@ -23,13 +23,18 @@ class Backend(enum.Enum):
       kernel gathers (or scatters) pages between the pool and a dense chunk at device
       speed, and the copy engines move each chunk across PCIe in large DMAs, one per run
       of consecutive host pages (:mod:`hicache.kernels.staged`). On CPU tensors it runs
-      the same plan with host memcpys standing in for the DMAs (the test path).
+      the same plan with host memcpys standing in for the DMAs (the test path);
+    * ``CPU``: CPU tensors only, the default there. One ``memmove`` per run of rows that
+      are contiguous on both sides, split across threads for large transfers
+      (:mod:`hicache.kernels.cpu_rows`); at memory speed, where the reference's gather,
+      permute and scatter ran at about a tenth of it.
     """
 
     TORCH = "torch"
     TRITON = "triton"
     COPY_ENGINE = "copy_engine"
     STAGED = "staged"
+    CPU = "cpu"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class TransferTuning:
     path took a load and a backup at once from 77-79 to 90.7-94.5 GB/s; below 256 MiB its
     fixed host time cost more than that gained, and with DMAs of 384 KiB a backup alone
     fell to 87% of a memcpy (docs/performance.md).
+
+    ``cpu_copy_threads`` (0: torch's intra-op thread count) threads run one CPU transfer
+    of at least ``cpu_parallel_min_bytes`` (``Backend.CPU``); below it one thread does,
+    since handing work to a thread costs more than copying a few MiB.
     """
 
     tile_bytes: int = 16384
@@ -81,6 +90,8 @@ class TransferTuning:
     staged_batched_dma: bool = True
     staged_min_transfer_bytes: int = 256 << 20
     staged_min_dma_bytes: int = 1 << 20
+    cpu_copy_threads: int = 0
+    cpu_parallel_min_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         counts = (

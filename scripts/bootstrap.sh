@@ -8,13 +8,15 @@ python="${PYTHON:-python3}"
 stamp="$venv/.hicache-installed"
 
 # System tools some tests run for real: prometheus (and its promtool) for the metrics and
-# alert tests, systemd-analyze/systemd-sysusers for the unit files, curl for the docs.
+# alert tests, systemd-analyze/systemd-sysusers for the unit files, curl for the docs,
+# redis-server for the remote tier's cluster tests.
 # Installed when missing and this user may (root with apt); otherwise those tests skip and
 # say why.
 missing=()
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "bootstrap: installing ${missing[*]} (Debian packages)"

@@ -129,14 +129,14 @@ class _LateCopy:
 
 def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path):
     _, engine, ctl = registered_controller(tmp_path)
-    real_to_host = ctl._transfer.to_host
+    real_to_host = ctl._copies.transfer.to_host
     late: list[_LateCopy] = []
 
     def to_host(comp, buffers, dev, host, ready_event=None):
         late.append(_LateCopy(lambda: real_to_host(comp, buffers, dev, host, None)))
         return late[-1]
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     real_backup = ctl.backup
 
     def slow_backup(*a, **kw):  # the worker is descheduled past the request's deadline
@@ -158,11 +158,11 @@ def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path)
         assert late and all(ev.query() for ev in late), "answered while the copy could read"
         assert spec.encode_reply(reply) == {"ok": False}
         engine.scribble(chain)  # the engine reuses its pages once answered
-        ctl._transfer.to_host = real_to_host
+        ctl._copies.transfer.to_host = real_to_host
         ctl.flush()
         got = engine.snapshot(load_into(ctl, engine, chain, components=(FULL,)))
         assert_same_bytes({k: v for k, v in got.items() if k[0] is FULL}, snap)
         ctl.check_invariants(deep=True)
     finally:
-        ctl._transfer.to_host = real_to_host
+        ctl._copies.transfer.to_host = real_to_host
         ctl.close()

@@ -124,7 +124,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     ctl.config.backup_chunk_bytes = 2 * ctl.store.host[FULL].page_bytes
     chain = engine.write_chain(range(6 * PAGE), mamba_every=6)
     snap = engine.snapshot(chain)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     calls = []
 
     def to_host(component, buffers, device_index, host_pages, ready_event=None):
@@ -133,7 +133,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
             raise RuntimeError("the device is gone")
         return inner(component, buffers, device_index, host_pages, ready_event)
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     refs = chain.refs()  # per page FULL, SWA; page 5 also MAMBA
     assert ctl.backup(refs).wait(5.0) is False
     assert ctl.stats()["failures"]["copy_error"] == 1
@@ -147,7 +147,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     assert held.leading(FULL, Presence.HOST) == 4 and held.leading(SWA, Presence.HOST) == 0
     assert ctl.stats()["entries"] == 4
     assert ctl.stats()["host"]["used_bytes"] == 4 * ctl.store.host[FULL].page_bytes
-    ctl._transfer.to_host = inner
+    ctl._copies.transfer.to_host = inner
     assert ctl.backup(refs).wait(5.0)
     assert ctl.stats()["backup"]["deduped_pages"] == 4
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
@@ -164,7 +164,7 @@ def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
     ctl.register(layout, PAGE, engine.pools)
     ctl.config.backup_chunk_bytes = 0  # one part: a FULL copy, then an SWA copy
     chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     order = []
 
     class RunningCopy:  # a CUDA event of a copy still in flight
@@ -180,14 +180,14 @@ def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
         inner(component, buffers, device_index, host_pages, ready_event)
         return RunningCopy()
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     assert ctl.backup(chain.refs()).wait(5.0) is False
     # Waited while the part's host pages were still taken; given back only afterwards.
     assert order and order[0][1] > 0
     assert ctl.stats()["host"]["used_bytes"] == 0
     assert ctl.stats()["entries"] == 0
     _no_holds(ctl)
-    ctl._transfer.to_host = inner
+    ctl._copies.transfer.to_host = inner
     assert ctl.backup(chain.refs()).wait(5.0)
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -202,7 +202,7 @@ def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_pa
     ctl = LocalController(controller_config(tmp_path))
     ctl.register(layout, PAGE, engine.pools, "leaving")
     chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     done = threading.Event()
 
     class RunningCopy:  # a CUDA event of a copy in flight until ``done``
@@ -216,7 +216,7 @@ def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_pa
         inner(component, buffers, device_index, host_pages, ready_event)
         return RunningCopy()
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     handle = ctl.backup(chain.refs(), engine_id="leaving")
     buffers = weakref.ref(ctl._engines["leaving"])
     # The engine is gone from the controller (as when its connection was replaced while

@@ -159,7 +159,7 @@ def test_default_dispatch_stages_only_large_transfers_in_long_runs() -> None:
         )
 
 
-def test_cpu_tensors_keep_the_torch_reference_by_default() -> None:
+def test_cpu_tensors_take_the_memmove_rows_by_default() -> None:
     device_kv = torch.zeros(2, 2, 64, 2, 4)
     host_kv = torch.zeros(8, 2, 2, 16, 2, 4)
     idx = torch.tensor([0, 1])
@@ -167,7 +167,7 @@ def test_cpu_tensors_keep_the_torch_reference_by_default() -> None:
     picked = kernels.kv_transfer_backend(
         device_kv, host_kv, idx, idx, 16, to_host=True, tuning=tuning
     )
-    assert picked is Backend.TORCH
+    assert picked is Backend.CPU
 
 
 def test_staged_refuses_what_it_cannot_move() -> None:

@@ -69,13 +69,13 @@ def _count_copies(ctl) -> list[tuple]:
     """Wrap the controller's device → host copy; the list gets each copy's component and
     page count."""
     calls: list[tuple] = []
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
 
     def to_host(component, buffers, device_index, host_pages, ready_event=None):
         calls.append((component, len(host_pages)))
         return inner(component, buffers, device_index, host_pages, ready_event)
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     return calls
 
 

@@ -80,10 +80,11 @@ class RequestResult:
     ``output_ids`` are the generated tokens and ``logits`` ``[max_new_tokens, vocab]``
     (float32) the logits each was chosen from (None unless the scheduler keeps logits).
     Hit tokens are summed over the request's admissions (more than one after a
-    preemption): ``device_hit_tokens`` were matched on the device, ``host_hit_tokens`` and
-    ``disk_hit_tokens`` loaded back from those tiers. ``computed_tokens`` went through the
-    model. ``error`` says why a request could not be served (then it has no output).
-    Times are ``time.time()`` seconds, comparable across processes.
+    preemption): ``device_hit_tokens`` were matched on the device, ``host_hit_tokens``,
+    ``disk_hit_tokens`` and ``remote_hit_tokens`` loaded back from those tiers.
+    ``computed_tokens`` went through the model. ``error`` says why a request could not be
+    served (then it has no output). Times are ``time.time()`` seconds, comparable across
+    processes.
     """
 
     rid: str
@@ -93,6 +94,7 @@ class RequestResult:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     computed_tokens: int = 0
     preemptions: int = 0
     load_back_failures: int = 0
@@ -102,7 +104,8 @@ class RequestResult:
 
     @property
     def hit_tokens(self) -> int:
-        return self.device_hit_tokens + self.host_hit_tokens + self.disk_hit_tokens
+        loaded = self.host_hit_tokens + self.disk_hit_tokens + self.remote_hit_tokens
+        return self.device_hit_tokens + loaded
 
 
 @dataclass
@@ -317,8 +320,10 @@ class Scheduler:
             if cache.load_back(m.load_node, req=req):
                 loaded = req.prefix_len - before
                 from_host = min(loaded, m.host_hit_len)
+                from_disk = min(loaded - from_host, m.disk_hit_len)
                 run.result.host_hit_tokens += from_host
-                run.result.disk_hit_tokens += loaded - from_host
+                run.result.disk_hit_tokens += from_disk
+                run.result.remote_hit_tokens += loaded - from_host - from_disk
             else:
                 run.result.load_back_failures += 1
         run.req = req

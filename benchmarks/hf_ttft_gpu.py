@@ -1,0 +1,384 @@
+"""Time to first token of transformers models served with hicache on a GPU, and load-back
+bandwidth through the sidecar against the copy alone, in one run.
+
+Run from the repository root on a CUDA machine (hicache need not be installed; it needs
+torch, transformers 5.x, numpy, pyzmq, msgpack, lmdb, xxhash, prometheus-client):
+
+    python3 benchmarks/hf_ttft_gpu.py [--lengths 2048,8192,32768] [--json OUT.json]
+
+1. **load-back** of 1 MiB … 1 GiB of FULL KV pages (a Llama-like layout, bf16): the
+   prepared copy alone (``TransferEngine.to_device``), the in-process controller
+   (``LocalController.load``), the sidecar (``SidecarController.load``, CUDA IPC) and a
+   pinned ``cudaMemcpy`` of the same bytes — GB/s, and the fixed cost of one load-back.
+2. **TTFT** of a 1.1 B attention-only model (Llama-like) and a 1.3 B hybrid (Bamba,
+   Mamba2 + attention), random weights, bf16, SDPA: for each prompt length, a prompt of
+   that many cached tokens plus a 64-token suffix, with a device hit, a host hit through a
+   sidecar process (CUDA IPC), a disk hit after the sidecar restarted, and no hit; the
+   pinned-memcpy time of the bytes a host hit loads, and whether the restored prefix gives
+   logits bit-identical to the live cache object's. transformers' Mamba kernels fall
+   back to torch here, so the hybrid's recompute is slower than in a serving engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_sidecar_check import import_hicache  # noqa: E402
+
+SUFFIX = 64
+MIB = 1 << 20
+MAX_CHECKED_PREFIX = 8192
+# ``--dry-run``: tiny models and small sizes on the CPU, to check the script off a GPU.
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class SidecarProc:
+    """``hicache serve`` in a subprocess (via gpu_sidecar_check's sidecar role)."""
+
+    def __init__(self, workdir: pathlib.Path, host_pool: str, disk_budget: str) -> None:
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = self.dir / "s.sock"
+        ready = self.dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, str(ROOT / "benchmarks" / "gpu_sidecar_check.py"), "sidecar",
+            "--socket", str(self.socket), "--disk-path", str(self.dir / "lmdb"),
+            "--metrics-port", "0", "--host-pool-bytes", host_pool,
+            "--disk-budget-bytes", disk_budget, "--ready-file", str(ready),
+        ]  # fmt: skip
+        self.log = open(self.dir / "sidecar.log", "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
+        end = time.monotonic() + 300
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError((self.dir / "sidecar.log").read_text()[-4000:])
+            time.sleep(0.1)
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.socket)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def client(endpoint: str, name: str):
+    from hicache.controller.client import SidecarClientConfig, SidecarController
+
+    cfg = SidecarClientConfig(
+        request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0
+    )
+    return SidecarController(endpoint, name, cfg)
+
+
+def cuda_ms(fn, repeat: int = 5) -> float:
+    """Median wall ms of ``fn`` with the device synchronized around each call."""
+
+    fn()
+    sync()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def pinned_memcpy_ms(nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    return cuda_ms(lambda: dst.copy_(src, non_blocking=True))
+
+
+# -- 1. load-back bandwidth ---------------------------------------------------------------
+
+
+def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, Any]]:
+    import numpy as np
+    import torch
+
+    from hicache import CacheConfig, DevicePools, ModelLayout
+    from hicache.controller.config import ControllerConfig
+    from hicache.controller.host_pool import HostPool
+    from hicache.controller.local import LocalController
+    from hicache.controller.transfer import EngineBuffers, TransferEngine
+    from hicache.controller_api import PageRef
+    from hicache.keys import namespace_hash, page_hashes
+    from hicache.types import ComponentType
+
+    page = 64
+    layout = ModelLayout(
+        ("full",) * 22, num_kv_heads=4, head_dim=64, dtype="bfloat16", model_id="loadback"
+    )
+    page_bytes = layout.page_bytes(ComponentType.FULL, page)
+    max_pages = max(sizes_mib) * MIB // page_bytes + 1
+    cfg = CacheConfig(
+        page_size=page, full_slots=2 * max_pages * page, device=DEVICE, shared_memory=True
+    )
+    pools = DevicePools.allocate(layout, cfg)
+    pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape, device=DEVICE).bfloat16())
+    fp = layout.fingerprint(page)
+    host_bytes = f"{max_pages * page_bytes // MIB + 64}MiB"
+    side = SidecarProc(work / "loadback", host_bytes, "64MiB")
+    local = LocalController(
+        ControllerConfig(host_pool_bytes=max_pages * page_bytes + (64 << 20), disk_path=None)
+    )
+    remote = client(side.endpoint, "loadback")
+    rows = []
+    try:
+        local.register(layout, page, pools)
+        remote.register(layout, page, pools)
+        src = pools.alloc_kv_pages(max_pages)
+        dst = pools.alloc_kv_pages(max_pages)
+        hashes = page_hashes(np.arange(max_pages * page), fp, page)
+        parents = [namespace_hash(fp, None), *hashes[:-1]]
+        refs = [PageRef(ComponentType.FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, src)]
+        for ctl in (local, remote):
+            assert ctl.backup(refs).wait(600), "backup failed"
+        local.flush(600)
+        # the copy alone: the prepared kernel between the same pools and a host pool of its own
+        engine = TransferEngine(
+            HostPool(layout, page, ControllerConfig(host_pool_bytes=max_pages * page_bytes))
+        )
+        buffers = EngineBuffers.from_pools(pools)
+        engine.to_host(ComponentType.FULL, buffers, src.tolist(), list(range(max_pages)))
+        sync()
+        for mib in sizes_mib:
+            n = max(1, mib * MIB // page_bytes)
+            dst_list = dst[:n].tolist()
+            nbytes = n * page_bytes
+            loads = [
+                PageRef(ComponentType.FULL, r.page_hash, r.parent_hash, int(d))
+                for r, d in zip(refs[:n], dst[:n])
+            ]
+            keys = [r.key for r in loads]
+            kernel = cuda_ms(
+                lambda k=n, dd=dst_list: engine.to_device(
+                    ComponentType.FULL, buffers, list(range(k)), dd
+                )
+            )
+            times = {"kernel": kernel}
+            for name, ctl in (("in_process", local), ("sidecar", remote)):
+                pin = ctl.pin(keys, 600)
+                times[name] = cuda_ms(lambda c=ctl, p=pin, lo=loads: c.load(lo, p, 600))
+                ctl.unpin(pin)
+            times["pinned_memcpy"] = pinned_memcpy_ms(nbytes)
+            row = {"MiB": round(nbytes / MIB, 2), "pages": n}
+            for k, ms in times.items():
+                row[f"{k}_ms"] = round(ms, 3)
+                row[f"{k}_GBps"] = round(nbytes / ms / 1e6, 2)
+            row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
+            row["in_process_vs_kernel"] = round(times["kernel"] / times["in_process"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        equal = torch.equal(
+            pools.full.buffer[:, :, _slots(pools, src[:n])].view(torch.int16),
+            pools.full.buffer[:, :, _slots(pools, dst[:n])].view(torch.int16),
+        )
+        print(json.dumps({"loadback_bytes_equal": equal}), flush=True)
+    finally:
+        remote.close()
+        local.close()
+        side.stop()
+        pools.close()
+    return rows
+
+
+def _slots(pools, pages):
+    import torch
+
+    return torch.from_numpy(pools.full.pages_to_slots(pages)).to(DEVICE)
+
+
+# -- 2. TTFT ------------------------------------------------------------------------------
+
+
+def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[str, Any]]:
+    import torch
+    import transformers
+
+    from hicache.config import PrefetchPolicy
+    from hicache.integrations.transformers import PrefixCachedLM
+    from hicache.integrations.transformers_models import realistic_config, tiny_config
+    from hicache.layout import LayerKind
+
+    cfg = realistic_config(family) if DEVICE == "cuda" else tiny_config(family)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    params = sum(p.numel() for p in model.parameters())
+    vocab = cfg.vocab_size
+    page, chunk = (64, 2048) if DEVICE == "cuda" else (16, 64)
+    slots = (max(lengths) + 4 * SUFFIX + page) * 3
+    side_dir = work / f"ttft-{family}"
+    sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
+    made: list = []
+
+    def engine(prefetch=None):
+        c = client(sidecar.endpoint, f"{family}-{len(made)}")
+        extra = {} if prefetch is None else {"prefetch_policy": prefetch}
+        lm = PrefixCachedLM.build(
+            model, page_size=page, full_slots=slots, mamba_slots=64, controller=c,
+            chunk_tokens=chunk, keep_logits=True, shared_memory=DEVICE == "cpu", **extra,
+        )  # fmt: skip
+        made.append((lm, c))
+        return lm
+
+    rows = []
+    try:
+        lm = engine()
+        g = torch.Generator().manual_seed(1)
+
+        def toks(n):
+            return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+        lm.generate(toks(256), 1, use_cache=False)  # warm-up: kernels, allocator
+        for length in lengths:
+            prefix = toks(length)
+            s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
+            row: dict[str, Any] = {"model": family, "params_B": round(params / 1e9, 2)}
+            row["prompt"] = length + SUFFIX
+            r = lm.generate(prefix + s["none"], 1, use_cache=False)
+            row["ttft_no_hit_ms"] = r.ttft_s * 1e3
+            lm.generate([*prefix, 7], 1)  # caches the prefix (backed up to the sidecar)
+            sync()
+            r = lm.generate(prefix + s["device"], 1)
+            assert r.device_hit_tokens == length, r
+            row["ttft_device_hit_ms"] = r.ttft_s * 1e3
+            row["same_as_live_device"] = _same(lm, prefix + s["device"], length, r)
+            lm.cache.flush_backups()
+            lm.cache.evict(full_tokens=10**9)
+            r = lm.generate(prefix + s["host"], 1)
+            assert r.host_hit_tokens == length, r
+            row["ttft_host_hit_ms"] = r.ttft_s * 1e3
+            row["load_back_host_ms"] = r.load_back_s * 1e3
+            row["same_as_live_host"] = _same(lm, prefix + s["host"], length, r)
+            lay = lm.cache.layout
+            per_token = lay.kv_bytes_per_token(LayerKind.FULL) + lay.kv_bytes_per_token(
+                LayerKind.SWA
+            )
+            nbytes = length * per_token + lay.mamba_state_bytes
+            row["loaded_MB"] = round(nbytes / 1e6, 1)
+            row["pinned_memcpy_ms"] = pinned_memcpy_ms(nbytes)
+            row["host_vs_goal"] = row["ttft_host_hit_ms"] / (
+                row["pinned_memcpy_ms"] + row["ttft_device_hit_ms"]
+            )
+            row["host_speedup_vs_no_hit"] = row["ttft_no_hit_ms"] / row["ttft_host_hit_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        # disk hits: restart the sidecar (host tier empty), a fresh engine, every length again
+        for lm_c in made:
+            lm_c[1].close()
+        for lm_c in made:
+            lm_c[0].cache.pools.close()
+        made.clear()
+        del lm
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        sidecar.stop()
+        sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
+        lm = engine(PrefetchPolicy.WAIT_COMPLETE)
+        g = torch.Generator().manual_seed(1)
+        toks(256)
+        for length, row in zip(lengths, rows):
+            prefix = toks(length)
+            s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
+            r = lm.generate(prefix + s["disk"], 1)
+            row["disk_hit_tokens"] = r.disk_hit_tokens
+            row["ttft_disk_hit_ms"] = r.ttft_s * 1e3
+            row["same_as_live_disk"] = _same(lm, prefix + s["disk"], length, r)
+            print(json.dumps({"model": family, "prompt": row["prompt"],
+                              "ttft_disk_hit_ms": row["ttft_disk_hit_ms"],
+                              "disk_hit_tokens": r.disk_hit_tokens}), flush=True)  # fmt: skip
+    finally:
+        for lm_c in made:
+            lm_c[1].close()
+        sidecar.stop()
+    return rows
+
+
+def _same(lm, prompt: list[int], prefix_len: int, result) -> bool | None:
+    """Logits of the restored prefix equal the live cache object's (None: not checked, the
+    reference recompute of a long prompt would cost more than the run can spare)."""
+    import torch
+
+    if prefix_len > MAX_CHECKED_PREFIX:
+        return None
+    ref = lm.reference(prompt, 1, prefix_len)
+    return all(torch.equal(a, b) for a, b in zip(result.logits, ref))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
+    p.add_argument("--models", default="llama,bamba")
+    p.add_argument("--skip-loadback", action="store_true")
+    p.add_argument("--json", default=None)
+    p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
+    args = p.parse_args()
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
+    import_hicache()
+    import torch
+
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    import transformers
+
+    out["transformers"] = transformers.__version__
+    work = pathlib.Path(tempfile.mkdtemp(prefix="hcttft", dir="/tmp"))
+    try:
+        if not args.skip_loadback:
+            out["loadback"] = loadback_table(work, [int(s) for s in args.sizes_mib.split(",")])
+        lengths = [int(x) for x in args.lengths.split(",")]
+        out["ttft"] = []
+        for family in args.models.split(","):
+            out["ttft"] += ttft_rows(work, family, lengths)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(out, indent=1, default=float)
+    if args.json:
+        pathlib.Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

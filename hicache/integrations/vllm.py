@@ -1,0 +1,228 @@
+"""hicache as vLLM's host and disk tier: an ``OffloadingSpec`` over the node's sidecar.
+
+vLLM's ``OffloadingConnector`` decides, for every KV cache group (full attention, sliding
+window, Mamba), which blocks to offload and which to load back; the spec here carries
+those blocks to the node's ``hicache serve``:
+
+* the scheduler's :class:`~hicache.integrations.vllm_manager.HiCacheOffloadingManager`
+  answers lookups from the sidecar's index (batched per request, within a deadline; a
+  miss when the sidecar is slow or down), pins pages between ``prepare_load`` and
+  ``complete_load`` and leaves out of stores what the sidecar holds;
+* each worker's :class:`~hicache.integrations.vllm_worker.HiCacheOffloadingWorker`
+  registers a staging area with the sidecar once and moves pages by block id between
+  vLLM's KV tensors and that area, for every group, Mamba state pages included.
+
+Use it through :class:`HiCacheConnector` (an ``OffloadingConnector`` that also tells vLLM
+which loads failed, so that it recomputes them)::
+
+    --kv-transfer-config '{"kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}}'
+
+Every option (``kv_connector_extra_config``, prefixed ``hicache_``) is a field of
+:class:`HiCacheVllmConfig`; docs/integrations/vllm.md explains them. vLLM is imported
+here only: ``import hicache`` never needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    get_offloading_group_ids,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+
+from hicache.integrations.vllm_pages import GroupPages, PageNamespace
+from hicache.types import ConfigError
+
+log = logging.getLogger(__name__)
+
+_EXTRA_PREFIX = "hicache_"
+# The connector hands the KV cache groups to the spec it builds (vLLM gives a spec only
+# its OffloadingConfig, which has no page sizes); set only while the connector is built.
+_building = threading.local()
+
+
+@dataclass(frozen=True)
+class HiCacheVllmConfig:
+    """The ``hicache_*`` keys of ``kv_connector_extra_config`` (without the prefix).
+
+    * ``socket``: the sidecar's endpoint (default: ``hicache serve``'s default socket);
+    * ``engine_id``: this deployment's name in the sidecar (default: host:pid:random),
+      suffixed ``-scheduler`` and ``-worker<rank>`` per process;
+    * ``lookup_wait_ms``: how long the first lookup of a request waits, inside a scheduler
+      step, for the sidecar's answer; past it the request is asked again next step;
+    * ``lookup_deadline_ms``: an answer not there by then is a miss;
+    * ``request_timeout_s``: pins, unpins and the handshake;
+    * ``pin_ttl_s``: how long a pin holds pages that vLLM is about to load;
+    * ``load_timeout_s``: one load (disk reads included); past it vLLM recomputes;
+    * ``store_timeout_s``: one store's acknowledgement; past it the store is dropped;
+    * ``staging_bytes``: the shared staging area each worker registers with the sidecar;
+      a store larger than its free part is cut (the rest dropped and counted), a load is
+      done in parts.
+    """
+
+    socket: str | None = None
+    engine_id: str | None = None
+    lookup_wait_ms: float = 5.0
+    lookup_deadline_ms: float = 500.0
+    request_timeout_s: float = 2.0
+    pin_ttl_s: float = 60.0
+    load_timeout_s: float = 10.0
+    store_timeout_s: float = 10.0
+    staging_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("socket", "engine_id") and not value > 0:
+                raise ConfigError(f"hicache_{f.name} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> HiCacheVllmConfig:
+        """Read the ``hicache_*`` keys; an unknown one is an error naming the known ones."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            if not key.startswith(_EXTRA_PREFIX):
+                continue
+            name = key[len(_EXTRA_PREFIX) :]
+            if name not in fields:
+                known = ", ".join(_EXTRA_PREFIX + n for n in fields)
+                raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
+            kind = fields[name].type
+            try:
+                if "int" in kind and "float" not in kind:
+                    values[name] = int(value)
+                elif "float" in kind:
+                    values[name] = float(value)
+                else:
+                    values[name] = None if value is None else str(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        return cls(**values)
+
+
+def describe_groups(kv_cache_config: Any) -> tuple[GroupPages, ...]:
+    """The offloaded groups of a ``KVCacheConfig`` with their layers' page bytes, as
+    vLLM's offloading worker cuts them (un-padded attention pages, Mamba state pages)."""
+    out = []
+    for group_id in get_offloading_group_ids(kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[group_id]
+        spec = group.kv_cache_spec
+        per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
+        sizes = []
+        for name in group.layer_names:
+            layer = per_layer.get(name, spec)
+            if isinstance(layer, AttentionSpec):
+                sizes.append(layer.unpadded_page_size_bytes)
+            elif isinstance(layer, MambaSpec):
+                sizes.append(dataclasses.replace(layer, page_size_padded=None).page_size_bytes)
+            else:
+                raise ConfigError(f"layer {name}: {type(layer).__name__} is not offloadable")
+        kind = type(spec).__name__
+        if isinstance(spec, SlidingWindowSpec):
+            kind += f"({spec.sliding_window})"
+        out.append(GroupPages(group_id, kind, tuple(sizes)))
+    return tuple(out)
+
+
+class HiCacheOffloadingSpec(OffloadingSpec):
+    """The spec ``OffloadingConnector`` builds; made by :class:`HiCacheConnector`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        groups = getattr(_building, "groups", None)
+        if groups is None:
+            raise ConfigError(
+                "HiCacheOffloadingSpec needs the KV cache groups: use kv_connector "
+                "'HiCacheConnector' from hicache.integrations.vllm"
+            )
+        if self.blocks_per_chunk != 1:
+            raise ConfigError(
+                "hicache stores one vLLM block per page: leave 'block_size' and "
+                "'blocks_per_chunk' out of kv_connector_extra_config"
+            )
+        self.hicache = HiCacheVllmConfig.from_extra_config(self.extra_config)
+        self.namespace = PageNamespace.build(
+            model=config.model.name,
+            kv_dtype=config.model.dtype,
+            tokens_per_block=self.tokens_per_block,
+            groups=groups,
+            tp_size=config.parallel.world_size,
+        )
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from hicache.integrations.vllm_manager import HiCacheOffloadingManager
+
+            self._manager = HiCacheOffloadingManager(
+                self.namespace, self.hicache, self.config.groups
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from hicache.integrations.vllm_worker import HiCacheOffloadingWorker
+
+            self._worker = HiCacheOffloadingWorker(
+                self.namespace, self.hicache, kv_caches, rank=self.config.parallel.rank
+            )
+        return self._worker
+
+
+class HiCacheConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` with :class:`HiCacheOffloadingSpec`, which also
+    reports failed loads (``failed_recving``) so that vLLM recomputes those requests
+    (with ``kv_load_failure_policy = "recompute"``) instead of reading their blocks."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config
+        extra.setdefault("spec_name", HiCacheOffloadingSpec.__name__)
+        extra.setdefault("spec_module_path", __name__)
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kv_load_failure_policy is %r: a failed hicache load fails its request; "
+                "set it to 'recompute' to recompute instead",
+                transfer.kv_load_failure_policy,
+            )
+        _building.groups = describe_groups(kv_cache_config)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _building.groups = None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        worker = self.connector_worker
+        # Which request each load job serves, before the base class forgets finished ones.
+        load_jobs = dict(worker._load_jobs) if worker is not None else {}
+        results = super().get_transfer_results(finished_req_ids)
+        transfers = None if worker is None else worker.worker
+        if transfers is not None and hasattr(transfers, "take_failed_loads"):
+            for job_id in transfers.take_failed_loads():
+                if job_id in load_jobs:
+                    results.failed_recving.add(load_jobs[job_id])
+        return results

@@ -1,0 +1,260 @@
+"""The scheduler side of hicache under vLLM: lookups, pins and store plans.
+
+``OffloadingConnector`` asks :meth:`HiCacheOffloadingManager.lookup` about one key at a
+time, inside its scheduling step. The first key of a request that is not answered yet
+sends one ``lookup`` for every key the request has (all groups, all TP ranks) on a
+background thread and waits ``lookup_wait_ms`` for it; an answer that takes longer makes
+the request wait a step (``RETRY``), and one not there after ``lookup_deadline_ms`` is a
+miss. A sidecar that is down answers at once (the client's breaker is open): all misses.
+
+A pin (on its own thread, so the step never waits for it) keeps the pages of a load in
+the sidecar from ``prepare_load`` to ``complete_load``; the worker pins them again in its
+own session for the copy itself, so a pin that failed or expired costs a hit, not bytes.
+``prepare_store`` leaves out the keys the sidecar said it holds; the sidecar's backup
+skips what it holds anyway, so a stale answer costs a copy, never a page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_group_idx,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.controller.channel import SidecarClientConfig
+from hicache.controller.client import SidecarController
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, PageKey, PinReceipt
+from hicache.integrations.vllm import HiCacheVllmConfig
+from hicache.integrations.vllm_pages import PageNamespace
+from hicache.types import ComponentType
+
+log = logging.getLogger(__name__)
+
+FULL = ComponentType.FULL
+
+
+class HiCacheLoadSpec(LoadStoreSpec):
+    """Where a load's pages are in the sidecar: the keys, in the order vLLM's destination
+    blocks come (group by group, block order)."""
+
+    def __init__(self, keys: Sequence[OffloadKey]) -> None:
+        self.keys = list(keys)
+
+    def __repr__(self) -> str:
+        return f"HiCacheLoadSpec({len(self.keys)} pages)"
+
+
+class HiCacheStoreSpec(LoadStoreSpec):
+    """The pages a store writes: keys (group by group, block order), each with its parent
+    in its group's chain (None for a group's first block) and its block index."""
+
+    def __init__(
+        self, keys: Sequence[OffloadKey], parents: Sequence[OffloadKey | None], blocks: Sequence[int]
+    ) -> None:
+        self.keys = list(keys)
+        self.parents = list(parents)
+        self.block_indices = list(blocks)
+
+    def __repr__(self) -> str:
+        return f"HiCacheStoreSpec({len(self.keys)} pages)"
+
+
+@dataclass
+class _RequestLookups:
+    """What the sidecar said about one request's keys (key -> tier of the slowest rank)."""
+
+    answers: dict[OffloadKey, int] = field(default_factory=dict)
+    pending: Future | None = None
+    pending_keys: list[OffloadKey] = field(default_factory=list)
+    deadline: float = 0.0
+
+
+class HiCacheOffloadingManager(OffloadingManager):
+    """``OffloadingManager`` over the sidecar (see the module docstring)."""
+
+    def __init__(
+        self, namespace: PageNamespace, config: HiCacheVllmConfig, groups: Sequence
+    ) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.counters: Counter[str] = Counter()
+        self._tokens_per_block = {g.group_id: g.tokens_per_block for g in groups}
+        self._ranks = range(namespace.tp_size)
+        self._requests: dict[str, _RequestLookups] = {}
+        self._pins: dict[str, list[tuple[frozenset, Future]]] = {}
+        self._lock = threading.Lock()
+        # One thread: lookups, pins and unpins reach the sidecar in the order they were made.
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-scheduler")
+        base = config.engine_id or f"vllm:{time.time_ns():x}"
+        self.client = SidecarController(
+            config.socket,
+            engine_id=f"{base}-scheduler",
+            config=SidecarClientConfig(
+                request_timeout_s=config.request_timeout_s,
+                lookup_timeout_s=config.lookup_deadline_ms / 1000,
+                connect_timeout_s=config.request_timeout_s,
+            ),
+        )
+        self.client.attach(namespace.layout(), 1)
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _presence(self, keys: list[OffloadKey]) -> np.ndarray:
+        """For each key, the slowest tier holding every TP rank's page (0: some rank's
+        page is absent)."""
+        hashes = [self.namespace.page_hash(k, r) for r in self._ranks for k in keys]
+        rows = self.client.lookup(hashes, [FULL]).presence[FULL].reshape(len(self._ranks), -1)
+        absent = (rows == P_ABSENT).any(axis=0)
+        return np.where(absent, P_ABSENT, rows.max(axis=0))
+
+    def _settle(self, state: _RequestLookups) -> None:
+        """Take a finished lookup's answers, or make a late one all misses."""
+        fut = state.pending
+        if fut is None:
+            return
+        if fut.done():
+            try:
+                tiers = fut.result().tolist()
+            except Exception as exc:  # a client bug: answer misses, never stall vLLM
+                log.error("hicache lookup failed: %s", exc)
+                tiers = [P_ABSENT] * len(state.pending_keys)
+        elif time.monotonic() >= state.deadline:
+            self.counters["lookup_deadline_misses"] += len(state.pending_keys)
+            tiers = [P_ABSENT] * len(state.pending_keys)
+        else:
+            return
+        for key, tier in zip(state.pending_keys, tiers):
+            state.answers[key] = int(tier)
+            self.counters[("lookup_miss", "lookup_host", "lookup_disk")[int(tier)]] += 1
+        state.pending, state.pending_keys = None, []
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when every TP rank's page of ``key`` is in the sidecar (host or disk), MISS
+        when not or when the sidecar did not answer in time, RETRY while it may still."""
+        state = self._requests.setdefault(req_context.req_id, _RequestLookups())
+        self._settle(state)
+        tier = state.answers.get(key)
+        if tier is None and state.pending is None:
+            # Every key of the request this manager has not asked about, this one first.
+            keys = [key, *(k for k in req_context._offload_key_positions if k != key)]
+            state.pending_keys = [k for k in keys if k not in state.answers]
+            state.deadline = time.monotonic() + self.config.lookup_deadline_ms / 1000
+            state.pending = self._calls.submit(self._presence, state.pending_keys)
+            wait_futures([state.pending], timeout=self.config.lookup_wait_ms / 1000)
+            self._settle(state)
+            tier = state.answers.get(key)
+        if tier is None:
+            return LookupResult.RETRY
+        return LookupResult.MISS if tier == P_ABSENT else LookupResult.HIT
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        state = self._requests.get(req_context.req_id)
+        tier = None if state is None else state.answers.get(key)
+        if tier == P_HOST:
+            return CacheHitSource.HOST
+        if tier == P_DISK:
+            return CacheHitSource.DISK
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def has_pending_work(self) -> bool:
+        """True while a lookup is in flight: vLLM keeps stepping to ask again."""
+        return any(s.pending is not None for s in self._requests.values())
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def _pin(self, keys: list[OffloadKey]) -> PinReceipt | None:
+        page_keys = [PageKey(FULL, self.namespace.page_hash(k, r)) for r in self._ranks for k in keys]
+        receipt = self.client.pin(page_keys, self.config.pin_ttl_s)
+        self.counters["pins" if receipt is not None else "pin_failures"] += 1
+        return receipt
+
+    def _unpin(self, pinned: Future) -> None:
+        receipt = pinned.result()
+        if receipt is not None:
+            self.client.unpin(receipt)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        ordered = list(keys)
+        self.counters["loads"] += 1
+        pinned = self._calls.submit(self._pin, ordered)
+        with self._lock:
+            self._pins.setdefault(req_context.req_id, []).append((frozenset(ordered), pinned))
+        return HiCacheLoadSpec(ordered)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        done = frozenset(keys)
+        with self._lock:
+            held = self._pins.get(req_context.req_id, [])
+            for i, (pinned_keys, pinned) in enumerate(held):
+                if pinned_keys == done:
+                    del held[i]
+                    self._calls.submit(self._unpin, pinned)
+                    break
+            if not held:
+                self._pins.pop(req_context.req_id, None)
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Every key the sidecar was not seen holding, with its parent and block index."""
+        state = self._requests.get(req_context.req_id)
+        known = {} if state is None else state.answers
+        to_store = [k for k in keys if known.get(k, P_ABSENT) == P_ABSENT]
+        self.counters["store_skipped_held"] += len(keys) - len(to_store)
+        by_position = {
+            (get_offload_group_idx(k), end): k
+            for k, end in req_context._offload_key_positions.items()
+        }
+        parents: list[OffloadKey | None] = []
+        blocks: list[int] = []
+        for key in to_store:
+            group = get_offload_group_idx(key)
+            tokens = self._tokens_per_block[group]
+            end = req_context.get_offload_key_position(key) or tokens
+            blocks.append(-(-end // tokens) - 1)
+            parents.append(by_position.get((group, end - tokens)))
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=HiCacheStoreSpec(to_store, parents, blocks),
+            evicted_keys=[],
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._requests.pop(req_context.req_id, None)
+
+    def reset_cache(self) -> None:
+        """Forget every answer (the sidecar's pages are the sidecar's to clear)."""
+        self._requests.clear()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pins = [p for held in self._pins.values() for _, p in held]
+            self._pins.clear()
+        for pinned in pins:
+            self._calls.submit(self._unpin, pinned)
+        self._calls.shutdown(wait=True, cancel_futures=False)
+        self.client.close()

@@ -1,0 +1,408 @@
+"""The worker side of hicache under vLLM: vLLM's KV blocks to and from the sidecar.
+
+vLLM's KV tensors are the worker's private memory on a CPU (and on a GPU, laid out per
+layer rather than as hicache pools), so the worker registers a **staging area** with the
+sidecar once: ``staging_bytes`` of pages in the sidecar's layout (named shared memory on
+a CPU, CUDA IPC on a GPU). A store copies each block of each group (every layer's page
+of it, Mamba state pages included) into a staging page, then asks the sidecar to back
+those pages up; a load asks the sidecar to fill staging pages, then copies them into
+vLLM's blocks. On a CPU each copy is one ``memmove`` per run of bytes contiguous on both
+sides (:mod:`hicache.kernels.cpu_rows`); on a GPU, one indexed copy per layer.
+
+Transfers run on two threads (loads, stores), so vLLM's step never waits for the
+sidecar. ``wait`` (vLLM is about to reuse a store's blocks) waits only until the store
+has copied them out: that never depends on the sidecar. A load that fails in any way
+(a page gone, a pin refused, a read that fails its checks, a dead sidecar) writes none
+of its staged bytes into vLLM's blocks and is reported by :meth:`take_failed_loads`, so
+the connector has vLLM recompute the request. A store that fails is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+    get_offload_group_idx,
+)
+
+from hicache.config import CacheConfig
+from hicache.controller.channel import SidecarClientConfig
+from hicache.controller.client import SidecarController
+from hicache.controller_api import PageKey, PageRef, TransferHandle, unsettled_load
+from hicache.integrations.vllm import HiCacheVllmConfig
+from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
+from hicache.integrations.vllm_pages import PageNamespace
+from hicache.kernels.cpu_rows import merge_runs, move_runs
+from hicache.pools import DevicePools
+from hicache.types import ComponentType, ConfigError
+
+log = logging.getLogger(__name__)
+
+FULL = ComponentType.FULL
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Bytes ``[src_offset, +nbytes)`` of a block of ``tensor`` are bytes
+    ``[dst_offset, +nbytes)`` of half ``half`` (0: K, 1: V) of its staging page."""
+
+    tensor: torch.Tensor
+    src_offset: int
+    nbytes: int
+    half: int
+    dst_offset: int
+
+
+class StagingArea:
+    """Pages in the sidecar's layout that both this worker and the sidecar can address."""
+
+    def __init__(self, namespace: PageNamespace, staging_bytes: int, device: torch.device) -> None:
+        pages = max(1, staging_bytes // namespace.page_bytes)
+        self.layout = namespace.layout()
+        self.pools = DevicePools.allocate(
+            self.layout,
+            CacheConfig(
+                page_size=1,
+                full_slots=pages,
+                mamba_slots=0,
+                device=str(device),
+                shared_memory=device.type == "cpu",
+            ),
+        )
+        buf = self.pools.full.buffer  # [2, 1, pages, 1, half / 4] float32
+        self.half_bytes = namespace.page_bytes // 2
+        self.halves = (buf[0, 0, :, 0].view(torch.uint8), buf[1, 0, :, 0].view(torch.uint8))
+        self._lock = threading.Lock()
+        self._quarantined: list[tuple[TransferHandle, np.ndarray]] = []
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Up to ``n`` free pages (fewer, possibly none, when the area is short)."""
+        with self._lock:
+            self._release_settled_locked()
+            n = min(n, self.pools.full.available())
+            return self.pools.alloc_kv_pages(n) if n > 0 else np.empty(0, np.int64)
+
+    def free(self, pages: np.ndarray, unsettled: TransferHandle | None = None) -> None:
+        """Give pages back; with ``unsettled`` (a transfer the sidecar may still be running
+        on them), only once it has ended."""
+        with self._lock:
+            if unsettled is not None and not unsettled.done():
+                self._quarantined.append((unsettled, pages))
+            elif pages.size:
+                self.pools.free_kv_pages(pages)
+
+    def _release_settled_locked(self) -> None:
+        still = []
+        for handle, pages in self._quarantined:
+            if handle.done():
+                self.pools.free_kv_pages(pages)
+            else:
+                still.append((handle, pages))
+        self._quarantined = still
+
+    def close(self) -> None:
+        self.pools.close()
+
+
+class HiCacheOffloadingWorker(OffloadingWorker):
+    """``OffloadingWorker`` over the sidecar (see the module docstring)."""
+
+    def __init__(
+        self,
+        namespace: PageNamespace,
+        config: HiCacheVllmConfig,
+        kv_caches: CanonicalKVCaches,
+        rank: int,
+    ) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.rank = rank
+        self.counters: Counter[str] = Counter()
+        self._segments = self._plan_segments(kv_caches)
+        self._group_pos = {g.group_id: i for i, g in enumerate(namespace.groups)}
+        device = kv_caches.tensors[0].tensor.device
+        self._on_cpu = device.type == "cpu"
+        self.staging = StagingArea(namespace, config.staging_bytes, device)
+        base = config.engine_id or f"vllm:{time.time_ns():x}"
+        self.client = SidecarController(
+            config.socket,
+            engine_id=f"{base}-worker{rank}",
+            config=SidecarClientConfig(
+                request_timeout_s=config.request_timeout_s,
+                backup_timeout_s=config.store_timeout_s,
+                connect_timeout_s=config.request_timeout_s,
+            ),
+        )
+        self.client.register(self.staging.layout, 1, self.staging.pools)
+        self._lock = threading.Lock()
+        self._finished: list[TransferResult] = []
+        self._failed: set[int] = set()
+        self._reported_failed: set[int] = set()
+        self._released: dict[int, threading.Event] = {}
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-store")
+
+    # -- the page geometry ----------------------------------------------------------------
+
+    def _plan_segments(self, kv_caches: CanonicalKVCaches) -> list[list[_Segment]]:
+        """Per group, where each layer's page of a block goes in a staging page; refuses
+        caches whose pages are not those the namespace was built for."""
+        groups = self.namespace.groups
+        if len(kv_caches.group_data_refs) != len(groups):
+            raise ConfigError(
+                f"vLLM offloads {len(kv_caches.group_data_refs)} KV cache groups but the "
+                f"scheduler described {len(groups)}"
+            )
+        half = self.namespace.page_bytes // 2
+        plan = []
+        for group, refs in zip(groups, kv_caches.group_data_refs):
+            sizes = tuple(r.page_size_bytes for r in refs)
+            if sizes != group.layer_page_bytes:
+                raise ConfigError(
+                    f"KV cache group {group.group_id}: worker pages {sizes} differ from the "
+                    f"scheduler's {group.layer_page_bytes} (packed KV layouts are not supported)"
+                )
+            segments, offset = [], 0
+            for ref in refs:
+                tensor = kv_caches.tensors[ref.tensor_idx].tensor
+                if tensor.dtype not in (torch.int8, torch.uint8) or tensor.stride(1) != 1:
+                    raise ConfigError("vLLM's canonical KV tensors must be byte rows")
+                start, end = offset, offset + ref.page_size_bytes
+                while start < end:  # a layer's page may straddle the K/V halves
+                    which = start // half
+                    stop = min(end, (which + 1) * half)
+                    segments.append(
+                        _Segment(tensor, start - offset, stop - start, which, start - which * half)
+                    )
+                    start = stop
+                offset = end
+            plan.append(segments)
+        return plan
+
+    def _pairs(
+        self, spec: GPULoadStoreSpec, keys: Sequence[bytes], blocks: Sequence[int] | None
+    ) -> list[tuple[int, int, int]] | None:
+        """``(key index, group position, block id)`` for each destination/source block of
+        ``spec`` that has a key; None when keys and blocks do not line up.
+
+        Blocks come group by group (``group_sizes``). A group's keys are in block order;
+        vLLM leaves out null blocks (a sliding window's or Mamba's dropped prefix), which
+        come first, so a group's blocks are its last keys. With ``blocks`` (a store's
+        block indices) the first of them must be the block vLLM says it starts at.
+        """
+        by_group: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            pos = self._group_pos.get(get_offload_group_idx(key))
+            if pos is None:
+                return None
+            by_group.setdefault(pos, []).append(i)
+        out, start = [], 0
+        for pos, size in enumerate(spec.group_sizes):
+            ids = spec.block_ids[start : start + size].tolist()
+            start += size
+            mine = by_group.get(pos, [])
+            if len(mine) < size:
+                return None
+            mine = mine[len(mine) - size :]
+            if blocks is not None and size and blocks[mine[0]] != spec.block_indices[pos]:
+                return None
+            out += [(k, pos, b) for k, b in zip(mine, ids) if b != 0]
+        return out
+
+    def _copy(self, pairs: list[tuple[int, int, int]], pages: np.ndarray, to_stage: bool) -> int:
+        """Copy each pair's block to (``to_stage``) or from its staging page."""
+        if not self._on_cpu:
+            return self._copy_indexed(pairs, pages, to_stage)
+        dst, src, nbytes = [], [], []
+        by_pos: dict[int, list[int]] = {}
+        for j, (_, pos, _) in enumerate(pairs):
+            by_pos.setdefault(pos, []).append(j)
+        for pos, js in by_pos.items():
+            block = np.array([pairs[j][2] for j in js], dtype=np.int64)
+            page = pages[js]
+            for seg in self._segments[pos]:
+                t = seg.tensor
+                vllm_addr = t.data_ptr() + block * t.stride(0) + seg.src_offset
+                half = self.staging.halves[seg.half]
+                stage_addr = half.data_ptr() + page * half.stride(0) + seg.dst_offset
+                a, b = (stage_addr, vllm_addr) if to_stage else (vllm_addr, stage_addr)
+                dst.append(a)
+                src.append(b)
+                nbytes.append(np.full(block.size, seg.nbytes, dtype=np.int64))
+        if not dst:
+            return 0
+        runs = merge_runs(np.concatenate(dst), np.concatenate(src), np.concatenate(nbytes))
+        return move_runs(*runs)
+
+    def _copy_indexed(
+        self, pairs: list[tuple[int, int, int]], pages: np.ndarray, to_stage: bool
+    ) -> int:
+        """The same copy as indexed tensor copies (a GPU's, or a check of the CPU path)."""
+        moved = 0
+        for pos in {p for _, p, _ in pairs}:
+            js = [j for j, (_, p, _) in enumerate(pairs) if p == pos]
+            block = torch.tensor([pairs[j][2] for j in js], device=self.staging.halves[0].device)
+            page = torch.as_tensor(pages[js], device=block.device)
+            for seg in self._segments[pos]:
+                stage = self.staging.halves[seg.half][:, seg.dst_offset : seg.dst_offset + seg.nbytes]
+                vllm = seg.tensor[:, seg.src_offset : seg.src_offset + seg.nbytes].view(torch.uint8)
+                if to_stage:
+                    stage[page] = vllm[block]
+                else:
+                    vllm[block] = stage[page]
+                moved += len(js) * seg.nbytes
+        if not self._on_cpu:
+            torch.cuda.current_stream().synchronize()
+        return moved
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: object) -> bool:
+        released = threading.Event()
+        with self._lock:
+            self._released[job_id] = released
+        self._stores.submit(self._store, job_id, src_spec, dst_spec, released)
+        return True
+
+    def _store(
+        self,
+        job_id: int,
+        src: GPULoadStoreSpec,
+        dst: HiCacheStoreSpec,
+        released: threading.Event,
+    ) -> None:
+        t0 = time.perf_counter()
+        moved = 0
+        try:
+            pairs = self._pairs(src, dst.keys, dst.block_indices)
+            if pairs is None:
+                self.counters["store_mismatched"] += 1
+                return
+            pages = self.staging.alloc(len(pairs))
+            self.counters["store_pages_dropped_staging_full"] += len(pairs) - pages.size
+            pairs = pairs[: pages.size]
+            if not pairs:
+                return
+            moved = self._copy(pairs, pages, to_stage=True)
+            released.set()  # vLLM's blocks are no longer read
+            refs = []
+            for (k, _, _), page in zip(pairs, pages.tolist()):
+                parent = dst.parents[k]
+                parent_hash = (
+                    self.namespace.root_hash
+                    if parent is None
+                    else self.namespace.page_hash(parent, self.rank)
+                )
+                refs.append(
+                    PageRef(FULL, self.namespace.page_hash(dst.keys[k], self.rank), parent_hash, page)
+                )
+            handle = self.client.backup(refs)
+            ok = handle.wait(self.config.store_timeout_s)
+            self.staging.free(pages, handle)
+            self.counters["store_pages" if ok else "store_pages_failed"] += len(refs)
+        except Exception as exc:
+            log.error("hicache store %d failed: %s", job_id, exc)
+            self.counters["store_errors"] += 1
+        finally:
+            released.set()
+            self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0))
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def submit_load(self, job_id: int, src_spec: object, dst_spec: GPULoadStoreSpec) -> bool:
+        self._loads.submit(self._load, job_id, src_spec, dst_spec)
+        return True
+
+    def _load(self, job_id: int, src: HiCacheLoadSpec, dst: GPULoadStoreSpec) -> None:
+        t0 = time.perf_counter()
+        moved, ok = 0, False
+        try:
+            pairs = self._pairs(dst, src.keys, None)
+            if pairs is None:
+                self.counters["load_mismatched"] += 1
+                return
+            ok = True
+            while pairs and ok:
+                pages = self.staging.alloc(len(pairs))
+                if pages.size == 0:
+                    self.counters["load_staging_full"] += 1
+                    ok = False
+                    break
+                part, pairs = pairs[: pages.size], pairs[pages.size :]
+                loaded, unsettled = self._load_part(part, src.keys, pages)
+                if loaded:
+                    moved += self._copy(part, pages, to_stage=False)
+                ok = loaded
+                self.staging.free(pages, unsettled)
+        except Exception as exc:
+            log.error("hicache load %d failed: %s", job_id, exc)
+            self.counters["load_errors"] += 1
+            ok = False
+        finally:
+            self.counters["loads" if ok else "loads_failed"] += 1
+            self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0), not ok)
+
+    def _load_part(
+        self, part: list[tuple[int, int, int]], keys: Sequence[bytes], pages: np.ndarray
+    ) -> tuple[bool, TransferHandle | None]:
+        """Fill ``pages`` from the sidecar: (all there, a transfer that may still write)."""
+        hashes = [self.namespace.page_hash(keys[k], self.rank) for k, _, _ in part]
+        receipt = self.client.pin([PageKey(FULL, h) for h in hashes], self.config.pin_ttl_s)
+        if receipt is None:
+            return False, None
+        refs = [PageRef(FULL, h, h, page) for h, page in zip(hashes, pages.tolist())]
+        try:
+            outcome = self.client.load(refs, receipt, self.config.load_timeout_s)
+        finally:
+            self.client.unpin(receipt)
+        return bool(outcome), unsettled_load(outcome)
+
+    # -- completions ----------------------------------------------------------------------
+
+    def _finish(self, result: TransferResult, failed: bool = False) -> None:
+        with self._lock:
+            self._finished.append(result)
+            if failed:
+                self._failed.add(result.job_id)
+            self._released.pop(result.job_id, None)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Every transfer done since the last call, reported as succeeded (vLLM's
+        connector takes no failed job); failed loads are in :meth:`take_failed_loads`."""
+        with self._lock:
+            done, self._finished = self._finished, []
+            failed = {r.job_id for r in done} & self._failed
+            self._failed -= failed
+            self._reported_failed |= failed
+        return done
+
+    def take_failed_loads(self) -> set[int]:
+        """Load jobs returned by :meth:`get_finished` whose pages did not all arrive."""
+        with self._lock:
+            out, self._reported_failed = self._reported_failed, set()
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Return once the stores among ``job_ids`` no longer read vLLM's blocks."""
+        with self._lock:
+            events = [self._released[j] for j in job_ids if j in self._released]
+        for event in events:
+            event.wait()
+
+    def shutdown(self) -> None:
+        self._loads.shutdown(wait=True)
+        self._stores.shutdown(wait=True)
+        self.client.close()
+        self.staging.close()

@@ -1,0 +1,105 @@
+"""The CPU row path (``Backend.CPU``): one memmove per run of rows, the CPU default.
+
+It must move exactly the bytes the torch reference moves (bit for bit, poisoned outputs,
+rows outside the transfer untouched), in one thread and split across threads, for KV
+pages and Mamba states, through the functions and through ``PreparedTransfer``; and it
+must merge rows that are contiguous on both sides into one memmove.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from bit_support import bits, randomize
+from test_kernels_transfer import MambaHostPages, host_pages_view
+
+from hicache import kernels
+from hicache.kernels import Backend, PreparedTransfer, TransferTuning, reference
+from hicache.kernels.cpu_rows import copy_rows_cpu, row_runs
+from hicache.kernels.geometry import kv_row_copy
+
+LAYERS, HEADS, DIM = 3, 2, 8
+# Every transfer split across two threads, however small: the threaded path under test.
+THREADED = TransferTuning(cpu_copy_threads=2, cpu_parallel_min_bytes=0)
+
+
+@pytest.mark.parametrize("tuning", [TransferTuning(cpu_copy_threads=1), THREADED])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kv_pages_match_the_reference_both_ways(
+    tuning: TransferTuning, dtype: torch.dtype, page_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(page_size + dtype.itemsize)
+    device_kv = randomize(torch.empty(2, LAYERS, 12 * page_size, HEADS, DIM, dtype=dtype), gen)
+    host_kv = randomize(host_pages_view(10, (2, LAYERS, page_size, HEADS, DIM), dtype), gen)
+    # A run of consecutive device pages into consecutive host pages, and scattered ones.
+    dev = torch.tensor([2, 3, 4, 9, 0])
+    host = torch.tensor([5, 6, 7, 1, 3])
+
+    want_host, got_host = host_kv.clone(), host_kv.clone()
+    reference.kv_pages_to_host_ref(device_kv, want_host, dev, host, page_size)
+    kernels.kv_pages_to_host(device_kv, got_host, dev, host, page_size, tuning=tuning)
+    assert torch.equal(bits(got_host), bits(want_host))
+
+    want_dev, got_dev = device_kv.clone(), device_kv.clone()
+    reference.kv_pages_to_device_ref(host_kv, want_dev, host, dev, page_size)
+    kernels.kv_pages_to_device(host_kv, got_dev, host, dev, page_size, tuning=tuning)
+    assert torch.equal(bits(got_dev), bits(want_dev))
+
+
+@pytest.mark.parametrize("tuning", [TransferTuning(cpu_copy_threads=1), THREADED])
+def test_mamba_states_match_the_reference_both_ways(tuning: TransferTuning) -> None:
+    gen = torch.Generator().manual_seed(3)
+    conv = randomize(torch.empty(LAYERS, 9, 6, 3), gen)
+    ssm = randomize(torch.empty(LAYERS, 9, 4, 5), gen)
+    pages = MambaHostPages(7, LAYERS, (6, 3), (4, 5), torch.float32)
+    randomize(pages.buffer, gen)
+    slots, host = torch.tensor([8, 0, 3]), torch.tensor([2, 6, 0])
+
+    want, got = pages.buffer.clone(), pages.buffer.clone()
+    reference.mamba_states_to_host_ref(conv, ssm, *pages.views(want), slots, host)
+    kernels.mamba_states_to_host(conv, ssm, *pages.views(got), slots, host, tuning=tuning)
+    assert torch.equal(got, want)
+
+    want_c, want_s, got_c, got_s = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    reference.mamba_states_to_device_ref(*pages.views(pages.buffer), want_c, want_s, host, slots)
+    kernels.mamba_states_to_device(
+        *pages.views(pages.buffer), got_c, got_s, host, slots, tuning=tuning
+    )
+    assert torch.equal(bits(got_c), bits(want_c)) and torch.equal(bits(got_s), bits(want_s))
+
+
+def test_prepared_transfer_on_cpu_takes_the_row_path_and_matches() -> None:
+    gen = torch.Generator().manual_seed(11)
+    device_kv = randomize(torch.empty(2, LAYERS, 8 * 4, HEADS, DIM), gen)
+    host_kv = randomize(host_pages_view(6, (2, LAYERS, 4, HEADS, DIM), torch.float32), gen)
+    dev, host = [1, 7, 2], [0, 5, 4]
+    to_host = PreparedTransfer.kv(device_kv, host_kv, 4, to_host=True, tuning=THREADED)
+    assert to_host._choose(to_host.copies[0], np.array([dev, host])) is Backend.CPU
+    want = host_kv.clone()
+    reference.kv_pages_to_host_ref(device_kv, want, torch.tensor(dev), torch.tensor(host), 4)
+    to_host(dev, host)
+    assert torch.equal(bits(host_kv), bits(want))
+
+
+def test_rows_contiguous_on_both_sides_are_one_memmove() -> None:
+    """A pool of one page keeps its 2 × layers rows back to back, as a host page does:
+    the page is then one memmove. Pages of a larger pool are one memmove per row."""
+    one_page = torch.zeros(2, LAYERS, 4, HEADS, DIM)
+    host_kv = host_pages_view(3, (2, LAYERS, 4, HEADS, DIM), torch.float32)
+    copy = kv_row_copy(one_page, host_kv, torch.tensor([0]), torch.tensor([0]), 4, to_host=True)
+    _, _, nbytes = row_runs(copy, np.array([0]), np.array([2]))
+    assert nbytes.tolist() == [2 * LAYERS * copy.row_bytes]
+    pool = torch.zeros(2, LAYERS, 8 * 4, HEADS, DIM)
+    copy = kv_row_copy(pool, host_kv, torch.tensor([0]), torch.tensor([0]), 4, to_host=True)
+    _, _, nbytes = row_runs(copy, np.array([2, 3, 4]), np.array([0, 1, 2]))
+    assert nbytes.tolist() == [copy.row_bytes] * (3 * 2 * LAYERS)
+
+
+def test_no_rows_move_nothing() -> None:
+    device_kv = torch.ones(2, LAYERS, 8, HEADS, DIM)
+    host_kv = host_pages_view(2, (2, LAYERS, 4, HEADS, DIM), torch.float32).zero_()
+    copy = kv_row_copy(device_kv, host_kv, torch.tensor([0]), torch.tensor([0]), 4, to_host=True)
+    assert copy_rows_cpu(copy, np.empty(0, np.int64), np.empty(0, np.int64)) == 0
+    assert not host_kv.any()
