@@ -41,6 +41,7 @@ from gpu_sidecar_check import import_hicache  # noqa: E402
 SUFFIX = 64
 MIB = 1 << 20
 MAX_CHECKED_PREFIX = 8192
+REPEAT = 3  # device and host hits per length (the median is reported)
 # ``--dry-run``: tiny models and small sizes on the CPU, to check the script off a GPU.
 DEVICE = "cuda"
 
@@ -55,18 +56,37 @@ def sync() -> None:
 class SidecarProc:
     """``hicache serve`` in a subprocess (via gpu_sidecar_check's sidecar role)."""
 
-    def __init__(self, workdir: pathlib.Path, host_pool: str, disk_budget: str) -> None:
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        host_pool: str,
+        disk_budget: str,
+        switch_interval_s: float | None = None,
+        profile_path: pathlib.Path | None = None,
+    ) -> None:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket = self.dir / "s.sock"
         ready = self.dir / "ready.json"
         ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable, str(ROOT / "benchmarks" / "gpu_sidecar_check.py"), "sidecar",
+        argv = [
             "--socket", str(self.socket), "--disk-path", str(self.dir / "lmdb"),
             "--metrics-port", "0", "--host-pool-bytes", host_pool,
             "--disk-budget-bytes", disk_budget, "--ready-file", str(ready),
         ]  # fmt: skip
+        # The sidecar role, optionally with the interpreter's thread switch interval set
+        # first (how long a thread that wants the GIL may wait for it).
+        run = f"role_sidecar({argv!r})"
+        if profile_path is not None:
+            # Requests run on the server's worker threads, which a profiler of the main
+            # thread never sees: profile each job on its thread, write when it stops.
+            run = f"__import__('hf_ttft_gpu').profiled_sidecar({argv!r}, {str(profile_path)!r})"
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+            + ("" if switch_interval_s is None else f"sys.setswitchinterval({switch_interval_s}); ")
+            + f"from gpu_sidecar_check import role_sidecar; sys.exit({run})"
+        )
+        cmd = [sys.executable, "-c", code]
         self.log = open(self.dir / "sidecar.log", "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
         end = time.monotonic() + 300
@@ -87,6 +107,31 @@ class SidecarProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+class TimedController:
+    """A controller whose calls are timed (seconds summed per verb since :meth:`reset`)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if name not in ("lookup", "pin", "load", "unpin", "prefetch") or not callable(attr):
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
 
 
 def client(endpoint: str, name: str):
@@ -123,7 +168,13 @@ def pinned_memcpy_ms(nbytes: int) -> float:
 # -- 1. load-back bandwidth ---------------------------------------------------------------
 
 
-def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, Any]]:
+def loadback_table(
+    work: pathlib.Path,
+    sizes_mib: list[int],
+    switch_interval_s: float | None = None,
+    profile_dir: pathlib.Path | None = None,
+) -> list[dict[str, Any]]:
+    """One row per size; the last row holds the fixed costs and the RPC floor."""
     import numpy as np
     import torch
 
@@ -149,10 +200,22 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
     pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape, device=DEVICE).bfloat16())
     fp = layout.fingerprint(page)
     host_bytes = f"{max_pages * page_bytes // MIB + 64}MiB"
-    side = SidecarProc(work / "loadback", host_bytes, "64MiB")
+    label = "default" if switch_interval_s is None else f"switch_{switch_interval_s * 1e6:.0f}us"
+    previous = sys.getswitchinterval()
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    side_profile = None if profile_dir is None else profile_dir / f"sidecar-{label}.prof"
+    side = SidecarProc(
+        work / f"loadback-{label}", host_bytes, "64MiB", switch_interval_s, side_profile
+    )
     local = LocalController(
         ControllerConfig(host_pool_bytes=max_pages * page_bytes + (64 << 20), disk_path=None)
     )
+    profiler = None
+    if profile_dir is not None:  # the engine side of the sidecar's loads
+        import cProfile
+
+        profiler = cProfile.Profile()
     remote = client(side.endpoint, "loadback")
     rows = []
     try:
@@ -188,15 +251,26 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
                 )
             )
             times = {"kernel": kernel}
+            cold = {}
             for name, ctl in (("in_process", local), ("sidecar", remote)):
                 pin = ctl.pin(keys, 600)
+                t0 = time.perf_counter()
+                ctl.load(loads, pin, 600)  # the first load of these pages: what a hit pays
+                sync()
+                cold[name] = (time.perf_counter() - t0) * 1e3
+                if name == "sidecar" and profiler is not None:
+                    profiler.enable()
                 times[name] = cuda_ms(lambda c=ctl, p=pin, lo=loads: c.load(lo, p, 600))
+                if name == "sidecar" and profiler is not None:
+                    profiler.disable()
                 ctl.unpin(pin)
             times["pinned_memcpy"] = pinned_memcpy_ms(nbytes)
-            row = {"MiB": round(nbytes / MIB, 2), "pages": n}
+            row = {"pass": label, "MiB": round(nbytes / MIB, 2), "pages": n}
             for k, ms in times.items():
                 row[f"{k}_ms"] = round(ms, 3)
                 row[f"{k}_GBps"] = round(nbytes / ms / 1e6, 2)
+            for k, ms in cold.items():
+                row[f"{k}_first_ms"] = round(ms, 3)
             row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
             row["in_process_vs_kernel"] = round(times["kernel"] / times["in_process"], 3)
             rows.append(row)
@@ -205,13 +279,69 @@ def loadback_table(work: pathlib.Path, sizes_mib: list[int]) -> list[dict[str, A
             pools.full.buffer[:, :, _slots(pools, src[:n])].view(torch.int16),
             pools.full.buffer[:, :, _slots(pools, dst[:n])].view(torch.int16),
         )
-        print(json.dumps({"loadback_bytes_equal": equal}), flush=True)
+        one = [refs[0].page_hash]
+        floor = cuda_ms(lambda: remote.lookup(one, [ComponentType.FULL]), repeat=20)
+        fixed = {"pass": label, "loadback_bytes_equal": equal, "sidecar_rpc_floor_us": floor * 1e3}
+        a, b = rows[0], rows[1]
+        for k in ("kernel", "in_process", "sidecar") if b["MiB"] > a["MiB"] else ():
+            # intercept of the line through the two smallest sizes: the cost of a load-back
+            # of no bytes
+            slope = (b[f"{k}_ms"] - a[f"{k}_ms"]) / (b["MiB"] - a["MiB"])
+            fixed[f"{k}_fixed_us"] = round((a[f"{k}_ms"] - slope * a["MiB"]) * 1e3, 1)
+        rows.append(fixed)
+        print(json.dumps(fixed), flush=True)
     finally:
+        sys.setswitchinterval(previous)
         remote.close()
         local.close()
         side.stop()
         pools.close()
+    if profile_dir is not None:
+        profiler.dump_stats(str(profile_dir / f"engine-{label}.prof"))
+        for name in (f"engine-{label}.prof", f"sidecar-{label}.prof"):
+            path = profile_dir / name
+            if path.exists():
+                print_profile(path)
     return rows
+
+
+def profiled_sidecar(argv: list[str], path: str) -> int:
+    """The sidecar role with every request job profiled (jobs run one at a time here)."""
+    import cProfile
+
+    from gpu_sidecar_check import role_sidecar
+
+    import_hicache()
+    from hicache.controller.server import SidecarServer
+
+    profiler = cProfile.Profile()
+    run_job = SidecarServer._run_job
+
+    def job(self, *args):
+        profiler.enable()
+        try:
+            return run_job(self, *args)
+        finally:
+            profiler.disable()
+
+    SidecarServer._run_job = job
+    try:
+        return role_sidecar(argv)
+    finally:
+        profiler.dump_stats(path)
+
+
+def print_profile(path: pathlib.Path, top: int = 25) -> None:
+    """The functions where a profiled process spent its time, by own time."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    stats = pstats.Stats(str(path), stream=buf)
+    stats.strip_dirs().sort_stats("tottime").print_stats(top)
+    text = buf.getvalue()
+    print(f"== profile {path.name} (by own time)")
+    print("\n".join(ln.strip() for ln in text[text.find("ncalls") :].splitlines() if ln.strip()))
 
 
 def _slots(pools, pages):
@@ -246,7 +376,7 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
     made: list = []
 
     def engine(prefetch=None):
-        c = client(sidecar.endpoint, f"{family}-{len(made)}")
+        c = TimedController(client(sidecar.endpoint, f"{family}-{len(made)}"))
         extra = {} if prefetch is None else {"prefetch_policy": prefetch}
         lm = PrefixCachedLM.build(
             model, page_size=page, full_slots=slots, mamba_slots=64, controller=c,
@@ -260,30 +390,61 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         lm = engine()
         g = torch.Generator().manual_seed(1)
 
-        def toks(n):
-            return torch.randint(3, vocab, (n,), generator=g).tolist()
+        def toks(n, gen=None):
+            return torch.randint(3, vocab, (n,), generator=gen or g).tolist()
 
-        lm.generate(toks(256), 1, use_cache=False)  # warm-up: kernels, allocator
+        # warm-up of every path (kernels, allocator, transfer plans), from its own stream
+        gw = torch.Generator().manual_seed(99)
+        warm = toks(4 * page, gw)
+        lm.generate(warm + toks(SUFFIX, gw), 1, use_cache=False)
+        lm.generate([*warm, 7], 1)
+        lm.generate(warm + toks(SUFFIX, gw), 1)
+        lm.cache.flush_backups()
+        lm.cache.evict(full_tokens=10**9)
+        lm.generate(warm + toks(SUFFIX, gw), 1)
+        ctl = made[0][1]
         for length in lengths:
             prefix = toks(length)
             s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
+            reps = [toks(SUFFIX) for _ in range(2 * (REPEAT - 1))]
             row: dict[str, Any] = {"model": family, "params_B": round(params / 1e9, 2)}
             row["prompt"] = length + SUFFIX
-            r = lm.generate(prefix + s["none"], 1, use_cache=False)
-            row["ttft_no_hit_ms"] = r.ttft_s * 1e3
+            # the first recompute of a length pays first-call costs of its shapes; the
+            # median of the next ones is the recompute a hit is compared with
+            no_hit = [
+                lm.generate(prefix + s["none"], 1, use_cache=False).ttft_s * 1e3
+                for _ in range(REPEAT + 1)
+            ]
+            row["ttft_no_hit_first_ms"] = no_hit[0]
+            row["ttft_no_hit_ms"] = statistics.median(no_hit[1:])
             lm.generate([*prefix, 7], 1)  # caches the prefix (backed up to the sidecar)
             sync()
-            r = lm.generate(prefix + s["device"], 1)
-            assert r.device_hit_tokens == length, r
-            row["ttft_device_hit_ms"] = r.ttft_s * 1e3
-            row["same_as_live_device"] = _same(lm, prefix + s["device"], length, r)
-            lm.cache.flush_backups()
-            lm.cache.evict(full_tokens=10**9)
-            r = lm.generate(prefix + s["host"], 1)
-            assert r.host_hit_tokens == length, r
-            row["ttft_host_hit_ms"] = r.ttft_s * 1e3
+            device_ms, host = [], []
+            for i, suffix in enumerate([s["device"], *reps[: REPEAT - 1]]):
+                r = lm.generate(prefix + suffix, 1)
+                assert r.device_hit_tokens == length, r
+                device_ms.append(r.ttft_s * 1e3)
+                if i == 0:
+                    row["same_as_live_device"] = _same(lm, prefix + suffix, length, r)
+            row["ttft_device_hit_ms"] = statistics.median(device_ms)
+            for i, suffix in enumerate([s["host"], *reps[REPEAT - 1 :]]):
+                lm.cache.flush_backups()
+                lm.cache.evict(full_tokens=10**9)
+                ctl.reset()
+                r = lm.generate(prefix + suffix, 1)
+                assert r.host_hit_tokens == length, r
+                host.append((r.ttft_s * 1e3, r, dict(ctl.seconds)))
+                if i == 0:
+                    row["same_as_live_host"] = _same(lm, prefix + suffix, length, r)
+            ttft, r, rpc = sorted(host, key=lambda h: h[0])[len(host) // 2]  # the median
+            row["ttft_host_hit_ms"] = ttft
+            row["host_match_ms"] = r.match_s * 1e3
             row["load_back_host_ms"] = r.load_back_s * 1e3
-            row["same_as_live_host"] = _same(lm, prefix + s["host"], length, r)
+            row["host_restore_ms"] = r.restore_s * 1e3
+            for verb, sec in rpc.items():
+                row[f"host_{verb}_rpc_ms"] = sec * 1e3
+            row["ttft_device_hit_runs_ms"] = [round(x, 1) for x in device_ms]
+            row["ttft_host_hit_runs_ms"] = [round(h[0], 1) for h in host]
             lay = lm.cache.layout
             per_token = lay.kv_bytes_per_token(LayerKind.FULL) + lay.kv_bytes_per_token(
                 LayerKind.SWA
@@ -310,13 +471,15 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
         lm = engine(PrefetchPolicy.WAIT_COMPLETE)
         g = torch.Generator().manual_seed(1)
-        toks(256)
+        lm.generate(warm + toks(SUFFIX, gw), 1)  # the first disk hit: readers, plans
         for length, row in zip(lengths, rows):
             prefix = toks(length)
             s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
+            [toks(SUFFIX) for _ in range(2 * (REPEAT - 1))]  # as drawn in the first pass
             r = lm.generate(prefix + s["disk"], 1)
             row["disk_hit_tokens"] = r.disk_hit_tokens
             row["ttft_disk_hit_ms"] = r.ttft_s * 1e3
+            row["load_back_disk_ms"] = r.load_back_s * 1e3
             row["same_as_live_disk"] = _same(lm, prefix + s["disk"], length, r)
             print(json.dumps({"model": family, "prompt": row["prompt"],
                               "ttft_disk_hit_ms": row["ttft_disk_hit_ms"],
@@ -345,6 +508,13 @@ def main() -> int:
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
     p.add_argument("--models", default="llama,bamba")
     p.add_argument("--skip-loadback", action="store_true")
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=0.0,
+        help="also run the load-back table with this thread switch interval (0: not)",
+    )
+    p.add_argument("--profile-dir", default=None, help="profile the sidecar's loads here")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
@@ -365,17 +535,24 @@ def main() -> int:
     work = pathlib.Path(tempfile.mkdtemp(prefix="hcttft", dir="/tmp"))
     try:
         if not args.skip_loadback:
-            out["loadback"] = loadback_table(work, [int(s) for s in args.sizes_mib.split(",")])
+            sizes = [int(s) for s in args.sizes_mib.split(",")]
+            prof = pathlib.Path(args.profile_dir) if args.profile_dir else None
+            if prof is not None:
+                prof.mkdir(parents=True, exist_ok=True)
+            out["loadback"] = loadback_table(work, sizes, profile_dir=prof)
+            if args.switch_interval_us:
+                out["loadback"] += loadback_table(work, sizes, args.switch_interval_us * 1e-6)
         lengths = [int(x) for x in args.lengths.split(",")]
         out["ttft"] = []
         for family in args.models.split(","):
             out["ttft"] += ttft_rows(work, family, lengths)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(out, indent=1, default=float)
+    text = json.dumps(out, default=float)
     if args.json:
         pathlib.Path(args.json).write_text(text)
-    print(text)
+    else:
+        print(text)
     return 0
 
 

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -116,7 +116,7 @@ class SidecarController:
         self._next_attempt = 0.0
         # (layout, page_size, exported buffers); the buffers are None for a session that
         # only looks up and pins (attach), which never registers memory.
-        self._registration: tuple[ModelLayout, int, dict[str, Any] | None] | None = None
+        self._registration: tuple[ModelLayout, int, dict[str, Any] | Callable | None] | None = None
         self._device: Any = None
         self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
@@ -188,6 +188,8 @@ class SidecarController:
         """Fresh socket, handshake, registration; raises on failure."""
         layout, page_size, desc = self._registration
         ch = self._channel
+        if callable(desc):
+            desc = desc()  # at each session: a restarted sidecar holds no descriptors
         ch.reset()
         t = self.config.connect_timeout_s
         hello = HelloArgs(
@@ -274,6 +276,16 @@ class SidecarController:
         self._device = pools.full.buffer.device
         self._start_session()
 
+    def register_described(
+        self, layout: ModelLayout, page_size: int, describe: Callable[[], dict[str, Any]]
+    ) -> None:
+        """Register CPU memory the caller describes (``{"device": "cpu", "buffers": ...}``,
+        e.g. memfd buffers whose descriptors ``describe`` hands over on the descriptor
+        socket). ``describe()`` runs at every session; it raises SidecarUnavailable when it
+        cannot reach the sidecar. Raises as :meth:`register` does."""
+        self._registration = (layout, page_size, describe)
+        self._start_session()
+
     def attach(self, layout: ModelLayout, page_size: int) -> None:
         """A session that looks pages up and pins them but registers no memory (an engine's
         scheduler, whose workers register theirs). Raises as :meth:`register` does."""
@@ -326,7 +338,7 @@ class SidecarController:
     def _cuda_device(self) -> Any:
         """The engine's CUDA device when its pools are on one, else None."""
         desc = None if self._registration is None else self._registration[2]
-        if desc is None or desc.get("device") != "cuda":
+        if not isinstance(desc, dict) or desc.get("device") != "cuda":
             return None
         return self._device
 

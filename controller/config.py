@@ -129,7 +129,8 @@ class ControllerConfig:
     remote_write_timeout_s: float = 2.0  # one batch of remote writes
     remote_write_queue_pages: int = 1024  # pages waiting to be written; beyond: dropped
     remote_write_batch_pages: int = 32
-    remote_read_batch_pages: int = 32
+    remote_read_batch_pages: int = 16  # a load's pages are read in parallel batches
+    remote_writer_threads: int = 2
     remote_probe_chunk_pages: int = 64  # pages probed per round trip of a lookup
     remote_hint_entries: int = 65536  # pages remembered as present remotely
     remote_hint_ttl_s: float = 30.0  # how long a presence hint is believed

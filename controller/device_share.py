@@ -23,20 +23,25 @@ never make a copy run outside the engine's pools.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import math
+import mmap
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from hicache.controller.cuda_views import (
+    RegistrationRefused,
+    check_allocation_extent,
+    non_overlapping,
+)
 from hicache.controller.security import PeerCredentials
 from hicache.controller.transfer import EngineBuffers
 from hicache.controller_api import ControllerError
@@ -44,15 +49,16 @@ from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
 from hicache.pools import SEGMENT_KEY_BYTES, DevicePools
 from hicache.types import ConfigError
 
+if TYPE_CHECKING:
+    from hicache.controller.fd_pass import FdInbox
+
 log = logging.getLogger(__name__)
+
+__all__ = ["MappedPools", "RegistrationRefused", "export_pools", "map_pools"]
 
 BUFFER_NAMES = ("full", "swa", "mamba_conv", "mamba_ssm")
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.-]{1,200}$")
 _THIS_PROCESS = PeerCredentials.of_this_process()
-
-
-class RegistrationRefused(ControllerError):
-    """The sidecar cannot map the engine's device memory; the message says why."""
 
 
 # -- engine side --------------------------------------------------------------------------
@@ -254,6 +260,8 @@ def _segment_names(buffers: dict[str, Any]) -> None:
     pools in one memory would overwrite each other; ``/x`` and ``x`` are one segment)."""
     seen: dict[str, str] = {}
     for buf_name, d in buffers.items():
+        if d.get("kind") != "shm":
+            continue
         name = d.get("shm_name")
         if not isinstance(name, str) or not _SHM_NAME.match(name):
             raise RegistrationRefused(f"bad shared-memory segment name {name!r}")
@@ -263,6 +271,42 @@ def _segment_names(buffers: dict[str, Any]) -> None:
                 f"buffers {other!r} and {buf_name!r} name the same segment {name!r}: each "
                 "pool has a segment of its own"
             )
+
+
+def _map_memfd(
+    desc: dict[str, Any], segments: list, peer: PeerCredentials, inbox: FdInbox | None
+) -> torch.Tensor:
+    """A pool in anonymous shared memory whose descriptor the engine handed over on the
+    descriptor socket (controller/fd_pass.py), named by its ticket."""
+    if inbox is None:
+        raise RegistrationRefused("this sidecar takes no memory descriptors (no descriptor socket)")
+    dtype, shape = _check_shape(desc)
+    offset = desc.get("offset", 0)
+    if type(offset) is not int or offset < 0 or offset % dtype.itemsize:
+        raise RegistrationRefused(f"a memfd buffer's offset must be a whole number of {dtype}")
+    fd = inbox.take(desc.get("ticket"), peer)
+    if fd is None:
+        raise RegistrationRefused(
+            "unknown, expired or foreign descriptor ticket: the registering process must "
+            "hand its descriptor to the sidecar's descriptor socket first"
+        )
+    try:
+        st = os.fstat(fd)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if st.st_uid != peer.uid:
+            raise RegistrationRefused("the descriptor's memory belongs to another user")
+        if offset + nbytes > st.st_size or st.st_size == 0:
+            raise RegistrationRefused(
+                f"the descriptor's memory holds {st.st_size} bytes, fewer than the "
+                f"{offset + nbytes} its offset and shape {shape} of {dtype_name(dtype)} need"
+            )
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    segments.append(mm)
+    # Through NumPy, which holds an export of the mapping while a tensor lives (see _map_shm).
+    raw = np.frombuffer(mm, dtype=np.uint8, count=max(nbytes, 1), offset=offset)
+    return torch.from_numpy(raw)[:nbytes].view(dtype).view(shape)
 
 
 def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
@@ -282,17 +326,6 @@ def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
             f"GPU {uuid} is not served by this sidecar (gpu_uuids = {list(allowed)})"
         )
     return seen.index(uuid)
-
-
-def _non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether no two elements of a ``shape``/``stride`` view share memory: taken from the
-    smallest stride up, each dimension must step past everything the inner ones span."""
-    span = 1
-    for n, s in sorted(((n, s) for n, s in zip(shape, stride) if n > 1), key=lambda d: d[1]):
-        if s < span:
-            return False
-        span = s * n
-    return True
 
 
 def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
@@ -315,7 +348,7 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
     stride, offset = desc["stride"], desc["offset"]
     if len(stride) != len(shape) or not all(type(s) is int and s >= 0 for s in stride):
         raise RegistrationRefused("a CUDA buffer's stride must match its shape")
-    if not _non_overlapping(shape, stride):
+    if not non_overlapping(shape, stride):
         # A zero or overlapping stride would make two K/V halves, layers or slots one
         # memory: every copy into one would land in the other.
         raise RegistrationRefused(
@@ -341,32 +374,9 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
             f"cannot open the CUDA IPC handle ({exc}); it is stale (the engine's memory was "
             "freed or the engine exited) or malformed: register again from a live engine"
         ) from None
-    _check_allocation_extent(index, storage.data_ptr(), desc["storage_bytes"])
+    check_allocation_extent(index, storage.data_ptr(), desc["storage_bytes"])
     t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", index))
     return t.set_(storage, offset, shape, stride)
-
-
-def _check_allocation_extent(index: int, ptr: int, nbytes: int) -> None:
-    """Refuse a storage that claims more bytes than the allocation its handle opened: the
-    sidecar maps every engine's memory into one address space, so a view past the end
-    could reach another engine's pools."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no driver library by that name: the CUDA runtime found another
-        log.warning("cannot ask the CUDA driver for an allocation's extent; not checked")
-        return
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    with torch.cuda.device(index):
-        rc = driver.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
-        )
-    if rc != 0:
-        raise RegistrationRefused(f"the CUDA driver cannot place the engine's storage (error {rc})")
-    if ptr + nbytes > base.value + size.value:
-        raise RegistrationRefused(
-            f"a CUDA buffer claims {nbytes} bytes of storage, its allocation holds "
-            f"{base.value + size.value - ptr} from there: send the storage's real size"
-        )
 
 
 def _expected_shapes(layout: ModelLayout, page_size: int, tensors: dict) -> dict[str, tuple]:
@@ -393,6 +403,7 @@ def map_pools(
     desc: dict[str, Any],
     allowed_gpus: Sequence[str] = (),
     peer: PeerCredentials | None = _THIS_PROCESS,
+    fd_inbox: FdInbox | None = None,
 ) -> MappedPools:
     """Map an engine's exported pools; raises RegistrationRefused saying what is wrong.
 
@@ -413,19 +424,23 @@ def map_pools(
             "device pools are registered only over the sidecar's Unix socket, by a process "
             "of the node: a TCP peer cannot name this machine's memory"
         )
-    kind = "shm" if device == "cpu" else "cuda_ipc"
+    kinds = ("shm", "memfd") if device == "cpu" else ("cuda_ipc",)
     for name, d in buffers.items():
         if not isinstance(d, dict):
             raise RegistrationRefused(f"buffer {name!r} must be a map")
-        if d.get("kind") != kind:
-            raise RegistrationRefused(f"buffer {name!r}: a {device} pool is shared as {kind}")
+        if d.get("kind") not in kinds:
+            raise RegistrationRefused(
+                f"buffer {name!r}: a {device} pool is shared as {' or '.join(kinds)}"
+            )
     if device == "cpu":
         _segment_names(buffers)
     segments: list[shared_memory.SharedMemory] = []
     tensors: dict[str, torch.Tensor] = {}
     try:
         for name, d in buffers.items():
-            if device == "cpu":
+            if d["kind"] == "memfd":
+                tensors[name] = _map_memfd(d, segments, peer, fd_inbox)
+            elif device == "cpu":
                 tensors[name] = _map_shm(d, segments, peer)
             else:
                 tensors[name] = _map_cuda(d, allowed_gpus)

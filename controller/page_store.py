@@ -66,6 +66,7 @@ class RemoteHooks(Protocol):
     :class:`hicache.controller.remote_tier.RemoteTier`), under the store's lock unless
     said otherwise: the place where a tier beyond disk plugs in."""
 
+    def hinted(self, key: PageKey) -> bool: ...
     def fill_locked(self, keys: list[PageKey]) -> bool: ...
     def on_host_evict_locked(self, e: PageEntry) -> None: ...
     def on_served_locked(self, e: PageEntry) -> None: ...
@@ -155,19 +156,21 @@ class PageStore:
                 elif self.pins.get(rec.pin_id) is not rec:
                     return Failure.PIN_EXPIRED
                 entries = []
-                missing = []
+                missing: list[PageKey] | None = []  # hinted remotely: read below
                 for k in keys[start : start + _PIN_CHUNK_KEYS]:
                     e = self.index.get(k.storage_key())
-                    if e is None or not e.held:
-                        missing.append(k)
-                    else:
+                    if e is not None and e.held:
                         entries.append(e)
-                if missing:  # the remote tier may hold them: filled into host pages
-                    if self.remote is None or not self.remote.fill_locked(missing):
-                        if rec is not None:
-                            self.pins.release(rec.pin_id)
-                        return Failure.PIN_ABSENT
-                    entries += [self.index.get(k.storage_key()) for k in missing]
+                    elif self.remote is not None and self.remote.hinted(k):
+                        missing.append(k)
+                    else:  # absent: fail at once, a pin of many keys must not scan on
+                        missing = None
+                        break
+                if missing is None or (missing and not self.remote.fill_locked(missing)):
+                    if rec is not None:
+                        self.pins.release(rec.pin_id)
+                    return Failure.PIN_ABSENT
+                entries += [self.index.get(k.storage_key()) for k in missing]
                 if rec is None:
                     rec = self.pins.add(engine_id, entries, time.monotonic() + ttl_s)
                 else:
@@ -323,8 +326,15 @@ class PageStore:
         """Start reading every disk-only (or remote-hinted) page of ``keys`` into a host
         page; the futures of those reads and of fills already running, and whether every
         page is held and every read could start."""
-        missing = [k for k in keys if (e := self.index.get(k.storage_key())) is None or not e.held]
-        ok = not missing or (self.remote is not None and self.remote.fill_locked(missing))
+        ok = True
+        if self.remote is not None:  # the hinted pages no local tier holds: read them in
+            missing = [
+                k
+                for k in keys
+                if ((e := self.index.get(k.storage_key())) is None or not e.held)
+                and self.remote.hinted(k)
+            ]
+            ok = not missing or self.remote.fill_locked(missing)
         fills: list[Future] = []
         for k in keys:
             e = self.index.get(k.storage_key())

@@ -48,6 +48,7 @@ from hicache.types import ConfigError
 log = logging.getLogger(__name__)
 
 SLOTS = 16384
+_READ_CHUNK_BYTES = 1 << 20
 Addr = tuple[str, int]
 
 
@@ -162,6 +163,9 @@ class ClusterStore:
                     ssl=s.tls,
                     ssl_ca_certs=s.tls_ca_file,
                     client_name=f"hicache-{purpose.value}",
+                    # Reads carry whole pages: fewer, larger socket reads (each one takes
+                    # the interpreter's lock to hand its bytes to the parser).
+                    socket_read_size=_READ_CHUNK_BYTES if purpose is Purpose.READ else 65536,
                 )
                 self._clients[key] = client
             return client

@@ -39,6 +39,7 @@ _POSITIVE_INTS = (
     "remote_write_queue_pages",
     "remote_write_batch_pages",
     "remote_read_batch_pages",
+    "remote_writer_threads",
     "remote_probe_chunk_pages",
     "remote_hint_entries",
     "remote_breaker_failures",

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from hicache.controller.fair_lane import FairLane
+from hicache.controller.fd_pass import FdInbox, fd_socket_path
 from hicache.controller.metrics import SidecarMetrics
 from hicache.controller.protocol import (
     ErrorCode,
@@ -191,6 +192,7 @@ class SidecarServer:
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(self._reply_addr)
         self.endpoints.append(self._bind_ipc())
+        self.verbs.fd_inbox = FdInbox(fd_socket_path(self.config.socket))
         if self.config.tcp_endpoint:
             self.endpoints.append(self._bind_tcp())
         log.info("listening on %s", ", ".join(self.endpoints))
@@ -453,6 +455,8 @@ class SidecarServer:
             self._auth.stop()
         with contextlib.suppress(OSError):
             self.config.socket.unlink()
+        if self.verbs.fd_inbox is not None:
+            self.verbs.fd_inbox.close()
         self._ctx.destroy(linger=0)
         log.info("sockets closed")
 

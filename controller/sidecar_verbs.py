@@ -66,6 +66,7 @@ from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
+    from hicache.controller.fd_pass import FdInbox
     from hicache.controller.local import LocalController
     from hicache.controller.metrics import SidecarMetrics
     from hicache.controller.protocol import Request
@@ -119,6 +120,7 @@ class VerbHandlers:
         self.endpoints = endpoints
         self.on_tiers_opened = on_tiers_opened
         self.admin_token = b""  # set by the server once it has loaded or written it
+        self.fd_inbox: FdInbox | None = None  # memory descriptors (controller/fd_pass.py)
         self.handlers: dict[Verb, Callable[[Call, Any], Any]] = {
             Verb.REGISTER: self.register,
             Verb.HEARTBEAT: self.heartbeat,
@@ -258,7 +260,9 @@ class VerbHandlers:
             raise ProtocolError(ErrorCode.NO_SESSION, "the session ended before register")
         desc = {"device": a.device, "buffers": a.buffers}
         try:
-            mapped = map_pools(conn.layout, a.page_size, desc, self.config.gpu_uuids, conn.peer)
+            mapped = map_pools(
+                conn.layout, a.page_size, desc, self.config.gpu_uuids, conn.peer, self.fd_inbox
+            )
         except RegistrationRefused as exc:
             self.metrics.registrations.labels("refused").inc()
             raise ProtocolError(ErrorCode.REGISTRATION_REFUSED, str(exc)) from None

@@ -1,41 +1,45 @@
 """UnifiedRadixCache: the engine-facing cache over the tree, the device pools and a controller.
 
 "The tree decides, the cache executes": :class:`~hicache.tree.RadixTree` keeps structure,
-locks and eviction order; this class turns engine calls (match, insert, requests) into tree
-operations, owns the requests' slots, and drives the controller (backups and load-backs,
-see :mod:`hicache.tiering`).
+locks and values, :class:`~hicache.tree_eviction.TreeEviction` the eviction order; this
+class turns engine calls (match, insert, requests) into tree operations, owns the
+requests' slots, and holds the tiering objects that talk to the controller:
+:class:`~hicache.backups.Backups` (write policy, backups in flight),
+:class:`~hicache.beyond_device.BeyondDevice` (hits beyond the device),
+:class:`~hicache.load_back.LoadBack` and the :class:`~hicache.quarantine.Quarantine`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from hicache.backups import Backups
+from hicache.beyond_device import BeyondDevice, Walk
+from hicache.components import COMPONENT_CLASSES
 from hicache.components.base import TreeComponent
-from hicache.components.full import FullComponent
-from hicache.components.mamba import MambaComponent
-from hicache.components.swa import SWAComponent
-from hicache.config import CacheConfig, EvictionPolicyKind
+from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.eviction import LeafEvictionPolicy, LRULeafPolicy
-from hicache.keys import TokenInput, token_array
+from hicache.invariants import check_cache
+from hicache.keys import TOKEN_BYTES, TokenInput, token_array
 from hicache.layout import ModelLayout
+from hicache.load_back import LoadBack
+from hicache.node import TreeNode
 from hicache.pools import DevicePools
-from hicache.request import CacheStats, EvictResult, MatchResult, Request
-from hicache.tiering import TieringMixin
-from hicache.tree import RadixTree, TreeNode
+from hicache.quarantine import Quarantine
+from hicache.request import CacheStats, EvictResult, LockReceipt, MatchResult, Request
+from hicache.tree import RadixTree
+from hicache.tree_eviction import TreeEviction
+from hicache.tree_insert import TreeInsert
 from hicache.types import ComponentType, PoolExhaustedError
 
 log = logging.getLogger("hicache.cache")
-
-COMPONENT_CLASSES: dict[ComponentType, type[TreeComponent]] = {
-    ComponentType.FULL: FullComponent,
-    ComponentType.SWA: SWAComponent,
-    ComponentType.MAMBA: MambaComponent,
-}
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -49,8 +53,12 @@ def make_leaf_policy(config: CacheConfig) -> LeafEvictionPolicy:
     return LearnedLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
 
 
-class UnifiedRadixCache(TieringMixin, RadixTree):
-    """One radix tree caching FULL KV, SWA KV and Mamba state of prefixes (ARCHITECTURE §4)."""
+class UnifiedRadixCache:
+    """One radix tree caching FULL KV, SWA KV and Mamba state of prefixes (ARCHITECTURE §4).
+
+    ``components`` (default: one per component type of the layout, FULL first) are the
+    TreeComponent classes the tree carries.
+    """
 
     def __init__(
         self,
@@ -59,22 +67,63 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         pools: DevicePools,
         controller: CacheController | None = None,
         leaf_policy: LeafEvictionPolicy | None = None,
+        components: Sequence[type[TreeComponent]] | None = None,
     ) -> None:
         config.validate(layout)
-        RadixTree.__init__(
-            self,
-            [COMPONENT_CLASSES[c] for c in layout.components],
+        self.layout = layout
+        self.config = config
+        self.pools = pools
+        self.controller = controller
+        self.page_size = config.page_size
+        self.page_bytes = self.page_size * TOKEN_BYTES
+        self.requests: dict[int, Request] = {}
+        self.counters: Counter[str] = Counter()
+        self.tree = RadixTree(
+            components or [COMPONENT_CLASSES[c] for c in layout.components],
             config,
             pools,
             layout.fingerprint(config.page_size),
             leaf_policy or make_leaf_policy(config),
         )
-        self.layout = layout
-        self.mamba = self.by_type.get(ComponentType.MAMBA)
-        self.requests: dict[int, Request] = {}
-        self.counters: Counter[str] = Counter()
+        self.mamba = self.tree.by_type.get(ComponentType.MAMBA)
+        self.quarantine = Quarantine(self.counters)
+        self.backups: Backups | None = None
+        self.beyond: BeyondDevice | None = None
+        self.loader: LoadBack | None = None
+        on_device_free = None
+        if controller is not None:
+            self.backups = Backups(
+                self.tree,
+                controller,
+                config,
+                self.quarantine,
+                self.counters,
+                pools.full.buffer.is_cuda,
+            )
+            self.beyond = BeyondDevice(self.tree, controller, config, self.counters)
+            self.loader = LoadBack(
+                self.tree, controller, config, self.quarantine, self.counters, self.make_room
+            )
+            if config.write_policy is WritePolicy.WRITE_BACK:
+                on_device_free = self.backups.write_back
+        self.eviction = TreeEviction(self.tree, on_device_free)
+        self.inserter = TreeInsert(self.tree, pools)
         self._null_root = TreeNode(None, b"", 0, 0)
-        TieringMixin.__init__(self, controller)
+        if controller is not None:
+            controller.register(layout, self.page_size, pools)
+
+    @property
+    def evicted(self) -> EvictResult:
+        """Running totals of what eviction freed."""
+        return self.eviction.evicted
+
+    def lock(self, node: TreeNode) -> LockReceipt:
+        """Protect the prefix ending at ``node`` from eviction; see RadixTree.lock."""
+        return self.tree.lock(node)
+
+    def unlock(self, receipt: LockReceipt, touch: bool = True) -> None:
+        """Release exactly what ``lock`` took; see RadixTree.unlock."""
+        self.tree.unlock(receipt, touch)
 
     # -- match ---------------------------------------------------------------------------
 
@@ -95,24 +144,29 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         n = arr.size - arr.size % self.page_size
         key = arr[:n].tobytes()
         # With a controller, a namespace this tree has not seen may still hit beyond it.
-        root = self.namespace_root(extra_key, create=self.controller is not None and n > 0)
+        root = self.tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
         if root is None or n == 0:
             result = MatchResult(_EMPTY, 0, root or self._null_root)
         else:
-            path, partial, k = self.walk(root, key)
+            path, partial, k = self.tree.walk(root, key)
             last_node, prefix_nodes = self._device_match(root, path, partial, k)
-            slots = self._concat_slots(prefix_nodes)
+            slots = self.tree.device_slots(prefix_nodes)
             if len(prefix_nodes) == 1:
                 slots = slots.copy()  # never hand out a node's own array
             result = MatchResult(slots, last_node.end, last_node)
             if prefix_nodes:
-                self.touch(prefix_nodes)
-                self.on_prefix_hit(prefix_nodes)
-            if self.controller is not None and last_node.end < n:
-                self.match_beyond_device(root, key, result, path, partial, k)
+                self.tree.touch(prefix_nodes)
+                self._on_prefix_hit(prefix_nodes)
+            if self.beyond is not None and last_node.end < n:
+                rest = self.tree.walk(last_node, key, last_node.end * TOKEN_BYTES)
+                hit = self.beyond.find(Walk(last_node, key, *rest))
+                result.host_hit_len = hit.host_hit_len
+                result.disk_hit_len = hit.disk_hit_len
+                result.remote_hit_len = hit.remote_hit_len
+                result.load_node = hit.load_node
             if not root.children:
-                self.roots.pop(extra_key, None)
+                self.tree.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
         if result.host_hit_len or result.disk_hit_len or result.remote_hit_len:
             self.counters["host_hit_tokens"] += result.host_hit_len
@@ -127,53 +181,48 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
     ) -> tuple[TreeNode, list[TreeNode]]:
         """The deepest end on the device every component accepts: (last node, its path)."""
         dev = 0
-        while dev < len(path) and path[dev].data[0].value is not None:
+        while dev < len(path) and path[dev].base.value is not None:
             dev += 1
         cand = path[:dev] if dev < len(path) else path
         partial_end = None
-        if partial is not None and dev == len(path) and partial.data[0].value is not None:
+        if partial is not None and dev == len(path) and partial.base.value is not None:
             cand = [*cand, partial]
             partial_end = partial.start + k
-        if len(self.components) == 1:  # FULL alone accepts every position on the device
+        if len(self.tree.components) == 1:  # FULL alone accepts every position on the device
             if partial_end is not None:
-                cand[-1] = self.split(partial, k)
+                cand[-1] = self.tree.split(partial, k)
             return (cand[-1], cand) if cand else (root, cand)
-        checks = [f for f in (c.match_check(cand) for c in self.components) if f is not None]
+        checks = [f for f in (c.match_check(cand) for c in self.tree.components) if f is not None]
         for i in range(len(cand) - 1, -1, -1):
             end = partial_end if (partial_end is not None and i == len(cand) - 1) else cand[i].end
             if all(check(i, end) for check in checks):
                 if end < cand[i].end:
-                    cand[i] = self.split(cand[i], end - cand[i].start)
+                    cand[i] = self.tree.split(cand[i], end - cand[i].start)
                 return cand[i], cand[: i + 1]
         return root, []
 
-    @staticmethod
-    def _concat_slots(nodes: list[TreeNode]) -> np.ndarray:
-        if not nodes:
-            return _EMPTY
-        if len(nodes) == 1:
-            return nodes[0].data[0].value
-        return np.concatenate([n.data[0].value for n in nodes])
+    def _on_prefix_hit(self, nodes: list[TreeNode]) -> None:
+        """Count hits (the leaf policy and selective write-through learn from them)."""
+        for node in nodes:
+            node.hit_count += 1
+            self.tree.leaf_policy.on_hit(node)
+        if self.backups is not None:
+            self.backups.on_prefix_hit(nodes)
 
     def _attach(self, req: Request, result: MatchResult, tokens: np.ndarray) -> None:
-        """Give ``req`` the matched device prefix: lock, slots and its own Mamba state."""
+        """Give ``req`` the matched device prefix: lock, slots, and what each component
+        gives a request of its own (Mamba: a working state)."""
         if req.kv_slots.size or req.lock_receipt is not None:
             raise ValueError(f"{req!r} already holds slots; match_prefix needs a fresh request")
         receipt = self.lock(result.last_node)
-        if self.mamba is not None:
-            try:
-                slot = self.alloc_mamba_state()
-            except PoolExhaustedError:
-                self.unlock(receipt, touch=False)
-                raise
-            src = self.mamba.state_of(result.last_node) if result.prefix_len else None
-            if src is None:
-                self.pools.mamba.conv[:, slot].zero_()
-                self.pools.mamba.ssm[:, slot].zero_()
-            else:
-                self.pools.mamba.copy_state(src, slot)
-            req.mamba_slot = slot
-            result.mamba_slot = slot
+        try:
+            for comp in self.tree.components:
+                comp.attach_request(req, result, self.make_room)
+        except PoolExhaustedError:
+            for comp in self.tree.components:
+                comp.release_request(req)
+            self.unlock(receipt, touch=False)
+            raise
         req.kv_slots = result.device_slots.copy()
         req.token_ids = tokens[: result.prefix_len].copy()
         req.prefix_len = result.prefix_len
@@ -200,108 +249,33 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         the state after the last token, is taken by the end node, or freed when that node
         already has one. Returns how many leading tokens were already cached on the device.
         """
+        end_values: dict[int, Any] = {}
+        if mamba_slot is not None:
+            if self.mamba is None:
+                raise ValueError("insert: a mamba_slot for a layout without Mamba layers")
+            end_values[self.mamba.idx] = mamba_slot
+        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len)
+
+    def _insert(
+        self,
+        tokens: TokenInput,
+        kv_indices: np.ndarray | torch.Tensor,
+        end_values: dict[int, Any],
+        extra_key: str | None,
+        prev_prefix_len: int,
+    ) -> int:
+        """``insert``, with the values handed to the end node by component index."""
         self.poll_transfers()
-        arr = token_array(tokens)
         slots = np.asarray(
             kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else kv_indices,
             dtype=np.int64,
         )
-        n = arr.size
-        if n % self.page_size or slots.size != n:
-            raise ValueError(
-                f"insert needs whole pages and one slot per token: {n} tokens, {slots.size} "
-                f"slots, page_size {self.page_size}"
-            )
-        if n and not self.pools.full.check_whole_pages(slots[prev_prefix_len:]):
-            raise ValueError("insert: kv_indices beyond prev_prefix_len are not whole pages")
-        root = self.namespace_root(extra_key, create=n > 0)
-        if n == 0:
-            if mamba_slot is not None:
-                self.pools.mamba.free_state(mamba_slot)
-            return 0
-        key = arr.tobytes()
-        swa_from = self._swa_valid_from(slots, prev_prefix_len, n)
-        node, pos, cached, touched = root, 0, 0, []
-        while pos < n:
-            child = node.children.get(key[pos * 8 : pos * 8 + self.page_bytes])
-            if child is None:
-                break
-            m = min(child.num_tokens, self._common_tokens(child.key, key, pos * 8))
-            if m < child.num_tokens:
-                child = self.split(child, m)
-            if child.start < swa_from < child.end and self._lacks_swa(child):
-                # Cut where the request's SWA pages begin: the part after it can be filled
-                # (host-only) or can adopt them (an SWA tombstone on the device).
-                child = self.split(child, swa_from - child.start)
-                m = child.num_tokens
-            if child.data[0].value is not None:
-                dup = slots[max(pos, prev_prefix_len) : pos + m]
-                if dup.size:
-                    dup_pages = dup[:: self.page_size] // self.page_size
-                    if pos >= prev_prefix_len:
-                        self._adopt_swa(child, dup_pages)
-                    self.pools.free_kv_pages(dup_pages)
-                cached = pos + m
-            else:
-                self._fill_node(child, slots[pos : pos + m], swa_from)
-            touched.append(child)
-            node, pos = child, pos + m
-        while pos < n:
-            end = swa_from if pos < swa_from < n else n
-            end = self.leaf_policy.insert_end(key, pos, end)
-            child = self.add_child(node, key[pos * 8 : end * 8])
-            self._fill_node(child, slots[pos:end], swa_from)
-            touched.append(child)
-            node, pos = child, end
-        if mamba_slot is not None:
-            if self.mamba.state_of(node) is None:
-                self.set_value(node, self.mamba, mamba_slot)
-            else:
-                self.pools.mamba.free_state(mamba_slot)
-        self.touch(touched)
-        self.after_insert(touched)
+        cached, touched = self.inserter.insert(
+            token_array(tokens), slots, end_values, extra_key, prev_prefix_len
+        )
+        if touched and self.backups is not None:
+            self.backups.after_insert(touched)
         return cached
-
-    def _swa_valid_from(self, slots: np.ndarray, prev_prefix_len: int, n: int) -> int:
-        """Token position from which the inserted tokens have SWA pages (n when none do).
-
-        The request's own pages may have lost their SWA pages from the front (they fell
-        out of the window); a gap anywhere else is an error of the caller.
-        """
-        if self.pools.swa is None:
-            return n
-        own = slots[prev_prefix_len : n : self.page_size] // self.page_size
-        has = self.pools.full_to_swa[own] >= 0
-        first = int(np.argmax(has)) if has.any() else has.size
-        if not has[first:].all():
-            raise ValueError("insert: SWA pages are missing after the window start")
-        return prev_prefix_len + first * self.page_size
-
-    def _lacks_swa(self, node: TreeNode) -> bool:
-        swa = self.by_type.get(ComponentType.SWA)
-        return node.data[0].value is None or (swa is not None and node.data[swa.idx].value is None)
-
-    def _adopt_swa(self, node: TreeNode, own_pages: np.ndarray) -> None:
-        """``node`` lost its SWA pages, and the request inserting the same tokens holds
-        its own (``own_pages`` are its FULL pages there): the node takes them, so the
-        request, which goes on with the node's slots, keeps the SWA KV of its window."""
-        swa = self.by_type.get(ComponentType.SWA)
-        if swa is None or node.data[swa.idx].value is not None:
-            return
-        swa_pages = self.pools.full_to_swa[own_pages]
-        if (swa_pages < 0).any():
-            return
-        self.pools.full_to_swa[own_pages] = -1
-        self.pools.full_to_swa[self.full.pages(node.data[0].value)] = swa_pages
-        self.set_value(node, swa, swa_pages.copy())
-
-    def _fill_node(self, node: TreeNode, slots: np.ndarray, swa_from: int) -> None:
-        """Install request-owned ``slots`` as ``node``'s FULL (and SWA, when it has them)."""
-        self.set_value(node, self.full, slots.copy())
-        swa = self.by_type.get(ComponentType.SWA)
-        if swa is not None and node.start >= swa_from:
-            pages = slots[:: self.page_size] // self.page_size
-            self.set_value(node, swa, self.pools.full_to_swa[pages].copy())
 
     # -- requests ------------------------------------------------------------------------
 
@@ -322,79 +296,47 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         return new
 
     def _alloc_kv_pages(self, n: int) -> np.ndarray:
-        self.make_room(full_pages=n, swa_pages=n if self.pools.swa is not None else 0)
+        self.make_room({c.ctype: c.request_page_need(n) for c in self.tree.components})
         return self.pools.alloc_kv_pages(n)
 
-    def make_room(self, full_pages: int = 0, swa_pages: int = 0, mamba_states: int = 0) -> None:
-        """Evict until the pools have the asked free amounts, if the tree can give them."""
-        ps = self.page_size
-        short_full = full_pages * ps - self.pools.full.available()
-        short_swa = swa_pages * ps - self.pools.swa.available() if self.pools.swa else 0
-        short_mamba = mamba_states - self.pools.mamba.available() if self.pools.mamba else 0
-        if short_full > 0 or short_swa > 0 or short_mamba > 0:
-            self.evict(max(short_full, 0), max(short_swa, 0), max(short_mamba, 0))
-
-    def alloc_mamba_state(self) -> int:
-        """A free Mamba state slot, evicting a cached state if none is free."""
-        self.make_room(mamba_states=1)
-        return self.pools.mamba.alloc_state()
+    def make_room(self, need: Mapping[ComponentType, int]) -> None:
+        """Evict until every component's pool has the free amount ``need`` asks of it (in
+        the component's units: tokens, or states for MAMBA), if the tree can give it."""
+        short = {}
+        for comp in self.tree.components:
+            missing = need.get(comp.ctype, 0) - comp.available()
+            if missing > 0:
+                short[comp.ctype] = missing
+        if short:
+            self.evict(amounts=short)
 
     def checkpoint_mamba(self, req: Request) -> None:
         """Copy ``req``'s working state aside, valid at its computed length (which must be
         page aligned), so that caching can later use the state at that page boundary."""
-        if self.mamba is None:
-            return
-        if req.computed_len % self.page_size:
-            raise ValueError(f"checkpoint_mamba at {req.computed_len}: not a page boundary")
-        if req.mamba_ckpt_slot is None:
-            req.mamba_ckpt_slot = self.alloc_mamba_state()
-        self.pools.mamba.copy_state(req.mamba_slot, req.mamba_ckpt_slot)
-        req.mamba_ckpt_len = req.computed_len
+        for comp in self.tree.components:
+            comp.checkpoint_request(req, self.make_room)
 
     def release_swa_outside_window(self, req: Request) -> int:
         """Free the SWA pages of ``req``'s own pages that lie wholly before its window;
         returns the SWA slots freed."""
-        if self.pools.swa is None:
-            return 0
-        ps = self.page_size
-        limit = max(0, req.computed_len - self.config.sliding_window)
-        limit -= limit % ps
-        start = max(req.prefix_len, req.swa_released_upto)
-        if limit <= start:
-            return 0
-        freed = self.pools.free_swa_of(req.kv_slots[start:limit:ps] // ps)
-        req.swa_released_upto = limit
-        return freed
-
-    def _state_for_insert(
-        self, req: Request, aligned: int, finishing: bool
-    ) -> tuple[int, int | None]:
-        """How far ``req`` can be cached and the Mamba state slot to hand over there.
-
-        Without Mamba layers: every aligned token. With them, only up to a page boundary
-        where a state exists: the working state (when computed exactly there), else the
-        checkpoint."""
-        if self.mamba is None:
-            return aligned, None
-        if req.computed_len == aligned and aligned > req.prefix_len:
-            if finishing:
-                slot, req.mamba_slot = req.mamba_slot, None
-            else:
-                slot = self.alloc_mamba_state()
-                self.pools.mamba.copy_state(req.mamba_slot, slot)
-            return aligned, slot
-        if req.mamba_ckpt_slot is not None and req.prefix_len < req.mamba_ckpt_len <= aligned:
-            slot, req.mamba_ckpt_slot = req.mamba_ckpt_slot, None
-            return req.mamba_ckpt_len, slot
-        return req.prefix_len, None
+        return sum(comp.release_outside_window(req) for comp in self.tree.components)
 
     def _insert_request(self, req: Request, finishing: bool) -> int:
-        """Cache what ``req`` computed; returns the new cached length (its new prefix)."""
-        aligned = req.computed_len - req.computed_len % self.page_size
-        end, state = self._state_for_insert(req, aligned, finishing)
+        """Cache what ``req`` computed; returns the new cached length (its new prefix).
+
+        Every aligned token, unless a component stops it earlier (Mamba: only up to a page
+        boundary where a state exists)."""
+        end = req.computed_len - req.computed_len % self.page_size
+        end_values: dict[int, Any] = {}
+        for comp in self.tree.components:
+            end, value = comp.request_insert_end(req, end, finishing, self.make_room)
+            if value is not None:
+                end_values[comp.idx] = value
         if end <= req.prefix_len:
             return req.prefix_len
-        self.insert(req.token_ids[:end], req.kv_slots[:end], state, req.extra_key, req.prefix_len)
+        self._insert(
+            req.token_ids[:end], req.kv_slots[:end], end_values, req.extra_key, req.prefix_len
+        )
         return end
 
     def cache_unfinished_req(self, req: Request) -> None:
@@ -403,34 +345,26 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         end = self._insert_request(req, finishing=False)
         if end == req.prefix_len:
             return
-        root = self.namespace_root(req.extra_key)
-        path, partial, _ = self.walk(root, req.token_ids[:end].tobytes())
+        root = self.tree.namespace_root(req.extra_key)
+        path, partial, _ = self.tree.walk(root, req.token_ids[:end].tobytes())
         assert partial is None and path and path[-1].end == end, "inserted prefix not found"
         old = req.lock_receipt
-        req.kv_slots = np.concatenate([self._concat_slots(path), req.kv_slots[end:]])
+        req.kv_slots = np.concatenate([self.tree.device_slots(path), req.kv_slots[end:]])
         req.lock_receipt = self.lock(path[-1])
         req.last_node = path[-1]
         req.prefix_len = end
-        req.swa_released_upto = max(req.swa_released_upto, end)
+        for comp in self.tree.components:
+            comp.request_cached(req, end)
         if old is not None:
             self.unlock(old, touch=False)
 
-    def _return_state(self, req: Request) -> None:
-        """A request that computed nothing past its prefix holds that prefix's state: give
-        it to the prefix's end node when the node has none (e.g. after a load-back, whose
-        state went to the request)."""
-        node = req.last_node
-        if (
-            self.mamba is None
-            or req.mamba_slot is None
-            or node is None
-            or node.parent is None
-            or self.mamba.state_of(node) is not None
-        ):
-            return
-        self.set_value(node, self.mamba, req.mamba_slot)
-        req.mamba_slot = None
-        self.after_insert([node])
+    def _return_values(self, req: Request) -> None:
+        """A request that computed nothing past its prefix gives what it holds of its own
+        (Mamba: that prefix's state, which a load-back gave to it) to the prefix's end
+        node, where the node has none."""
+        returned = [comp.return_request_value(req) for comp in self.tree.components]
+        if any(returned) and self.backups is not None:
+            self.backups.after_insert([req.last_node])
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
         """Cache what ``req`` computed (when ``insert``), free everything else it holds
@@ -439,15 +373,12 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
             raise ValueError(f"{req!r} finished twice")
         end = self._insert_request(req, finishing=True) if insert else req.prefix_len
         if insert and end == req.computed_len == req.prefix_len:
-            self._return_state(req)
+            self._return_values(req)
         tail = req.kv_slots[end:]
         if tail.size:
             self.pools.free_kv_pages(self.pools.full.slots_to_pages(tail))
-        for attr in ("mamba_slot", "mamba_ckpt_slot"):
-            slot = getattr(req, attr)
-            if slot is not None:
-                self.pools.mamba.free_state(slot)
-                setattr(req, attr, None)
+        for comp in self.tree.components:
+            comp.release_request(req)
         if req.lock_receipt is not None:
             # After an insert the path was just touched, deepest last; touching the old
             # lock end again would make it look more recent than what was inserted.
@@ -462,18 +393,18 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
     def stats(self) -> CacheStats:
         """Evictable and protected device amounts per component, cached tokens, counters."""
         total = nodes = 0
-        for node in self.iter_nodes():
+        for node in self.tree.iter_nodes():
             nodes += 1
-            if node.data[0].value is not None:
+            if node.base.value is not None:
                 total += node.num_tokens
         return CacheStats(
-            dict(self.evictable),
-            dict(self.protected),
+            dict(self.tree.evictable),
+            dict(self.tree.protected),
             total,
-            self.host_only_tokens,
+            self.tree.host_only_tokens,
             nodes,
             dict(self.counters),
-            sum(pages.size for q in self._quarantine for _, pages in q.slots),
+            self.quarantine.pages,
         )
 
     def reset(self) -> None:
@@ -481,24 +412,74 @@ class UnifiedRadixCache(TieringMixin, RadixTree):
         self.flush_backups()
         if self.requests:
             raise RuntimeError(f"reset with {len(self.requests)} requests still holding slots")
-        if self._pending:
+        pending = self.backups.pending if self.backups is not None else []
+        if pending:
             raise RuntimeError(
-                f"reset with {len(self._pending)} backups whose copies may still read the "
+                f"reset with {len(pending)} backups whose copies may still read the "
                 "device pages (an unanswered sidecar); retry once they have settled"
             )
-        result = EvictResult()
-        for node in reversed(list(self.iter_nodes())):
-            for comp in self.free_order:
+        for node in reversed(list(self.tree.iter_nodes())):
+            for comp in self.tree.free_order:
                 cd = node.data[comp.idx]
                 if cd.value is not None:
                     assert cd.lock_ref == 0, f"reset: {node} is locked"
-                    result.add(comp.ctype, comp.free(node, self.take_value(node, comp)))
-        self.clear()
+                    comp.free(node, self.tree.take_value(node, comp))
+        self.tree.clear()
 
     def check_invariants(self) -> None:
         """Check every invariant of ARCHITECTURE §3; raises AssertionError naming the first
         broken one. Slot ownership: every allocated page of every pool is owned by exactly
-        one of the tree, a request, and the free list."""
-        from hicache.invariants import check_cache
+        one of the tree, a request, the quarantine and the free list."""
+        check_cache(self.tree, self.pools, self.requests.values(), self.quarantine)
+        if self.backups is not None:
+            self.backups.check_invariants()
 
-        check_cache(self)
+    # -- tiers ---------------------------------------------------------------------------
+
+    def evict(
+        self,
+        full_tokens: int = 0,
+        swa_tokens: int = 0,
+        mamba_states: int = 0,
+        amounts: Mapping[ComponentType, int] | None = None,
+    ) -> EvictResult:
+        """Finish acknowledged backups (their locks go), then free at least the asked
+        device amounts where possible (``amounts`` per component, plus the three named
+        ones); returns what was freed (see TreeEviction.evict)."""
+        self.poll_transfers()
+        want = dict(amounts or {})
+        for ctype, amount in EvictResult.named(full_tokens, swa_tokens, mamba_states).items():
+            want[ctype] = want.get(ctype, 0) + amount
+        return self.eviction.evict(want)
+
+    def poll_transfers(self) -> None:
+        """Finish the backups that are done (their locks go) and free the quarantined slots
+        whose copies have settled. A backup whose handle is not done keeps its nodes
+        locked, even past its deadline: its copy may still read them."""
+        if self.backups is not None:
+            self.backups.poll()
+        self.quarantine.release_settled()
+
+    def flush_backups(self, timeout_s: float | None = None) -> None:
+        """Wait for every pending backup: for its outcome (up to ``timeout_s`` each, or its
+        own deadline), then until it is done (all within ``timeout_s``, or
+        ``load_timeout_s``, from the call). One still not done stays pending, its nodes
+        locked: its copy may still read them."""
+        if self.backups is not None:
+            self.backups.flush(timeout_s)
+        self.poll_transfers()
+
+    def load_back(
+        self, node: TreeNode, req: Request | None = None, mem_quota: int | None = None
+    ) -> bool:
+        """Bring the prefix ending at ``node`` from the host/disk tiers to the device.
+
+        With ``req`` (right after its ``match_prefix``), the loaded tokens extend its
+        prefix: ``kv_slots``, ``prefix_len``, lock and Mamba state. ``mem_quota`` caps the
+        FULL tokens it may allocate. On any failure it returns False with the pools and
+        the request exactly as they were: the request recomputes instead.
+        """
+        self.poll_transfers()
+        if self.loader is None:
+            return False
+        return self.loader.load(node, req, mem_quota)

@@ -8,27 +8,17 @@ addressed by page id in a KV pool, or state slot in the Mamba pool.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from hicache.types import ComponentType, HicacheError
+from hicache.types import ComponentType, HicacheError, Presence
 
 if TYPE_CHECKING:
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
-
-
-class Presence(enum.IntEnum):
-    """Where a page is, as answered by a lookup (the fastest tier holding it)."""
-
-    ABSENT = 0
-    HOST = 1
-    DISK = 2
-    REMOTE = 3  # a hint: the remote tier held it at the lookup; a pin reads it to host
 
 
 # Presence as plain ints, for numpy: an array compared with an IntEnum member takes numpy's

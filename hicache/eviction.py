@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import ComponentData, TreeNode
 
 
 class LeafEvictionPolicy(ABC):

@@ -4,14 +4,14 @@ in the tree and the pools, so nothing calls them on a serving path."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.types import ComponentType
-
 if TYPE_CHECKING:
-    from hicache.cache import UnifiedRadixCache
+    from hicache.pools import DevicePools
+    from hicache.quarantine import Quarantine
     from hicache.request import Request
     from hicache.tree import RadixTree
 
@@ -33,13 +33,13 @@ def check_tree(tree: RadixTree) -> None:
         assert node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node}: partial page"
         assert parent.children.get(node.key[: tree.page_bytes]) is node, f"{node}: bad link"
         assert node.start == (parent.end if parent.parent else 0), f"{node}: bad start"
-        full = node.data[0]
+        full = node.base
         if full.value is not None:
             assert parent.on_device, f"{node}: on device below a node that is not"
-        assert full.lock_ref >= max(
-            (c.data[0].lock_ref for c in node.children.values()), default=0
-        ), f"{node}: FULL lock smaller than a child's"
-        on_dev_children = sum(1 for c in node.children.values() if c.data[0].value is not None)
+        assert full.lock_ref >= max((c.base.lock_ref for c in node.children.values()), default=0), (
+            f"{node}: FULL lock smaller than a child's"
+        )
+        on_dev_children = sum(1 for c in node.children.values() if c.base.value is not None)
         assert node.device_children == on_dev_children, f"{node}: device_children"
         for comp in tree.components:
             cd = node.data[comp.idx]
@@ -64,10 +64,10 @@ def check_tree(tree: RadixTree) -> None:
     assert protected == tree.protected, f"protected {tree.protected} != {protected}"
     assert tree.leaf_policy.members() == leaves, "leaf policy members differ"
     host_only = sum(
-        n.num_tokens for n in tree.iter_nodes() if n.data[0].value is None and n.data[0].backed
+        n.num_tokens for n in tree.iter_nodes() if n.base.value is None and n.base.backed
     )
     assert host_only == tree.host_only_tokens, f"host-only {tree.host_only_tokens} != {host_only}"
-    assert all(n.data[0].backed for n in tree.iter_nodes() if n.data[0].value is None), (
+    assert all(n.base.backed for n in tree.iter_nodes() if n.base.value is None), (
         "a node holds FULL on no tier"
     )
     for idx, lru in tree.aux_lru.items():
@@ -76,51 +76,42 @@ def check_tree(tree: RadixTree) -> None:
         assert set(listed) == lru_members[idx], "LRU list members differ"
 
 
-def check_cache(cache: UnifiedRadixCache) -> None:
-    """Check every invariant of ARCHITECTURE §3; raises AssertionError naming the first
-    broken one. Slot ownership: every allocated page of every pool is owned by exactly
-    one of the tree, a request, the quarantine (slots a failed transfer's copy may still
-    touch), and the free list."""
-    check_tree(cache)
-    cache.check_transfer_invariants()
-    assert not cache.loading, f"nodes {sorted(cache.loading)} still marked as loading"
-    owners: dict[str, list[np.ndarray]] = {p.name: [] for p in cache.pools.all()}
-    for node in cache.iter_nodes():
-        for comp in cache.components:
+def check_cache(
+    tree: RadixTree, pools: DevicePools, requests: Iterable[Request], quarantine: Quarantine
+) -> None:
+    """Check every invariant of ARCHITECTURE §3 over the tree, the pools, the requests and
+    the quarantine; raises AssertionError naming the first broken one. Slot ownership:
+    every allocated page of every pool is owned by exactly one of the tree, a request, the
+    quarantine (slots a failed transfer's copy may still touch), and the free list."""
+    check_tree(tree)
+    assert not tree.loading, f"nodes {sorted(tree.loading)} still marked as loading"
+    owners: dict[str, list[np.ndarray]] = {p.name: [] for p in pools.all()}
+    base = tree.base
+    for node in tree.iter_nodes():
+        for comp in tree.components:
             value = node.data[comp.idx].value
-            if value is None:
-                continue
-            owners[comp.ctype.name.lower()].append(comp.owned_pages(node, value))
-        swa = cache.by_type.get(ComponentType.SWA)
-        if swa is not None and node.data[0].value is not None:
-            mapped = cache.pools.full_to_swa[cache.full.pages(node.data[0].value)]
-            value = node.data[swa.idx].value
-            expect = np.full(mapped.size, -1) if value is None else value
-            assert np.array_equal(mapped, expect), f"{node}: SWA mapping differs"
-    for req in cache.requests.values():
+            if value is not None:
+                owners[comp.pool().name].append(comp.owned_pages(node, value))
+        if node.base.value is not None:
+            for comp in tree.components:
+                comp.check_node(node)
+    for req in requests:
         own = req.kv_slots[req.prefix_len :]
-        if own.size:
-            pages = cache.pools.full.slots_to_pages(own)
-            owners["full"].append(pages)
-            if cache.pools.swa is not None:
-                swa_pages = cache.pools.full_to_swa[pages]
-                owners["swa"].append(swa_pages[swa_pages >= 0])
+        own_pages = base.pool().slots_to_pages(own) if own.size else _EMPTY
+        for comp in tree.components:
+            owners[comp.pool().name].append(comp.request_owned(req, own_pages))
         if req.prefix_len:
             assert req.lock_receipt is not None and not req.lock_receipt.released
-            tree_slots = cache._concat_slots(cache.path_to_root(req.last_node))
+            tree_slots = tree.device_slots(tree.path_to_root(req.last_node))
             assert np.array_equal(tree_slots, req.kv_slots[: req.prefix_len]), (
                 f"{req!r}: prefix slots differ from the tree's"
             )
         assert req.computed_len <= req.kv_slots.size
-        _check_request_window(cache, req)
-        for slot in (req.mamba_slot, req.mamba_ckpt_slot):
-            if slot is not None:
-                owners["mamba"].append(np.array([slot], dtype=np.int64))
-    for q in cache._quarantine:
-        for allocator, pages in q.slots:
-            owners[allocator.name].append(pages)
-    assert cache._freeing_unsettled is None, "a write-back's pages left outside the quarantine"
-    for pool in cache.pools.all():
+        for comp in tree.components:
+            comp.check_request(req)
+    for allocator, pages in quarantine.owned():
+        owners[allocator.name].append(pages)
+    for pool in pools.all():
         owned = np.concatenate(owners[pool.name]) if owners[pool.name] else _EMPTY
         assert np.unique(owned).size == owned.size, f"{pool.name}: a page has two owners"
         allocated = pool.allocated_pages()
@@ -129,24 +120,3 @@ def check_cache(cache: UnifiedRadixCache) -> None:
             f"(leaked: {np.setdiff1d(allocated, owned)[:8].tolist()}, "
             f"owned but free: {np.setdiff1d(owned, allocated)[:8].tolist()})"
         )
-
-
-def _check_request_window(cache: UnifiedRadixCache, req: Request) -> None:
-    """The engine's next token of ``req`` attends over the SWA window ending at its
-    computed length: every page of it has an SWA page (a request gives back only pages
-    wholly before it), and the part that is the tree's prefix is locked against eviction."""
-    swa = cache.by_type.get(ComponentType.SWA)
-    end = req.computed_len
-    if swa is None or not end:
-        return
-    ps = cache.page_size
-    start = swa.window_start(end)
-    pages = req.kv_slots[start:end:ps] // ps
-    holes = np.flatnonzero(cache.pools.full_to_swa[pages] < 0)
-    assert not holes.size, (
-        f"{req!r}: SWA window [{start}, {end}) has no SWA page at token {start + holes[0] * ps}"
-    )
-    node = req.last_node
-    while node is not None and node.parent is not None and node.end > start:
-        assert node.data[swa.idx].lock_ref > 0, f"{req!r}: {node} of its SWA window is unlocked"
-        node = node.parent

@@ -14,9 +14,18 @@ from hicache.types import ComponentType, ConfigError
 
 
 class LayerKind(enum.Enum):
+    """What a model layer is, by the name layouts and configs give it. A layer kind is not
+    a :class:`ComponentType` (what the cache keeps): each kind's layers keep one kind of
+    cached state, its ``component``."""
+
     FULL = "full"
     SWA = "swa"
     MAMBA = "mamba"
+
+    @property
+    def component(self) -> ComponentType:
+        """The kind of cached state layers of this kind keep (the same name)."""
+        return ComponentType[self.name]
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -219,13 +228,9 @@ class ModelLayout:
 
     @property
     def components(self) -> tuple[ComponentType, ...]:
-        """The tree components this layout needs, FULL first."""
-        out = [ComponentType.FULL]
-        if self.has_swa:
-            out.append(ComponentType.SWA)
-        if self.has_mamba:
-            out.append(ComponentType.MAMBA)
-        return tuple(out)
+        """The tree components this layout needs, FULL (every layout has full-attention
+        layers) first."""
+        return tuple(sorted({kind.component for kind in self.layer_kinds}))
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:

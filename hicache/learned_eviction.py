@@ -62,7 +62,7 @@ import xxhash
 from hicache.eviction import LeafEvictionPolicy
 
 if TYPE_CHECKING:
-    from hicache.tree import TreeNode
+    from hicache.node import TreeNode
 
 _TOKEN_BYTES = 8
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from hicache.keys import TokenInput, token_array
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.tree import TreeNode
+    from hicache.node import TreeNode
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _receipt_ids = itertools.count(1)
@@ -112,24 +113,61 @@ class MatchResult:
         return self.prefix_len + self.host_hit_len + self.disk_hit_len + self.remote_hit_len
 
 
-@dataclass
 class EvictResult:
-    """What an eviction actually freed on the device: tokens (FULL, SWA) and states."""
+    """What an eviction actually freed on the device, per component: ``amounts`` maps a
+    component type to tokens (FULL, SWA) or states (MAMBA). ``full_tokens``,
+    ``swa_tokens`` and ``mamba_states`` read it for the three shipped components."""
 
-    full_tokens: int = 0
-    swa_tokens: int = 0
-    mamba_states: int = 0
+    __slots__ = ("amounts",)
+
+    def __init__(self, amounts: Mapping[ComponentType, int] | None = None) -> None:
+        self.amounts: dict[ComponentType, int] = dict(amounts or {})
 
     def add(self, component: ComponentType, amount: int) -> None:
-        if component is ComponentType.FULL:
-            self.full_tokens += amount
-        elif component is ComponentType.SWA:
-            self.swa_tokens += amount
-        else:
-            self.mamba_states += amount
+        self.amounts[component] = self.amounts.get(component, 0) + amount
 
     def get(self, component: ComponentType) -> int:
-        return (self.full_tokens, self.swa_tokens, self.mamba_states)[int(component)]
+        return self.amounts.get(component, 0)
+
+    @staticmethod
+    def named(
+        full_tokens: int = 0, swa_tokens: int = 0, mamba_states: int = 0
+    ) -> dict[ComponentType, int]:
+        """The three shipped components' amounts as a mapping (zeros left out)."""
+        named = {
+            ComponentType.FULL: full_tokens,
+            ComponentType.SWA: swa_tokens,
+            ComponentType.MAMBA: mamba_states,
+        }
+        return {c: n for c, n in named.items() if n}
+
+    def merge(self, other: EvictResult) -> None:
+        """Add every amount of ``other`` to this one (running totals)."""
+        for component, amount in other.amounts.items():
+            self.add(component, amount)
+
+    @property
+    def full_tokens(self) -> int:
+        return self.get(ComponentType.FULL)
+
+    @property
+    def swa_tokens(self) -> int:
+        return self.get(ComponentType.SWA)
+
+    @property
+    def mamba_states(self) -> int:
+        return self.get(ComponentType.MAMBA)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EvictResult):
+            return NotImplemented
+        return {k: v for k, v in self.amounts.items() if v} == {
+            k: v for k, v in other.amounts.items() if v
+        }
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{c.name}={n}" for c, n in sorted(self.amounts.items()))
+        return f"EvictResult({inner})"
 
 
 @dataclass

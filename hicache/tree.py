@@ -1,10 +1,11 @@
-"""The radix tree core: nodes, per-component data, split, locks, eviction and invariants.
+"""The radix tree: structure, split, device values, locks and the host-only record.
 
-Keys are token bytes (see :mod:`hicache.keys`), always whole pages. Every node carries one
-:class:`ComponentData` per component of the layout. The tree keeps, per component, the
-evictable and protected device amounts and an eviction index (the leaf policy for FULL, an
-LRU list for the others), updated at the four places where they can change: a value is set
-or taken, and a lock count crosses zero.
+Keys are token bytes (see :mod:`hicache.keys`), always whole pages. Every node (see
+:mod:`hicache.node`) carries one ComponentData per component of the layout. The tree keeps,
+per component, the evictable and protected device amounts and an eviction index (the leaf
+policy for the backbone, an LRU list for the others), updated at the four places where
+they can change: a value is set or taken, and a lock count crosses zero. Which values go
+when memory is short is :mod:`hicache.tree_eviction`'s.
 
 This module imports neither ZeroMQ nor LMDB; it moves no bytes between tiers.
 """
@@ -12,7 +13,6 @@ This module imports neither ZeroMQ nor LMDB; it moves no bytes between tiers.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,84 +22,10 @@ from hicache.components.base import TreeComponent
 from hicache.config import CacheConfig
 from hicache.eviction import LeafEvictionPolicy, LRUList
 from hicache.keys import TOKEN_BYTES, chain_page_hashes, namespace_hash
-from hicache.request import EvictResult, LockReceipt
-from hicache.types import ComponentType
+from hicache.node import TreeNode
+from hicache.request import LockReceipt
 
-_node_ids = itertools.count(1)
-
-
-class ComponentData:
-    """One component's state on one node: device value, lock count, backed flag, LRU links.
-
-    ``backed`` means the controller (host or disk tier) holds this component's pages of
-    the node.
-    """
-
-    __slots__ = ("backed", "in_lru", "lock_ref", "lru_next", "lru_prev", "node", "value")
-
-    def __init__(self, node: TreeNode) -> None:
-        self.node = node
-        self.value: Any = None
-        self.lock_ref = 0
-        self.backed = False
-        self.lru_prev: ComponentData | None = None
-        self.lru_next: ComponentData | None = None
-        self.in_lru = False
-
-
-class TreeNode:
-    """A run of whole pages of tokens below ``parent``, starting at token ``start``."""
-
-    __slots__ = (
-        "children",
-        "data",
-        "device_children",
-        "hashes",
-        "hit_count",
-        "id",
-        "in_policy",
-        "key",
-        "last_access",
-        "namespace",
-        "parent",
-        "policy_state",
-        "start",
-    )
-
-    def __init__(self, parent: TreeNode | None, key: bytes, start: int, n_components: int) -> None:
-        self.id = next(_node_ids)
-        self.parent = parent
-        self.key = key
-        self.start = start
-        self.children: dict[bytes, TreeNode] = {}
-        self.data = [ComponentData(self) for _ in range(n_components)]
-        self.last_access = 0
-        self.hashes: list[bytes] | None = None
-        self.hit_count = 0
-        self.device_children = 0
-        self.in_policy = False
-        self.policy_state: Any = None  # the leaf eviction policy's own record
-        self.namespace: str | None = None  # set on namespace roots only
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key) // TOKEN_BYTES
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key) // TOKEN_BYTES
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def on_device(self) -> bool:
-        """FULL is on the device (the roots count as on the device)."""
-        return self.parent is None or self.data[0].value is not None
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, [{self.start}, {self.end}), device={self.on_device})"
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class RadixTree:
@@ -121,7 +47,10 @@ class RadixTree:
         self.components: list[TreeComponent] = [
             cls(i, self, pools, config) for i, cls in enumerate(components)
         ]
-        self.full = self.components[0]
+        # The backbone (FULL): index 0, the only component that leaves alone may lose; a
+        # node exists while the backbone is on some tier.
+        self.base = self.components[0]
+        assert self.base.leaf_only and not any(c.leaf_only for c in self.components[1:])
         self.by_type = {c.ctype: c for c in self.components}
         # Freeing order on a node: lowest priority first (aux data is addressed through FULL).
         self.free_order = sorted(self.components, key=lambda c: c.priority)
@@ -129,13 +58,12 @@ class RadixTree:
         leaf_policy.attach(self.page_size)
         # Eviction may cut a leaf and keep its head, unless a component's state lives only
         # at a node's end (Mamba), without which the head could not end a match.
-        self.cut_tails = ComponentType.MAMBA not in self.by_type
+        self.cut_tails = all(c.head_survives_cut for c in self.components)
         self.aux_lru = {c.idx: LRUList() for c in self.components if not c.leaf_only}
         self.evictable = {c.ctype: 0 for c in self.components}
         self.protected = {c.ctype: 0 for c in self.components}
         self.roots: dict[str | None, TreeNode] = {}
         self.clock = 0
-        self.evicted = EvictResult()  # running totals of what eviction freed
         self.host_only_tokens = 0  # tokens of nodes held only by the controller
         # ids of nodes a load-back in progress is bringing to the device: never forgotten
         # as host-only leaves meanwhile (the eviction that makes room for the load prunes)
@@ -276,9 +204,28 @@ class RadixTree:
             node.hashes = chain_page_hashes(prev, node.key, self.page_size)
         return node.hashes
 
+    def attached(self, node: TreeNode) -> bool:
+        """``node`` is still reachable from its namespace's root."""
+        while node.parent is not None:
+            node = node.parent
+        return self.roots.get(node.namespace) is node
+
+    def device_slots(self, nodes: Sequence[TreeNode]) -> np.ndarray:
+        """The backbone's device slots of ``nodes``, in order (a node's own array when
+        there is one node: the caller copies before handing it out)."""
+        if not nodes:
+            return _EMPTY
+        if len(nodes) == 1:
+            return nodes[0].base.value
+        return np.concatenate([n.base.value for n in nodes])
+
+    def end_hash(self, node: TreeNode) -> bytes:
+        """The chain hash at ``node``'s end (``h_0`` for a namespace root)."""
+        return self.node_hashes(node)[-1] if node.parent is not None else node.hashes[0]
+
     def parent_hash(self, node: TreeNode) -> bytes:
-        parent = node.parent
-        return self.node_hashes(parent)[-1] if parent.parent else parent.hashes[0]
+        """The chain hash before ``node``'s first page."""
+        return self.end_hash(node.parent)
 
     # -- values and bookkeeping ----------------------------------------------------------
 
@@ -323,7 +270,7 @@ class RadixTree:
 
     def _refresh_leaf(self, node: TreeNode) -> None:
         """Keep ``node``'s membership in the leaf policy equal to "evictable leaf"."""
-        cd = node.data[0]
+        cd = node.base
         want = cd.value is not None and cd.lock_ref == 0 and node.device_children == 0
         if want and not node.in_policy:
             node.in_policy = True
@@ -398,114 +345,7 @@ class RadixTree:
         if touch and receipt.parts:
             self.touch(self.path_to_root(receipt.node))
 
-    # -- eviction ------------------------------------------------------------------------
-
-    def evict(
-        self, full_tokens: int = 0, swa_tokens: int = 0, mamba_states: int = 0
-    ) -> EvictResult:
-        """Free at least the asked device amounts where possible; returns what was freed.
-
-        FULL comes off the tails of the least valuable leaves (no more than asked, in whole
-        pages, unless a leaf must go whole); SWA and MAMBA come off the least recently used
-        unlocked nodes holding them, cascading to lower priorities there.
-        """
-        want = {
-            ComponentType.FULL: full_tokens,
-            ComponentType.SWA: swa_tokens,
-            ComponentType.MAMBA: mamba_states,
-        }
-        result = EvictResult()
-        for comp in sorted(self.components, key=lambda c: -c.priority):
-            goal = want[comp.ctype]
-            while result.get(comp.ctype) < goal:
-                victim = self._next_victim(comp)
-                if victim is None:
-                    break
-                # An aux victim is unlocked in its own component, but a lock taken before
-                # it got that component (a load-back or a request's state arriving later)
-                # may still hold its FULL pages: then only the aux data goes.
-                if comp.leaf_only:
-                    self._evict_leaf_tail(victim, goal - result.get(comp.ctype), result)
-                elif self.is_device_leaf(victim) and victim.data[0].lock_ref == 0:
-                    self.evict_device_leaf(victim, result)
-                else:
-                    self._tombstone(victim, comp, result)
-        if result.full_tokens:
-            self.prune_host_only()
-        self.evicted.full_tokens += result.full_tokens
-        self.evicted.swa_tokens += result.swa_tokens
-        self.evicted.mamba_states += result.mamba_states
-        return result
-
-    def _evict_leaf_tail(self, node: TreeNode, want_tokens: int, result: EvictResult) -> None:
-        """Evict the tail of leaf ``node`` that the policy names for ``want_tokens`` more
-        (whole pages; all of it when it is no longer): the head stays cached, a leaf
-        again. Not where a component keeps state only at a node's end (Mamba): a head
-        without it could not end a match, so the whole node goes."""
-        take = -(-self.leaf_policy.tail_tokens(node, want_tokens) // self.page_size)
-        keep = node.num_tokens - max(take, 1) * self.page_size
-        if keep > 0 and self.cut_tails:
-            self.split(node, keep)
-        self.leaf_policy.on_evict(node)
-        self.evict_device_leaf(node, result)
-
-    def _next_victim(self, comp: TreeComponent) -> TreeNode | None:
-        if comp.leaf_only:
-            node = self.leaf_policy.pop()
-            if node is not None:
-                node.in_policy = False
-            return node
-        cd = self.aux_lru[comp.idx].pop_front()
-        return None if cd is None else cd.node
-
-    def is_device_leaf(self, node: TreeNode) -> bool:
-        return node.data[0].value is not None and node.device_children == 0
-
-    def _tombstone(self, node: TreeNode, comp: TreeComponent, result: EvictResult) -> None:
-        """Drop ``comp`` and every unlocked lower-priority component from ``node`` (an
-        internal node, or a leaf whose FULL pages a lock holds)."""
-        for other in self.free_order:
-            if other.priority > comp.priority or other.leaf_only:
-                continue
-            cd = node.data[other.idx]
-            if cd.value is not None and cd.lock_ref == 0:  # a held lower one stays
-                value = self.take_value(node, other)
-                result.add(other.ctype, other.free(node, value))
-
-    def has_tombstone(self, node: TreeNode) -> bool:
-        """Some aux component is missing on the device at ``node``."""
-        return any(node.data[c.idx].value is None for c in self.components if not c.leaf_only)
-
-    def evict_device_leaf(self, node: TreeNode, result: EvictResult) -> None:
-        """Free every device value of leaf ``node``, then of ancestors that are left as
-        unlocked leaves with an aux component missing (they can no longer end a match)."""
-        while True:
-            self.before_device_free(node)
-            for comp in self.free_order:
-                if node.data[comp.idx].value is not None:
-                    value = self.take_value(node, comp)
-                    result.add(comp.ctype, comp.free(node, value))
-            parent = node.parent
-            self.after_device_free(node)
-            if (
-                parent.parent is None
-                or not self.is_device_leaf(parent)
-                or parent.data[0].lock_ref > 0
-                or not self.has_tombstone(parent)
-            ):
-                return
-            node = parent
-
-    def before_device_free(self, node: TreeNode) -> None:
-        """Hook: ``node``'s device values are about to be freed (write-back backs up here)."""
-
-    def after_device_free(self, node: TreeNode) -> None:
-        """``node`` holds nothing on the device any more: keep it as a host-only node when
-        the controller holds its FULL pages, else remove it and its host-only subtree."""
-        if node.data[0].backed:
-            self.host_only_tokens += node.num_tokens
-        else:
-            self.remove_subtree(node)
+    # -- removal and the host-only record ----------------------------------------------
 
     def remove_subtree(self, node: TreeNode) -> None:
         """Detach ``node`` (which, with its subtree, holds nothing on the device)."""
@@ -513,7 +353,7 @@ class RadixTree:
             for comp in self.components:
                 cd = sub.data[comp.idx]
                 assert cd.value is None and cd.lock_ref == 0, f"removing {sub} with device data"
-            if sub.data[0].backed:
+            if sub.base.backed:
                 self.host_only_tokens -= sub.num_tokens
         parent = node.parent
         del parent.children[node.key[: self.page_bytes]]
@@ -523,8 +363,8 @@ class RadixTree:
 
     def mark_host_only(self, node: TreeNode) -> None:
         """``node`` (holding nothing on the device) is held by the controller."""
-        if not node.data[0].backed:
-            node.data[0].backed = True
+        if not node.base.backed:
+            node.base.backed = True
             self.host_only_tokens += node.num_tokens
 
     def prune_host_only(self, keep: TreeNode | None = None) -> int:
@@ -539,7 +379,7 @@ class RadixTree:
         heap = [
             (n.last_access, n.id, n)
             for n in self.iter_nodes()
-            if n.data[0].value is None
+            if n.base.value is None
             and not n.children
             and n.id not in self.loading
             and n is not keep
@@ -552,7 +392,7 @@ class RadixTree:
             self.remove_subtree(node)
             if (
                 parent.parent is not None
-                and parent.data[0].value is None
+                and parent.base.value is None
                 and not parent.children
                 and parent.id not in self.loading
             ):
@@ -578,11 +418,3 @@ class RadixTree:
             self.evictable[comp.ctype] = 0
             self.protected[comp.ctype] = 0
         self.host_only_tokens = 0
-
-    # -- invariants ----------------------------------------------------------------------
-
-    def check_tree_invariants(self) -> None:
-        """Recompute every derived structure of the tree and compare; raises AssertionError."""
-        from hicache.invariants import check_tree
-
-        check_tree(self)

@@ -1,4 +1,5 @@
-"""Small shared vocabulary: component types, tiers and the errors a user can meet."""
+"""Small shared vocabulary: component types, tiers (and what a lookup answers of them) and
+the errors a user can meet."""
 
 from __future__ import annotations
 
@@ -18,9 +19,29 @@ class ComponentType(enum.IntEnum):
 
 
 class Tier(enum.IntEnum):
+    """The tiers a page can be on, fastest first: the one tier vocabulary.
+
+    The value is also a rank (a larger value is slower). A new tier goes after the last
+    one; :data:`Presence` and :data:`ABSENT_RANK` follow from it.
+    """
+
     DEVICE = 0
     HOST = 1
     DISK = 2
+    REMOTE = 3  # a hint: the remote tier held it at the lookup; a pin reads it to host
+
+
+# A lookup's answer for one page: the fastest tier beyond the device holding it (with that
+# tier's value), or ABSENT (0: the one value no such tier has, since a lookup never
+# answers DEVICE).
+Presence = enum.IntEnum(
+    "Presence",
+    {"ABSENT": int(Tier.DEVICE), **{t.name: int(t) for t in Tier if t is not Tier.DEVICE}},
+)
+Presence.__doc__ = "Where a page is, as answered by a lookup (the fastest tier holding it)."
+
+#: Where a match needs a page that is on no tier: a rank slower than every tier.
+ABSENT_RANK = int(max(Tier)) + 1
 
 
 class HicacheError(Exception):

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from hicache import CacheConfig, DevicePools, ModelLayout, Request, UnifiedRadixCache
+from hicache.components import COMPONENT_CLASSES
+from hicache.components.base import TreeComponent
 
 MIXES: dict[str, tuple[str, ...]] = {
     "full": ("full", "full"),
@@ -42,8 +44,12 @@ def make_cache(
     mamba_slots: int = 32,
     controller=None,
     device: str = "cpu",
+    pools_class: type[DevicePools] = DevicePools,
+    extra_components: tuple[type[TreeComponent], ...] = (),
     **config,
 ) -> UnifiedRadixCache:
+    """A cache for component ``mix``; ``pools_class`` and ``extra_components`` plug in a
+    component the shipped layouts do not have."""
     layout = make_layout(mix)
     cfg = CacheConfig(
         page_size=page_size,
@@ -53,8 +59,9 @@ def make_cache(
         device=device,
         **config,
     )
-    pools = DevicePools.allocate(layout, cfg)
-    return UnifiedRadixCache(layout, cfg, pools, controller=controller)
+    pools = pools_class.allocate(layout, cfg)
+    components = [*(COMPONENT_CLASSES[c] for c in layout.components), *extra_components]
+    return UnifiedRadixCache(layout, cfg, pools, controller=controller, components=components)
 
 
 def kv_marker(tokens: np.ndarray, start: int) -> torch.Tensor:

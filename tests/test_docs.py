@@ -240,7 +240,8 @@ def test_performance_doc_says_how_to_run_every_benchmark():
     text = (DOCS / "performance.md").read_text()
     start = text.index("## How to run each benchmark")
     section = text[start : text.index("\n## ", start + 1)]
-    commands = re.findall(r"`((?:\.venv/bin/|python3? )[^`]+)`", section)
+    # .venv/bin/ or an engine's .venv-<engine>/bin/
+    commands = re.findall(r"`((?:\.venv(?:-\w+)?/bin/|python3? )[^`]+)`", section)
     scripts = {Path(p).name for p in re.findall(r"benchmarks/\w+\.py", " ".join(commands))}
     on_disk = {p.name for p in (REPO / "benchmarks").glob("*.py")}
     assert on_disk - scripts == set(), (

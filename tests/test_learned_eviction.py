@@ -46,7 +46,7 @@ def serve(cache: UnifiedRadixCache, tokens: np.ndarray) -> int:
 
 
 def node_at(cache: UnifiedRadixCache, tokens: np.ndarray):
-    path, partial, _ = cache.walk(cache.namespace_root(None), tokens.tobytes())
+    path, partial, _ = cache.tree.walk(cache.tree.namespace_root(None), tokens.tobytes())
     assert partial is None and path
     return path[-1]
 

@@ -132,7 +132,7 @@ def test_write_through_backs_up_a_prefix_from_the_root(mix):
     engine.run(seq(12))
     engine.run(np.concatenate([seq(12), seq(8, base=3)]))
     cache.flush_backups()
-    for node in cache.iter_nodes():
+    for node in cache.tree.iter_nodes():
         if node.data[0].backed:
             assert node.parent.parent is None or node.parent.data[0].backed
         assert node.data[0].backed
@@ -297,7 +297,7 @@ def test_a_prepare_that_raises_after_allocating_keeps_nothing(mix, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected: page refs failed")
 
-    for comp in cache.components:
+    for comp in cache.tree.components:
         monkeypatch.setattr(comp, "page_refs", broken)
         monkeypatch.setattr(comp, "state_ref", broken, raising=False)
     assert cache.load_back(m.load_node, req=req) is False
@@ -312,14 +312,16 @@ def test_a_prefix_dropped_while_room_is_made_fails_the_load_cleanly(monkeypatch)
     req = Request("r")
     m = cache.match_prefix(tokens, req=req)
     before = cache.pools.free_counts()
-    make_room = cache._make_room_for
+    make_room = cache.loader.make_room
+    top = m.load_node
+    while top.parent.parent is not None and top.parent.base.value is None:
+        top = top.parent
 
-    def make_room_and_drop(plan, need_full):  # as if the controller reported the pages lost
-        make_room(plan, need_full)
-        top = plan.nodes[0]
-        cache.remove_subtree(top)
+    def make_room_and_drop(need):  # as if the controller reported the pages lost
+        make_room(need)
+        cache.tree.remove_subtree(top)
 
-    monkeypatch.setattr(cache, "_make_room_for", make_room_and_drop)
+    monkeypatch.setattr(cache.loader, "make_room", make_room_and_drop)
     assert cache.load_back(m.load_node, req=req) is False
     assert cache.counters["load_back_failed_evicted"] == 1
     assert cache.pools.free_counts() == before
@@ -367,7 +369,7 @@ def test_a_load_node_forgotten_after_the_match_is_a_clean_miss():
     top = m.load_node
     while top.parent.parent is not None and top.parent.data[0].value is None:
         top = top.parent
-    cache.remove_subtree(top)
+    cache.tree.remove_subtree(top)
     before = cache.pools.free_counts()
     assert cache.load_back(m.load_node, req=req) is False
     assert cache.counters["load_back_failed_evicted"] == 1

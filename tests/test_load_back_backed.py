@@ -38,7 +38,7 @@ def test_load_back_into_swa_tombstone_keeps_aux_backed_only_with_full():
     engine.run(tokens, chunk=PS)  # nodes A=[0,4), B=[4,8); backups "failed", pages held
     cache.flush_backups()
     cache.check_invariants()
-    swa = cache.by_type[ComponentType.SWA]
+    swa = cache.tree.by_type[ComponentType.SWA]
     a = cache.match_prefix(tokens).last_node.parent
     assert a.end == PS and not a.data[0].backed
     cache.evict(swa_tokens=PS)  # A (internal, least recently used): SWA tombstone

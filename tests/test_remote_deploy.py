@@ -191,3 +191,18 @@ def test_every_series_in_the_remote_rules_and_their_tests_is_exported():
     assert names and names <= set(series), names - set(series)
     assert "reason" in series["hicache_remote_write_dropped_total"]
     assert "reason" in series["hicache_remote_invalid_values_total"]
+
+
+def test_the_metrics_reference_documents_every_remote_series():
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    series = _exported_remote_series()
+    names = {n.removesuffix("_created") for n in series if n.startswith("hicache_remote_")}
+    problems = []
+    for name in sorted(names):
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `{name}`")), None)
+        if row is None:
+            problems.append(f"{name}: no row in docs/metrics.md")
+            continue
+        problems += [f"{name}: label {label!r} not named" for label in series[name]
+                     if f"`{label}`" not in row]  # fmt: skip
+    assert not problems, "\n".join(problems)

@@ -277,7 +277,7 @@ def test_a_flush_with_a_stalled_sidecar_takes_one_settling_budget_not_one_per_ba
         for i in range(n):  # write-through: one backup per request, all held
             eng.run(np.arange(1, 2 * PAGE + 1, dtype=np.int64) + 1000 * (i + 1))
         side.wait_entered()
-        assert len(cache._pending) == n
+        assert len(cache.backups.pending) == n
         cache.config.load_timeout_s = 0.5
         t0 = time.monotonic()
         cache.flush_backups()
@@ -287,7 +287,7 @@ def test_a_flush_with_a_stalled_sidecar_takes_one_settling_budget_not_one_per_ba
         )
         cache.check_invariants()
         side.gate.set()
-        wait_for(lambda: (cache.poll_transfers(), not cache._pending)[1], 10, "settled")
+        wait_for(lambda: (cache.poll_transfers(), not cache.backups.pending)[1], 10, "settled")
         cache.check_invariants()
     finally:
         side.gate.set()

@@ -44,7 +44,7 @@ def window_above_a_tombstone(other_evictable: bool):
     cache.match_prefix(np.zeros(0, dtype=np.int64), req=hog)
     cache.alloc_tokens(hog, cache.pools.swa.available() - PS)
     cache.check_invariants()
-    swa = cache.by_type[ComponentType.SWA]
+    swa = cache.tree.by_type[ComponentType.SWA]
     p_node = holds_s.last_node.parent.parent
     assert p_node.end == PS and p_node.data[swa.idx].value is not None
     assert p_node.children[pqr[PS : 2 * PS].tobytes()].data[swa.idx].value is None
@@ -72,7 +72,7 @@ def test_load_back_fails_cleanly_when_only_the_window_could_make_room():
     assert cache.load_back(m.load_node, req=req) is False
     cache.check_invariants()
     assert cache.pools.free_counts() == before and req.prefix_len == 0
-    assert p_node.data[cache.by_type[ComponentType.SWA].idx].value is not None
+    assert p_node.data[cache.tree.by_type[ComponentType.SWA].idx].value is not None
     engine.verify_prefix(req, pqr, 0)
     cache.cache_finished_req(req, insert=False)
     cache.check_invariants()

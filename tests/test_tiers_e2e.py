@@ -57,7 +57,7 @@ def test_prefix_life_device_host_disk_and_back(mix, tmp_path):
     tokens = seq(6 * PS)
     engine.run(tokens)
     settle(cache, ctrl)
-    nodes = list(cache.iter_nodes())
+    nodes = list(cache.tree.iter_nodes())
     assert nodes and all(n.data[0].backed for n in nodes)
     # device-evicted: host-only nodes, then loaded back from host, bit-exact
     cache.evict(full_tokens=10**6)
@@ -199,7 +199,7 @@ def test_write_back_reaches_disk_only_at_eviction(tmp_path):
     tokens = seq(4 * PS)
     engine.run(tokens)
     settle(cache, ctrl)
-    assert not any(n.data[0].backed for n in cache.iter_nodes())
+    assert not any(n.data[0].backed for n in cache.tree.iter_nodes())
     cache.evict(full_tokens=1)
     settle(cache, ctrl)
     m = cache.match_prefix(tokens)

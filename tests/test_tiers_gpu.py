@@ -100,13 +100,13 @@ def test_a_backup_behind_a_busy_stream_keeps_its_pages_past_a_flush_timeout(tmp_
     cache.cache_finished_req(req)  # write-through: the backup's copy waits on the stream
     cache.flush_backups(timeout_s=0.01)
     cache.check_invariants()
-    assert cache._pending, "the backup finished although its copy could not have run yet"
+    assert cache.backups.pending, "the backup finished although its copy could not have run yet"
     cache.evict(full_tokens=10**9)
     cache.check_invariants()
     assert cache.match_prefix(a).prefix_len == a.size, "pages freed under a pending copy"
     torch.cuda.synchronize()
     cache.flush_backups()
-    assert not cache._pending
+    assert not cache.backups.pending
     cache.evict(full_tokens=10**9)
     cache.pools.full.buffer.fill_(-1)
     cache.check_invariants()

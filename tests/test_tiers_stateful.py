@@ -26,7 +26,7 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
 from hicache.learned_eviction import LearnedPolicyParams
-from hicache.tree import TreeNode
+from hicache.node import TreeNode
 from hicache.types import PoolExhaustedError
 
 FAULTS = ["pin", "copy_to_device", "copy_to_host", "evict_before_load", "disk_read"]
@@ -35,6 +35,10 @@ WINDOW_NS = "window"  # the namespace that only load_window_under_swa_pressure c
 
 
 class TieredMachine(TreeMachine):
+    # What the machine builds its cache with and drives it by (a subclass may swap both).
+    make_cache = staticmethod(make_cache)
+    engine_class = MarkerEngine
+
     @initialize(
         mix=st.sampled_from(list(MIXES)),
         ps=st.sampled_from([1, 4, 16]),
@@ -78,7 +82,7 @@ class TieredMachine(TreeMachine):
     ):
         self.ctrl = ctrl
         policy, sample = eviction
-        self.cache = make_cache(
+        self.cache = self.make_cache(
             mix,
             page_size=ps,
             window=window,
@@ -93,8 +97,8 @@ class TieredMachine(TreeMachine):
             eviction_sample_size=sample,
         )
         if policy == "learned":  # quanta of one page, so that cuts happen in small pools
-            self.cache.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
-        self.engine = MarkerEngine(self.cache)
+            self.cache.tree.leaf_policy.params = LearnedPolicyParams(evict_quantum_tokens=ps)
+        self.engine = self.engine_class(self.cache)
         self.model = Model(ps, self.cache.mamba is not None)
         self.swa_released = False
         self.receipts = []
@@ -194,10 +198,10 @@ class TieredMachine(TreeMachine):
     def device_node(self, tokens: np.ndarray, ns: str | None) -> TreeNode:
         """The deepest node on the device within ``tokens``' path in ``ns`` (whatever its
         Mamba state, unlike a match): what a request reading that prefix holds."""
-        node = self.cache.namespace_root(ns)
+        node = self.cache.tree.namespace_root(ns)
         if node is None:
             return self.cache.match_prefix(tokens[:0]).last_node
-        for n in self.cache.walk(node, tokens.tobytes())[0]:
+        for n in self.cache.tree.walk(node, tokens.tobytes())[0]:
             if n.data[0].value is None:
                 break
             node = n
@@ -208,7 +212,7 @@ class TieredMachine(TreeMachine):
         ending at ``m.load_node``, below the match), and whether SWA pages that the match
         does not lock lie above an SWA tombstone on the device there (the load's lock of
         the deepest device node stops at that tombstone)."""
-        swa = self.cache.by_type.get(ComponentType.SWA)
+        swa = self.cache.tree.by_type.get(ComponentType.SWA)
         if swa is None:
             return 0, False
         start = max(swa.window_start(m.load_node.end), m.last_node.end)

@@ -244,3 +244,22 @@ def test_batched_decode_of_equal_lengths_matches_one_by_one():
         assert b.output_ids == s.output_ids
         for x, y in zip(b.logits, s.logits):
             assert (x - y).abs().max().item() < RECOMPUTE_TOL
+
+
+def test_run_hf_command_serves_a_chat_with_and_without_the_cache(capsys, monkeypatch):
+    from hicache.cli import main
+
+    # the command turns oneDNN off for its process; keep this process as it was
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", torch.backends.mkldnn.enabled)
+    args = ["run-hf", "--model", "lfm2", "--device", "cpu", "--users", "3", "--turns", "2"]
+    args += ["--system-tokens", "32", "--message-tokens", "8", "--new-tokens", "2"]
+    args += ["--page-size", "4", "--chunk-tokens", "8", "--device-tokens", "64"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    hits = {
+        row.split()[-2]: int(row.split()[-1].replace(",", ""))
+        for row in out.splitlines()
+        if row.strip().startswith("hit tokens:")
+    }
+    assert hits["device"] > 0 and hits["host"] > 0, out
+    assert "0 mismatches" in out

@@ -132,7 +132,7 @@ def test_eviction_is_lru_across_chains_and_tail_first(case):
     # The least recently used leaf is the tail of the first chain. Eviction takes what
     # is asked (whole pages) from its end, then the rest of it; its head survives. With
     # Mamba, whose state lives only at a node's end, a leaf goes whole.
-    piece = ps if cache.cut_tails else 4 * ps
+    piece = ps if cache.tree.cut_tails else 4 * ps
     before = cache.pools.full.available()
     freed = cache.evict(full_tokens=1)
     cache.check_invariants()
@@ -186,7 +186,7 @@ def test_extra_key_namespaces_are_separate(case):
     assert cache.match_prefix(tokens, extra_key="tenant-a").prefix_len == tokens.size
     cache.evict(full_tokens=10**6)
     cache.check_invariants()
-    assert not cache.roots  # the emptied namespace is forgotten
+    assert not cache.tree.roots  # the emptied namespace is forgotten
     assert cache.pools.free_counts() == capacity(cache)
 
 
@@ -256,7 +256,7 @@ def test_a_state_that_arrives_after_a_lock_is_evicted_without_the_held_pages(ps)
     tokens = seq(4 * ps)
     slots = cache.pools.full.pages_to_slots(cache.pools.alloc_kv_pages(4))
     cache.insert(tokens, slots)  # no state: the end node holds FULL only
-    path, _, _ = cache.walk(cache.namespace_root(None), tokens.tobytes())
+    path, _, _ = cache.tree.walk(cache.tree.namespace_root(None), tokens.tobytes())
     node = path[-1]
     receipt = cache.lock(node)
     assert node.data[0].lock_ref == 1 and node.data[cache.mamba.idx].value is None

@@ -11,7 +11,8 @@ from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import TreeNode
+    from hicache.request import Request
 
 
 class FullComponent(PagedComponent):
@@ -20,9 +21,7 @@ class FullComponent(PagedComponent):
     ctype = ComponentType.FULL
     priority = 2
     leaf_only = True
-
-    def size(self, value: np.ndarray) -> int:
-        return int(value.size)
+    entry_per_page = False
 
     def pages(self, value: np.ndarray) -> np.ndarray:
         return value[:: self.page_size] // self.page_size
@@ -33,12 +32,6 @@ class FullComponent(PagedComponent):
 
     def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:
         return self.pages(value)
-
-    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
-        if child.value is not None:
-            parent.value, child.value = child.value[:k_tokens], child.value[k_tokens:]
-        parent.lock_ref = child.lock_ref
-        parent.backed = child.backed
 
     def lock(self, node: TreeNode) -> Any:
         while node.parent is not None:
@@ -57,6 +50,9 @@ class FullComponent(PagedComponent):
 
     def pool(self) -> Any:
         return self.pools.full
+
+    def request_owned(self, req: Request, own_pages: np.ndarray) -> np.ndarray:
+        return own_pages
 
     def install(self, node: TreeNode, pages: np.ndarray) -> None:
         self.tree.set_value(node, self, self.pools.full.pages_to_slots(pages))

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep, MatchCheck, TreeComponent
+from hicache.components.base import LoadPlan, LoadPrep, MakeRoom, MatchCheck, TreeComponent
 from hicache.controller_api import PageKey, PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.request import Request
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import ComponentData, TreeNode
+    from hicache.request import MatchResult, Request
 
 
 class MambaComponent(TreeComponent):
@@ -21,6 +21,7 @@ class MambaComponent(TreeComponent):
 
     ctype = ComponentType.MAMBA
     priority = 0
+    head_survives_cut = False
 
     def size(self, value: int) -> int:
         return 1
@@ -101,17 +102,105 @@ class MambaComponent(TreeComponent):
             req.mamba_slot = slot
             return
         node = plan.end_node
-        if node.data[self.idx].value is None and node.data[0].value is not None:
+        if node.data[self.idx].value is None and node.base.value is not None:
             self.tree.set_value(node, self, slot)
-            node.data[self.idx].backed = node.data[0].backed  # held only with its FULL pages
+            node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
         else:
             self.pools.mamba.free_state(slot)
 
-    def device_pages(self, node: TreeNode) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pools.mamba, self.owned_pages(node, node.data[self.idx].value))]
+    def pool(self) -> Any:
+        return self.pools.mamba
 
-    def load_targets(self, prep: LoadPrep) -> list[tuple[Any, np.ndarray]]:
-        return [(self.pools.mamba, np.array([prep.allocated], dtype=np.int64))]
+    def load_need(self, plan: LoadPlan) -> int:
+        return 1  # the request's (or the end node's) own state slot
+
+    def mark_on_device(self, mask: np.ndarray, off: int, take: int, whole: bool) -> None:
+        if whole:  # the state is at the node's end only
+            mask[off + take - 1] = True
+
+    def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
+        return tiers  # a match needs the state at its end, nothing before
+
+    def backed_by_lookup(self, present: np.ndarray) -> bool:
+        return bool(present[-1])
 
     def state_of(self, node: TreeNode) -> Any:
         return node.data[self.idx].value
+
+    # -- what requests hold: a working state and a checkpoint at a page boundary -------
+
+    def _alloc(self, make_room: MakeRoom) -> int:
+        """A free state slot, evicting a cached state if none is free."""
+        make_room({self.ctype: 1})
+        return self.pools.mamba.alloc_state()
+
+    def attach_request(self, req: Request, result: MatchResult, make_room: MakeRoom) -> None:
+        """The request's own working state: a copy of the cached one at the match end
+        (copy-on-write), zeroed for an empty prefix."""
+        slot = self._alloc(make_room)
+        src = self.state_of(result.last_node) if result.prefix_len else None
+        if src is None:
+            self.pools.mamba.conv[:, slot].zero_()
+            self.pools.mamba.ssm[:, slot].zero_()
+        else:
+            self.pools.mamba.copy_state(src, slot)
+        req.mamba_slot = slot
+        result.mamba_slot = slot
+
+    def checkpoint_request(self, req: Request, make_room: MakeRoom) -> None:
+        """Copy the working state aside, valid at the computed length (page aligned), so
+        that caching can later use the state at that page boundary."""
+        if req.computed_len % self.page_size:
+            raise ValueError(f"checkpoint_mamba at {req.computed_len}: not a page boundary")
+        if req.mamba_ckpt_slot is None:
+            req.mamba_ckpt_slot = self._alloc(make_room)
+        self.pools.mamba.copy_state(req.mamba_slot, req.mamba_ckpt_slot)
+        req.mamba_ckpt_len = req.computed_len
+
+    def request_insert_end(
+        self, req: Request, end: int, finishing: bool, make_room: MakeRoom
+    ) -> tuple[int, Any]:
+        """Only up to a page boundary where a state exists: the working state (when
+        computed exactly there), else the checkpoint; else nothing beyond the prefix."""
+        if req.computed_len == end and end > req.prefix_len:
+            if finishing:
+                slot, req.mamba_slot = req.mamba_slot, None
+            else:
+                slot = self._alloc(make_room)
+                self.pools.mamba.copy_state(req.mamba_slot, slot)
+            return end, slot
+        if req.mamba_ckpt_slot is not None and req.prefix_len < req.mamba_ckpt_len <= end:
+            slot, req.mamba_ckpt_slot = req.mamba_ckpt_slot, None
+            return req.mamba_ckpt_len, slot
+        return req.prefix_len, None
+
+    def take_end_value(self, node: TreeNode, value: int) -> None:
+        if self.state_of(node) is None:
+            self.tree.set_value(node, self, value)
+        else:
+            self.pools.mamba.free_state(value)
+
+    def discard_value(self, value: int) -> None:
+        self.pools.mamba.free_state(value)
+
+    def return_request_value(self, req: Request) -> bool:
+        """A request that computed nothing past its prefix holds that prefix's state (after
+        a load-back the state went to the request, not the node)."""
+        node = req.last_node
+        if req.mamba_slot is None or node is None or node.parent is None:
+            return False
+        if self.state_of(node) is not None:
+            return False
+        self.tree.set_value(node, self, req.mamba_slot)
+        req.mamba_slot = None
+        return True
+
+    def release_request(self, req: Request) -> None:
+        for slot in (req.mamba_slot, req.mamba_ckpt_slot):
+            if slot is not None:
+                self.pools.mamba.free_state(slot)
+        req.mamba_slot = req.mamba_ckpt_slot = None
+
+    def request_owned(self, req: Request, own_pages: np.ndarray) -> np.ndarray:
+        slots = [s for s in (req.mamba_slot, req.mamba_ckpt_slot) if s is not None]
+        return np.array(slots, dtype=np.int64)

@@ -16,7 +16,8 @@ from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.tree import ComponentData, TreeNode
+    from hicache.node import TreeNode
+    from hicache.request import Request
 
 
 class SWAComponent(PagedComponent):
@@ -27,11 +28,8 @@ class SWAComponent(PagedComponent):
         super().__init__(*args)
         self.window = int(self.config.sliding_window)
 
-    def size(self, value: np.ndarray) -> int:
-        return int(value.size) * self.page_size
-
     def _full_pages(self, node: TreeNode) -> np.ndarray:
-        full = node.data[0].value
+        full = node.base.value
         return full[:: self.page_size] // self.page_size
 
     def free(self, node: TreeNode, value: np.ndarray) -> int:
@@ -42,12 +40,9 @@ class SWAComponent(PagedComponent):
     def owned_pages(self, node: TreeNode, value: np.ndarray) -> np.ndarray:
         return value
 
-    def split(self, parent: ComponentData, child: ComponentData, k_tokens: int) -> None:
-        if child.value is not None:
-            k = k_tokens // self.page_size
-            parent.value, child.value = child.value[:k], child.value[k:]
-        parent.lock_ref = child.lock_ref
-        parent.backed = child.backed
+    def detach(self, node: TreeNode, value: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+        self.pools.full_to_swa[self._full_pages(node)] = -1
+        return [(self.pools.swa, value)]
 
     def match_check(self, path: Sequence[TreeNode]) -> MatchCheck:
         """A match ending at ``end`` in ``path[i]`` needs SWA on every token of
@@ -85,9 +80,9 @@ class SWAComponent(PagedComponent):
             self.tree.dec_lock(node, self)
             node = node.parent
 
-    def hold_window(self, node: TreeNode) -> list[TreeNode]:
+    def hold_for_load(self, node: TreeNode) -> list[TreeNode]:
         """Lock every node of the window ending at ``node`` that holds SWA pages, across
-        tombstones (where ``lock`` stops); returns them for ``release_window``.
+        tombstones (where ``lock`` stops); returns them for ``release_hold``.
 
         A load-back filling the window's tombstones needs the pages already there to
         outlive the eviction that makes room for the missing ones. The caller must not
@@ -102,8 +97,8 @@ class SWAComponent(PagedComponent):
             node = node.parent
         return held
 
-    def release_window(self, held: list[TreeNode]) -> None:
-        """Undo ``hold_window``."""
+    def release_hold(self, held: list[TreeNode]) -> None:
+        """Undo ``hold_for_load``."""
         for node in held:
             self.tree.dec_lock(node, self)
 
@@ -119,6 +114,12 @@ class SWAComponent(PagedComponent):
     def load_cut(self, end: int) -> int | None:
         return self.window_start(end)
 
+    def tiers_for_match_end(self, tiers: np.ndarray) -> np.ndarray:
+        """A match ending after page j needs the pages of the window before it."""
+        w = -(-self.window // self.page_size)
+        padded = np.concatenate([np.zeros(w - 1, dtype=np.int64), tiers])
+        return np.lib.stride_tricks.sliding_window_view(padded, w).max(axis=1)
+
     def pool(self) -> Any:
         return self.pools.swa
 
@@ -128,3 +129,77 @@ class SWAComponent(PagedComponent):
     def install(self, node: TreeNode, pages: np.ndarray) -> None:
         self.pools.full_to_swa[self._full_pages(node)] = pages
         self.tree.set_value(node, self, pages)
+
+    # -- what requests hold ------------------------------------------------------------
+
+    def release_outside_window(self, req: Request) -> int:
+        """Free the SWA pages of ``req``'s own pages that lie wholly before its window."""
+        ps = self.page_size
+        limit = max(0, req.computed_len - self.window)
+        limit -= limit % ps
+        start = max(req.prefix_len, req.swa_released_upto)
+        if limit <= start:
+            return 0
+        freed = self.pools.free_swa_of(req.kv_slots[start:limit:ps] // ps)
+        req.swa_released_upto = limit
+        return freed
+
+    def request_cached(self, req: Request, end: int) -> None:
+        req.swa_released_upto = max(req.swa_released_upto, end)
+
+    def insert_valid_from(self, own_pages: np.ndarray, prev_prefix_len: int, n: int) -> int:
+        """The request's own pages may have lost their SWA pages from the front (they fell
+        out of its window): the position after them (``n`` when none has one). A gap
+        anywhere else is an error of the caller."""
+        has = self.pools.full_to_swa[own_pages] >= 0
+        first = int(np.argmax(has)) if has.any() else has.size
+        if not has[first:].all():
+            raise ValueError("insert: SWA pages are missing after the window start")
+        return prev_prefix_len + first * self.page_size
+
+    def fill_from_request(self, node: TreeNode, full_pages: np.ndarray, valid_from: int) -> None:
+        if node.start >= valid_from:
+            self.tree.set_value(node, self, self.pools.full_to_swa[full_pages].copy())
+
+    def adopt_from_request(self, node: TreeNode, own_pages: np.ndarray) -> None:
+        if node.data[self.idx].value is not None:
+            return
+        swa_pages = self.pools.full_to_swa[own_pages]
+        if (swa_pages < 0).any():
+            return
+        self.pools.full_to_swa[own_pages] = -1
+        self.pools.full_to_swa[self._full_pages(node)] = swa_pages
+        self.tree.set_value(node, self, swa_pages.copy())
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def request_owned(self, req: Request, own_pages: np.ndarray) -> np.ndarray:
+        swa_pages = self.pools.full_to_swa[own_pages]
+        return swa_pages[swa_pages >= 0]
+
+    def check_node(self, node: TreeNode) -> None:
+        mapped = self.pools.full_to_swa[self._full_pages(node)]
+        value = node.data[self.idx].value
+        expect = np.full(mapped.size, -1) if value is None else value
+        assert np.array_equal(mapped, expect), f"{node}: SWA mapping differs"
+
+    def check_request(self, req: Request) -> None:
+        """The engine's next token of ``req`` attends over the SWA window ending at its
+        computed length: every page of it has an SWA page (a request gives back only pages
+        wholly before it), and the part that is the tree's prefix is locked."""
+        end = req.computed_len
+        if not end:
+            return
+        ps = self.page_size
+        start = self.window_start(end)
+        pages = req.kv_slots[start:end:ps] // ps
+        holes = np.flatnonzero(self.pools.full_to_swa[pages] < 0)
+        assert not holes.size, (
+            f"{req!r}: SWA window [{start}, {end}) has no SWA page at token {start + holes[0] * ps}"
+        )
+        node = req.last_node
+        while node is not None and node.parent is not None and node.end > start:
+            assert node.data[self.idx].lock_ref > 0, (
+                f"{req!r}: {node} of its SWA window is unlocked"
+            )
+            node = node.parent

@@ -52,7 +52,10 @@ class GenerationResult:
     """What one request produced and what the cache saved it.
 
     ``logits`` are float32 ``[vocab]`` logits of each generated token's position (kept
-    with ``keep_logits``); ``ttft_s`` is the time from admission to the first token.
+    with ``keep_logits``); ``ttft_s`` is the time from admission to the first token, of
+    which ``match_s`` went to matching (with a controller: its lookup), ``load_back_s``
+    to loading from the host or disk tier and ``restore_s`` to building the model's
+    cache object from the pools.
     """
 
     output_ids: list[int]
@@ -63,7 +66,9 @@ class GenerationResult:
     disk_hit_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0
+    match_s: float = 0.0
     load_back_s: float = 0.0
+    restore_s: float = 0.0
 
     @property
     def hit_tokens(self) -> int:
@@ -215,6 +220,14 @@ class PrefixCachedLM:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         runs = [_Run(_token_list(p)) for p in prompts]
+        capacity = self.cache.pools.full.capacity
+        for run in runs:
+            if len(run.sequence) + max_new_tokens - 1 > capacity:
+                raise ValueError(
+                    f"a request of {len(run.sequence)} prompt and {max_new_tokens} new tokens "
+                    f"needs more token slots than the device pool's {capacity}; give the "
+                    "cache more full_slots"
+                )
         try:
             for run in runs:
                 self._admit(run, extra_key, use_cache)
@@ -241,6 +254,7 @@ class PrefixCachedLM:
             run.hf = self.codec.new_cache()
             return
         m = self.cache.match_prefix(run.sequence[:-1], extra_key, req=req)
+        run.result.match_s = time.perf_counter() - run.started
         run.result.device_hit_tokens = m.prefix_len
         if m.load_node is not None:
             before, t0 = req.prefix_len, time.perf_counter()
@@ -249,8 +263,10 @@ class PrefixCachedLM:
                 run.result.host_hit_tokens = min(loaded, m.host_hit_len)
                 run.result.disk_hit_tokens = loaded - run.result.host_hit_tokens
             run.result.load_back_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         slots = torch.from_numpy(req.kv_slots[: req.prefix_len]).to(self.device)
         run.hf = self.codec.restore(slots, req.mamba_slot)
+        run.result.restore_s = time.perf_counter() - t0
 
     def _prefill(self, run: _Run, use_cache: bool) -> torch.Tensor:
         req, seq = run.req, run.sequence

@@ -51,19 +51,18 @@ class CacheCodec:
         n = int(kv_slots.numel())
         if n == 0:
             return cache
+        kv = self._gather(self.pools.full.buffer, kv_slots)
         for i, j in enumerate(self.map.full):
-            k, v = self._gather(self.pools.full.buffer, i, kv_slots)
-            _set_kv(cache.layers[j], k, v)
+            _set_kv(cache.layers[j], kv[0, i].unsqueeze(0), kv[1, i].unsqueeze(0))
         if self.map.swa:
             keep = min(n, self.map.cache_sliding_window)
             full_tail = kv_slots[n - keep :].cpu().numpy()
             swa = self.pools.swa_slots_of(full_tail)
             if (swa < 0).any():
                 raise ConfigError("restore: the prefix has no sliding-window KV for its window")
-            swa_t = torch.from_numpy(swa).to(self.device)
+            kv = self._gather(self.pools.swa.buffer, torch.from_numpy(swa).to(self.device))
             for i, j in enumerate(self.map.swa):
-                k, v = self._gather(self.pools.swa.buffer, i, swa_t)
-                _set_kv(cache.layers[j], k, v)
+                _set_kv(cache.layers[j], kv[0, i].unsqueeze(0), kv[1, i].unsqueeze(0))
                 cache.layers[j].cumulative_length = n
         if self.map.mamba:
             if mamba_slot is None:
@@ -73,12 +72,11 @@ class CacheCodec:
         return cache
 
     @staticmethod
-    def _gather(buffer: torch.Tensor, i: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # [tokens, heads, dim] -> [1, heads, tokens, dim], dense like the live tensors
-        return tuple(
-            buffer[kv, i].index_select(0, slots).permute(1, 0, 2).unsqueeze(0).contiguous()
-            for kv in (0, 1)
-        )
+    def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of ``slots`` in every layer of a pool, ``[2, layers, heads, tokens,
+        dim]``: two kernels for the whole prefix, and each ``[0, i]`` / ``[1, i]`` slice
+        is dense like the tensors a live cache object holds."""
+        return buffer.index_select(2, slots).permute(0, 1, 3, 2, 4).contiguous()
 
     # -- writes --------------------------------------------------------------------------
 

@@ -26,10 +26,11 @@ here only: ``import hicache`` never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,17 @@ class HiCacheVllmConfig:
         return cls(**values)
 
 
+@contextlib.contextmanager
+def building_with_groups(groups: tuple[GroupPages, ...]) -> Iterator[None]:
+    """Specs built in this thread while this is open describe their pages by ``groups``
+    (:class:`HiCacheConnector` opens it around vLLM's construction of the spec)."""
+    _building.groups = groups
+    try:
+        yield
+    finally:
+        _building.groups = None
+
+
 def describe_groups(kv_cache_config: Any) -> tuple[GroupPages, ...]:
     """The offloaded groups of a ``KVCacheConfig`` with their layers' page bytes, as
     vLLM's offloading worker cuts them (un-padded attention pages, Mamba state pages)."""
@@ -209,11 +221,15 @@ class HiCacheConnector(OffloadingConnector):
                 "set it to 'recompute' to recompute instead",
                 transfer.kv_load_failure_policy,
             )
-        _building.groups = describe_groups(kv_cache_config)
-        try:
+        with building_with_groups(describe_groups(kv_cache_config)):
             super().__init__(vllm_config, role, kv_cache_config)
-        finally:
-            _building.groups = None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        if hasattr(manager, "load_failed"):
+            for req_id in connector_output.failed_recving or ():
+                manager.load_failed(req_id)
+        super().update_connector_output(connector_output)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         worker = self.connector_worker

@@ -66,7 +66,10 @@ class HiCacheStoreSpec(LoadStoreSpec):
     in its group's chain (None for a group's first block) and its block index."""
 
     def __init__(
-        self, keys: Sequence[OffloadKey], parents: Sequence[OffloadKey | None], blocks: Sequence[int]
+        self,
+        keys: Sequence[OffloadKey],
+        parents: Sequence[OffloadKey | None],
+        blocks: Sequence[int],
     ) -> None:
         self.keys = list(keys)
         self.parents = list(parents)
@@ -81,6 +84,9 @@ class _RequestLookups:
     """What the sidecar said about one request's keys (key -> tier of the slowest rank)."""
 
     answers: dict[OffloadKey, int] = field(default_factory=dict)
+    # A load of this request failed: it is recomputed, with no more connector hits (its
+    # pages may fail again, and vLLM would retry the load for ever).
+    load_failed: bool = False
     pending: Future | None = None
     pending_keys: list[OffloadKey] = field(default_factory=list)
     deadline: float = 0.0
@@ -149,6 +155,8 @@ class HiCacheOffloadingManager(OffloadingManager):
         """HIT when every TP rank's page of ``key`` is in the sidecar (host or disk), MISS
         when not or when the sidecar did not answer in time, RETRY while it may still."""
         state = self._requests.setdefault(req_context.req_id, _RequestLookups())
+        if state.load_failed:
+            return LookupResult.MISS
         self._settle(state)
         tier = state.answers.get(key)
         if tier is None and state.pending is None:
@@ -173,6 +181,12 @@ class HiCacheOffloadingManager(OffloadingManager):
             return CacheHitSource.DISK
         return CacheHitSource.EXTERNAL_UNSPECIFIED
 
+    def load_failed(self, req_id: str) -> None:
+        """A load of ``req_id`` failed (the connector saw it): vLLM recomputes the request,
+        and its lookups are misses from now on."""
+        self.counters["requests_with_failed_loads"] += 1
+        self._requests.setdefault(req_id, _RequestLookups()).load_failed = True
+
     def has_pending_work(self) -> bool:
         """True while a lookup is in flight: vLLM keeps stepping to ask again."""
         return any(s.pending is not None for s in self._requests.values())
@@ -180,7 +194,8 @@ class HiCacheOffloadingManager(OffloadingManager):
     # -- loads ----------------------------------------------------------------------------
 
     def _pin(self, keys: list[OffloadKey]) -> PinReceipt | None:
-        page_keys = [PageKey(FULL, self.namespace.page_hash(k, r)) for r in self._ranks for k in keys]
+        ns = self.namespace
+        page_keys = [PageKey(FULL, ns.page_hash(k, r)) for r in self._ranks for k in keys]
         receipt = self.client.pin(page_keys, self.config.pin_ttl_s)
         self.counters["pins" if receipt is not None else "pin_failures"] += 1
         return receipt

@@ -194,13 +194,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):
     def _pairs(
         self, spec: GPULoadStoreSpec, keys: Sequence[bytes], blocks: Sequence[int] | None
     ) -> list[tuple[int, int, int]] | None:
-        """``(key index, group position, block id)`` for each destination/source block of
-        ``spec`` that has a key; None when keys and blocks do not line up.
+        """``(key index, group position, block id)`` for each block of ``spec`` that has a
+        key; None when keys and blocks do not line up.
 
-        Blocks come group by group (``group_sizes``). A group's keys are in block order;
-        vLLM leaves out null blocks (a sliding window's or Mamba's dropped prefix), which
-        come first, so a group's blocks are its last keys. With ``blocks`` (a store's
-        block indices) the first of them must be the block vLLM says it starts at.
+        Blocks come group by group (``group_sizes``), a group's keys in block order. A
+        load names one block per key. A store names only blocks that exist: vLLM leaves
+        out null blocks (a window's or a Mamba group's blocks without state), so with
+        ``blocks`` (each key's block index) a group's blocks are its keys from the one at
+        ``block_indices`` (its first block) on.
         """
         by_group: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -213,10 +214,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             ids = spec.block_ids[start : start + size].tolist()
             start += size
             mine = by_group.get(pos, [])
-            if len(mine) < size:
-                return None
-            mine = mine[len(mine) - size :]
-            if blocks is not None and size and blocks[mine[0]] != spec.block_indices[pos]:
+            if blocks is not None and size:
+                first = next(
+                    (n for n, k in enumerate(mine) if blocks[k] >= spec.block_indices[pos]), None
+                )
+                if first is None or blocks[mine[first]] != spec.block_indices[pos]:
+                    return None
+                mine = mine[first : first + size]
+            if len(mine) != size if blocks is None else len(mine) < size:
                 return None
             out += [(k, pos, b) for k, b in zip(mine, ids) if b != 0]
         return out
@@ -256,7 +261,8 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             block = torch.tensor([pairs[j][2] for j in js], device=self.staging.halves[0].device)
             page = torch.as_tensor(pages[js], device=block.device)
             for seg in self._segments[pos]:
-                stage = self.staging.halves[seg.half][:, seg.dst_offset : seg.dst_offset + seg.nbytes]
+                half = self.staging.halves[seg.half]
+                stage = half[:, seg.dst_offset : seg.dst_offset + seg.nbytes]
                 vllm = seg.tensor[:, seg.src_offset : seg.src_offset + seg.nbytes].view(torch.uint8)
                 if to_stage:
                     stage[page] = vllm[block]
@@ -305,9 +311,8 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                     if parent is None
                     else self.namespace.page_hash(parent, self.rank)
                 )
-                refs.append(
-                    PageRef(FULL, self.namespace.page_hash(dst.keys[k], self.rank), parent_hash, page)
-                )
+                page_hash = self.namespace.page_hash(dst.keys[k], self.rank)
+                refs.append(PageRef(FULL, page_hash, parent_hash, page))
             handle = self.client.backup(refs)
             ok = handle.wait(self.config.store_timeout_s)
             self.staging.free(pages, handle)

@@ -1,12 +1,13 @@
 """One vLLM CPU instance, run as a process by the tests and the benchmark (no tests here).
 
-    python vllm_instance.py --model DIR --requests FILE --out FILE [--socket PATH] [--native]
+    python vllm_instance.py --model DIR --requests FILE --out FILE [--socket PATH]
 
 It builds a ``vllm.LLM`` over the tiny model (eager, float32, no tokenizer), with
-hicache's connector unless ``--native``, serves the prompts of ``--requests`` (JSON: a
-list of rounds, each a list of token-id prompts, served in order) and writes, per round,
-each prompt's generated tokens, their logprobs, the time of the round, and the
-connector's counters to ``--out`` (JSON).
+hicache's connector when ``--socket`` is given, serves the prompts of ``--requests``
+(JSON: a list of rounds, each a list of token-id prompts, served in order;
+``--pause-before N`` waits for the test before round N) and writes, per round, each
+prompt's generated tokens, their logprobs, its cached tokens and the round's time to
+``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -16,6 +17,33 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A random-weight Llama (hidden 256, head_dim 64, 2 layers, weights normal(0, 0.05)),
+    saved with ``save_pretrained``: vLLM's dummy loader gives degenerate output."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
 
 
 def build_llm(model: str, socket: str | None, extra: dict) -> object:
@@ -45,6 +73,17 @@ def build_llm(model: str, socket: str | None, extra: dict) -> object:
     )
 
 
+def pause(directory: Path, round_index: int, timeout_s: float = 600.0) -> None:
+    """Tell the test this round is next and wait until it says go."""
+    (directory / f"ready-{round_index}").touch()
+    go = directory / f"go-{round_index}"
+    end = time.monotonic() + timeout_s
+    while not go.exists():
+        if time.monotonic() > end:
+            raise SystemExit(f"no go-{round_index} within {timeout_s}s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -53,6 +92,14 @@ def main() -> None:
     p.add_argument("--socket")
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument(
+        "--pause-before",
+        type=int,
+        action="append",
+        default=[],
+        help="before this round, write <pause-dir>/ready-N and wait for go-N",
+    )
+    p.add_argument("--pause-dir")
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import SamplingParams
@@ -62,9 +109,12 @@ def main() -> None:
     params = SamplingParams(
         max_tokens=a.max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
     )
-    rounds = json.load(open(a.requests))
+    with open(a.requests) as f:
+        rounds = json.load(f)
     out = []
-    for prompts in rounds:
+    for i, prompts in enumerate(rounds):
+        if i in a.pause_before:
+            pause(Path(a.pause_dir), i)
         t0 = time.perf_counter()
         results = llm.generate([TokensPrompt(prompt_token_ids=t) for t in prompts], params)
         seconds = time.perf_counter() - t0
@@ -79,7 +129,8 @@ def main() -> None:
                 }
             )
         out.append({"seconds": seconds, "results": served})
-    json.dump(out, open(a.out, "w"))
+    with open(a.out, "w") as f:
+        json.dump(out, f)
     sys.stdout.flush()
 
 

@@ -1,0 +1,132 @@
+"""Throughput of hicache's SGLang backend against SGLang's HiCacheFile and a memcpy.
+
+Run in the SGLang environment (``bash scripts/sglang_env.sh`` builds it)::
+
+    .venv-sglang/bin/python benchmarks/bench_sglang_storage.py [--pages 128] [--rounds 3]
+
+One run, the same host pages for all: ``batch_set_v1`` / ``batch_get_v1`` through a fresh
+``hicache serve``, HiCacheFile's ``batch_set`` / ``batch_get`` (the calls SGLang's
+controller makes for it) in a temporary directory, and a plain ``copy_`` of the same
+bytes between two contiguous host buffers (the floor). The sidecar runs twice: through
+the backend's staging pages (the copy path) and with the host pool in a memfd the sidecar
+maps (the zero-copy path, SGLang's ``"allocator": "shm"``). Prints GB/s per direction
+and each one's ratio to the memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "engines" / "sglang"))
+
+import sglang_support as sgl  # noqa: E402
+from sidecar_support import Sidecar, short_tmpdir  # noqa: E402
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang's batch)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    sgl.LAYERS, sgl.HEADS, sgl.HEAD_DIM = 8, 4, 128  # a page of 2 x 8 x 4 x 128 x 4 tokens
+    sgl.DEVICE_TOKENS = args.pages * sgl.PAGE_SIZE
+    pages, ps = args.pages, sgl.PAGE_SIZE
+    pool = sgl.mha_host_pool()
+    shm_pool = sgl.mha_host_pool(allocator="shm")  # SGLang's "allocator": "shm": a memfd
+    src, dst = pool.alloc(pages * ps), pool.alloc(pages * ps)
+    assert torch.equal(shm_pool.alloc(pages * ps), src)
+    assert torch.equal(shm_pool.alloc(pages * ps), dst)
+    pool.kv_buffer.view(torch.int16).random_()
+    shm_pool.kv_buffer.view(torch.int16).copy_(pool.kv_buffer.view(torch.int16))
+    offsets = [int(src[i * ps]) for i in range(pages)]
+    dst_offsets = [int(dst[i * ps]) for i in range(pages)]
+    page_bytes = pool.get_data_page(offsets[0]).numel() * pool.dtype.itemsize
+    total = pages * page_bytes
+
+    # the floor: one contiguous copy of as many bytes as the batch holds
+    copy_src = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    copy_dst = torch.empty(total, dtype=torch.uint8)
+
+    tmp = tempfile.TemporaryDirectory()
+    hf = sgl.file_backend(tmp.name, pool)
+    car = Sidecar(short_tmpdir("hcbench"),
+                  args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]).start()
+    opts = {"hicache_staging_pages": pages, "hicache_backup_timeout_s": 60.0,
+            "hicache_load_timeout_s": 60.0}
+    copy_path = sgl.hicache_backend(car.endpoint, pool, **opts)
+    zero_copy = sgl.hicache_backend(car.endpoint, shm_pool, **opts)
+    assert zero_copy.zero_copy and not copy_path.zero_copy
+    times: dict[str, list[list[float]]] = {}
+    try:
+        for r in range(args.rounds):
+            # fresh keys each round (a page already held is only deduplicated), the
+            # methods interleaved so that a busy moment of the machine hits them alike
+            keys = sgl.page_keys([r * 7919 + 1, *range(pages * ps - 1)])
+            zc_keys = sgl.page_keys([r * 7919 + 2, *range(pages * ps - 1)])
+
+            def file_get(keys=keys) -> None:
+                got = hf.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+                for o, page in zip(dst_offsets, got):
+                    pool.set_from_flat_data_page(o, page)
+
+            rows = {
+                "memcpy": (lambda: copy_dst.copy_(copy_src), lambda: copy_dst.copy_(copy_src)),
+                "HiCacheFile": (
+                    lambda keys=keys: hf.batch_set(keys, [pool.get_data_page(o) for o in offsets]),
+                    file_get,
+                ),
+                "hicache sidecar, copy path": (
+                    lambda keys=keys: copy_path.batch_set_v1(keys, src),
+                    lambda keys=keys: copy_path.batch_get_v1(keys, dst),
+                ),
+                "hicache sidecar, zero-copy": (
+                    lambda zc_keys=zc_keys: zero_copy.batch_set_v1(zc_keys, src),
+                    lambda keys=keys: zero_copy.batch_get_v1(keys, dst),
+                ),
+            }
+            for name, (put, take) in rows.items():
+                times.setdefault(name, [[], []])
+                times[name][0].append(_timed(put))
+                times[name][1].append(_timed(take))
+        hit = zero_copy.batch_get_v1(keys, dst)
+        assert all(hit), "hicache lost pages during the benchmark"
+        got = shm_pool.kv_buffer.view(torch.int16)[:, :, dst[0] : dst[-1] + 1]
+        assert torch.equal(got, pool.kv_buffer.view(torch.int16)[:, :, src[0] : src[-1] + 1])
+    finally:
+        copy_path.close()
+        zero_copy.close()
+        car.stop()
+        tmp.cleanup()
+
+    best = {name: (min(t[0]), min(t[1])) for name, t in times.items()}
+    base_set, base_get = best["memcpy"]
+    print(f"{pages} pages of {page_bytes / 1024:.0f} KiB ({total / 2**20:.1f} MiB), best of "
+          f"{args.rounds} interleaved rounds")
+    print(f"{'':30s} {'set GB/s':>9s} {'x memcpy':>9s} {'get GB/s':>9s} {'x memcpy':>9s}")
+    for name, (s, g) in best.items():
+        print(f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
+              f"{total / g / 1e9:9.2f} {base_get / g:9.3f}")
+    f_set, f_get = best["HiCacheFile"]
+    for label in ("hicache sidecar, copy path", "hicache sidecar, zero-copy"):
+        hc_set, hc_get = best[label]
+        print(f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
+              f"get {f_get / hc_get:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

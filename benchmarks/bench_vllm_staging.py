@@ -1,0 +1,167 @@
+"""vLLM's blocks through hicache on a CPU: a store and a load of whole blocks, end to end,
+against a memcpy of the same bytes in the same run.
+
+On a CPU vLLM's KV tensors are the worker's private memory, so a store is two copies
+(vLLM's blocks into the worker's shared staging area, then the sidecar's backup into its
+host pool) and a load the same two the other way, plus the sidecar round trips. This
+drives :class:`~hicache.integrations.vllm_worker.HiCacheOffloadingWorker` as vLLM's
+connector does (``submit_store`` / ``submit_load``, then ``get_finished``) against a real
+``hicache serve``, with one full-attention group of ``--layers`` layers (16 tokens a
+block, 8 KV heads, head_dim 128, bfloat16: 64 KiB per layer per block), and prints GB/s
+with the ratio to a ``Tensor.copy_`` of the same bytes, timed after warm-up stores have
+touched the whole host pool. The sidecar runs without its disk tier unless ``--disk``:
+what is measured is the copy path, and the LMDB writer would compete for the CPU. Run it
+in ``.venv-vllm``.
+
+Usage: ``.venv-vllm/bin/python benchmarks/bench_vllm_staging.py [--blocks 64] [--layers 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vllm_ttft import start_sidecar
+
+PAGE_BYTES = 16 * 8 * 128 * 2 * 2  # one layer's block: 16 tokens of K and V
+WARM_ROUNDS = 4
+
+
+def empty_host_pool(socket: Path, pool_bytes: int, timeout_s: float = 120.0) -> None:
+    """Once the LMDB writer has committed everything queued, evict the whole host tier
+    (the pages stay on disk): the next store finds free pages that were written before."""
+    from hicache.controller.admin_cli import AdminClient
+    from hicache.controller.protocol import Verb
+
+    admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
+    end = time.monotonic() + timeout_s
+    try:
+        while admin.call(Verb.STATS).get("disk", {}).get("pending_writes", 0):
+            assert time.monotonic() < end, "the disk writer did not catch up"
+            time.sleep(0.05)
+        admin.call(Verb.EVICT, {"tier": "host", "bytes": pool_bytes})
+    finally:
+        admin.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--disk",
+        action="store_true",
+        help="give the sidecar its LMDB tier (its writer then competes for the CPU)",
+    )
+    args = ap.parse_args()
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        make_offload_key,
+    )
+
+    from hicache.integrations.vllm import HiCacheVllmConfig
+    from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
+    from hicache.integrations.vllm_pages import GroupPages, PageNamespace
+    from hicache.integrations.vllm_worker import HiCacheOffloadingWorker
+
+    workdir = Path(tempfile.mkdtemp(prefix="hvs", dir="/tmp"))
+    # A host pool of WARM_ROUNDS stores: the warm-up touches every page of it (a fresh
+    # pool's first writes fault its pages in, as in a sidecar that just started); before
+    # each timed store the host tier is emptied (untimed), so it writes into pages that
+    # were written before, as a running sidecar's stores do.
+    pool_mib = WARM_ROUNDS * args.blocks * args.layers * PAGE_BYTES >> 20
+    sidecar, socket = start_sidecar(
+        workdir, host_pool=f"{pool_mib}MiB", extra=() if args.disk else ("--no-disk",)
+    )
+    n, layers = args.blocks, args.layers
+    tensors = [
+        torch.randint(-128, 128, (2 * n + 1, PAGE_BYTES), dtype=torch.int8) for _ in range(layers)
+    ]
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
+        [[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(layers)]],
+    )
+    namespace = PageNamespace.build(
+        "bench", "bfloat16", (16,), (GroupPages(0, "FullAttentionSpec", (PAGE_BYTES,) * layers),), 1
+    )
+    config = HiCacheVllmConfig(socket=str(socket), staging_bytes=(n + 1) * namespace.page_bytes)
+    worker = HiCacheOffloadingWorker(namespace, config, caches, rank=0)
+    nbytes = n * layers * PAGE_BYTES
+    job = 0
+
+    def run(submit) -> float:
+        nonlocal job
+        job += 1
+        t0 = time.perf_counter()
+        submit(job)
+        while not any(r.job_id == job for r in worker.get_finished()):
+            time.sleep(0.0002)
+        return time.perf_counter() - t0
+
+    src = list(range(1, n + 1))  # block 0 is vLLM's null block
+    dst = list(range(n + 1, 2 * n + 1))
+    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = {"store": float("inf"), "load": float("inf"), "memcpy": float("inf")}
+    try:
+        for rep in range(WARM_ROUNDS + args.repeats):
+            keys = [make_offload_key(f"{rep}:{i}".encode().ljust(32, b"."), 0) for i in range(n)]
+            if rep < WARM_ROUNDS:
+                spec = HiCacheStoreSpec(keys, [None, *keys[:-1]], list(range(n)))
+                run(
+                    lambda j, spec=spec: worker.submit_store(
+                        j, GPULoadStoreSpec(src, [n], [0]), spec
+                    )
+                )
+                continue
+            store = HiCacheStoreSpec(keys, [None, *keys[:-1]], list(range(n)))
+            best["store"] = min(
+                best["store"],
+                run(
+                    lambda j, spec=store: worker.submit_store(
+                        j, GPULoadStoreSpec(src, [n], [0]), spec
+                    )
+                ),
+            )
+            best["load"] = min(
+                best["load"],
+                run(
+                    lambda j, keys=keys: worker.submit_load(
+                        j, HiCacheLoadSpec(keys), GPULoadStoreSpec(dst, [n], [0])
+                    )
+                ),
+            )
+            assert not worker.take_failed_loads(), worker.counters
+            t0 = time.perf_counter()
+            b.copy_(a)
+            best["memcpy"] = min(best["memcpy"], time.perf_counter() - t0)
+        restored = all(torch.equal(t[1 : n + 1], t[n + 1 :]) for t in tensors)
+        assert restored, "a load did not restore the bytes"
+    finally:
+        worker.shutdown()
+        sidecar.terminate()
+        sidecar.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)
+    m = nbytes / best["memcpy"] / 1e9
+    print(
+        f"vLLM blocks through the sidecar on CPU: {n} blocks x {layers} layers = "
+        f"{nbytes / 2**20:.0f} MiB, best of {args.repeats}; memcpy {m:.2f} GB/s"
+    )
+    for what in ("store", "load"):
+        g = nbytes / best[what] / 1e9
+        print(f"  {what:<5} {g:6.2f} GB/s  ({g / m:.2f} of memcpy; two copies and the round trips)")
+
+
+if __name__ == "__main__":
+    main()

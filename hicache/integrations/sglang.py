@@ -1,0 +1,571 @@
+"""hicache as SGLang's HiCache L3 storage backend: the node's sidecar behind SGLang's host tier.
+
+SGLang loads it as a dynamic backend (docs/integrations/sglang.md)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache",
+        "module_path": "hicache.integrations.sglang", "class_name": "HiCacheSidecarStorage",
+        "interface_v1": 1}'
+
+and builds it as ``cls(storage_config, extra_config)``, then registers its host pools
+(``register_mem_pool_host`` for the KV pool, ``register_mem_host_pool_v2`` for each extra
+pool: Mamba, SWA) and calls ``on_host_pools_registered``, where the backend derives the
+namespace from the pools, allocates its staging pages and registers with the sidecar.
+
+Every instance of the node that runs the same model shares the sidecar's host and disk
+tiers: a page one instance backed up is a hit for the others. Nothing raises into SGLang's
+controller threads: a sidecar that is down or slow answers misses (``exists``) and
+failures (``get``/``set``) within the client's timeouts, and a circuit breaker makes later
+calls misses at once until it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from hicache.controller.channel import SidecarClientConfig
+from hicache.controller.client import SidecarController
+from hicache.controller_api import PageKey, PageRef, Presence
+from hicache.integrations.sglang_pages import (
+    POOL_COMPONENTS,
+    PageHasher,
+    SGLangNamespace,
+    describe_pool,
+    ranks_of,
+    sidecar_layout,
+)
+from hicache.integrations.sglang_staging import Staging
+from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
+from hicache.types import ComponentType
+
+log = logging.getLogger("hicache.integrations.sglang")
+
+# extra-config keys and their defaults (seconds, pages); docs/integrations/sglang.md
+DEFAULTS: dict[str, Any] = {
+    "hicache_endpoint": None,  # the sidecar's socket; None: the default socket
+    "hicache_namespace": "",  # a salt: runs with different salts never share pages
+    "hicache_lookup_timeout_s": 0.25,
+    "hicache_request_timeout_s": 2.0,
+    "hicache_load_timeout_s": 2.0,
+    "hicache_backup_timeout_s": 10.0,
+    "hicache_connect_timeout_s": 2.0,
+    "hicache_reconnect_interval_s": 1.0,
+    "hicache_staging_pages": 128,  # per direction: SGLang's STORAGE_BATCH_SIZE
+    "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
+    "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
+}
+
+
+def _options(storage_config: HiCacheStorageConfig, extra_config: Any) -> dict[str, Any]:
+    """The backend's options: defaults, then the storage config's extra config, then the
+    constructor's (SGLang passes its kwargs there, usually empty)."""
+    opts = dict(DEFAULTS)
+    for source in (storage_config.extra_config or {}, extra_config or {}):
+        opts.update({k: v for k, v in source.items() if k in DEFAULTS})
+    return opts
+
+
+class HiCacheSidecarStorage(HiCacheStorage):
+    """A ``HiCacheStorage`` whose pages live in the node's ``hicache serve``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, extra_config: Any = None) -> None:
+        self.storage_config = storage_config
+        self.options = _options(storage_config, extra_config)
+        self.counters: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()  # what get_stats has reported so far
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[str, Any] = {}
+        self.controller: SidecarController | None = None
+        self.staging: Staging | None = None
+        self.hasher: PageHasher | None = None
+        self.page_size = 0
+        self.zero_copy = False  # the sidecar maps the KV host pool itself
+        self._lock = threading.Lock()
+
+    # -- registration --------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        name = str(host_pool_name)
+        if self.controller is not None:
+            log.warning("host pool %r registered after the sidecar session began: its pages "
+                        "are misses", name)
+        self.registered_pools[name] = host_pool
+
+    def _held_pools(self) -> dict[str, Any]:
+        pools = {"kv": self.mem_pool_host}
+        for name, pool in self.registered_pools.items():
+            if name in POOL_COMPONENTS and name != "kv":
+                pools[name] = pool
+            elif name != "kv":
+                log.warning("hicache holds no %r pool: its pages are misses", name)
+        return pools
+
+    def on_host_pools_registered(self) -> None:
+        """Derive the namespace from the pools and register with the sidecar. Raises for a
+        layout the sidecar refuses (another model served there); an unreachable sidecar is
+        not an error (the client keeps trying)."""
+        if self.mem_pool_host is None:
+            raise ValueError("hicache: on_host_pools_registered before register_mem_pool_host")
+        pools = self._held_pools()
+        self.page_size = int(self.mem_pool_host.page_size)
+        ns = SGLangNamespace(
+            model_name=str(self.storage_config.model_name or ""),
+            ranks=ranks_of(self.storage_config),
+            pools={name: describe_pool(pool) for name, pool in pools.items()},
+            salt=str(self.options["hicache_namespace"]),
+        )
+        layout = sidecar_layout(ns, self.page_size)
+        self.hasher = PageHasher(layout, self.page_size)
+        self.staging = Staging(layout, self.page_size, int(self.options["hicache_staging_pages"]))
+        o = self.options
+        config = SidecarClientConfig(
+            request_timeout_s=o["hicache_request_timeout_s"],
+            lookup_timeout_s=o["hicache_lookup_timeout_s"],
+            backup_timeout_s=o["hicache_backup_timeout_s"],
+            connect_timeout_s=o["hicache_connect_timeout_s"],
+            reconnect_interval_s=o["hicache_reconnect_interval_s"],
+        )
+        self.controller = SidecarController(o["hicache_endpoint"], config=config)
+        fd = pool_memfd(self.mem_pool_host) if o["hicache_zero_copy"] else None
+        if fd is not None and self.controller.endpoint.startswith("ipc://"):
+            describe = memfd_description(
+                self.controller.endpoint, self.staging.pools, layout, self.mem_pool_host, fd
+            )
+            self.controller.register_described(layout, self.page_size, describe)
+            self.zero_copy = True
+        else:
+            self.controller.register(layout, self.page_size, self.staging.pools)
+        self.layout = layout
+        log.info("hicache L3 namespace %s (pools: %s; KV %s)", layout.model_id,
+                 ", ".join(pools), "zero-copy" if self.zero_copy else "through staging")
+
+    def _pool(self, name: str) -> Any:
+        return self.mem_pool_host if name == "kv" else self.registered_pools.get(name)
+
+    # -- presence ------------------------------------------------------------------------
+
+    def _present(self, keys: Sequence[str], components: Sequence[ComponentType]) -> dict:
+        """Per component, a bool per key: held on host or disk (all False when unavailable)."""
+        if self.controller is None or not keys:
+            return {c: [False] * len(keys) for c in components}
+        hashes = [self.hasher.page_hash(k) for k in keys]
+        res = self.controller.lookup(hashes, list(dict.fromkeys(components)))
+        return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading KV pages are held."""
+        row = self._guarded("exists", lambda: self._present(keys, [ComponentType.FULL]), None)
+        if row is None:
+            return 0
+        return _leading(row[ComponentType.FULL])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix under each extra pool's hit policy (SGLang's rule: ALL_PAGES
+        needs every page up to the cut, TRAILING_PAGES only the last ``len(keys)`` ones)."""
+        result = self._guarded(
+            "exists", lambda: self._exists_v2(keys, pool_transfers or []), None
+        )
+        return result if result is not None else PoolTransferResult.empty()
+
+    def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
+        comps = [ComponentType.FULL] + [
+            POOL_COMPONENTS[str(t.name)] for t in transfers if str(t.name) in POOL_COMPONENTS
+        ]
+        present = self._present(keys, comps)
+        kv_pages = _leading(present[ComponentType.FULL])
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t in transfers:
+            if not restorable:
+                break
+            name = str(t.name)
+            row = present.get(POOL_COMPONENTS.get(name), [False] * len(keys))
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = _leading(row[:kv_pages])
+                pool_ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                pool_ok = {
+                    n for n in range(1, kv_pages + 1) if all(row[max(0, n - trailing) : n])
+                }
+                boundary = max(pool_ok, default=0)
+            else:
+                raise ValueError(f"hicache does not support the pool hit policy {t.hit_policy}")
+            if boundary:
+                hit_count[t.name] = boundary
+            restorable = [p for p in restorable if p in pool_ok]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    # -- zero-copy by host page index ------------------------------------------------------
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return self._set_pool("kv", keys, host_indices, prefix)
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._get_pool("kv", keys, host_indices)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return {
+            t.name: self._set_pool(str(t.name), t.keys or [], t.host_indices, prefix)
+            for t in transfers
+        }
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {
+            t.name: self._get_pool(str(t.name), t.keys or [], t.host_indices)
+            for t in transfers
+        }
+
+    def _page_offsets(self, pool: Any, keys: list[str], host_indices: Any) -> list[int] | None:
+        ps = int(getattr(pool, "page_size", 1) or 1)
+        if host_indices is None or host_indices.numel() != len(keys) * ps:
+            self.counters["bad_indices"] += 1
+            log.error("hicache: %d keys but %s host indices (page size %d)", len(keys),
+                      None if host_indices is None else host_indices.numel(), ps)
+            return None
+        return [int(host_indices[i * ps]) for i in range(len(keys))]
+
+    def _set_pool(
+        self, name: str, keys: list[str], host_indices: Any, prefix: list[str] | None
+    ) -> list[bool]:
+        pool = self._pool(name)
+        if pool is None or name not in POOL_COMPONENTS or not keys:
+            return [False] * len(keys)
+        offsets = self._page_offsets(pool, keys, host_indices)
+        if offsets is None:
+            return [False] * len(keys)
+        if name == "kv" and self.zero_copy:
+            return self._guarded(
+                "set", lambda: self._store_direct(keys, offsets, prefix), [False] * len(keys)
+            )
+        pages = [pool.get_data_page(o, flat=True) for o in offsets]
+        return self._guarded(
+            "set", lambda: self._store(POOL_COMPONENTS[name], keys, pages, prefix),
+            [False] * len(keys),
+        )
+
+    def _get_pool(self, name: str, keys: list[str], host_indices: Any) -> list[bool]:
+        pool = self._pool(name)
+        if pool is None or name not in POOL_COMPONENTS or not keys:
+            return [False] * len(keys)
+        offsets = self._page_offsets(pool, keys, host_indices)
+        if offsets is None:
+            return [False] * len(keys)
+        if name == "kv" and self.zero_copy:
+            return self._guarded("get", lambda: self._fetch_direct(keys, offsets),
+                                 [False] * len(keys))
+        dtype = pool.get_dummy_flat_data_page().dtype
+
+        def deliver(i: int, data: torch.Tensor) -> None:
+            pool.set_from_flat_data_page(offsets[i], data.view(dtype))
+
+        return self._guarded(
+            "get", lambda: self._fetch(POOL_COMPONENTS[name], keys, deliver), [False] * len(keys)
+        )
+
+    # -- the two transfers -----------------------------------------------------------------
+
+    def _store(
+        self,
+        component: ComponentType,
+        keys: list[str],
+        pages: list[torch.Tensor],
+        prefix: list[str] | None,
+    ) -> list[bool]:
+        """Back ``pages`` up under ``keys``: all True once the sidecar holds them."""
+        half = self.staging.set_half
+        hashes, parents = self.hasher.chain(keys, prefix)
+        ok = [False] * len(keys)
+        for start in range(0, len(keys), half.count):
+            end = min(start + half.count, len(keys))
+            with half.lock:
+                if not half.usable() or not self.controller.available:
+                    self.counters["set_unavailable"] += end - start
+                    return ok
+                refs = []
+                for j, i in enumerate(range(start, end)):
+                    self.staging.write(component, half.first + j, pages[i])
+                    refs.append(PageRef(component, hashes[i], parents[i], half.first + j))
+                handle = self.controller.backup(refs)
+                done = handle.wait()
+                if not handle.done():
+                    half.unsettled.append(handle)
+            if not done:
+                self.counters["set_failed"] += end - start
+                return ok
+            ok[start:end] = [True] * (end - start)
+            self.counters["set_pages"] += end - start
+        return ok
+
+    def _fetch(
+        self,
+        component: ComponentType,
+        keys: list[str],
+        deliver: Callable[[int, torch.Tensor], None],
+    ) -> list[bool]:
+        """Load every held page of ``keys`` and hand it to ``deliver(i, bytes)``."""
+        half = self.staging.get_half
+        ok = [False] * len(keys)
+        for start in range(0, len(keys), half.count):
+            chunk = list(range(start, min(start + half.count, len(keys))))
+            with half.lock:
+                if not half.usable() or not self.controller.available:
+                    self.counters["get_unavailable"] += len(chunk)
+                    return ok
+                loaded = self._load_chunk(
+                    component, [keys[i] for i in chunk], lambda j: half.first + j,
+                    half.unsettled.append,
+                )
+                for j in loaded:
+                    deliver(chunk[j], self.staging.read(component, half.first + j))
+                    ok[chunk[j]] = True
+        self.counters["get_pages"] += sum(ok)
+        self.counters["get_misses"] += len(keys) - sum(ok)
+        return ok
+
+    def _load_chunk(
+        self,
+        component: ComponentType,
+        keys: list[str],
+        device_index: Callable[[int], int],
+        abandoned: Callable[[Any], None],
+    ) -> list[int]:
+        """Positions of ``keys`` loaded, the page of position j into registered page or
+        slot ``device_index(j)``; a load given up on goes to ``abandoned``. A load that
+        fails (a page found corrupt and dropped, one evicted meanwhile) is retried once
+        with what the sidecar still holds, so one bad page costs only itself."""
+        for attempt in range(2):
+            present = self._present(keys, [component])[component]
+            held = [j for j, p in enumerate(present) if p]
+            if not held:
+                return []
+            page_keys = [PageKey(component, self.hasher.page_hash(keys[j])) for j in held]
+            pin = self.controller.pin(page_keys, float(self.options["hicache_load_timeout_s"]) * 2)
+            if pin is None:
+                continue
+            refs = [PageRef(component, k.page_hash, k.page_hash, device_index(j))
+                    for k, j in zip(page_keys, held)]
+            try:
+                outcome = self.controller.load(
+                    refs, pin, float(self.options["hicache_load_timeout_s"])
+                )
+            finally:
+                self.controller.unpin(pin)
+            pending = getattr(outcome, "pending", None)
+            if pending is not None and not pending.done():
+                abandoned(pending)
+                return []
+            if outcome:
+                return held
+            self.counters["load_failed"] += 1
+            if attempt == 0:
+                log.info("hicache: a load of %d pages failed; retrying what is held", len(held))
+        return []
+
+    def _store_direct(
+        self, keys: list[str], offsets: list[int], prefix: list[str] | None
+    ) -> list[bool]:
+        """Zero-copy backup: the sidecar reads SGLang's KV host pages itself."""
+        if not self.controller.available:
+            self.counters["set_unavailable"] += len(keys)
+            return [False] * len(keys)
+        hashes, parents = self.hasher.chain(keys, prefix)
+        refs = [PageRef(ComponentType.FULL, h, p, o // self.page_size)
+                for h, p, o in zip(hashes, parents, offsets)]
+        handle = self.controller.backup(refs)
+        done = handle.wait()
+        if not handle.done():
+            self._settle(handle)
+        if not done:
+            self.counters["set_failed"] += len(keys)
+            return [False] * len(keys)
+        self.counters["set_pages"] += len(keys)
+        return [True] * len(keys)
+
+    def _fetch_direct(self, keys: list[str], offsets: list[int]) -> list[bool]:
+        """Zero-copy load: the sidecar writes SGLang's KV host pages itself."""
+        ok = [False] * len(keys)
+        if not self.controller.available:
+            self.counters["get_unavailable"] += len(keys)
+            return ok
+        for j in self._load_chunk(ComponentType.FULL, keys,
+                                  lambda j: offsets[j] // self.page_size, self._settle):
+            ok[j] = True
+        self.counters["get_pages"] += sum(ok)
+        self.counters["get_misses"] += len(keys) - sum(ok)
+        return ok
+
+    def _settle(self, transfer: Any) -> None:
+        """Wait (up to ``hicache_settle_timeout_s``) for a transfer given up on to end: it
+        names SGLang's own host pages, which SGLang reuses once this call returns. It ends
+        once the client's reconnect is fenced (the sidecar answers a new registration only
+        when the old session's requests are over)."""
+        end = time.monotonic() + float(self.options["hicache_settle_timeout_s"])
+        while not transfer.done():
+            if time.monotonic() > end:
+                self.counters["unsettled_transfers"] += 1
+                log.error("hicache: a zero-copy transfer given up on has not ended after "
+                          "%.1fs; its host pages may still be touched",
+                          self.options["hicache_settle_timeout_s"])
+                return
+            time.sleep(0.01)
+
+    def _guarded(self, what: str, fn: Callable[[], Any], fallback: Any) -> Any:
+        """``fn()``, or ``fallback`` (counted, logged) for anything it raises: SGLang's
+        controller threads never see an exception from the backend."""
+        if self.controller is None:
+            self.counters[f"{what}_before_registration"] += 1
+            return fallback
+        try:
+            return fn()
+        except Exception:
+            self.counters[f"{what}_errors"] += 1
+            log.exception("hicache %s failed; answering a miss", what)
+            return fallback
+
+    # -- the generic interface (a value per key, KV pages) ---------------------------------
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if not keys or values is None or len(values) != len(keys):
+            return False
+        return all(
+            self._guarded(
+                "set", lambda: self._store(ComponentType.FULL, keys, list(values), None),
+                [False],
+            )
+        )
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Each page into its target (a flat tensor of one page), or None when missing."""
+        if not keys:
+            return []
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if any(t is None for t in targets):
+            targets = [self.mem_pool_host.get_dummy_flat_data_page() if t is None else t
+                       for t in targets]
+
+        def deliver(i: int, data: torch.Tensor) -> None:
+            targets[i].view(-1).view(torch.uint8).copy_(data)
+
+        ok = self._guarded(
+            "get", lambda: self._fetch(ComponentType.FULL, keys, deliver), [False] * len(keys)
+        )
+        return [t if hit else None for t, hit in zip(targets, ok)]
+
+    # -- administration --------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Drop this namespace's pages from the sidecar's host and disk tiers (through an
+        admin connection: needs the sidecar's admin token, readable by its user only)."""
+        from hicache.controller.admin_cli import AdminClient
+        from hicache.controller.protocol import Verb
+
+        try:
+            admin = AdminClient(self.options["hicache_endpoint"], timeout_s=10.0)
+            try:
+                admin.call(Verb.CLEAR, {"tiers": ["host", "disk"], "all_namespaces": False})
+            finally:
+                admin.close()
+            return True
+        except Exception as exc:
+            log.error("hicache clear failed: %s", exc)
+            return False
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics: pages prefetched and backed up since the last call (the
+        backend's cumulative counters stay in ``counters``)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            got = self.counters["get_pages"] - self._reported["get_pages"]
+            put = self.counters["set_pages"] - self._reported["set_pages"]
+            self._reported.update(get_pages=got, set_pages=put)
+        metrics = StorageMetrics()
+        if got:
+            metrics.prefetch_pgs.append(got)
+        if put:
+            metrics.backup_pgs.append(put)
+        return metrics
+
+    def close(self) -> None:
+        """End the sidecar session and release the staging memory."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
+def _leading(row: Sequence[bool]) -> int:
+    for i, hit in enumerate(row):
+        if not hit:
+            return i
+    return len(row)

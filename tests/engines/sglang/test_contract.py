@@ -1,0 +1,166 @@
+"""hicache's backend against SGLang's reference file backend, driven by SGLang's own
+controller methods over SGLang's own host pools: the same hits and the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang_support import (
+    PAGE_SIZE,
+    ControllerShim,
+    HybridControllerShim,
+    file_backend,
+    fill_pages,
+    hicache_backend,
+    host_page_bytes,
+    mamba_host_pool,
+    mha_host_pool,
+    page_keys,
+)
+
+STORED_PAGES = 6
+QUERY_PAGES = 9  # three pages past what was stored: the hit must stop there
+
+
+def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: list[int]):
+    """Back up ``tokens`` from host pages, then prefetch ``query`` into fresh host pages,
+    through SGLang's controller methods; returns what the run saw."""
+    ctl = ControllerShim(backend, pool, zero_copy)
+    src = fill_pages(pool, STORED_PAGES, seed=7)
+    written = ctl.backup(src, tokens)
+    dst = pool.alloc(QUERY_PAGES * PAGE_SIZE)
+    found, loaded = ctl.prefetch(query, dst)
+    return {
+        "written": written,
+        "found": found,
+        "loaded": loaded,
+        "stored_bytes": host_page_bytes(pool, src, STORED_PAGES),
+        "loaded_bytes": host_page_bytes(pool, dst, loaded // PAGE_SIZE),
+    }
+
+
+@pytest.mark.parametrize(
+    ("layout", "allocator", "zero_copy"),
+    [
+        ("layer_first", "shm", True),  # the sidecar maps SGLang's memfd pool
+        ("layer_first", "default", True),  # interface_v1 through the staging pages
+        ("page_first", "default", True),
+        ("layer_first", "default", False),  # SGLang's generic batch_get / batch_set
+        ("page_first", "shm", False),
+    ],
+)
+def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
+    sidecar, tmp_path, layout, allocator, zero_copy
+):
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    query = tokens + list(range(1000, 1000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+
+    oracle_pool = mha_host_pool(layout)
+    oracle = _run_controller(file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool,
+                             False, tokens, query)
+    pool = mha_host_pool(layout, allocator)
+    backend = hicache_backend(sidecar.endpoint, pool)
+    try:
+        assert backend.zero_copy == (layout == "layer_first" and allocator == "shm")
+        ours = _run_controller(backend, pool, zero_copy, tokens, query)
+    finally:
+        backend.close()
+
+    assert oracle["written"] == ours["written"] == STORED_PAGES * PAGE_SIZE
+    assert oracle["found"] == ours["found"] == STORED_PAGES * PAGE_SIZE
+    assert oracle["loaded"] == ours["loaded"] == STORED_PAGES * PAGE_SIZE
+    assert ours["loaded_bytes"] == ours["stored_bytes"] == oracle["stored_bytes"]
+    assert oracle["loaded_bytes"] == oracle["stored_bytes"]
+
+
+def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool):
+    """KV for six pages, Mamba states only at ``state_pages`` (as the hybrid controller
+    writes them: KV through the controller's backup, each state a MAMBA PoolTransfer);
+    then the existence checks the hybrid controller makes, under both hit policies, and a
+    read of the last state."""
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    keys = page_keys(tokens)
+    ctl = ControllerShim(backend, kv_pool, zero_copy)
+    assert ctl.backup(fill_pages(kv_pool, STORED_PAGES, seed=11), tokens) == len(tokens)
+    stored = {}
+    for p in state_pages:
+        slot = fill_pages(mamba_pool, 1, seed=100 + p)
+        stored[p] = host_page_bytes(mamba_pool, slot, 1)[0]
+        res = backend.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[p]])]
+        )
+        assert res[PoolName.MAMBA] == [True]
+    seen = {}
+    for policy, trailing in ((PoolHitPolicy.TRAILING_PAGES, 1), (PoolHitPolicy.TRAILING_PAGES, 2),
+                             (PoolHitPolicy.ALL_PAGES, 1)):
+        r = backend.batch_exists_v2(
+            keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=policy)]
+        )
+        seen[(policy.value, trailing)] = (r.kv_hit_pages, dict(r.extra_pool_hit_pages),
+                                          r.restorable_prefix_pages)
+    last = max(state_pages)
+    slot = mamba_pool.alloc(2)
+    got = backend.batch_get_v2(
+        [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[last], keys[0]])]
+    )
+    seen["get"] = got[PoolName.MAMBA]
+    seen["bytes"] = host_page_bytes(mamba_pool, slot[:1], 1)[0] == stored[last]
+    return seen
+
+
+@pytest.mark.parametrize("state_pages", [[2, 5], [1, 2, 3], [0, 1, 2, 3, 4, 5]])
+def test_hybrid_hit_policies_match_the_file_backend(sidecar, tmp_path, state_pages):
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
+    expected = _hybrid_run(oracle, kv, mamba, state_pages, zero_copy=False)
+
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
+    try:
+        got = _hybrid_run(backend, kv, mamba, state_pages, zero_copy=True)
+    finally:
+        backend.close()
+    assert got == expected
+    assert got["bytes"] is True
+    # the rule itself, not only agreement: a trailing-1 hit ends at the last state
+    assert got[("trailing_pages", 1)][0] == max(state_pages) + 1
+
+
+def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int]):
+    """SGLang's hybrid controller writes a 6-page prefix in two steps (its first
+    ``state_at[0]`` pages, then all six), each with a Mamba state for its last page when
+    that step is in ``state_at``; then prefetches 8 pages (6 stored) into fresh pages."""
+    ctl = HybridControllerShim(backend, kv, {PoolName.MAMBA: mamba}, zero_copy)
+    tokens = list(range(STORED_PAGES * PAGE_SIZE))
+    kv_idx = fill_pages(kv, STORED_PAGES, seed=17)
+    states = {}
+    for pages in (3, STORED_PAGES):
+        slot = fill_pages(mamba, 1, seed=pages)
+        states[pages] = host_page_bytes(mamba, slot, 1)[0]
+        extra = {PoolName.MAMBA: slot} if pages in state_at else {}
+        assert ctl.backup(kv_idx[: pages * PAGE_SIZE], tokens[: pages * PAGE_SIZE], extra) \
+            == pages * PAGE_SIZE
+    query = tokens + list(range(5000, 5000 + (QUERY_PAGES - STORED_PAGES) * PAGE_SIZE))
+    dst_slot = mamba.alloc(1)
+    seen = ctl.prefetch(query, kv.alloc(QUERY_PAGES * PAGE_SIZE), {PoolName.MAMBA: dst_slot})
+    hit = seen["hit_tokens"] // PAGE_SIZE
+    seen["state_bytes_match"] = hit in states and \
+        host_page_bytes(mamba, dst_slot, 1)[0] == states[hit]
+    return seen
+
+
+@pytest.mark.parametrize("state_at", [[3, STORED_PAGES], [3], [STORED_PAGES]])
+def test_hybrid_controller_calls_match_the_file_backend(sidecar, tmp_path, state_at):
+    kv, mamba = mha_host_pool(), mamba_host_pool()
+    oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.MAMBA: mamba})
+    expected = _hybrid_controller_run(oracle, kv, mamba, False, state_at)
+    kv, mamba = mha_host_pool(allocator="shm"), mamba_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
+    try:
+        got = _hybrid_controller_run(backend, kv, mamba, True, state_at)
+    finally:
+        backend.close()
+    assert got == expected
+    # the trailing-pages rule itself: the hit ends at the last page with a state
+    assert got["hit_tokens"] == max(state_at) * PAGE_SIZE
+    assert got["state_bytes_match"] is True
