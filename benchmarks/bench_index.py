@@ -54,7 +54,7 @@ def main() -> None:
         for i in range(n)
     ]
     index = PageIndex()
-    gc.disable()  # as a start does (controller/tiers.py)
+    gc.disable()  # as a start does (controller/page_store.py)
     t0 = time.perf_counter()
     index.restore_disk(records)
     build_s = time.perf_counter() - t0

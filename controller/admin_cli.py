@@ -36,6 +36,7 @@ from hicache.controller.channel import (
 from hicache.controller.protocol import (
     ADMIN_TOKEN_NAME,
     ErrorCode,
+    ProtocolError,
     Role,
     Verb,
     default_endpoint,
@@ -43,6 +44,7 @@ from hicache.controller.protocol import (
     socket_dir,
 )
 from hicache.controller.remote_sidecar import print_remote_status
+from hicache.controller.verb_specs import SPECS, HelloArgs, NoArgs
 from hicache.types import ConfigError
 
 EXIT_OK, EXIT_BAD_NEWS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_ERROR = range(6)
@@ -86,31 +88,32 @@ class AdminClient:
 
     def _handshake(self) -> None:
         self._channel.reset()
-        self._channel.call(
-            Verb.HELLO,
-            {
-                "role": Role.ADMIN.value,
-                "engine_id": f"hicachectl:{os.getpid()}",
-                "token": self._token,
-            },
-            self.timeout_s,
-            connect_wait_s=self.timeout_s,
+        hello = HelloArgs(
+            role=Role.ADMIN.value, engine_id=f"hicachectl:{os.getpid()}", token=self._token
         )
+        self._channel.call(Verb.HELLO, hello, self.timeout_s, connect_wait_s=self.timeout_s)
 
     def call(self, verb: Verb, args: dict[str, Any] | None = None, progress: Any = None) -> dict:
-        """One request; a session the sidecar forgot (idle past its lease, or a restart)
-        is renewed once."""
+        """One request, its arguments checked and its reply decoded against the verb's
+        spec (a bad argument is refused here, as the sidecar would); the reply as a map.
+        A session the sidecar forgot (idle past its lease, or a restart) is renewed once."""
+        spec = SPECS[verb]
         try:
-            return self._channel.call(verb, args or {}, self.timeout_s, progress)
+            record = spec.decode_args(args or {})
+        except ProtocolError as exc:
+            raise RemoteError(exc.code.value, exc.message) from None
+        try:
+            reply = self._channel.call(verb, record, self.timeout_s, progress)
         except RemoteError as exc:
             if exc.code != ErrorCode.NO_SESSION.value:
                 raise
-        self._handshake()
-        return self._channel.call(verb, args or {}, self.timeout_s, progress)
+            self._handshake()
+            reply = self._channel.call(verb, record, self.timeout_s, progress)
+        return spec.encode_reply(reply)
 
     def close(self) -> None:
         with contextlib.suppress(RemoteError, SidecarUnavailable):
-            self._channel.call(Verb.BYE, {}, 1.0)
+            self._channel.call(Verb.BYE, NoArgs(), 1.0)
         self._channel.close()
 
 

@@ -1,4 +1,5 @@
-"""Admin operations on a :class:`LocalController`: clear, evict, prefix pins and fsck.
+"""Admin operations on a :class:`LocalController`: clear, evict, prefix pins, fsck and
+residency; the controller's methods of those names call them.
 
 These are the sidecar's admin verbs. They work on the controller's page store under its
 lock, with the same rules as the controller's own evictions: a pinned or busy page is
@@ -13,12 +14,11 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import lmdb
 
 from hicache.controller.counters import Failure, component_label
-from hicache.controller.local import LocalController
 from hicache.controller.page_codec import HEADER_BYTES, KEY_BYTES, decode_header, payload_checksum
 from hicache.controller.page_index import DiskState, HostState, PageEntry
 from hicache.controller.security import PRIVATE_FILE_MODE
@@ -26,14 +26,40 @@ from hicache.controller_api import ControllerError, PageKey, PinReceipt
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType, Tier
 
+if TYPE_CHECKING:
+    import threading
+
+    from hicache.controller.config import ControllerConfig
+    from hicache.controller.counters import Counters
+    from hicache.controller.page_store import PageStore
+
 log = logging.getLogger(__name__)
+
+
+class Controller(Protocol):
+    """What the admin operations use of a :class:`LocalController` (whose methods
+    ``clear``, ``evict``, ``pin_prefix``, ``fsck``, … call these functions)."""
+
+    config: ControllerConfig
+    counters: Counters
+    opening_lock: threading.Lock
+
+    @property
+    def store(self) -> PageStore: ...
+
+    def pin(
+        self, keys: list[PageKey], ttl_s: float | None = None, engine_id: str = ...
+    ) -> PinReceipt | None: ...
+
+    def unpin(self, pin: PinReceipt, engine_id: str = ...) -> None: ...
+
 
 ADMIN_ENGINE = "admin"  # the owner of pins made by hicachectl
 _REPAIR_WAIT_S = 30.0  # how long an admin command waits for its deletes to be committed
 _FSCK_BATCH = 1024  # values per read transaction: a long read would pin old LMDB pages
 
 
-def _entries_deepest_first(ctl: LocalController, namespace_root: bytes | None) -> list[PageEntry]:
+def _entries_deepest_first(ctl: Controller, namespace_root: bytes | None) -> list[PageEntry]:
     """Entries (every component) ordered so that a page comes before its chain parent;
     only those under ``namespace_root`` when given. Lock held by the caller."""
     index = ctl.store.index
@@ -70,7 +96,7 @@ def _entries_deepest_first(ctl: LocalController, namespace_root: bytes | None) -
     )
 
 
-def _drop_disk_locked(ctl: LocalController, e: PageEntry) -> list[bytes]:
+def _drop_disk_locked(ctl: Controller, e: PageEntry) -> list[bytes]:
     index = ctl.store.index
     group = [e]
     if e.component is ComponentType.FULL:
@@ -101,7 +127,7 @@ class ClearResult:
 
 
 def clear(
-    ctl: LocalController,
+    ctl: Controller,
     fingerprint: bytes | None,
     tiers: Iterable[Tier],
     namespace: str | None = None,
@@ -163,7 +189,7 @@ def _wait_for_deletes(store, count: int) -> bool:
 
 
 def evict(
-    ctl: LocalController, tier: Tier, nbytes: int, component: ComponentType | None = None
+    ctl: Controller, tier: Tier, nbytes: int, component: ComponentType | None = None
 ) -> dict[str, int]:
     """Evict least-recently-used pages of ``tier`` until ``nbytes`` are freed (or nothing
     evictable is left). Host eviction is per component (FULL when none is given)."""
@@ -200,7 +226,7 @@ def evict(
 
 
 def prefix_keys(
-    ctl: LocalController,
+    ctl: Controller,
     fingerprint: bytes,
     page_size: int,
     tokens: list[int],
@@ -223,14 +249,14 @@ def prefix_keys(
     return keys
 
 
-def pin_prefix(ctl: LocalController, keys: list[PageKey], ttl_s: float) -> PinReceipt | None:
+def pin_prefix(ctl: Controller, keys: list[PageKey], ttl_s: float) -> PinReceipt | None:
     """Pin ``keys`` as the admin for ``ttl_s`` (capped by the controller's pin_ttl_max_s)."""
     if not keys:
         return None
     return ctl.pin(keys, ttl_s, engine_id=ADMIN_ENGINE)
 
 
-def unpin(ctl: LocalController, pin_id: int) -> None:
+def unpin(ctl: Controller, pin_id: int) -> None:
     ctl.unpin(PinReceipt(pin_id, [], 0.0), engine_id=ADMIN_ENGINE)
 
 
@@ -310,7 +336,7 @@ def _scan(
 
 
 def fsck(
-    ctl: LocalController,
+    ctl: Controller,
     repair: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> FsckResult:
@@ -361,7 +387,7 @@ def fsck(
 
 
 def _fsck_unopened(
-    ctl: LocalController, repair: bool, progress: Callable[[int, int], None] | None
+    ctl: Controller, repair: bool, progress: Callable[[int, int], None] | None
 ) -> FsckResult:
     """fsck of a disk tier no layout has opened (``ctl.opening_lock`` held): nothing else
     in this process uses the environment, so corrupt values are deleted directly."""
@@ -394,7 +420,7 @@ def _fsck_unopened(
     return out
 
 
-def residency(ctl: LocalController) -> dict[str, dict[str, dict[str, int]]]:
+def residency(ctl: Controller) -> dict[str, dict[str, dict[str, int]]]:
     """Pages per tier and component: ``resident`` (held there) and ``pinned`` (the part of
     resident that an active pin holds)."""
     store = ctl.store

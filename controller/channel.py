@@ -17,17 +17,20 @@ import zmq
 
 from hicache.controller.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    SETTLE_POLL_S,
     ErrorCode,
+    ProtocolError,
     Verb,
     encode_request,
     unpack,
 )
+from hicache.controller.verb_specs import SPECS
 from hicache.controller_api import ControllerError
 from hicache.types import ConfigError, LayoutMismatchError
 
 log = logging.getLogger("hicache.sidecar.client")
 
-POLL_SLICE_S = 0.05  # a waiting thread releases the socket this often
+POLL_SLICE_S = SETTLE_POLL_S  # a waiting thread releases the socket this often
 
 
 class SidecarUnavailable(ControllerError):
@@ -126,7 +129,7 @@ class Channel:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._replies: dict[int, dict] = {}
-        self._expected: set[int] = set()
+        self._expected: dict[int, Verb] = {}  # requests sent, not yet answered
         self._progress: dict[int, Callable[[int, int], None]] = {}
         self._sock: zmq.Socket | None = None
         self.generation = 0
@@ -158,15 +161,16 @@ class Channel:
     def send(
         self,
         verb: Verb,
-        args: dict[str, Any],
+        args: Any,
         ttl_s: float,
         progress: Callable[[int, int], None] | None = None,
         connect_wait_s: float = 0.0,
     ) -> int:
-        """Send a request; returns its id. Raises SidecarUnavailable when it cannot go
-        (no connection to the sidecar within ``connect_wait_s``)."""
+        """Send a request (``args``: the verb's argument record); returns its id. Raises
+        SidecarUnavailable when it cannot go (no connection to the sidecar within
+        ``connect_wait_s``)."""
         req_id = next(self._ids)
-        data = encode_request(req_id, verb, args, ttl_s)
+        data = encode_request(req_id, verb, SPECS[verb].encode_args(args), ttl_s)
         with self._lock:
             if self._sock is None:
                 self.reset()
@@ -183,7 +187,7 @@ class Channel:
                 raise SidecarUnavailable(
                     f"the sidecar at {self.endpoint} is not reachable (is it running?)"
                 ) from None
-            self._expected.add(req_id)
+            self._expected[req_id] = verb
             if progress is not None:
                 self._progress[req_id] = progress
         return req_id
@@ -212,7 +216,7 @@ class Channel:
                 if cb is not None and isinstance(p, dict):
                     cb(int(p.get("done", 0)), int(p.get("total", 0)))
             elif req_id in self._expected:
-                self._expected.discard(req_id)
+                msg["verb"] = self._expected.pop(req_id)
                 self._progress.pop(req_id, None)
                 self._replies[req_id] = msg
             # else: the reply to a request given up on; dropped
@@ -226,12 +230,12 @@ class Channel:
 
     def forget(self, req_id: int) -> None:
         with self._lock:
-            self._expected.discard(req_id)
+            self._expected.pop(req_id, None)
             self._progress.pop(req_id, None)
             self._replies.pop(req_id, None)
 
-    def wait(self, req_id: int, timeout_s: float, forget: bool = True) -> dict[str, Any]:
-        """The result of ``req_id``; raises RemoteError for an error reply and
+    def wait(self, req_id: int, timeout_s: float, forget: bool = True) -> Any:
+        """The result record of ``req_id``; raises RemoteError for an error reply and
         SidecarUnavailable when none came within ``timeout_s`` (after which a late reply
         is still filed for :meth:`poll` unless ``forget``)."""
         end = time.monotonic() + timeout_s
@@ -254,19 +258,24 @@ class Channel:
     def call(
         self,
         verb: Verb,
-        args: dict[str, Any],
+        args: Any,
         timeout_s: float,
         progress: Callable[[int, int], None] | None = None,
         connect_wait_s: float = 0.0,
-    ) -> dict[str, Any]:
+    ) -> Any:
         """Send and wait (``timeout_s`` counts from the send)."""
         return self.wait(self.send(verb, args, timeout_s, progress, connect_wait_s), timeout_s)
 
 
-def result_of(msg: dict) -> dict[str, Any]:
+def result_of(msg: dict) -> Any:
+    """A reply's result, as the record of the verb it answers (a map for an open
+    document); raises RemoteError for an error reply or one that is not what the verb
+    answers."""
     if msg.get("ok") is True:
-        res = msg.get("result")
-        return res if isinstance(res, dict) else {}
+        try:
+            return SPECS[msg["verb"]].decode_reply(msg.get("result"))
+        except ProtocolError as exc:
+            raise RemoteError(exc.code.value, exc.message) from None
     err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
     code, message = str(err.get("code", "internal")), str(err.get("message", "no message"))
     if code == ErrorCode.LAYOUT_MISMATCH.value:

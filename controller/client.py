@@ -33,7 +33,6 @@ import numpy as np
 
 from hicache.controller.channel import (
     FATAL_CODES,
-    POLL_SLICE_S,
     Channel,
     RemoteError,
     RemoteLayoutMismatch,
@@ -42,20 +41,30 @@ from hicache.controller.channel import (
     result_of,
 )
 from hicache.controller.protocol import (
-    MAX_LOOKUP_HASHES,
-    MAX_PIN_KEYS,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
     ErrorCode,
     Role,
     Verb,
     default_endpoint,
-    encode_keys,
-    encode_refs,
     normalize_endpoint,
 )
+from hicache.controller.sidecar_transfer import RemoteTransfer
+from hicache.controller.verb_specs import (
+    BackupArgs,
+    HelloArgs,
+    KeysArgs,
+    LoadArgs,
+    LookupArgs,
+    NoArgs,
+    PinArgs,
+    PinIdArgs,
+    RegisterArgs,
+)
+from hicache.controller.wire_fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
 from hicache.controller_api import (
     CompletedTransfer,
     ControllerError,
-    LoadOutcome,
+    LoadResult,
     LookupResult,
     PageKey,
     PageRef,
@@ -86,92 +95,6 @@ def _current_stream(device: Any) -> Any:
     return torch.cuda.current_stream(device)
 
 
-class _RemoteTransfer:
-    """A backup, prefetch or abandoned load in flight: its reply says whether it succeeded.
-
-    Its outcome is known at its reply or its deadline, whichever comes first; it is
-    ``done()`` only once the sidecar can no longer touch the engine's pages for it: at the
-    reply, or once a newer session is registered (the sidecar answers a registration only
-    after every request of the engine's earlier sessions has ended or been refused). A
-    transfer still unanswered at its deadline opens the breaker, so that the reconnect
-    which follows settles it even if its reply never comes. A prefetch (``touches_device``
-    False: it only reads disk into host pages) is done as soon as its outcome is known.
-    """
-
-    def __init__(
-        self,
-        client: SidecarController,
-        req_id: int,
-        generation: int,
-        timeout_s: float,
-        deadline: float | None = None,
-        touches_device: bool = True,
-    ):
-        self._client = client
-        self._req_id = req_id
-        self._generation = generation
-        self._deadline = time.monotonic() + timeout_s if deadline is None else deadline
-        self._ok: bool | None = None  # the outcome, once known
-        self._touches_device = touches_device
-        self._settled = False  # nothing of this transfer can touch the engine's pages
-        self.keep_alive: Any = None  # e.g. the CUDA event the sidecar's copy waits on
-        if touches_device:
-            client._unsettled += 1
-
-    def _settle(self, ok: bool) -> None:
-        self._ok = ok
-        if not self._settled:
-            self._settled = True
-            self.keep_alive = None
-            if self._touches_device:
-                self._client._unsettled -= 1
-
-    def _take_reply(self, msg: dict) -> None:
-        try:
-            ok = bool(result_of(msg).get("ok"))
-            self._client._succeeded()
-        except RemoteError as exc:
-            self._client._failed(exc)
-            ok = False
-        self._settle(ok)
-
-    def done(self) -> bool:
-        if self._settled:
-            return True
-        client = self._client
-        ch = client._channel
-        if ch.generation != self._generation:  # the socket it went out on is gone
-            self._ok = False
-            if client._fenced_generation > self._generation or not self._touches_device:
-                self._settle(False)
-            return self._settled
-        msg = ch.poll(self._req_id)
-        if msg is not None:
-            self._take_reply(msg)
-        elif self._ok is None and time.monotonic() > self._deadline:
-            self._ok = False
-            client._failed(SidecarUnavailable("transfer timed out"), renew=self._touches_device)
-            if not self._touches_device:
-                ch.forget(self._req_id)
-                self._settle(False)
-        return self._settled
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """The outcome: True when the sidecar acknowledged the transfer, False on failure
-        or at the deadline (the transfer may then still run: see ``done()``)."""
-        if self.done() or self._ok is not None:
-            return bool(self._ok)
-        left = self._deadline - time.monotonic()
-        if timeout_s is not None:
-            left = min(left, timeout_s)
-        end = time.monotonic() + max(left, 0.0)
-        while not self.done() and self._ok is None and time.monotonic() < end:
-            with self._client._channel._lock:
-                self._client._channel._drain(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
-        self.done()  # the deadline may have passed in the last slice
-        return bool(self._ok)
-
-
 class SidecarController:
     """The :class:`CacheController` protocol over the sidecar (see the module docstring)."""
 
@@ -195,7 +118,7 @@ class SidecarController:
         # only looks up and pins (attach), which never registers memory.
         self._registration: tuple[ModelLayout, int, dict[str, Any] | Callable | None] | None = None
         self._device: Any = None
-        self._heartbeat_s = self.config.heartbeat_interval_s or 3.0
+        self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
         self._closed = False
@@ -236,9 +159,9 @@ class SidecarController:
                 )
                 self._wake.set()
 
-    def _call(
-        self, verb: Verb, args: dict[str, Any], timeout_s: float, progress: Any = None
-    ) -> dict[str, Any]:
+    def _call(self, verb: Verb, args: Any, timeout_s: float, progress: Any = None) -> Any:
+        """The reply record to ``args`` (the verb's argument record); raises
+        SidecarUnavailable while the breaker is open, RemoteError for a refusal."""
         if self._open:
             self.counters[f"{verb.value}_skipped"] += 1
             raise SidecarUnavailable(f"the sidecar at {self.endpoint} is unavailable")
@@ -269,24 +192,20 @@ class SidecarController:
             desc = desc()  # at each session: a restarted sidecar holds no descriptors
         ch.reset()
         t = self.config.connect_timeout_s
-        hello = ch.call(
-            Verb.HELLO,
-            {
-                "role": Role.ENGINE.value,
-                "engine_id": self.engine_id,
-                "pid": os.getpid(),
-                "fingerprint": layout.fingerprint(page_size),
-                "layout": layout.to_dict(),
-                "page_size": page_size,
-            },
-            t,
-            connect_wait_s=t,
+        hello = HelloArgs(
+            role=Role.ENGINE.value,
+            engine_id=self.engine_id,
+            pid=os.getpid(),
+            fingerprint=layout.fingerprint(page_size),
+            layout=layout,
+            page_size=page_size,
         )
+        welcome = ch.call(Verb.HELLO, hello, t, connect_wait_s=t)
         if self.config.heartbeat_interval_s is None:
-            self._heartbeat_s = float(hello.get("heartbeat_interval_s", 3.0))
+            self._heartbeat_s = welcome.heartbeat_interval_s
         if desc is not None:
-            reg = ch.call(Verb.REGISTER, {"page_size": page_size, **desc}, t)
-            if reg.get("fenced") is True:
+            register = RegisterArgs(page_size, desc["device"], desc["buffers"])
+            if ch.call(Verb.REGISTER, register, t).fenced:
                 self._fenced_generation = ch.generation
         with self._state_lock:
             self._open = False
@@ -336,7 +255,7 @@ class SidecarController:
             return
         if now - ch.last_reply >= self._heartbeat_s:
             try:
-                self._hb_pending = ch.send(Verb.HEARTBEAT, {}, self.config.request_timeout_s)
+                self._hb_pending = ch.send(Verb.HEARTBEAT, NoArgs(), self.config.request_timeout_s)
                 self._hb_sent = now
             except SidecarUnavailable as exc:
                 self._failed(exc)
@@ -400,10 +319,10 @@ class SidecarController:
                 chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
                 res = self._call(
                     Verb.LOOKUP,
-                    {"hashes": b"".join(chunk), "components": [int(c) for c in components]},
+                    LookupArgs(b"".join(chunk), list(components)),
                     self.config.lookup_timeout_s,
                 )
-                for comp, raw in zip(components, res["presence"]):
+                for comp, raw in zip(components, res.presence):
                     pres = np.frombuffer(raw, dtype=np.int8)
                     if pres.size != len(chunk):
                         raise ControllerError("lookup reply has the wrong length")
@@ -432,24 +351,23 @@ class SidecarController:
         """
         if self._open or not refs:
             return CompletedTransfer(not refs)
-        args: dict[str, Any] = {"refs": encode_refs(refs)}
-        keep_alive = None
+        ready_handle, keep_alive = None, None
         device = self._cuda_device()
         if device is not None:
             from hicache.controller.device_share import export_ready_event
 
             try:
-                args["ready_event"], keep_alive = export_ready_event(device)
+                ready_handle, keep_alive = export_ready_event(device)
             except Exception as exc:  # no IPC events here: finish the engine's work first
                 log.debug("interprocess event unavailable (%s); synchronizing", exc)
                 (ready_event or _current_stream(device)).synchronize()
         timeout = self.config.backup_timeout_s
         try:
-            rid = self._channel.send(Verb.BACKUP, args, timeout)
+            rid = self._channel.send(Verb.BACKUP, BackupArgs(refs, ready_handle), timeout)
         except SidecarUnavailable as exc:
             self._failed(exc)
             return CompletedTransfer(False)
-        handle = _RemoteTransfer(self, rid, self._channel.generation, timeout)
+        handle = RemoteTransfer(self, rid, self._channel.generation, timeout)
         handle.keep_alive = keep_alive
         return handle
 
@@ -462,31 +380,25 @@ class SidecarController:
             return None
         try:
             res = self._call(
-                Verb.PIN,
-                {"keys": encode_keys(keys), "ttl_s": float(ttl_s)},
-                self.config.request_timeout_s,
+                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s
             )
         except ControllerError as exc:
             log.debug("pin failed: %s", exc)
             return None
-        if res.get("pin_id") is None:
+        if res.pin_id is None:
             return None
-        deadline = time.monotonic() + float(res.get("ttl_s", ttl_s))
-        return PinReceipt(
-            int(res["pin_id"]), list(keys), deadline, {"generation": self._channel.generation}
-        )
+        deadline = time.monotonic() + (ttl_s if res.ttl_s is None else res.ttl_s)
+        return PinReceipt(res.pin_id, list(keys), deadline, generation=self._channel.generation)
 
-    def load(
-        self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float
-    ) -> bool | LoadOutcome:
-        """True when the sidecar copied every page. When no answer came in time, the copy
-        may still run: the result is then a false :class:`LoadOutcome` whose ``pending``
-        handle is done once it can no longer write (the reply, or a newer session)."""
-        if pin.extra.get("generation") != self._channel.generation:
-            return False  # pinned on a session that is gone
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult:
+        """``ok`` when the sidecar copied every page. When no answer came in time, the copy
+        may still run: the result is then a failure whose ``pending`` handle is done once
+        it can no longer write (the reply, or a newer session)."""
+        if pin.generation != self._channel.generation:
+            return LoadResult.FAILED  # pinned on a session that is gone
         if self._open:
             self.counters["load_skipped"] += 1
-            return False
+            return LoadResult.FAILED
         device = self._cuda_device()
         if device is not None:
             # Work the engine queued on these slots (their previous owner's) must finish
@@ -494,35 +406,35 @@ class SidecarController:
             _current_stream(device).synchronize()
         ch = self._channel
         timeout = timeout_s + self.config.load_timeout_margin_s
-        args = {"refs": encode_refs(refs), "pin_id": pin.pin_id, "timeout_s": float(timeout_s)}
+        args = LoadArgs(list(refs), pin.pin_id, float(timeout_s))
         try:
             rid = ch.send(Verb.LOAD, args, timeout)
         except SidecarUnavailable as exc:  # never sent: nothing can run
             self._failed(exc)
             log.warning("load-back through the sidecar failed: %s", exc)
-            return False
+            return LoadResult.FAILED
         generation, deadline = ch.generation, time.monotonic() + timeout
         try:
             res = ch.wait(rid, timeout, forget=False)
         except RemoteError as exc:
             self._call_failed(exc)
             log.warning("load-back through the sidecar failed: %s", exc)
-            return False
+            return LoadResult.FAILED
         except SidecarUnavailable:
             # No answer in time: the sidecar may still be copying into these slots.
             self.counters["load_abandoned"] += 1
             log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
-            pending = _RemoteTransfer(self, rid, generation, 0.0, deadline)
+            pending = RemoteTransfer(self, rid, generation, 0.0, deadline)
             pending.done()  # past its deadline: opens the breaker for a new session
-            return LoadOutcome(pending)
+            return LoadResult(False, pending)
         self._succeeded()
-        return bool(res.get("ok"))
+        return LoadResult.LOADED if res.ok else LoadResult.FAILED
 
     def unpin(self, pin: PinReceipt) -> None:
-        if pin.extra.get("generation") != self._channel.generation:
+        if pin.generation != self._channel.generation:
             return
         try:
-            self._call(Verb.UNPIN, {"pin_id": pin.pin_id}, self.config.request_timeout_s)
+            self._call(Verb.UNPIN, PinIdArgs(pin.pin_id), self.config.request_timeout_s)
         except ControllerError as exc:
             log.debug("unpin failed (the pin expires on its own): %s", exc)
 
@@ -531,11 +443,11 @@ class SidecarController:
             return CompletedTransfer(not keys)
         timeout = self.config.request_timeout_s
         try:
-            rid = self._channel.send(Verb.PREFETCH, {"keys": encode_keys(keys)}, timeout)
+            rid = self._channel.send(Verb.PREFETCH, KeysArgs(list(keys)), timeout)
         except SidecarUnavailable as exc:
             self._failed(exc)
             return CompletedTransfer(False)
-        return _RemoteTransfer(self, rid, self._channel.generation, timeout, touches_device=False)
+        return RemoteTransfer(self, rid, self._channel.generation, timeout, touches_device=False)
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's stats plus this client's, or only the client's when unavailable."""
@@ -545,7 +457,7 @@ class SidecarController:
             "unsettled_transfers": self._unsettled,
         }
         try:
-            out = self._call(Verb.STATS, {}, self.config.request_timeout_s)
+            out = self._call(Verb.STATS, NoArgs(), self.config.request_timeout_s)
         except ControllerError:
             return {"client": client}
         out["client"] = client
@@ -557,7 +469,7 @@ class SidecarController:
             return
         if not self._open:
             with contextlib.suppress(ControllerError):
-                self._channel.call(Verb.BYE, {}, min(1.0, self.config.request_timeout_s))
+                self._channel.call(Verb.BYE, NoArgs(), min(1.0, self.config.request_timeout_s))
         self._closed = True
         self._wake.set()
         if self._thread is not None:

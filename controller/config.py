@@ -20,7 +20,6 @@ every write turns into an evict-and-retry.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import os
@@ -30,6 +29,7 @@ from typing import Any
 
 from hicache.config import parse_enum
 from hicache.controller.remote_config import RemoteWritePolicy, validate_remote
+from hicache.controller.settings import config_from_dict, config_to_dict
 from hicache.types import ComponentType, ConfigError
 
 MIB = 1 << 20
@@ -48,6 +48,14 @@ class DiskWritePolicy(enum.Enum):
     # Written only when the host tier evicts it: less disk traffic for short-lived
     # prefixes, but a page lives only in memory until then.
     WRITE_BACK = "write_back"
+
+
+class BackupAck(enum.Enum):
+    """When a backup is acknowledged (the sidecar replies ``ok``): the rule is
+    :meth:`LocalController.acknowledged`."""
+
+    HOST = "host"  # the pages are in the host tier (disk writes follow asynchronously)
+    DISK = "disk"  # the pages are committed to LMDB (needs write_through and a disk tier)
 
 
 class HostPinning(enum.Enum):
@@ -240,20 +248,9 @@ class ControllerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON/msgpack-safe description, the inverse of :meth:`from_dict`."""
-        d = dataclasses.asdict(self)
-        d["host_pinning"] = self.host_pinning.value
-        d["disk_write_policy"] = self.disk_write_policy.value
-        d["remote_write_policy"] = self.remote_write_policy.value
-        d["disk_path"] = None if self.disk_path is None else str(self.disk_path)
-        return d
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ControllerConfig:
         """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown controller config key(s) {unknown}; known keys: {sorted(known)}"
-            )
-        return cls(**d)
+        return config_from_dict(cls, d, "controller")

@@ -23,7 +23,6 @@ never make a copy run outside the engine's pools.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import math
@@ -37,6 +36,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hicache.controller.cuda_views import (
+    RegistrationRefused,
+    check_allocation_extent,
+    non_overlapping,
+)
 from hicache.controller.security import PeerCredentials
 from hicache.controller.transfer import EngineBuffers
 from hicache.controller_api import ControllerError
@@ -49,13 +53,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MappedPools", "RegistrationRefused", "export_pools", "map_pools"]
+
 BUFFER_NAMES = ("full", "swa", "mamba_conv", "mamba_ssm")
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.-]{1,200}$")
 _THIS_PROCESS = PeerCredentials.of_this_process()
-
-
-class RegistrationRefused(ControllerError):
-    """The sidecar cannot map the engine's device memory; the message says why."""
 
 
 # -- engine side --------------------------------------------------------------------------
@@ -307,17 +309,6 @@ def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:
     return seen.index(uuid)
 
 
-def _non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether no two elements of a ``shape``/``stride`` view share memory: taken from the
-    smallest stride up, each dimension must step past everything the inner ones span."""
-    span = 1
-    for n, s in sorted(((n, s) for n, s in zip(shape, stride) if n > 1), key=lambda d: d[1]):
-        if s < span:
-            return False
-        span = s * n
-    return True
-
-
 def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
     dtype, shape = _check_shape(desc)
     fields = {
@@ -338,7 +329,7 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
     stride, offset = desc["stride"], desc["offset"]
     if len(stride) != len(shape) or not all(type(s) is int and s >= 0 for s in stride):
         raise RegistrationRefused("a CUDA buffer's stride must match its shape")
-    if not _non_overlapping(shape, stride):
+    if not non_overlapping(shape, stride):
         # A zero or overlapping stride would make two K/V halves, layers or slots one
         # memory: every copy into one would land in the other.
         raise RegistrationRefused(
@@ -364,32 +355,9 @@ def _map_cuda(desc: dict[str, Any], allowed: Sequence[str]) -> torch.Tensor:
             f"cannot open the CUDA IPC handle ({exc}); it is stale (the engine's memory was "
             "freed or the engine exited) or malformed: register again from a live engine"
         ) from None
-    _check_allocation_extent(index, storage.data_ptr(), desc["storage_bytes"])
+    check_allocation_extent(index, storage.data_ptr(), desc["storage_bytes"])
     t = torch.empty((0,), dtype=dtype, device=torch.device("cuda", index))
     return t.set_(storage, offset, shape, stride)
-
-
-def _check_allocation_extent(index: int, ptr: int, nbytes: int) -> None:
-    """Refuse a storage that claims more bytes than the allocation its handle opened: the
-    sidecar maps every engine's memory into one address space, so a view past the end
-    could reach another engine's pools."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no driver library by that name: the CUDA runtime found another
-        log.warning("cannot ask the CUDA driver for an allocation's extent; not checked")
-        return
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    with torch.cuda.device(index):
-        rc = driver.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
-        )
-    if rc != 0:
-        raise RegistrationRefused(f"the CUDA driver cannot place the engine's storage (error {rc})")
-    if ptr + nbytes > base.value + size.value:
-        raise RegistrationRefused(
-            f"a CUDA buffer claims {nbytes} bytes of storage, its allocation holds "
-            f"{base.value + size.value - ptr} from there: send the storage's real size"
-        )
 
 
 def _expected_shapes(layout: ModelLayout, page_size: int, tensors: dict) -> dict[str, tuple]:

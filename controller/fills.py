@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from hicache.controller.page_index import HostState, PageEntry
-from hicache.controller.tiers import PageStore
+from hicache.controller.page_store import PageStore
 from hicache.controller_api import PageRef
 
 _POLL_MIN_S = 50e-6

@@ -33,40 +33,40 @@ that was ever backed up; a crash loses at most what was queued and not yet commi
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.controller.config import ControllerConfig
+from hicache.controller import admin_ops
+from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
-from hicache.controller.fills import FillTracker, QueuedBackup
+from hicache.controller.fills import FillTracker
+from hicache.controller.page_copies import PageCopies, check_refs
 from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.page_store import PageStore
 from hicache.controller.remote_store import RemoteStore
 from hicache.controller.remote_tier import open_remote
 from hicache.controller.security import check_private_dir
 from hicache.controller.session import EngineSession
-from hicache.controller.tiers import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
 from hicache.controller_api import (
     P_ABSENT,
     P_DISK,
     P_HOST,
-    CompletedTransfer,
     ControllerError,
+    LoadResult,
     LookupResult,
     PageKey,
     PageRef,
     PinReceipt,
     TransferHandle,
 )
-from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, LayoutMismatchError, Tier
 
 if TYPE_CHECKING:
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE = "local"
-_PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 # PageKey.storage_key() without building a PageKey: this runs once per page per call.
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
 
@@ -107,7 +106,7 @@ class LocalController:
         self._fills = FillTracker(self._store)
         self._layout: ModelLayout | None = None
         self._fingerprint: bytes | None = None
-        self._transfer: TransferEngine | None = None
+        self._copies: PageCopies | None = None
         self._closed = False
         # Held while the tiers are opened, and by an fsck of the disk tier before they are
         # (LMDB allows one environment per file per process).
@@ -137,7 +136,10 @@ class LocalController:
             self._store.remote = open_remote(
                 self.config, self._store, fp, self.counters, self._remote_store
             )
-            self._transfer = TransferEngine(self._store.host)
+            transfer = TransferEngine(self._store.host)
+            self._copies = PageCopies(
+                self._store, self._fills, transfer, self.counters, self.config
+            )
             self._layout, self._fingerprint = layout, fp
 
     @property
@@ -222,33 +224,6 @@ class LocalController:
                 f"engine {engine_id!r} is not registered; call register() first"
             ) from None
 
-    def _check_refs(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> None:
-        comps = self._layout.components if self._layout else ()
-        caps = {c: buffers.capacity(c) for c in comps}
-        for ref in refs:
-            cap = caps.get(ref.component)
-            if cap is None:
-                raise ControllerError(f"the layout has no {ref.component.name} component")
-            if not 0 <= ref.device_index < cap:
-                raise ControllerError(
-                    f"{ref.component.name} device index {ref.device_index} is outside the "
-                    f"engine's {cap} pages/slots"
-                )
-            if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
-                raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
-        # One device page holds one page of one prefix: two pages copied into it would
-        # leave a blend of both, two hashes read from it would store one prefix's bytes
-        # under another's hash. (The same ref twice is one page.)
-        named: dict[tuple[ComponentType, int], bytes] = {}
-        for ref in refs:
-            slot = (ref.component, ref.device_index)
-            seen = named.setdefault(slot, ref.page_hash)
-            if seen != ref.page_hash:
-                raise ControllerError(
-                    f"{ref.component.name} device page/slot {ref.device_index} is named by "
-                    "two different pages in one request"
-                )
-
     # -- the protocol --------------------------------------------------------------------
 
     def lookup(
@@ -286,112 +261,8 @@ class LocalController:
         """
         self._check_open()
         buffers = self._buffers(engine_id)
-        self._check_refs(refs, buffers)
-        self._fills.reap(block=False)
-        # The copies are issued in parts of ``backup_chunk_bytes``: on a GPU the copy of
-        # one part runs while the next part's pages are booked, so the bookkeeping hides
-        # behind the copy instead of coming before it. Each part is published (marked
-        # ready) on its own, when its copy ends; its pages share one future.
-        chunk_bytes = self.config.backup_chunk_bytes or sys.maxsize
-        page_bytes = {c: p.page_bytes for c, p in self._store.host.components.items()}
-        if self.config.backup_chunk_bytes and len(page_bytes) > 1:
-            # One component after the other, so that a part is mostly one copy: each copy
-            # a part issues costs as much host time as booking dozens of pages.
-            refs = [r for c in ComponentType for r in refs if r.component is c]
-        fills: list[Future] = []
-        all_held = True
-        seen: set[bytes] = set()
-        i, n = 0, len(refs)
-        while i < n:
-            plan: list[tuple[PageEntry, PageRef]] = []
-            fill: Future = Future()
-            t0 = time.perf_counter()
-            planned = 0
-            with self._store.lock:
-                while i < n and planned < chunk_bytes:
-                    ref = refs[i]
-                    i += 1
-                    skey = ref.page_hash + _TAG[ref.component]
-                    if skey in seen:
-                        continue
-                    seen.add(skey)
-                    e = self._store.index.get(skey)
-                    if e is not None and e.held:
-                        self._store.index.touch(e)
-                        self.counters.inc("backup", "deduped_pages")
-                        if e.host_state is HostState.FILLING and e.disk_state is DiskState.NONE:
-                            # Held only once another copy into it succeeds: wait for it.
-                            fills.append(e.fill)
-                        continue
-                    page = self._store.alloc_host_locked(ref.component)
-                    if page is None:
-                        self.counters.fail(Failure.HOST_FULL)
-                        all_held = False
-                        continue
-                    if e is None:
-                        e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
-                    self._fills.begin_locked(e, page, fill)
-                    plan.append((e, ref))
-                    planned += page_bytes[ref.component]
-            if not plan:
-                continue
-            if not self._issue_backup(plan, fill, buffers, ready_event, t0):
-                all_held = False
-                break
-            fills.append(fill)
-            if i < n:  # publish the parts whose copies ended while this one was booked
-                self._fills.reap(block=False)
-        if not fills:
-            return CompletedTransfer(all_held)
-        return self._fills.handle(fills, all_held, self.config.load_timeout_s)
-
-    def _issue_backup(
-        self,
-        plan: list[tuple[PageEntry, PageRef]],
-        fill: Future,
-        buffers: EngineBuffers,
-        ready_event: Any,
-        t0: float,
-    ) -> bool:
-        """Copy the device pages of ``plan`` into their host pages: published here when
-        the copy is done on return (CPU), queued until its events complete (CUDA). False,
-        with the plan's host pages given back, when a copy could not be issued."""
-        events = []
-        try:
-            for comp, group in _by_component(plan).items():
-                if self._store.fault("copy_to_host"):
-                    raise RuntimeError("injected device-to-host copy failure")
-                events.append(
-                    self._transfer.to_host(
-                        comp,
-                        buffers,
-                        [r.device_index for _, r in group],
-                        [e.host_page for e, _ in group],
-                        ready_event,
-                    )
-                )
-        except Exception as exc:
-            log.error("backup copy failed: %s", exc)
-            self.counters.fail(Failure.COPY_ERROR)
-            # The copies of this part's other components may be running still: their host
-            # pages go back only once they end, or a disk read given one of those pages
-            # could be overwritten by a late copy.
-            for ev in events:
-                if ev is not None:
-                    try:
-                        ev.synchronize()
-                    except Exception as sync_exc:  # a broken device: nothing runs any more
-                        log.error("waiting for a backup copy failed: %s", sync_exc)
-            with self._store.lock:
-                self._fills.abort_locked(plan, fill)
-            return False
-        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill, buffers)
-        with self._store.lock:
-            if queued.events:
-                self._fills.queue_locked(queued)
-            else:
-                self._fills.publish_locked(queued)
-        return True
+        check_refs(refs, buffers, self._layout)
+        return self._copies.backup(refs, buffers, ready_event)
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
@@ -409,45 +280,12 @@ class LocalController:
         if not ttl > 0:
             raise ControllerError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         ttl = min(ttl, self.config.pin_ttl_max_s)
-        store = self._store
-        rec = None
-        # In chunks, the lock released in between: what is pinned stays put meanwhile,
-        # and the other engines' lookups need not wait for a pin of many thousand keys.
-        for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
-            if start:
-                time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
-            with store.lock:
-                if rec is None:
-                    store.expire_pins_locked()
-                elif store.pins.get(rec.pin_id) is not rec:  # expired while being made
-                    self.counters.fail(Failure.PIN_EXPIRED)
-                    return None
-                chunk = keys[start : start + _PIN_CHUNK_KEYS]
-                entries = []
-                missing: list[PageKey] | None = []  # hinted remotely: read below
-                for k in chunk:
-                    e = store.index.get(k.storage_key())
-                    if e is not None and e.held:
-                        entries.append(e)
-                    elif store.remote is not None and store.remote.hinted(k):
-                        missing.append(k)
-                    else:  # absent: fail at once, a pin of many keys must not scan on
-                        missing = None
-                        break
-                if missing is None or (missing and not store.remote.fill_locked(missing)):
-                    if rec is not None:
-                        store.pins.release(rec.pin_id)
-                    self.counters.fail(Failure.PIN_ABSENT)
-                    return None
-                entries += [store.index.get(k.storage_key()) for k in missing]
-                if rec is None:
-                    rec = store.pins.add(engine_id, entries, time.monotonic() + ttl)
-                else:
-                    store.pins.extend(rec, entries)
-                for e in entries:
-                    store.index.touch(e)
+        rec = self._store.pin_keys(keys, engine_id, ttl)
+        if isinstance(rec, Failure):
+            self.counters.fail(rec)
+            return None
         self.counters.inc("pins", "pinned")
-        return PinReceipt(rec.pin_id, list(keys), rec.deadline, {"engine_id": engine_id})
+        return PinReceipt(rec.pin_id, list(keys), rec.deadline, engine_id=engine_id)
 
     def unpin(self, pin: PinReceipt, engine_id: str = DEFAULT_ENGINE) -> None:
         """Release a pin; harmless when released already or expired."""
@@ -461,30 +299,8 @@ class LocalController:
         """Start reading disk-only (and remote-hinted) pages into host pages; the handle
         waits for them."""
         self._check_open()
-        fills: list[Future] = []
-        ok = True
         with self._store.lock:
-            remote, index = self._store.remote, self._store.index
-            if remote is not None:  # the hinted pages no local tier holds: read them in
-                missing = [
-                    k
-                    for k in keys
-                    if ((e := index.get(k.storage_key())) is None or not e.held)
-                    and remote.hinted(k)
-                ]
-                if missing and not remote.fill_locked(missing):
-                    ok = False
-            for k in keys:
-                e = self._store.index.get(k.storage_key())
-                if e is None or not e.held:
-                    ok = False
-                elif e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
-                elif e.host_state is HostState.NONE:
-                    fut = self._store.start_read_locked(e)
-                    ok = ok and fut is not None
-                    if fut is not None:
-                        fills.append(fut)
+            fills, ok = self._store.start_fills_locked(keys)
         self.counters.add(len(fills), "prefetch", "pages")
         return self._fills.handle(fills, ok, self.config.prefetch_timeout_s)
 
@@ -494,17 +310,24 @@ class LocalController:
         pin: PinReceipt,
         timeout_s: float | None = None,
         engine_id: str = DEFAULT_ENGINE,
-    ) -> bool:
+    ) -> LoadResult:
         """Copy pinned pages into the device slots of ``refs`` (disk → host first).
 
-        False when a page is gone, a read fails its checks, the reads outlast
+        A failure when a page is gone, a read fails its checks, the reads outlast
         ``timeout_s`` (default ``load_timeout_s``) or a copy fails; the device slots are
-        then undefined. Raises ControllerError for a call that can never succeed (an
-        unregistered engine, a page outside the pin, a bad device index).
+        then undefined (nothing writes into them after the return: no ``pending``).
+        Raises ControllerError for a call that can never succeed (an unregistered
+        engine, a page outside the pin, a bad device index).
         """
+        loaded = self._load(refs, pin, timeout_s, engine_id)
+        return LoadResult.LOADED if loaded else LoadResult.FAILED
+
+    def _load(
+        self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float | None, engine_id: str
+    ) -> bool:
         self._check_open()
         buffers = self._buffers(engine_id)
-        self._check_refs(refs, buffers)
+        check_refs(refs, buffers, self._layout)
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         if refs and self._store.faults is not None:
@@ -560,59 +383,59 @@ class LocalController:
                         return False
                 for e in entries:
                     self._store.hold_locked(e)
-        return self._copy_to_device(refs, entries, buffers)
-
-    def _copy_to_device(
-        self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
-    ) -> bool:
-        t0 = time.perf_counter()
-        ok = False
-        nbytes = 0
-        try:
-            plan = list(zip(entries, refs))
-            for comp, group in _by_component(plan).items():
-                if self._store.fault("copy_to_device"):
-                    raise RuntimeError("injected host-to-device copy failure")
-                self._transfer.to_device(
-                    comp,
-                    buffers,
-                    [e.host_page for e, _ in group],
-                    [r.device_index for _, r in group],
-                )
-                nbytes += len(group) * self._store.host[comp].page_bytes
-            ok = True
-        except Exception as exc:
-            log.error("load copy failed: %s", exc)
-            self.counters.fail(Failure.COPY_ERROR)
-        finally:
-            with self._store.lock:
-                for e in entries:
-                    self._store.unhold_locked(e)
-                    if ok:
-                        self._store.index.served(e)
-                        if self._store.remote is not None:
-                            self._store.remote.on_served_locked(e)
-        if ok:
-            self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
-            self.counters.inc("load", "ok")
-        return ok
+        return self._copies.to_device(refs, entries, buffers)
 
     # -- state ---------------------------------------------------------------------------
 
     def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:
         """Which tiers hold each page: HOST once its host copy is ready, DISK once
         committed to LMDB (a queued write does not count)."""
-        out = []
         with self._store.lock:
-            for k in keys:
-                e = self._store.index.get(k.storage_key())
-                tiers = set()
-                if e is not None and e.host_state is HostState.READY:
-                    tiers.add(Tier.HOST)
-                if e is not None and e.disk_state is DiskState.READY:
-                    tiers.add(Tier.DISK)
-                out.append(frozenset(tiers))
-        return out
+            return [self._store.tiers_locked(k) for k in keys]
+
+    def acknowledged(self, refs: Sequence[PageRef], ack: BackupAck, timeout_s: float) -> bool:
+        """Whether the pages of a backup that ended well are where ``ack`` promises:
+        always for HOST (the backup held them); for DISK once every one is committed to
+        LMDB, waiting up to ``timeout_s`` for the writer."""
+        if ack is BackupAck.HOST:
+            return True
+        keys = list({r.key: None for r in refs})
+        return self.flush(timeout_s) and all(Tier.DISK in t for t in self.tiers_of(keys))
+
+    # -- admin: the work is admin_ops', whose functions say what each one promises ------
+
+    def clear(
+        self,
+        fingerprint: bytes | None,
+        tiers: Sequence[Tier],
+        namespace: str | None = None,
+        all_namespaces: bool = True,
+    ) -> admin_ops.ClearResult:
+        return admin_ops.clear(self, fingerprint, tiers, namespace, all_namespaces)
+
+    def evict(
+        self, tier: Tier, nbytes: int, component: ComponentType | None = None
+    ) -> dict[str, int]:
+        return admin_ops.evict(self, tier, nbytes, component)
+
+    def prefix_keys(
+        self, fingerprint: bytes, page_size: int, tokens: list[int], namespace: str | None
+    ) -> list[PageKey]:
+        return admin_ops.prefix_keys(self, fingerprint, page_size, tokens, namespace)
+
+    def pin_prefix(self, keys: list[PageKey], ttl_s: float) -> PinReceipt | None:
+        return admin_ops.pin_prefix(self, keys, ttl_s)
+
+    def unpin_prefix(self, pin_id: int) -> None:
+        admin_ops.unpin(self, pin_id)
+
+    def fsck(
+        self, repair: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> admin_ops.FsckResult:
+        return admin_ops.fsck(self, repair, progress)
+
+    def residency(self) -> dict[str, dict[str, dict[str, int]]]:
+        return admin_ops.residency(self)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued backups are published and queued disk writes committed."""
@@ -627,7 +450,7 @@ class LocalController:
         with self._store.lock:
             out.update(self._store.stats_locked())
             out["engines"] = len(self._engines)
-            out["kernels"] = None if self._transfer is None else self._transfer.source
+            out["kernels"] = None if self._copies is None else self._copies.transfer.source
         remote = self._store.remote
         out["remote_tier"] = {"enabled": False} if remote is None else remote.stats()
         return out
@@ -674,12 +497,3 @@ class LocalController:
                 lost += unwritten
             self._engines.clear()
         return lost
-
-
-def _by_component(
-    plan: list[tuple[PageEntry, PageRef]],
-) -> dict[ComponentType, list[tuple[PageEntry, PageRef]]]:
-    out: dict[ComponentType, list[tuple[PageEntry, PageRef]]] = {}
-    for item in plan:
-        out.setdefault(item[1].component, []).append(item)
-    return out

@@ -28,37 +28,28 @@ clock ticks a host victim had gone unused), so it outlives an unused page of the
 age by about that many host lifetimes; 0 is plain LRU. The order stays tail-first: only
 leaves of the host tier are candidates, whatever their key.
 
-Every method here is called with the controller's lock held.
+Every method here is called with the controller's lock held. An entry's own fields are
+:class:`hicache.controller.page_entry.PageEntry`'s.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, PageKey
+from hicache.controller.page_entry import DiskState, HostState, PageEntry
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
 from hicache.types import ComponentType, Tier
+
+__all__ = ["DiskState", "HostState", "PageEntry", "PageIndex"]
 
 _FULL_TAG = bytes((int(ComponentType.FULL),))
 _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _TIERS = (Tier.HOST, Tier.DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
 _SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
-
-
-class HostState(enum.IntEnum):
-    NONE = 0
-    FILLING = 1  # a host page is reserved; a copy into it is in flight
-    READY = 2
-
-
-class DiskState(enum.IntEnum):
-    NONE = 0
-    PENDING = 1  # queued to the LMDB writer, not committed yet
-    READY = 2  # committed
 
 
 class DiskRecordLike(Protocol):
@@ -73,77 +64,6 @@ class DiskRecordLike(Protocol):
 
 _HOST_READY = HostState.READY
 _DISK_NONE = DiskState.NONE
-
-
-class PageEntry:
-    """One page of one component and everything the controller knows about it."""
-
-    __slots__ = (
-        "attached",
-        "busy",
-        "children",
-        "component",
-        "copies",
-        "disk_nbytes",
-        "disk_state",
-        "fill",
-        "heap_key",
-        "host_page",
-        "host_state",
-        "last_access",
-        "page_hash",
-        "parent_hash",
-        "pending_payload",
-        "pins",
-        "retain",
-        "skey",
-    )
-
-    def __init__(self, component: ComponentType, page_hash: bytes, parent_hash: bytes) -> None:
-        self.component = component
-        self.page_hash = page_hash
-        self.parent_hash = parent_hash
-        self.skey = page_hash + bytes((int(component),))
-        self.host_page = -1
-        self.host_state = HostState.NONE
-        self.disk_state = DiskState.NONE
-        self.disk_nbytes = 0
-        self.pins = 0
-        self.busy = 0
-        self.copies = 0  # device copies in flight: the part of ``busy`` they hold
-        self.last_access = 0
-        # Per tier (indexed by Tier value): FULL children present there, and the
-        # (order key, seq) of this entry's newest heap item per tier, None when it has none;
-        # the order key is the last access, plus ``retain`` in the host tier.
-        self.children = [0, 0, 0]
-        self.heap_key: list[tuple[int, int] | None] = [None, None, None]
-        self.retain = 0  # clock ticks added to its host eviction key (it served a load)
-        self.attached = False
-        # A future that resolves when an in-flight host fill ends (True: filled).
-        self.fill = None
-        # Write-back: the bytes of a host-evicted page until the writer commits them.
-        self.pending_payload: bytes | None = None
-
-    @property
-    def key(self) -> PageKey:
-        return PageKey(self.component, self.page_hash)
-
-    def present(self, tier: Tier) -> bool:
-        if tier is Tier.HOST:
-            return self.host_state is not HostState.NONE
-        return self.disk_state is not DiskState.NONE
-
-    @property
-    def held(self) -> bool:
-        """Whether the controller can serve this page (from host, or through a disk read)."""
-        return self.host_state is not HostState.NONE or self.disk_state is not DiskState.NONE
-
-    def __repr__(self) -> str:
-        return (
-            f"PageEntry({self.component.name} {self.page_hash.hex()[:8]} "
-            f"host={self.host_state.name}:{self.host_page} disk={self.disk_state.name} "
-            f"pins={self.pins} busy={self.busy})"
-        )
 
 
 class PageIndex:

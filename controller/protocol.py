@@ -15,55 +15,42 @@ Reply::
     {"id": <int|nil>, "ok": false, "error": {"code": <str>, "message": <str>}}
     {"id": <int>, "progress": {"done": <int>, "total": <int>}}   (long admin verbs)
 
-Page references travel as columns (one ``bin`` per field) rather than one map per page:
-a load of ten thousand pages is four byte strings, which msgpack packs and unpacks at
-memory speed.
+What each verb takes and answers is :mod:`hicache.controller.verb_specs`; the field
+types (page columns, layouts) are :mod:`hicache.controller.wire_fields`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import io
+import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
 
-from hicache.controller_api import PageKey, PageRef
-from hicache.keys import HASH_BYTES
-from hicache.types import ComponentType, ConfigError, HicacheError
+from hicache.controller_api import ControllerError
+from hicache.types import HicacheError, LayoutMismatchError
 
 if TYPE_CHECKING:
-    from hicache.layout import ModelLayout
+    pass
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 SOCKET_NAME = "hicache.sock"
 ADMIN_TOKEN_NAME = "admin.token"
 
-# Bounds on single values inside a message, whatever the message size limit: a name or a
-# dtype is never long, and no legitimate request lists more than a million pages.
-_MAX_STR = 4096
-_MAX_PAGES = 1 << 20
 _MAX_TTL_MS = 3_600_000
-
-# Per-request work (docs/protocol.md, "Limits"): a lookup names at most this many
-# hashes and a pin at most this many keys (4 M tokens of pages of 16); more is refused
-# with bad_args, and SidecarController splits its own larger lookups. Requests above
-# INLINE_MAX_PAGES leave the I/O thread for the fair lane (controller/fair_lane.py) and
-# are worked through in chunks of WORK_CHUNK_PAGES, the I/O thread running in between.
-MAX_LOOKUP_HASHES = 1 << 18
-MAX_PIN_KEYS = 1 << 18
-INLINE_MAX_PAGES = 1024
-WORK_CHUNK_PAGES = 1024
-_COMPONENT_TAGS = frozenset(int(c) for c in ComponentType)
+# Shared by the sidecar and its clients: how often a waiting thread looks again (a copy
+# that must settle, a reply), and the heartbeat interval the sidecar asks for by default.
+SETTLE_POLL_S = 0.05
+DEFAULT_HEARTBEAT_INTERVAL_S = 3.0
 
 # Bounds on what one message may decode to. Every empty msgpack map or array is one byte
 # and becomes a Python object of 56 bytes or more, so a message within max_message_bytes
@@ -115,7 +102,8 @@ class ProtocolError(HicacheError):
 
 
 class Verb(enum.Enum):
-    """Every request a connection can make. ``admin``: only on an admin connection."""
+    """Every request a connection can make (each one's spec: :mod:`~hicache.controller.
+    verb_specs`)."""
 
     HELLO = "hello"
     REGISTER = "register"
@@ -137,27 +125,7 @@ class Verb(enum.Enum):
     UNPIN_PREFIX = "unpin_prefix"
     FSCK = "fsck"
 
-    @property
-    def admin(self) -> bool:
-        return self in _ADMIN_VERBS
 
-    @property
-    def needs_registration(self) -> bool:
-        """Verbs that address the engine's device memory."""
-        return self in (Verb.BACKUP, Verb.LOAD)
-
-
-_ADMIN_VERBS = frozenset(
-    {
-        Verb.STATUS,
-        Verb.ENGINES,
-        Verb.CLEAR,
-        Verb.EVICT,
-        Verb.PIN_PREFIX,
-        Verb.UNPIN_PREFIX,
-        Verb.FSCK,
-    }
-)
 _VERBS = {v.value: v for v in Verb}
 
 
@@ -332,256 +300,6 @@ def progress_reply(req_id: int, done: int, total: int) -> bytes:
     return pack({"id": req_id, "progress": {"done": done, "total": total}})
 
 
-# -- argument checks ----------------------------------------------------------------------
-
-
-def _bad(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_ARGS, message)
-
-
-class Args:
-    """Typed access to a request's ``args`` map; every getter raises BAD_ARGS on misuse."""
-
-    def __init__(self, verb: Verb, args: dict[str, Any], allowed: Sequence[str]) -> None:
-        extra = set(args) - set(allowed)
-        if extra:
-            raise _bad(
-                f"{verb.value}: unknown argument(s) {sorted(map(str, extra))}; "
-                f"allowed: {sorted(allowed)}"
-            )
-        self.verb = verb
-        self.args = args
-
-    def _get(self, name: str, required: bool) -> Any:
-        if name not in self.args:
-            if required:
-                raise _bad(f"{self.verb.value}: missing argument {name!r}")
-            return None
-        return self.args[name]
-
-    def int(self, name: str, lo: int = 0, hi: int = 1 << 62, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if type(v) is not int or not lo <= v <= hi:
-            raise _bad(f"{self.verb.value}: {name!r} must be an integer in {lo}..{hi}")
-        return v
-
-    def float(self, name: str, lo: float, hi: float, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if type(v) not in (int, float) or not (math.isfinite(v) and lo <= v <= hi):
-            raise _bad(f"{self.verb.value}: {name!r} must be a number in {lo}..{hi}")
-        return float(v)
-
-    def str(self, name: str, required: bool = True, choices: Sequence[str] = ()) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if not isinstance(v, str) or len(v) > _MAX_STR:
-            raise _bad(f"{self.verb.value}: {name!r} must be a string of <= {_MAX_STR} chars")
-        if choices and v not in choices:
-            raise _bad(f"{self.verb.value}: {name!r} must be one of {list(choices)}, got {v!r}")
-        return v
-
-    def bytes(self, name: str, length: int | None = None, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if not isinstance(v, bytes) or (length is not None and len(v) != length):
-            size = "" if length is None else f" of {length} bytes"
-            raise _bad(f"{self.verb.value}: {name!r} must be binary{size}")
-        return v
-
-    def bool(self, name: str, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if not isinstance(v, bool):
-            raise _bad(f"{self.verb.value}: {name!r} must be true or false")
-        return v
-
-    def map(self, name: str, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if not isinstance(v, dict):
-            raise _bad(f"{self.verb.value}: {name!r} must be a map")
-        return v
-
-    def int_list(self, name: str, max_len: int = 64, required: bool = True) -> Any:
-        v = self._get(name, required)
-        if v is None and not required:
-            return None
-        if (
-            not isinstance(v, list)
-            or len(v) > max_len
-            or not all(type(x) is int and 0 <= x < 1 << 62 for x in v)
-        ):
-            raise _bad(f"{self.verb.value}: {name!r} must be a list of <= {max_len} integers")
-        return v
-
-
-# -- layouts ------------------------------------------------------------------------------
-
-_MAX_LAYERS = 4096
-_LAYOUT_INTS = ("num_kv_heads", "head_dim", "conv_dim", "conv_kernel", "tp_rank", "tp_size")
-_LAYOUT_STRS = ("model_id", "dtype", "state_dtype")
-
-
-def decode_layout(v: Any, where: str) -> ModelLayout:
-    """A layout sent on the wire, every field's type checked before the layout is built:
-    raises BAD_ARGS naming the field (``where``: the verb and argument, for the message)."""
-    from hicache.layout import ModelLayout  # torch: not for hicachectl, which never calls this
-
-    if not isinstance(v, dict):
-        raise _bad(f"{where} must be a map of layout fields")
-    known = {f.name for f in dataclasses.fields(ModelLayout)}
-    unknown = set(v) - known
-    if unknown:
-        raise _bad(f"{where}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
-    kinds = v.get("layer_kinds")
-    if (
-        not isinstance(kinds, list)
-        or not 0 < len(kinds) <= _MAX_LAYERS
-        or not all(isinstance(k, str) and len(k) <= 16 for k in kinds)
-    ):
-        raise _bad(f"{where}.layer_kinds must be a list of 1..{_MAX_LAYERS} layer kind names")
-    for name in _LAYOUT_INTS:
-        if name in v and (type(v[name]) is not int or not 0 <= v[name] < 1 << 30):
-            raise _bad(f"{where}.{name} must be an integer in 0..{(1 << 30) - 1}")
-    for name in _LAYOUT_STRS:
-        if name in v and (not isinstance(v[name], str) or not 0 < len(v[name]) <= _MAX_STR):
-            raise _bad(f"{where}.{name} must be a string of 1..{_MAX_STR} characters")
-    shape = v.get("ssm_state_shape", [])
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 8
-        or not all(type(n) is int and 0 < n < 1 << 30 for n in shape)
-    ):
-        raise _bad(f"{where}.ssm_state_shape must be a list of <= 8 positive integers")
-    try:
-        return ModelLayout.from_dict(v)
-    except (ConfigError, TypeError, KeyError, ValueError) as exc:
-        raise _bad(f"{where}: bad layout ({exc})") from None
-
-
-# -- page columns -------------------------------------------------------------------------
-
-
-def _column(v: Any, name: str, itemsize: int, n: int | None) -> bytes:
-    if not isinstance(v, bytes) or len(v) % itemsize:
-        raise _bad(f"page column {name!r} must be binary, a multiple of {itemsize} bytes")
-    if n is not None and len(v) != n * itemsize:
-        raise _bad(f"page column {name!r} holds {len(v) // itemsize} items, expected {n}")
-    return v
-
-
-_COMPONENT_BY_TAG = {int(c): c for c in ComponentType}
-
-
-def _components(raw: bytes) -> list[ComponentType]:
-    tags = np.frombuffer(raw, dtype=np.uint8)
-    if tags.size > _MAX_PAGES:
-        raise _bad(f"at most {_MAX_PAGES} pages per request")
-    bad = set(np.unique(tags).tolist()) - _COMPONENT_TAGS
-    if bad:
-        raise _bad(f"unknown component tag(s) {sorted(bad)}; known: {sorted(_COMPONENT_TAGS)}")
-    by_tag = _COMPONENT_BY_TAG  # a dict lookup: an enum call per page costs ~1 µs
-    return [by_tag[t] for t in tags.tolist()]
-
-
-def _split_hashes(raw: bytes) -> list[bytes]:
-    return [raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
-
-
-def encode_hashes(hashes: Sequence[bytes]) -> bytes:
-    if any(len(h) != HASH_BYTES for h in hashes):
-        raise ValueError(f"page hashes must be {HASH_BYTES} bytes")
-    return b"".join(hashes)
-
-
-def hash_column(v: Any, limit: int = _MAX_PAGES) -> bytes:
-    """A ``hashes`` argument checked (whole hashes, at most ``limit``), not yet split."""
-    raw = _column(v, "hashes", HASH_BYTES, None)
-    if len(raw) // HASH_BYTES > limit:
-        raise _bad(f"{len(raw) // HASH_BYTES} hashes in one request; at most {limit}: split it")
-    return raw
-
-
-def decode_hashes(v: Any, limit: int = _MAX_PAGES) -> list[bytes]:
-    return _split_hashes(hash_column(v, limit))
-
-
-def page_count(args: dict[str, Any], verb: Verb) -> int:
-    """How many pages a lookup or pin names, read from its column's length without
-    decoding it (0 when the column is malformed: the handler refuses it)."""
-    column = args.get("hashes") if verb is Verb.LOOKUP else args.get("keys")
-    if isinstance(column, dict):
-        column = column.get("h")
-    return len(column) // HASH_BYTES if isinstance(column, bytes) else 0
-
-
-def encode_refs(refs: Sequence[PageRef]) -> dict[str, bytes]:
-    """Page references as four columns: component tags, hashes, parents, device indices."""
-    return {
-        "c": bytes(int(r.component) for r in refs),
-        "h": encode_hashes([r.page_hash for r in refs]),
-        "p": encode_hashes([r.parent_hash for r in refs]),
-        "d": np.asarray([r.device_index for r in refs], dtype="<i8").tobytes(),
-    }
-
-
-def decode_refs(v: Any) -> list[PageRef]:
-    if not isinstance(v, dict) or set(v) != {"c", "h", "p", "d"}:
-        raise _bad("'refs' must be a map of the columns c, h, p and d")
-    comps = _components(_column(v["c"], "c", 1, None))
-    n = len(comps)
-    hashes = _split_hashes(_column(v["h"], "h", HASH_BYTES, n))
-    parents = _split_hashes(_column(v["p"], "p", HASH_BYTES, n))
-    index = np.frombuffer(_column(v["d"], "d", 8, n), dtype="<i8")
-    if index.size and index.min() < 0:
-        raise _bad("device indices must be >= 0")
-    return [PageRef(c, h, p, d) for c, h, p, d in zip(comps, hashes, parents, index.tolist())]
-
-
-def encode_keys(keys: Sequence[PageKey]) -> dict[str, bytes]:
-    return {
-        "c": bytes(int(k.component) for k in keys),
-        "h": encode_hashes([k.page_hash for k in keys]),
-    }
-
-
-def decode_keys(
-    v: Any, limit: int = _MAX_PAGES, between_chunks: Callable[[], None] | None = None
-) -> list[PageKey]:
-    """The keys of a ``keys`` argument (at most ``limit``); ``between_chunks`` is called
-    after each WORK_CHUNK_PAGES keys built, so that a long decode lets others run."""
-    if not isinstance(v, dict) or set(v) != {"c", "h"}:
-        raise _bad("'keys' must be a map of the columns c and h")
-    tags = _column(v["c"], "c", 1, None)
-    if len(tags) > limit:
-        raise _bad(f"{len(tags)} keys in one request; at most {limit}: split it")
-    comps = _components(tags)
-    raw = _column(v["h"], "h", HASH_BYTES, len(comps))
-    keys: list[PageKey] = []
-    for start in range(0, len(comps), WORK_CHUNK_PAGES):
-        if start and between_chunks is not None:
-            between_chunks()
-        end = min(start + WORK_CHUNK_PAGES, len(comps))
-        hashes = _split_hashes(raw[start * HASH_BYTES : end * HASH_BYTES])
-        keys += [PageKey(c, h) for c, h in zip(comps[start:end], hashes)]
-    return keys
-
-
-def decode_component_list(values: list[int]) -> list[ComponentType]:
-    bad = [v for v in values if v not in _COMPONENT_TAGS]
-    if bad:
-        raise _bad(f"unknown component tag(s) {bad}; known: {sorted(_COMPONENT_TAGS)}")
-    return [ComponentType(v) for v in values]
-
-
 # -- endpoints ----------------------------------------------------------------------------
 
 
@@ -617,3 +335,52 @@ def socket_dir(endpoint: str) -> Path | None:
     if endpoint.startswith("ipc://"):
         return Path(endpoint[len("ipc://") :]).parent
     return None
+
+
+# -- errors of handlers -------------------------------------------------------------------
+
+_TRACEBACK_INTERVAL_S = 60.0
+_log = logging.getLogger("hicache.sidecar")
+
+
+class _TracebackLimiter:
+    """Logs the traceback of an unexpected error at most once per ``interval_s``; the
+    others in between are counted and reported with the next one. Anyone who can connect
+    can trigger a bug as often as they like: the log must not grow with them."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -interval_s
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def log(self, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._suppressed += 1
+                return
+            self._last, suppressed, self._suppressed = now, self._suppressed, 0
+        _log.error(
+            "internal error (%d more since the last traceback, not shown)",
+            suppressed,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+
+
+_internal_errors = _TracebackLimiter(_TRACEBACK_INTERVAL_S)
+
+
+def as_protocol_error(exc: Exception) -> ProtocolError:
+    """The error reply an exception of a handler becomes: a controller's refusal says
+    why; anything else is a bug, logged (with a rate-limited traceback) as ``internal``."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, LayoutMismatchError):
+        return ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, (ControllerError, HicacheError)):
+        return ProtocolError(ErrorCode.CONTROLLER_ERROR, str(exc))
+    _internal_errors.log(exc)
+    return ProtocolError(
+        ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the sidecar log"
+    )

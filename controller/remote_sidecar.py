@@ -115,6 +115,4 @@ def print_remote_status(remote: dict[str, Any]) -> None:
 def verbs_on_workers(verbs: Any) -> None:
     """Move the verbs that wait on the cluster off the I/O thread of ``verbs`` (a
     ``VerbHandlers``), which serves every engine, onto its worker threads."""
-    for verb in (Verb.LOOKUP, Verb.STATUS):
-        handler = verbs.inline.pop(verb)
-        verbs.workers[verb] = lambda conn, req, deadline, run=handler: run(conn, req)
+    verbs.on_workers |= {Verb.LOOKUP, Verb.STATUS}

@@ -61,7 +61,7 @@ from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.tiers import PageStore
+    from hicache.controller.page_store import PageStore
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Who a peer is, and which files the sidecar may trust: peer credentials on the Unix
-socket, and the permission rules of the disk tier's directory.
+socket, the private socket directory and admin token, TCP authentication (CURVE or a
+shared token over PLAIN), and the permission rules of the disk tier's directory.
 
 * **Peer credentials.** libzmq reads ``SO_PEERCRED`` when a peer connects over ``ipc://``
   and reports it in each message's ``Peer-Address`` property (``host:uid:gid:pid``). A
@@ -15,12 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hicache.types import ConfigError
+from hicache.types import ConfigError, HicacheError
+
+if TYPE_CHECKING:
+    from hicache.controller.sidecar_config import SidecarConfig
 
 log = logging.getLogger("hicache.security")
 
@@ -110,3 +115,129 @@ def _mode_of(path: Path) -> int:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except OSError:  # removed meanwhile
         return 0
+
+
+class SidecarError(HicacheError):
+    """The sidecar cannot start or serve; the message says what to do."""
+
+
+# -- the socket directory and the admin token ---------------------------------------------
+
+
+def private_dir(path: Path, setting: str) -> None:
+    """Create ``path`` mode 0700, or check the directory that is there: the socket and
+    the admin token in it are trusted only because no other user can replace them.
+    Raises SidecarError for a symbolic link, a non-directory or a directory of another
+    user; a directory of this user that others may enter is made 0700 (and logged).
+    ``setting``: the option that put the directory there, for the messages."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to the sidecar's user (uid {os.getuid()})"
+    else:
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            os.chmod(path, PRIVATE_DIR_MODE)
+            log.warning("the directory %s (of %s) was mode %04o; made it 0700", path, setting, mode)
+        return
+    raise SidecarError(
+        f"the directory {path} (of {setting}) {problem}, so another user could replace the "
+        f"socket or plant the admin token; remove it, or set {setting} to a path in a "
+        "directory of your own"
+    )
+
+
+def load_admin_token(path: Path, setting: str) -> bytes:
+    """The token this sidecar wrote before (kept across restarts), or a fresh one.
+
+    An existing file is trusted only if it is a regular file of the sidecar's user that
+    no other user may read or write (mode 0600 or 0400). Any other (planted by another
+    user, readable by others, a symbolic link) is replaced by a fresh token (logged):
+    written to a new 0600 file and renamed over it, never into the file that was there.
+    """
+    private_dir(path.parent, setting)
+    try:
+        # O_NONBLOCK: a FIFO planted there must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        distrust = None
+    except OSError as exc:
+        distrust = "a symbolic link" if path.is_symlink() else exc.strerror
+    else:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                distrust = "not a regular file"
+            elif st.st_uid != os.getuid():
+                distrust = f"written by uid {st.st_uid}"
+            elif stat.S_IMODE(st.st_mode) & 0o077:
+                distrust = f"mode {stat.S_IMODE(st.st_mode):04o}, open to other users"
+            else:
+                token = os.read(fd, 4096).strip()
+                if len(token) >= 16:
+                    return token
+                distrust = None  # empty or cut short: simply write a new one
+        finally:
+            os.close(fd)
+    if distrust:
+        log.warning("admin token %s not trusted (%s); writing a new one", path, distrust)
+    token = secrets.token_hex(32).encode()
+    fresh = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), PRIVATE_FILE_MODE)
+            f.write(token + b"\n")
+        os.replace(fresh, path)
+    except BaseException:
+        fresh.unlink(missing_ok=True)
+        raise
+    return token
+
+
+# -- TCP authentication -------------------------------------------------------------------
+
+ZAP_DOMAIN = "hicache"
+
+
+def secure_tcp(ctx: Any, router: Any, config: SidecarConfig) -> Any:
+    """Make ``router`` serve only authenticated peers: CURVE (encrypted, the clients'
+    keys in a directory) or PLAIN with the shared token. Returns the running ZAP
+    authenticator (stop it with the socket). Raises SidecarError for a bad key or token."""
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from hicache.controller.sidecar_config import TcpAuth
+
+    auth_log = logging.getLogger("hicache.sidecar.auth")
+    auth_log.setLevel(logging.INFO)  # its debug lines would print PLAIN passwords
+    auth = ThreadAuthenticator(ctx, log=auth_log)
+    auth.start()
+    try:
+        if config.tcp_auth is TcpAuth.CURVE:
+            public, secret = zmq.auth.load_certificate(str(config.curve_secret_key_file))
+            if secret is None:
+                raise SidecarError(
+                    f"{config.curve_secret_key_file} holds no secret key; give the server's "
+                    "secret certificate (zmq.auth.create_certificates writes one)"
+                )
+            router.curve_secretkey = secret
+            router.curve_publickey = public
+            router.curve_server = True
+            auth.configure_curve(domain=ZAP_DOMAIN, location=str(config.curve_authorized_keys_dir))
+        else:
+            token = Path(config.tcp_token_file).read_text().strip()
+            if len(token) < 16:
+                raise SidecarError(f"the token in {config.tcp_token_file} is shorter than 16 chars")
+            router.plain_server = True
+            auth.configure_plain(domain=ZAP_DOMAIN, passwords={"hicache": token})
+    except BaseException:
+        auth.stop()
+        raise
+    router.zap_domain = ZAP_DOMAIN.encode()
+    return auth

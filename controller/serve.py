@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import enum
 import json
 import logging
 import os
 import re
 import signal
 import sys
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 from hicache.controller.config import ControllerConfig
+from hicache.controller.settings import coerce, did_you_mean, fields_of, parse_size
 from hicache.controller.sidecar_config import SidecarConfig
 from hicache.layout import ModelLayout
 from hicache.types import ConfigError, HicacheError
@@ -70,137 +67,10 @@ OTHER_VARIABLES = frozenset(
 )
 _SERVICE_LINK = re.compile(r"HICACHE\w*_(SERVICE_HOST|SERVICE_PORT\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
 _SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+_SIDECAR_FIELDS = fields_of(SidecarConfig)
+_CONTROLLER_FIELDS = fields_of(ControllerConfig)
 
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes from an int or a string with a unit (``4GiB``, ``512MB``, ``1048576``)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}={value!r} is not a size; write e.g. 4GiB, 512MiB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    """A config field as the loader reads it, from its annotation."""
-
-    kind: Any  # bool, int, float, str, Path, list, or an enum class
-    nullable: bool  # "none" (or nothing) sets it to None
-
-
-def _fields(cls: type) -> dict[str, _Field]:
-    """Each field of the config dataclass ``cls``, read from its type annotation."""
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        args = typing.get_args(hint) if union else (hint,)
-        kinds = [a for a in args if a is not type(None)]
-        kind = Path if Path in kinds else typing.get_origin(kinds[0]) or kinds[0]
-        out[f.name] = _Field(kind, len(kinds) < len(args))
-    return out
-
-
-_SIDECAR_FIELDS = _fields(SidecarConfig)
-_CONTROLLER_FIELDS = _fields(ControllerConfig)
-
-
-def _expected(kind: Any) -> str:
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return "one of: " + ", ".join(str(m.value) for m in kind)
-    return {
-        bool: "true or false",
-        int: "an integer",
-        float: "a number",
-        list: "a list of strings (or one comma-separated string)",
-        Path: "a path (a string)",
-    }.get(kind, "a string")
-
-
-def _from_string(text: str, kind: Any) -> Any:
-    """``text`` (the environment, a flag, a quoted TOML value) as ``kind``; ValueError if
-    it is not one. Enum values stay strings: the config classes check the choice."""
-    word = text.strip()
-    if kind is bool:
-        if word.lower() not in _TRUE + _FALSE:
-            raise ValueError(text)
-        return word.lower() in _TRUE
-    if kind in (int, float):
-        return kind(word)
-    if kind is list:
-        return [v.strip() for v in text.split(",") if v.strip()]
-    return text
-
-
-def _is_a(value: Any, kind: Any) -> bool:
-    """Whether a TOML (or Python) value is already of type ``kind``: a bool is not an int,
-    an int is a float, and a path comes from a string only."""
-    if kind is float:
-        return type(value) in (int, float)
-    if kind is list:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if kind is Path:
-        return isinstance(value, os.PathLike)
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-
-
-def _parse(name: str, value: Any, field: _Field) -> Any:
-    if field.nullable and isinstance(value, str) and value.strip().lower() in ("", "none"):
-        return None
-    if name.endswith("_bytes"):
-        return parse_size(value, name)
-    try:
-        if isinstance(value, str):
-            return _from_string(value, field.kind)
-        if _is_a(value, field.kind):
-            return float(value) if field.kind is float else value
-    except ValueError:
-        pass
-    raise ConfigError(f"{name}={value!r} is not {_expected(field.kind)}")
-
-
-def _coerce(name: str, value: Any, field: _Field, source: str) -> Any:
-    """``value`` (from TOML, the environment or a flag) as field ``name``'s type.
-
-    Raises ConfigError naming ``source``, the field, the value and the type expected.
-    """
-    try:
-        return _parse(name, value, field)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-
-
-def _did_you_mean(
-    name: str, known: typing.Iterable[str], spell: typing.Callable[[str], str] = repr
-) -> str:
-    """``; did you mean X?`` with X the known name closest to ``name`` as ``spell`` writes
-    it, or nothing when none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f"; did you mean {spell(close[0])}?" if close else ""
+__all__ = ["ServeSettings", "load_settings", "main", "parse_size", "run_serve"]
 
 
 def _variable(option: str) -> str:
@@ -275,9 +145,9 @@ def load_settings(
             for k, v in data.get(table, {}).items():
                 if k not in fields:
                     raise ConfigError(
-                        f"{path}: unknown key {k!r} in [{table}]{_did_you_mean(k, fields)}"
+                        f"{path}: unknown key {k!r} in [{table}]{did_you_mean(k, fields)}"
                     )
-                target[k] = _coerce(k, v, fields[k], f"{path} [{table}]")
+                target[k] = coerce(k, v, fields[k], f"{path} [{table}]")
         if "layout" in data:
             layout = _layout_from(data["layout"], str(path))
     options = _SIDECAR_FIELDS.keys() | _CONTROLLER_FIELDS.keys()
@@ -291,7 +161,7 @@ def load_settings(
             continue
         k = var.removeprefix("HICACHE_").lower()
         if var != _variable(k) or k not in options:
-            hint = _did_you_mean(k, options, _variable) or "; correct it or unset it"
+            hint = did_you_mean(k, options, _variable) or "; correct it or unset it"
             raise ConfigError(
                 f"${var} is not an option (HICACHE_<OPTION> sets a field of [sidecar] or "
                 f"[controller]){hint}"
@@ -299,16 +169,16 @@ def load_settings(
         target, fields = (
             (side, _SIDECAR_FIELDS) if k in _SIDECAR_FIELDS else (ctl, _CONTROLLER_FIELDS)
         )
-        target[k] = _coerce(k, raw, fields[k], f"${var}")
+        target[k] = coerce(k, raw, fields[k], f"${var}")
     for k, v in (overrides or {}).items():
         if k in _SIDECAR_FIELDS:
-            side[k] = _coerce(k, v, _SIDECAR_FIELDS[k], "command line")
+            side[k] = coerce(k, v, _SIDECAR_FIELDS[k], "command line")
         elif k in _CONTROLLER_FIELDS:
-            ctl[k] = _coerce(k, v, _CONTROLLER_FIELDS[k], "command line")
+            ctl[k] = coerce(k, v, _CONTROLLER_FIELDS[k], "command line")
         else:
             raise ConfigError(
                 f"unknown setting {k!r} (settings are the fields of [sidecar] and "
-                f"[controller]){_did_you_mean(k, options)}"
+                f"[controller]){did_you_mean(k, options)}"
             )
     if layout_file:
         text = Path(layout_file).read_text()

@@ -7,20 +7,24 @@ optional model layout, from one TOML file (see :mod:`hicache.controller.serve`).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache.config import parse_enum
+from hicache.controller.config import BackupAck
 from hicache.controller.protocol import (
     ADMIN_TOKEN_NAME,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_MAX_MESSAGE_BYTES,
     SOCKET_NAME,
     default_runtime_dir,
 )
+from hicache.controller.settings import config_from_dict, config_to_dict
 from hicache.types import ConfigError
+
+__all__ = ["BackupAck", "SidecarConfig", "TcpAuth"]
 
 # A Unix socket path longer than this does not fit ``sockaddr_un.sun_path``.
 MAX_SOCKET_PATH_CHARS = 107
@@ -32,13 +36,6 @@ class TcpAuth(enum.Enum):
     NONE = "none"  # only valid while tcp_endpoint is unset
     CURVE = "curve"  # ZeroMQ CURVE: encrypted, client keys listed in a directory
     TOKEN = "token"  # ZeroMQ PLAIN with a shared token: authenticated, not encrypted
-
-
-class BackupAck(enum.Enum):
-    """When the sidecar acknowledges a backup (replies ``ok``)."""
-
-    HOST = "host"  # the pages are in the host tier (disk writes follow asynchronously)
-    DISK = "disk"  # the pages are committed to LMDB (needs write_through and a disk tier)
 
 
 @dataclass
@@ -53,7 +50,7 @@ class SidecarConfig:
     curve_authorized_keys_dir: str | Path | None = None  # clients' public key certs
     admin_token_file: str | Path | None = None  # None: admin.token beside the socket
     lease_s: float = 15.0
-    heartbeat_interval_s: float = 3.0
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_request_ttl_s: float = 600.0
     worker_threads: int = 4
@@ -137,22 +134,8 @@ class SidecarConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON/msgpack-safe description (paths as strings, enums by value)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, enum.Enum):
-                v = v.value
-            elif isinstance(v, Path):
-                v = str(v)
-            out[f.name] = v
-        return out
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SidecarConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown sidecar config key(s) {unknown}; known keys: {sorted(known)}"
-            )
-        return cls(**d)
+        return config_from_dict(cls, d, "sidecar")

@@ -9,8 +9,8 @@ addressed by page id in a KV pool, or state slot in the Mamba pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -75,12 +75,18 @@ class LookupResult:
 
 @dataclass
 class PinReceipt:
-    """Pages pinned against eviction until unpinned or ``deadline`` (monotonic seconds)."""
+    """Pages pinned against eviction until unpinned or ``deadline`` (monotonic seconds).
+
+    ``engine_id``: the engine that holds the pin (a shared controller's); ``generation``:
+    the sidecar session it was made on (a sidecar client's: a pin of a session that is
+    gone is released already, and is neither loaded from nor unpinned).
+    """
 
     pin_id: int
     keys: list[PageKey]
     deadline: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    engine_id: str | None = None
+    generation: int | None = None
 
 
 class TransferHandle(Protocol):
@@ -111,22 +117,34 @@ class CompletedTransfer:
         return self.ok
 
 
-class LoadOutcome:
-    """What ``load`` returns when it gave up on a copy that may still run: false (the load
-    failed), with ``pending`` done once nothing can write into the load's slots any more.
-    A caller frees the slots of a failed load only then (see ``UnifiedRadixCache``'s
-    quarantine); a plain ``False`` means nothing writes into them after the return."""
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``load`` returns. ``ok``: every byte arrived. On failure, ``pending`` is the
+    copy a controller gave up waiting on that may still write into the load's slots (a
+    remote sidecar that did not answer in time): the caller frees the slots only once
+    it is done (see ``UnifiedRadixCache``'s quarantine). None: nothing writes into them
+    after the return. True as a truth value exactly when ``ok``."""
 
-    __slots__ = ("pending",)
+    ok: bool
+    pending: TransferHandle | None = None
 
-    def __init__(self, pending: TransferHandle) -> None:
-        self.pending = pending
+    LOADED: ClassVar[LoadResult]
+    FAILED: ClassVar[LoadResult]
 
     def __bool__(self) -> bool:
-        return False
+        return self.ok
 
-    def __repr__(self) -> str:
-        return f"LoadOutcome(pending, done={self.pending.done()})"
+
+LoadResult.LOADED = LoadResult(True)
+LoadResult.FAILED = LoadResult(False)
+
+
+class LoadOutcome(LoadResult):
+    """A failed load whose copy may still run (``LoadResult(False, pending)``), under the
+    name it had before ``load`` returned a typed result."""
+
+    def __init__(self, pending: TransferHandle) -> None:
+        super().__init__(False, pending)
 
 
 def unsettled_load(result: object) -> TransferHandle | None:
@@ -172,13 +190,12 @@ class CacheController(Protocol):
         """Pin pages for a load; None when any of them is absent (nothing pinned then)."""
         ...
 
-    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> bool:
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult:
         """Copy pinned pages (reading disk into host first where needed) into the device
-        slots of ``refs``. True when every byte arrived; False (or an exception) leaves the
-        device slots' contents undefined and the caller frees them. A controller that gave
-        up waiting on a copy that may still write (a remote sidecar that did not answer in
-        time) returns a :class:`LoadOutcome` instead of False: the caller frees the slots
-        once its ``pending`` handle is done."""
+        slots of ``refs``. ``ok`` when every byte arrived; a failure (or an exception)
+        leaves the device slots' contents undefined and the caller frees them, once the
+        result's ``pending`` handle is done when it has one (a remote sidecar that did
+        not answer in time: its copy may still write)."""
         ...
 
     def unpin(self, pin: PinReceipt) -> None:

@@ -67,6 +67,23 @@ def layout_file(dirpath: Path, mix: str = "full+swa+mamba", page_size: int = 4) 
     return path
 
 
+def token_tcp_args(workdir: Path, token: str, mix: str, page_size: int) -> list[str]:
+    """``hicache serve`` flags for a fixed layout and a TCP endpoint with a shared token
+    (written to a file in ``workdir``)."""
+    token_file = workdir / "tcp.token"
+    token_file.write_text(token)
+    return [
+        "--layout-file",
+        str(layout_file(workdir, mix, page_size)),
+        "--tcp",
+        "tcp://127.0.0.1:*",
+        "--tcp-auth",
+        "token",
+        "--tcp-token-file",
+        str(token_file),
+    ]
+
+
 class Sidecar:
     """``hicache serve`` in a subprocess, with its own socket, LMDB and log files."""
 

@@ -22,9 +22,11 @@ from test_controller_support import (
 )
 
 from hicache.controller.local import LocalController
-from hicache.controller.protocol import Request, Verb, encode_refs
+from hicache.controller.protocol import Request, Verb
 from hicache.controller.sidecar_config import BackupAck
-from hicache.controller.sidecar_verbs import VerbHandlers
+from hicache.controller.sidecar_verbs import Call, VerbHandlers
+from hicache.controller.verb_specs import SPECS
+from hicache.controller.wire_fields import encode_refs
 from hicache.types import Tier
 
 
@@ -127,14 +129,14 @@ class _LateCopy:
 
 def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path):
     _, engine, ctl = registered_controller(tmp_path)
-    real_to_host = ctl._transfer.to_host
+    real_to_host = ctl._copies.transfer.to_host
     late: list[_LateCopy] = []
 
     def to_host(comp, buffers, dev, host, ready_event=None):
         late.append(_LateCopy(lambda: real_to_host(comp, buffers, dev, host, None)))
         return late[-1]
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     real_backup = ctl.backup
 
     def slow_backup(*a, **kw):  # the worker is descheduled past the request's deadline
@@ -144,21 +146,23 @@ def test_the_backup_verb_answers_only_after_its_copy_past_the_deadline(tmp_path)
 
     ctl.backup = slow_backup
     try:
-        server = SimpleNamespace(controller=ctl, config=SimpleNamespace(backup_ack=BackupAck.HOST))
-        verbs = VerbHandlers(server)
+        config = SimpleNamespace(backup_ack=BackupAck.HOST)
+        verbs = VerbHandlers(None, ctl, config, None, [], lambda: None)
         conn = SimpleNamespace(engine_id="local", mapped=SimpleNamespace(device="cuda"))
         chain = engine.write_chain(range(3 * PAGE))
         snap = engine.snapshot(chain)
+        spec = SPECS[Verb.BACKUP]
         req = Request(1, Verb.BACKUP, 1.0, {"refs": encode_refs(chain.refs([FULL]))})
-        reply = verbs.backup(conn, req, time.monotonic() + 0.05)  # the deadline passes
+        call = Call(conn, req, time.monotonic() + 0.05, lambda done, total: None)
+        reply = verbs.backup(call, spec.decode_args(req.args))  # the deadline passes
         assert late and all(ev.query() for ev in late), "answered while the copy could read"
-        assert reply == {"ok": False}
+        assert spec.encode_reply(reply) == {"ok": False}
         engine.scribble(chain)  # the engine reuses its pages once answered
-        ctl._transfer.to_host = real_to_host
+        ctl._copies.transfer.to_host = real_to_host
         ctl.flush()
         got = engine.snapshot(load_into(ctl, engine, chain, components=(FULL,)))
         assert_same_bytes({k: v for k, v in got.items() if k[0] is FULL}, snap)
         ctl.check_invariants(deep=True)
     finally:
-        ctl._transfer.to_host = real_to_host
+        ctl._copies.transfer.to_host = real_to_host
         ctl.close()

@@ -27,7 +27,7 @@ from test_controller_support import (
 
 from hicache.controller.faults import FaultPlan
 from hicache.controller.local import LocalController
-from hicache.controller_api import ControllerError, Presence
+from hicache.controller_api import ControllerError, LoadResult, Presence
 from hicache.types import Tier
 
 
@@ -76,7 +76,7 @@ def test_disk_read_error_fails_the_load_and_keeps_the_page(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.disk_read = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["disk_read_error"] == 1
     _no_holds(ctl)
@@ -91,7 +91,7 @@ def test_copy_to_device_error_fails_the_load_and_releases_holds(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.copy_to_device = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["copy_error"] == 1
     _no_holds(ctl)
@@ -124,7 +124,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     ctl.config.backup_chunk_bytes = 2 * ctl.store.host[FULL].page_bytes
     chain = engine.write_chain(range(6 * PAGE), mamba_every=6)
     snap = engine.snapshot(chain)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     calls = []
 
     def to_host(component, buffers, device_index, host_pages, ready_event=None):
@@ -133,7 +133,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
             raise RuntimeError("the device is gone")
         return inner(component, buffers, device_index, host_pages, ready_event)
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     refs = chain.refs()  # per page FULL, SWA; page 5 also MAMBA
     assert ctl.backup(refs).wait(5.0) is False
     assert ctl.stats()["failures"]["copy_error"] == 1
@@ -147,7 +147,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     assert held.leading(FULL, Presence.HOST) == 4 and held.leading(SWA, Presence.HOST) == 0
     assert ctl.stats()["entries"] == 4
     assert ctl.stats()["host"]["used_bytes"] == 4 * ctl.store.host[FULL].page_bytes
-    ctl._transfer.to_host = inner
+    ctl._copies.transfer.to_host = inner
     assert ctl.backup(refs).wait(5.0)
     assert ctl.stats()["backup"]["deduped_pages"] == 4
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
@@ -164,7 +164,7 @@ def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
     ctl.register(layout, PAGE, engine.pools)
     ctl.config.backup_chunk_bytes = 0  # one part: a FULL copy, then an SWA copy
     chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     order = []
 
     class RunningCopy:  # a CUDA event of a copy still in flight
@@ -180,14 +180,14 @@ def test_a_failed_copy_waits_for_the_copies_its_part_already_issued(tmp_path):
         inner(component, buffers, device_index, host_pages, ready_event)
         return RunningCopy()
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     assert ctl.backup(chain.refs()).wait(5.0) is False
     # Waited while the part's host pages were still taken; given back only afterwards.
     assert order and order[0][1] > 0
     assert ctl.stats()["host"]["used_bytes"] == 0
     assert ctl.stats()["entries"] == 0
     _no_holds(ctl)
-    ctl._transfer.to_host = inner
+    ctl._copies.transfer.to_host = inner
     assert ctl.backup(chain.refs()).wait(5.0)
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -202,7 +202,7 @@ def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_pa
     ctl = LocalController(controller_config(tmp_path))
     ctl.register(layout, PAGE, engine.pools, "leaving")
     chain = engine.write_chain(range(3 * PAGE), mamba_every=3)
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
     done = threading.Event()
 
     class RunningCopy:  # a CUDA event of a copy in flight until ``done``
@@ -216,7 +216,7 @@ def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_pa
         inner(component, buffers, device_index, host_pages, ready_event)
         return RunningCopy()
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     handle = ctl.backup(chain.refs(), engine_id="leaving")
     buffers = weakref.ref(ctl._engines["leaving"])
     # The engine is gone from the controller (as when its connection was replaced while
@@ -239,7 +239,7 @@ def test_slow_disk_times_the_load_out_and_the_reads_finish_later(tmp_path):
     engine, ctl, chain, snap = _disk_only(tmp_path)
     ctl.faults.disk_read_delay_s = 0.3
     ok, pin = _pin_and_load(ctl, engine, chain, timeout_s=0.02)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["load_timeout"] == 1
     ctl.check_invariants()  # consistent with the reads still in flight
@@ -255,7 +255,7 @@ def test_a_page_evicted_meanwhile_fails_the_load(tmp_path):
     engine, ctl, chain, _ = _disk_only(tmp_path)
     ctl.faults.evict_before_load = 1
     ok, pin = _pin_and_load(ctl, engine, chain)
-    assert ok is False
+    assert ok == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     ctl.unpin(pin)  # twice: harmless
     assert ctl.stats()["failures"]["page_absent"] == 1
@@ -284,7 +284,7 @@ def test_an_expired_pin_fails_the_load_and_frees_its_pages(tmp_path):
     refs = target.refs()
     pin = ctl.pin([r.key for r in refs], 0.01)
     time.sleep(0.05)
-    assert ctl.load(refs, pin, 5.0) is False
+    assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED  # failed, nothing left writing
     assert ctl.stats()["failures"]["pin_expired"] == 1
     assert ctl.stats()["pins"]["expired"] == 1
     ctl.unpin(pin)  # after expiry: harmless

@@ -25,7 +25,7 @@ from test_controller_support import (
 from hicache.controller.config import DiskWritePolicy
 from hicache.controller.local import ControllerLayoutMismatch, LocalController
 from hicache.controller.page_codec import HEADER_BYTES
-from hicache.controller_api import CacheController, ControllerError, PageKey, Presence
+from hicache.controller_api import CacheController, ControllerError, LoadResult, PageKey, Presence
 from hicache.types import LayoutMismatchError, Tier
 
 
@@ -69,13 +69,13 @@ def _count_copies(ctl) -> list[tuple]:
     """Wrap the controller's device → host copy; the list gets each copy's component and
     page count."""
     calls: list[tuple] = []
-    inner = ctl._transfer.to_host
+    inner = ctl._copies.transfer.to_host
 
     def to_host(component, buffers, device_index, host_pages, ready_event=None):
         calls.append((component, len(host_pages)))
         return inner(component, buffers, device_index, host_pages, ready_event)
 
-    ctl._transfer.to_host = to_host
+    ctl._copies.transfer.to_host = to_host
     return calls
 
 
@@ -259,7 +259,7 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     target = engine.place(chain.hashes, chain.parents)
     refs = target.refs([FULL])
     pin = ctl.pin([r.key for r in refs], 5.0)
-    assert ctl.load(refs, pin, 5.0) is False
+    assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["checksum"] == 1
     assert _presence(ctl, chain) == [1, 1, 0, 1]  # the bad page is gone: a miss now

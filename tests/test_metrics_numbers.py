@@ -34,8 +34,9 @@ from hicache.controller.faults import FaultPlan
 from hicache.controller.lmdb_tier import ReadStatus
 from hicache.controller.local import LocalController
 from hicache.controller.metrics import SidecarMetrics
-from hicache.controller.tiers import _READ_FAILURES, PageStore
-from hicache.controller_api import PageRef, PinReceipt
+from hicache.controller.page_copies import PageCopies
+from hicache.controller.page_store import _READ_FAILURES, PageStore
+from hicache.controller_api import LoadResult, PageRef, PinReceipt
 from hicache.types import Tier
 
 # -- transfer seconds -----------------------------------------------------------------------
@@ -256,7 +257,7 @@ LOAD_FAILURES: dict[str, tuple[Callable[[Store], bool], Failure, dict]] = {
 def _reasons_a_load_can_count() -> set[Failure]:
     """Read from the code: what ``load`` counts, what its copy counts, what the disk read
     it starts counts when it cannot start and when it fails."""
-    paths = (LocalController.load, LocalController._copy_to_device, PageStore.start_read_locked)
+    paths = (LocalController._load, PageCopies.to_device, PageStore.start_read_locked)
     named = {m for f in paths for m in re.findall(r"Failure\.([A-Z_]+)", inspect.getsource(f))}
     return {Failure[n] for n in named} | set(_READ_FAILURES.values())
 
@@ -272,7 +273,7 @@ def test_a_failed_load_is_not_served(tmp_path, name):
     served = _served(store.ctl)
     failures = store.ctl.stats()["failures"]
 
-    assert scenario(store) is False
+    assert scenario(store) == LoadResult.FAILED  # failed, nothing left writing
 
     after = store.ctl.stats()["failures"]
     assert {r for r in after if after[r] > failures[r]} == {reason.value}

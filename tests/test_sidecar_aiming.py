@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 from cache_support import make_layout
-from sidecar_support import Sidecar, layout_file, short_tmpdir
+from sidecar_support import Sidecar, short_tmpdir, token_tcp_args
 from test_sidecar_badinput import Raw
 
 from hicache import CacheConfig, DevicePools
@@ -59,21 +59,7 @@ def _shorter(desc: dict) -> dict:
 @pytest.fixture(scope="module")
 def sidecar():
     work = short_tmpdir()
-    token_file = work / "tcp.token"
-    token_file.write_text(TOKEN)
-    sc = Sidecar(
-        work,
-        args=[
-            "--layout-file",
-            str(layout_file(work, MIX, PAGE)),
-            "--tcp",
-            "tcp://127.0.0.1:*",
-            "--tcp-auth",
-            "token",
-            "--tcp-token-file",
-            str(token_file),
-        ],
-    )
+    sc = Sidecar(work, args=token_tcp_args(work, TOKEN, MIX, PAGE))
     sc.start()
     yield sc
     sc.stop()

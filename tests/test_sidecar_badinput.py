@@ -12,12 +12,13 @@ import pytest
 import torch
 import zmq
 from cache_support import make_layout
-from sidecar_support import Sidecar, layout_file, short_tmpdir, wait_for
+from sidecar_support import Sidecar, short_tmpdir, token_tcp_args, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import SidecarController
 from hicache.controller.device_share import export_pools
-from hicache.controller.protocol import encode_refs, pack
+from hicache.controller.protocol import pack
+from hicache.controller.wire_fields import encode_refs
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -74,23 +75,8 @@ class Raw:
 @pytest.fixture(scope="module")
 def sidecar():
     work = short_tmpdir()
-    token_file = work / "tcp.token"
-    token_file.write_text(TOKEN)
-    sc = Sidecar(
-        work,
-        args=[
-            "--layout-file",
-            str(layout_file(work, MIX, PAGE)),
-            "--tcp",
-            "tcp://127.0.0.1:*",
-            "--tcp-auth",
-            "token",
-            "--tcp-token-file",
-            str(token_file),
-            "--set",
-            f"max_message_bytes={LIMIT}",
-        ],
-    )
+    args = [*token_tcp_args(work, TOKEN, MIX, PAGE), "--set", f"max_message_bytes={LIMIT}"]
+    sc = Sidecar(work, args=args)
     sc.start()
     # Some state to keep unchanged: an engine with a backed-up prefix and a pin.
     layout = make_layout(MIX)

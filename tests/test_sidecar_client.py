@@ -156,7 +156,7 @@ def test_a_sidecar_that_never_answers_costs_misses_not_errors(workdir):
 def _receipt():
     from hicache.controller_api import PinReceipt
 
-    return PinReceipt(1, [], 0.0, {"generation": -1})
+    return PinReceipt(1, [], 0.0, generation=-1)
 
 
 def test_a_load_never_outlasts_its_deadline(workdir):

@@ -38,11 +38,11 @@ from hicache.controller.protocol import (
     ProtocolError,
     Verb,
     decode_request,
-    encode_refs,
     encode_request,
 )
 from hicache.controller.server import SidecarError, SidecarServer
 from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.wire_fields import encode_refs
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 

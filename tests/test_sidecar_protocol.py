@@ -12,19 +12,16 @@ from cache_support import make_layout
 from hicache import CacheConfig, DevicePools
 from hicache.controller.device_share import RegistrationRefused, export_pools, map_pools
 from hicache.controller.protocol import (
-    Args,
     ErrorCode,
     ProtocolError,
     Verb,
-    decode_keys,
-    decode_refs,
     decode_request,
-    encode_keys,
-    encode_refs,
     encode_request,
     normalize_endpoint,
     pack,
 )
+from hicache.controller.verb_specs import SPECS
+from hicache.controller.wire_fields import decode_keys, decode_refs, encode_keys, encode_refs
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType, HicacheError
 
@@ -76,9 +73,9 @@ def test_request_round_trip_and_error_codes():
 
 def test_args_refuse_bools_for_ints_and_unknown_names():
     with pytest.raises(ProtocolError, match="integer"):
-        Args(Verb.UNPIN, {"pin_id": True}, ("pin_id",)).int("pin_id")
+        SPECS[Verb.UNPIN].decode_args({"pin_id": True})
     with pytest.raises(ProtocolError, match="unknown argument"):
-        Args(Verb.UNPIN, {"pin_id": 1, "extra": 2}, ("pin_id",))
+        SPECS[Verb.UNPIN].decode_args({"pin_id": 1, "extra": 2})
 
 
 def test_endpoints():

@@ -26,8 +26,6 @@ MAX_LINES = 500
 # this list only shrinks.
 KNOWN_CYCLES = {
     frozenset({"hicache.layout", "hicache.integrations.transformers_layout"}),
-    frozenset({"hicache.controller.local", "hicache.controller.session"}),
-    frozenset({"hicache.controller.server", "hicache.controller.sidecar_verbs"}),
     frozenset(
         {
             "hicache.integrations.vllm",
@@ -36,16 +34,7 @@ KNOWN_CYCLES = {
         }
     ),
 }
-KNOWN_LONG_FILES = {
-    "controller/client.py",
-    "controller/device_share.py",
-    "hicache/integrations/sglang.py",
-    "controller/local.py",
-    "controller/page_index.py",
-    "controller/protocol.py",
-    "controller/serve.py",
-    "controller/server.py",
-}
+KNOWN_LONG_FILES: set[str] = set()
 # The modules that carry no rule of one component type: every such rule is a hook of
 # hicache/components/.
 TYPE_FREE = (

@@ -17,8 +17,9 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,12 +30,14 @@ from hicache.controller.host_pool import HostPool
 from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
 from hicache.controller.page_codec import HEADER_BYTES
 from hicache.controller.page_index import DiskState, HostState, PageEntry, PageIndex
-from hicache.controller.pins import PinTable
+from hicache.controller.pins import PinRecord, PinTable
 from hicache.controller_api import ControllerError, PageKey
 from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier
 
 log = logging.getLogger(__name__)
+
+_PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 
 _READ_FAILURES = {
     ReadStatus.CORRUPT: Failure.CHECKSUM,
@@ -58,6 +61,24 @@ def _gc_paused():
             gc.enable()
 
 
+class RemoteHooks(Protocol):
+    """What the local tiers ask of a tier behind them (the remote tier,
+    :class:`hicache.controller.remote_tier.RemoteTier`), under the store's lock unless
+    said otherwise: the place where a tier beyond disk plugs in."""
+
+    def hinted(self, key: PageKey) -> bool: ...
+    def fill_locked(self, keys: list[PageKey]) -> bool: ...
+    def on_host_evict_locked(self, e: PageEntry) -> None: ...
+    def on_served_locked(self, e: PageEntry) -> None: ...
+    def probe(self, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]) -> None:
+        """Fill in absent pages of ``rows`` that the tier holds (without the lock)."""
+
+    def flush(self, timeout_s: float | None) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+    def health(self, timeout_s: float) -> dict[str, Any]: ...
+    def close(self, timeout_s: float) -> Any: ...
+
+
 class PageStore:
     """Index, pins, host pool and LMDB tier of one layout, under one lock."""
 
@@ -70,9 +91,7 @@ class PageStore:
         self.pins = PinTable(self.index)
         self.host: HostPool | None = None
         self.disk: LmdbTier | None = None
-        # The remote tier (controller/remote_tier.py), set by the controller when one is
-        # configured; it builds on this module, so it is not imported here.
-        self.remote: Any = None
+        self.remote: RemoteHooks | None = None  # set by the controller when configured
 
     def fault(self, what: str) -> bool:
         return self.faults is not None and self.faults.take(what)
@@ -118,6 +137,57 @@ class PageStore:
     def unhold_locked(self, e: PageEntry) -> None:
         e.copies -= 1
         self.index.release(e)
+
+    def pin_keys(
+        self, keys: Sequence[PageKey], engine_id: str, ttl_s: float
+    ) -> PinRecord | Failure:
+        """Pin every page of ``keys`` (held on host or disk) for ``ttl_s``, in chunks of
+        ``_PIN_CHUNK_KEYS`` with the lock released in between: what is pinned stays put
+        meanwhile, and the other engines' lookups need not wait for a pin of many
+        thousand keys. The failure (nothing pinned) when a page is absent, or when the
+        pin expired while it was being made."""
+        rec = None
+        for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
+            if start:
+                time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
+            with self.lock:
+                if rec is None:
+                    self.expire_pins_locked()
+                elif self.pins.get(rec.pin_id) is not rec:
+                    return Failure.PIN_EXPIRED
+                entries = []
+                missing: list[PageKey] | None = []  # hinted remotely: read below
+                for k in keys[start : start + _PIN_CHUNK_KEYS]:
+                    e = self.index.get(k.storage_key())
+                    if e is not None and e.held:
+                        entries.append(e)
+                    elif self.remote is not None and self.remote.hinted(k):
+                        missing.append(k)
+                    else:  # absent: fail at once, a pin of many keys must not scan on
+                        missing = None
+                        break
+                if missing is None or (missing and not self.remote.fill_locked(missing)):
+                    if rec is not None:
+                        self.pins.release(rec.pin_id)
+                    return Failure.PIN_ABSENT
+                entries += [self.index.get(k.storage_key()) for k in missing]
+                if rec is None:
+                    rec = self.pins.add(engine_id, entries, time.monotonic() + ttl_s)
+                else:
+                    self.pins.extend(rec, entries)
+                for e in entries:
+                    self.index.touch(e)
+        return rec
+
+    def tiers_locked(self, key: PageKey) -> frozenset[Tier]:
+        """HOST once ``key``'s host copy is ready, DISK once it is committed to LMDB."""
+        e = self.index.get(key.storage_key())
+        tiers = set()
+        if e is not None and e.host_state is HostState.READY:
+            tiers.add(Tier.HOST)
+        if e is not None and e.disk_state is DiskState.READY:
+            tiers.add(Tier.DISK)
+        return frozenset(tiers)
 
     def expire_pins_locked(self) -> None:
         n = self.pins.expire(time.monotonic())
@@ -251,6 +321,33 @@ class PageStore:
         self.counters.transfer("host_to_disk", len(results) - len(failed), ok_bytes, seconds)
 
     # -- disk → host (reader threads) ----------------------------------------------------
+
+    def start_fills_locked(self, keys: Sequence[PageKey]) -> tuple[list[Future], bool]:
+        """Start reading every disk-only (or remote-hinted) page of ``keys`` into a host
+        page; the futures of those reads and of fills already running, and whether every
+        page is held and every read could start."""
+        ok = True
+        if self.remote is not None:  # the hinted pages no local tier holds: read them in
+            missing = [
+                k
+                for k in keys
+                if ((e := self.index.get(k.storage_key())) is None or not e.held)
+                and self.remote.hinted(k)
+            ]
+            ok = not missing or self.remote.fill_locked(missing)
+        fills: list[Future] = []
+        for k in keys:
+            e = self.index.get(k.storage_key())
+            if e is None or not e.held:
+                ok = False
+            elif e.host_state is HostState.FILLING:
+                fills.append(e.fill)
+            elif e.host_state is HostState.NONE:
+                fut = self.start_read_locked(e)
+                ok = ok and fut is not None
+                if fut is not None:
+                    fills.append(fut)
+        return fills, ok
 
     def start_read_locked(self, e: PageEntry) -> Future | None:
         """Reserve a host page for a disk-only entry and queue its read; None if host full."""
