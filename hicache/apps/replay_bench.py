@@ -199,7 +199,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="device capacities, comma-separated: blocks, or %% of the trace's distinct blocks",
     )
     p.add_argument("--host", default="0", help="host tier capacity (0: no host tier)")
-    p.add_argument("--policy", default="lru,learned", help="device eviction policies: lru,learned")
+    p.add_argument(
+        "--policy", default="lru,learned", help="device eviction policies: lru,learned,adaptive"
+    )
     p.add_argument(
         "--write-policy",
         default=WritePolicy.WRITE_THROUGH.value,
