@@ -286,21 +286,6 @@ class ModelLayout:
         d["state_tensors"] = tuple(StateTensor.of(t) for t in d.get("state_tensors", ()))
         return cls(**d)
 
-    @classmethod
-    def from_hf_config(
-        cls,
-        config: object,
-        dtype: torch.dtype | str | None = None,
-        model_id: str | None = None,
-    ) -> ModelLayout:
-        """The layout of a ``transformers`` causal LM built from ``config`` (a
-        ``PretrainedConfig``; transformers itself is not imported). See
-        :func:`hicache.integrations.transformers_layout.hf_layout` for the families and
-        how their layers map onto FULL, SWA and MAMBA layers."""
-        from hicache.integrations.transformers_layout import hf_layout
-
-        return hf_layout(config, dtype=dtype, model_id=model_id).layout
-
     def fingerprint(self, page_size: int) -> bytes:
         """A 16-byte digest of everything that makes cached bytes of this layout usable.
 

@@ -21,20 +21,6 @@ PACKAGES = {
 # command line): not part of the graph whose layering is checked.
 APPS = ("hicache.apps", "hicache.cli")
 MAX_LINES = 500
-# Cycles and long files outside the cache core that other changes of issue 16 still have to
-# remove: the test fails on any other one, and on one of these once it is gone, so that
-# this list only shrinks.
-KNOWN_CYCLES = {
-    frozenset({"hicache.layout", "hicache.integrations.transformers_layout"}),
-    frozenset(
-        {
-            "hicache.integrations.vllm",
-            "hicache.integrations.vllm_manager",
-            "hicache.integrations.vllm_worker",
-        }
-    ),
-}
-KNOWN_LONG_FILES: set[str] = set()
 # The modules that carry no rule of one component type: every such rule is a hook of
 # hicache/components/.
 TYPE_FREE = (
@@ -144,11 +130,8 @@ def test_the_import_graph_has_no_cycle():
     graph = import_graph()
     assert {"hicache.cache", "hicache.tree", "hicache.controller.local"} <= set(graph)
     assert "hicache.tree" in graph["hicache.cache"]  # edges are read, not assumed
-    found = set(cycles(graph))
-    assert found <= KNOWN_CYCLES, f"new import cycles: {sorted(map(sorted, found - KNOWN_CYCLES))}"
-    assert found == KNOWN_CYCLES, (
-        f"cycles gone, drop them: {sorted(map(sorted, KNOWN_CYCLES - found))}"
-    )
+    found = cycles(graph)
+    assert not found, f"import cycles: {sorted(map(sorted, found))}"
 
 
 def test_lazy_and_type_checking_imports_count_as_edges(tmp_path):
@@ -180,8 +163,7 @@ def test_no_file_of_the_library_is_over_500_lines():
         for path in _modules().values()
         if len(path.read_text().splitlines()) > MAX_LINES
     }
-    assert long <= KNOWN_LONG_FILES, f"over {MAX_LINES} lines: {sorted(long - KNOWN_LONG_FILES)}"
-    assert long == KNOWN_LONG_FILES, f"now short, drop them: {sorted(KNOWN_LONG_FILES - long)}"
+    assert not long, f"over {MAX_LINES} lines: {sorted(long)}"
 
 
 def _code_lines(path: Path) -> dict[int, str]:

@@ -29,6 +29,7 @@ from hicache.controller.local import LocalController  # noqa: E402
 from hicache.controller.server import SidecarServer  # noqa: E402
 from hicache.controller.sidecar_config import SidecarConfig  # noqa: E402
 from hicache.integrations.transformers import PrefixCachedLM  # noqa: E402
+from hicache.integrations.transformers_layout import layout_from_hf_config  # noqa: E402
 from hicache.integrations.transformers_models import FAMILIES, tiny_config  # noqa: E402
 from hicache.layout import ModelLayout  # noqa: E402
 
@@ -225,10 +226,10 @@ def test_cached_generation_matches_a_full_recompute(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layout_from_config_matches_the_model(family):
-    """``ModelLayout.from_hf_config`` gives the shapes the model's own cache holds (the
+    """``layout_from_hf_config`` gives the shapes the model's own cache holds (the
     engine's probe checks them; here the config alone is read)."""
     model = model_of(family)
-    from_config = ModelLayout.from_hf_config(model.config)
+    from_config = layout_from_hf_config(model.config)
     probed = build(model).map.layout
     assert from_config.layer_kinds == probed.layer_kinds
     assert [t.shape for t in from_config.state_tensors] == [t.shape for t in probed.state_tensors]

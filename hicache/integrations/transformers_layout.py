@@ -211,3 +211,12 @@ def _config_dtype(c: Any) -> torch.dtype:
     if d is None:
         return torch.float32
     return d if isinstance(d, torch.dtype) else parse_dtype(str(d).removeprefix("torch."))
+
+
+def layout_from_hf_config(
+    config: Any, dtype: torch.dtype | str | None = None, model_id: str | None = None
+) -> ModelLayout:
+    """The :class:`~hicache.layout.ModelLayout` of the transformers causal LM built from
+    ``config`` (a ``PretrainedConfig``; transformers itself is not imported): see
+    :func:`hf_layout` for the families and how their layers map onto FULL, SWA and MAMBA."""
+    return hf_layout(config, dtype=dtype, model_id=model_id).layout

@@ -41,7 +41,7 @@ from hicache.config import CacheConfig
 from hicache.controller.channel import SidecarClientConfig
 from hicache.controller.client import SidecarController
 from hicache.controller_api import PageKey, PageRef, TransferHandle, unsettled_load
-from hicache.integrations.vllm import HiCacheVllmConfig
+from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
 from hicache.kernels.cpu_rows import merge_runs, move_runs

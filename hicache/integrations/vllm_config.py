@@ -1,0 +1,74 @@
+"""The ``hicache_*`` options of vLLM's ``kv_connector_extra_config``: read by the spec
+(:mod:`hicache.integrations.vllm`), its scheduler-side manager and its workers, so kept in
+a module of their own that none of them imports back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.types import ConfigError
+
+_EXTRA_PREFIX = "hicache_"
+
+
+@dataclass(frozen=True)
+class HiCacheVllmConfig:
+    """The ``hicache_*`` keys of ``kv_connector_extra_config`` (without the prefix).
+
+    * ``socket``: the sidecar's endpoint (default: ``hicache serve``'s default socket);
+    * ``engine_id``: this deployment's name in the sidecar (default: host:pid:random),
+      suffixed ``-scheduler`` and ``-worker<rank>`` per process;
+    * ``lookup_wait_ms``: how long the first lookup of a request waits, inside a scheduler
+      step, for the sidecar's answer; past it the request is asked again next step;
+    * ``lookup_deadline_ms``: an answer not there by then is a miss;
+    * ``request_timeout_s``: pins, unpins and the handshake;
+    * ``pin_ttl_s``: how long a pin holds pages that vLLM is about to load;
+    * ``load_timeout_s``: one load (disk reads included); past it vLLM recomputes;
+    * ``store_timeout_s``: one store's acknowledgement; past it the store is dropped;
+    * ``staging_bytes``: the shared staging area each worker registers with the sidecar;
+      a store larger than its free part is cut (the rest dropped and counted), a load is
+      done in parts.
+    """
+
+    socket: str | None = None
+    engine_id: str | None = None
+    lookup_wait_ms: float = 5.0
+    lookup_deadline_ms: float = 500.0
+    request_timeout_s: float = 2.0
+    pin_ttl_s: float = 60.0
+    load_timeout_s: float = 10.0
+    store_timeout_s: float = 10.0
+    staging_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("socket", "engine_id") and not value > 0:
+                raise ConfigError(f"hicache_{f.name} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> HiCacheVllmConfig:
+        """Read the ``hicache_*`` keys; an unknown one is an error naming the known ones."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            if not key.startswith(_EXTRA_PREFIX):
+                continue
+            name = key[len(_EXTRA_PREFIX) :]
+            if name not in fields:
+                known = ", ".join(_EXTRA_PREFIX + n for n in fields)
+                raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
+            kind = fields[name].type
+            try:
+                if "int" in kind and "float" not in kind:
+                    values[name] = int(value)
+                elif "float" in kind:
+                    values[name] = float(value)
+                else:
+                    values[name] = None if value is None else str(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        return cls(**values)
