@@ -68,9 +68,9 @@ class IndexerPools(DevicePools):
         self.full_to_indexer[full_pages] = -1
         return int(mine.size) * self.indexer.page_size
 
-    def free_kv_pages(self, full_pages: np.ndarray) -> None:
+    def free_kv_pages(self, full_pages: np.ndarray, distinct: bool = False) -> None:
         self.free_indexer_of(full_pages)
-        super().free_kv_pages(full_pages)
+        super().free_kv_pages(full_pages, distinct)
 
     def indexer_slots_of(self, full_slots: np.ndarray) -> np.ndarray:
         ps = self.full.page_size
