@@ -13,7 +13,6 @@ can be registered with a sidecar as one buffer.
 from __future__ import annotations
 
 import math
-import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -29,9 +28,9 @@ _FREE = 0
 _ALLOCATED = 1
 
 # Check on every free that a caller claiming distinct pages really has them (a sort per
-# call). Off by default (the hot path of eviction); the test suite turns it on through
-# HICACHE_DEBUG_CHECKS=1 (tests/conftest.py).
-DEBUG_CHECKS = os.environ.get("HICACHE_DEBUG_CHECKS", "") not in ("", "0")
+# call). Off by default (the hot path of eviction); the tests turn it on
+# (tests/conftest.py sets DEBUG_CHECKS = True).
+DEBUG_CHECKS = False
 
 # A shared pool segment ends with this many random bytes, right after the tensor. The
 # engine sends them at register; the sidecar maps a segment only if its bytes there are

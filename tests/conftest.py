@@ -12,8 +12,14 @@ from __future__ import annotations
 import os
 
 # The pools' debug checks (a duplicate page in a free that claims distinct pages raises)
-# are on for every test, and for the processes tests start.
-os.environ.setdefault("HICACHE_DEBUG_CHECKS", "1")
+# are on for every test of this process. Not through the environment: a sidecar refuses
+# HICACHE_ variables that are not its options.
+try:
+    from hicache import pools as _pools
+except ImportError:  # a bare GPU host running only `-m gpu` files
+    _pools = None
+if _pools is not None:
+    _pools.DEBUG_CHECKS = True
 
 try:
     from hypothesis import settings
