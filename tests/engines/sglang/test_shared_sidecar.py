@@ -105,8 +105,13 @@ def test_a_zero_copy_instance_registers_its_pool_again_after_a_sidecar_restart(s
         assert sidecar.stop() == 0
         assert backend.batch_exists(page_keys(TOKENS)) == 0  # down: a miss, no exception
         sidecar.start()
-        # the client reconnects on its own, handing the memfd over again
-        wait_for(lambda: backend.controller.available, 30.0, "the backend to reconnect")
+        # the client reconnects on its own, handing the memfd over again; until it has,
+        # its calls are misses
+        wait_for(
+            lambda: backend.batch_exists(page_keys(TOKENS)) == PAGES,
+            30.0,
+            "the backend to reconnect and see its pages on disk",
+        )
         dst = pool.alloc(PAGES * PAGE_SIZE)
         found, loaded = shim(backend, pool, True).prefetch(TOKENS, dst)
         assert found == loaded == len(TOKENS)
