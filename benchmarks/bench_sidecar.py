@@ -148,7 +148,7 @@ def main() -> int:
     ready = work / "ready.json"
     sidecar = subprocess.Popen(
         [
-            sys.executable, "-m", "hicache.controller.serve",
+            sys.executable, "-m", "hicache.controller.sidecar_process",
             "--socket", str(work / "s.sock"),
             "--no-disk",
             "--metrics-port", "0",

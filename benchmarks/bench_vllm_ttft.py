@@ -39,7 +39,7 @@ def start_sidecar(
     cmd = [
         sys.executable,
         "-m",
-        "hicache.controller.serve",
+        "hicache.controller.sidecar_process",
         "--socket",
         str(socket),
         "--disk-path",

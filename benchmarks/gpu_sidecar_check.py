@@ -42,7 +42,7 @@ def import_hicache() -> None:
     """Make ``hicache``, ``hicache.controller`` and ``hicache.kernels`` importable from the
     repository when the package is not installed."""
     try:
-        import hicache.controller.serve
+        import hicache.controller.sidecar_process
 
         return
     except ModuleNotFoundError:
@@ -150,7 +150,7 @@ def same_bytes(pools, a: dict, b: dict) -> dict[str, bool]:
 
 def role_sidecar(argv: list[str]) -> int:
     import_hicache()
-    from hicache.controller.serve import main
+    from hicache.controller.sidecar_process import main
 
     return main(argv)
 

@@ -231,7 +231,7 @@ def run(client: AdminClient, args: argparse.Namespace) -> tuple[dict, int]:
             a["namespace"] = args.namespace
         return client.call(Verb.CLEAR, a), EXIT_OK
     if cmd == "evict":
-        from hicache.controller.serve import parse_size
+        from hicache.controller.sidecar_process import parse_size
 
         a = {"tier": args.tier, "bytes": parse_size(args.bytes, "--bytes")}
         if args.component:

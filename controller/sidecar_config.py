@@ -2,7 +2,7 @@
 
 The controller's own settings (host pool, LMDB, policies) are
 :class:`hicache.controller.config.ControllerConfig`; ``hicache serve`` reads both, plus an
-optional model layout, from one TOML file (see :mod:`hicache.controller.serve`).
+optional model layout, from one TOML file (see :mod:`hicache.controller.sidecar_process`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots, Quarantine
-from hicache.request import LockReceipt
+from hicache.records import LockReceipt
 from hicache.tree import RadixTree
 
 log = logging.getLogger("hicache.backups")

@@ -34,7 +34,7 @@ from hicache.load_back import LoadBack
 from hicache.node import TreeNode
 from hicache.pools import DevicePools
 from hicache.quarantine import Quarantine
-from hicache.request import CacheStats, EvictResult, LockReceipt, MatchResult, Request
+from hicache.records import CacheStats, EvictResult, LockReceipt, MatchResult, Request
 from hicache.tree import RadixTree
 from hicache.tree_eviction import TreeEviction
 from hicache.tree_insert import TreeInsert

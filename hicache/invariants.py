@@ -12,7 +12,7 @@ import numpy as np
 if TYPE_CHECKING:
     from hicache.pools import DevicePools
     from hicache.quarantine import Quarantine
-    from hicache.request import Request
+    from hicache.records import Request
     from hicache.tree import RadixTree
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -21,7 +21,7 @@ from hicache.config import CacheConfig
 from hicache.controller_api import CacheController, unsettled_load
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots, Quarantine
-from hicache.request import Request
+from hicache.records import Request
 from hicache.tree import RadixTree
 
 log = logging.getLogger("hicache.load_back")

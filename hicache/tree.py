@@ -23,7 +23,7 @@ from hicache.config import CacheConfig
 from hicache.eviction import LeafEvictionPolicy, LRUList
 from hicache.keys import TOKEN_BYTES, chain_page_hashes, namespace_hash
 from hicache.node import TreeNode
-from hicache.request import LockReceipt
+from hicache.records import LockReceipt
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 

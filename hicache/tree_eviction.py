@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from hicache.components.base import TreeComponent
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots
-from hicache.request import EvictResult
+from hicache.records import EvictResult
 from hicache.tree import RadixTree
 from hicache.types import ComponentType
 

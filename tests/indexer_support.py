@@ -25,7 +25,7 @@ from hicache.components.base import MatchCheck, PagedComponent
 from hicache.controller_api import PageRef
 from hicache.node import TreeNode
 from hicache.pools import PageAllocator
-from hicache.request import Request
+from hicache.records import Request
 
 
 class IndexerType(enum.IntEnum):

@@ -119,7 +119,7 @@ class Sidecar:
         return [
             PYTHON,
             "-m",
-            "hicache.controller.serve",
+            "hicache.controller.sidecar_process",
             "--socket",
             str(self.socket),
             "--disk-path",

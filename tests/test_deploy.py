@@ -46,8 +46,8 @@ from hicache.controller.admin_cli import AdminClient
 from hicache.controller.config import ControllerConfig
 from hicache.controller.counters import Failure
 from hicache.controller.protocol import ErrorCode, Verb
-from hicache.controller.serve import load_settings, parse_size
 from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar_process import load_settings, parse_size
 from hicache.layout import ModelLayout
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,8 @@ from hicache.controller.client import SidecarClientConfig, SidecarController
 from hicache.controller.config import DiskWritePolicy
 from hicache.controller.local import LocalController
 from hicache.controller.protocol import default_runtime_dir
-from hicache.controller.serve import (
+from hicache.controller.sidecar_config import BackupAck
+from hicache.controller.sidecar_process import (
     EXIT_STOPPED,
     EXIT_WRITES_LOST,
     add_serve_arguments,
@@ -34,7 +35,6 @@ from hicache.controller.serve import (
     parse_size,
     run_serve,
 )
-from hicache.controller.sidecar_config import BackupAck
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -117,7 +117,7 @@ def _backup_then_sigterm(extra_env: dict[str, str]) -> _Drain:
     (work / "xdg").mkdir(mode=0o700)
     socket = work / "xdg" / "hicache" / "hicache.sock"
     proc = subprocess.Popen(
-        [PYTHON, "-m", "hicache.controller.serve"],  # no flags, no config file
+        [PYTHON, "-m", "hicache.controller.sidecar_process"],  # no flags, no config file
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,

@@ -42,7 +42,7 @@ from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
 from hicache.pools import DevicePools
-from hicache.request import Request
+from hicache.records import Request
 from hicache.types import ComponentType, ConfigError, PoolExhaustedError
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from hicache.config import CacheConfig
     from hicache.node import ComponentData, TreeNode
     from hicache.pools import DevicePools
-    from hicache.request import MatchResult, Request
+    from hicache.records import MatchResult, Request
 
 # A predicate over (index into the match path, candidate end in tokens).
 MatchCheck = Callable[[int, int], bool]

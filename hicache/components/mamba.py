@@ -13,7 +13,7 @@ from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.node import ComponentData, TreeNode
-    from hicache.request import MatchResult, Request
+    from hicache.records import MatchResult, Request
 
 
 class MambaComponent(TreeComponent):

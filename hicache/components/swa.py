@@ -17,7 +17,7 @@ from hicache.types import ComponentType
 
 if TYPE_CHECKING:
     from hicache.node import TreeNode
-    from hicache.request import Request
+    from hicache.records import Request
 
 
 class SWAComponent(PagedComponent):

@@ -43,7 +43,7 @@ from hicache.integrations.transformers_state import (
     observed_states,
 )
 from hicache.pools import DevicePools
-from hicache.request import Request
+from hicache.records import Request
 from hicache.types import ConfigError, PoolExhaustedError
 
 

@@ -1,11 +1,11 @@
 """A node in miniature: one sidecar process and engine worker processes around it.
 
-:class:`SidecarProcess` runs ``python -m hicache.controller.serve`` (what ``hicache serve``
-runs) on a Unix socket in a work folder, with its LMDB tier there; :class:`EngineCluster`
-starts engine workers (:mod:`hicache.apps.engine.worker`) that reach it through
-``SidecarController``, hands each its share of a batch of requests, and collects their
-events. Both stop cleanly (the sidecar drains its disk writes on SIGTERM), so a restart
-keeps every page the disk tier committed.
+:class:`SidecarProcess` runs ``python -m hicache.controller.sidecar_process`` (what
+``hicache serve`` runs) on a Unix socket in a work folder, with its LMDB tier there;
+:class:`EngineCluster` starts engine workers (:mod:`hicache.apps.engine.worker`) that
+reach it through ``SidecarController``, hands each its share of a batch of requests, and
+collects their events. Both stop cleanly (the sidecar drains its disk writes on SIGTERM),
+so a restart keeps every page the disk tier committed.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SidecarProcess:
         command = [
             sys.executable,
             "-m",
-            "hicache.controller.serve",
+            "hicache.controller.sidecar_process",
             "--socket",
             str(self.socket_path),
             "--disk-path",

@@ -41,7 +41,7 @@ import torch
 
 from hicache.apps.engine.model import HybridModel, SequenceChunk, page_boundaries
 from hicache.cache import UnifiedRadixCache
-from hicache.request import Request
+from hicache.records import Request
 from hicache.types import ConfigError, PoolExhaustedError
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)

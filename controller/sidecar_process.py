@@ -378,7 +378,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hicache.controller.serve`` (the same as ``hicache serve``)."""
+    """``python -m hicache.controller.sidecar_process`` (the same as ``hicache serve``)."""
     parser = argparse.ArgumentParser(prog="hicache serve", description=__doc__.split("\n\n")[0])
     add_serve_arguments(parser)
     return run_serve(parser.parse_args(argv))
