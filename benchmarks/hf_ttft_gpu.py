@@ -44,6 +44,14 @@ MAX_CHECKED_PREFIX = 8192
 REPEAT = 3  # device and host hits per length (the median is reported)
 # ``--dry-run``: tiny models and small sizes on the CPU, to check the script off a GPU.
 DEVICE = "cuda"
+# ``--trace-dir``: where each sidecar and this process write their request stages
+# (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
+TRACE_DIR: pathlib.Path | None = None
+TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
+
+
+def trace_path(name: str) -> pathlib.Path | None:
+    return None if TRACE_DIR is None else TRACE_DIR / f"{name}.json"
 
 
 def sync() -> None:
@@ -63,6 +71,7 @@ class SidecarProc:
         disk_budget: str,
         switch_interval_s: float | None = None,
         profile_path: pathlib.Path | None = None,
+        trace_path: pathlib.Path | None = None,
     ) -> None:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +90,11 @@ class SidecarProc:
             # Requests run on the server's worker threads, which a profiler of the main
             # thread never sees: profile each job on its thread, write when it stops.
             run = f"__import__('hf_ttft_gpu').profiled_sidecar({argv!r}, {str(profile_path)!r})"
+        if trace_path is not None:  # timestamps of each request's stages (sidecar_trace.py)
+            run = (
+                "__import__('gpu_sidecar_check').import_hicache() or __import__("
+                f"'sidecar_trace').install_server({str(trace_path)!r}) or {run}"
+            )
         code = (
             f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
             + ("" if switch_interval_s is None else f"sys.setswitchinterval({switch_interval_s}); ")
@@ -206,7 +220,12 @@ def loadback_table(
         sys.setswitchinterval(switch_interval_s)
     side_profile = None if profile_dir is None else profile_dir / f"sidecar-{label}.prof"
     side = SidecarProc(
-        work / f"loadback-{label}", host_bytes, "64MiB", switch_interval_s, side_profile
+        work / f"loadback-{label}",
+        host_bytes,
+        "64MiB",
+        switch_interval_s,
+        side_profile,
+        trace_path(f"sidecar-loadback-{label}"),
     )
     local = LocalController(
         ControllerConfig(host_pool_bytes=max_pages * page_bytes + (64 << 20), disk_path=None)
@@ -252,6 +271,7 @@ def loadback_table(
             )
             times = {"kernel": kernel}
             cold = {}
+            windows = {}
             for name, ctl in (("in_process", local), ("sidecar", remote)):
                 pin = ctl.pin(keys, 600)
                 t0 = time.perf_counter()
@@ -260,7 +280,9 @@ def loadback_table(
                 cold[name] = (time.perf_counter() - t0) * 1e3
                 if name == "sidecar" and profiler is not None:
                     profiler.enable()
+                w0 = time.monotonic()
                 times[name] = cuda_ms(lambda c=ctl, p=pin, lo=loads: c.load(lo, p, 600))
+                windows[name] = [w0, time.monotonic()]
                 if name == "sidecar" and profiler is not None:
                     profiler.disable()
                 ctl.unpin(pin)
@@ -273,6 +295,8 @@ def loadback_table(
                 row[f"{k}_first_ms"] = round(ms, 3)
             row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
             row["in_process_vs_kernel"] = round(times["kernel"] / times["in_process"], 3)
+            if TRACE_DIR is not None:
+                row["windows"] = windows
             rows.append(row)
             print(json.dumps(row), flush=True)
         equal = torch.equal(
@@ -282,6 +306,15 @@ def loadback_table(
         one = [refs[0].page_hash]
         floor = cuda_ms(lambda: remote.lookup(one, [ComponentType.FULL]), repeat=20)
         fixed = {"pass": label, "loadback_bytes_equal": equal, "sidecar_rpc_floor_us": floor * 1e3}
+        if TRACE_DIR is not None:  # many one-page loads, each stage timed on both sides
+            fixed["windows"] = {}
+            for name, ctl in (("in_process", local), ("sidecar", remote)):
+                pin = ctl.pin(keys[:1], 600)
+                w0 = time.monotonic()
+                ms = cuda_ms(lambda c=ctl, p=pin: c.load(loads[:1], p, 600), TRACED_LOADS)
+                fixed["windows"][name] = [w0, time.monotonic()]
+                fixed[f"{name}_one_page_us"] = round(ms * 1e3, 1)
+                ctl.unpin(pin)
         a, b = rows[0], rows[1]
         for k in ("kernel", "in_process", "sidecar") if b["MiB"] > a["MiB"] else ():
             # intercept of the line through the two smallest sizes: the cost of a load-back
@@ -372,7 +405,9 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
     page, chunk = (64, 2048) if DEVICE == "cuda" else (16, 64)
     slots = (max(lengths) + 4 * SUFFIX + page) * 3
     side_dir = work / f"ttft-{family}"
-    sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
+    sidecar = SidecarProc(
+        side_dir, "12GiB", "48GiB", trace_path=trace_path(f"sidecar-ttft-{family}")
+    )
     made: list = []
 
     def engine(prefetch=None):
@@ -431,9 +466,11 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
                 lm.cache.flush_backups()
                 lm.cache.evict(full_tokens=10**9)
                 ctl.reset()
+                w0 = time.monotonic()
                 r = lm.generate(prefix + suffix, 1)
                 assert r.host_hit_tokens == length, r
                 host.append((r.ttft_s * 1e3, r, dict(ctl.seconds)))
+                row.setdefault("host_hit_windows", []).append([w0, time.monotonic()])
                 if i == 0:
                     row["same_as_live_host"] = _same(lm, prefix + suffix, length, r)
             ttft, r, rpc = sorted(host, key=lambda h: h[0])[len(host) // 2]  # the median
@@ -515,15 +552,23 @@ def main() -> int:
         help="also run the load-back table with this thread switch interval (0: not)",
     )
     p.add_argument("--profile-dir", default=None, help="profile the sidecar's loads here")
+    p.add_argument("--trace-dir", default=None, help="time each request's stages, files here")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, TRACE_DIR
     if args.dry_run:
         DEVICE = "cpu"
     import_hicache()
     import torch
 
+    if args.trace_dir:
+        import sidecar_trace
+
+        TRACE_DIR = pathlib.Path(args.trace_dir)
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
+        sidecar_trace.install_client(str(TRACE_DIR / "engine.json"))
+        sidecar_trace.install_controller()
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
