@@ -59,8 +59,10 @@ def install_controller() -> None:
 def install_server(path: str) -> None:
     """Trace this process's sidecar; the events go to ``path`` when it exits."""
     from hicache.controller import server, sidecar_verbs
+    from hicache.controller.lmdb_writer import LmdbWriter
 
     install_controller()
+    _wrap(LmdbWriter, "_store", "lmdb_store", "lmdb_store_end")  # the disk writer's work
     _wrap(server.SidecarServer, "_on_message", "io_recv", "io_handled")
     _wrap(server.SidecarServer, "_run_job", "job_start", "job_end")
     _wrap(server.SidecarServer, "_push", "push")
