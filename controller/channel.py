@@ -165,10 +165,12 @@ class Channel:
         ttl_s: float,
         progress: Callable[[int, int], None] | None = None,
         connect_wait_s: float = 0.0,
+        reply_wanted: bool = True,
     ) -> int:
         """Send a request (``args``: the verb's argument record); returns its id. Raises
         SidecarUnavailable when it cannot go (no connection to the sidecar within
-        ``connect_wait_s``)."""
+        ``connect_wait_s``). Without ``reply_wanted`` its reply is dropped on arrival,
+        unread (a request whose outcome changes nothing for the sender)."""
         req_id = next(self._ids)
         data = encode_request(req_id, verb, SPECS[verb].encode_args(args), ttl_s)
         with self._lock:
@@ -187,7 +189,8 @@ class Channel:
                 raise SidecarUnavailable(
                     f"the sidecar at {self.endpoint} is not reachable (is it running?)"
                 ) from None
-            self._expected[req_id] = verb
+            if reply_wanted:
+                self._expected[req_id] = verb
             if progress is not None:
                 self._progress[req_id] = progress
         return req_id

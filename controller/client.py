@@ -431,12 +431,19 @@ class SidecarController:
         return LoadResult.LOADED if res.ok else LoadResult.FAILED
 
     def unpin(self, pin: PinReceipt) -> None:
-        if pin.generation != self._channel.generation:
-            return
+        """Release ``pin`` without waiting for the sidecar's answer: the engine is on its
+        critical path here, and an unpin that is lost changes nothing but when the pages
+        become evictable (the pin lapses at its deadline). The sidecar handles an unpin on
+        its I/O thread in the order sent, so a later request sees the pin released."""
+        if pin.generation != self._channel.generation or self._open:
+            return  # a pin of a session that is gone was released with it
         try:
-            self._call(Verb.UNPIN, PinIdArgs(pin.pin_id), self.config.request_timeout_s)
-        except ControllerError as exc:
-            log.debug("unpin failed (the pin expires on its own): %s", exc)
+            self._channel.send(
+                Verb.UNPIN, PinIdArgs(pin.pin_id), self.config.request_timeout_s,
+                reply_wanted=False,
+            )  # fmt: skip
+        except SidecarUnavailable as exc:
+            log.debug("unpin not sent (the pin expires on its own): %s", exc)
 
     def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
         if self._open or not keys:
