@@ -148,11 +148,13 @@ class TimedController:
         return timed
 
 
-def client(endpoint: str, name: str):
+def client(endpoint: str, name: str, reply_spin_s: float | None = None):
+    """A sidecar client with long timeouts (``reply_spin_s``: None, the default's)."""
     from hicache.controller.client import SidecarClientConfig, SidecarController
 
+    spin = {} if reply_spin_s is None else {"reply_spin_s": reply_spin_s}
     cfg = SidecarClientConfig(
-        request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0
+        request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0, **spin
     )
     return SidecarController(endpoint, name, cfg)
 
@@ -236,10 +238,14 @@ def loadback_table(
 
         profiler = cProfile.Profile()
     remote = client(side.endpoint, "loadback")
+    # The same sidecar through a client that sleeps while it waits (reply_spin_s = 0).
+    sleeper = client(side.endpoint, "loadback-sleeping", reply_spin_s=0.0)
+    controllers = (("in_process", local), ("sidecar", remote), ("sidecar_sleeping", sleeper))
     rows = []
     try:
         local.register(layout, page, pools)
         remote.register(layout, page, pools)
+        sleeper.register(layout, page, pools)
         src = pools.alloc_kv_pages(max_pages)
         dst = pools.alloc_kv_pages(max_pages)
         hashes = page_hashes(np.arange(max_pages * page), fp, page)
@@ -272,7 +278,7 @@ def loadback_table(
             times = {"kernel": kernel}
             cold = {}
             windows = {}
-            for name, ctl in (("in_process", local), ("sidecar", remote)):
+            for name, ctl in controllers:
                 pin = ctl.pin(keys, 600)
                 t0 = time.perf_counter()
                 ctl.load(loads, pin, 600)  # the first load of these pages: what a hit pays
@@ -294,6 +300,9 @@ def loadback_table(
             for k, ms in cold.items():
                 row[f"{k}_first_ms"] = round(ms, 3)
             row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
+            row["sleeping_vs_in_process"] = round(
+                times["in_process"] / times["sidecar_sleeping"], 3
+            )
             row["in_process_vs_kernel"] = round(times["kernel"] / times["in_process"], 3)
             if TRACE_DIR is not None:
                 row["windows"] = windows
@@ -308,7 +317,7 @@ def loadback_table(
         fixed = {"pass": label, "loadback_bytes_equal": equal, "sidecar_rpc_floor_us": floor * 1e3}
         if TRACE_DIR is not None:  # many one-page loads, each stage timed on both sides
             fixed["windows"] = {}
-            for name, ctl in (("in_process", local), ("sidecar", remote)):
+            for name, ctl in controllers:
                 pin = ctl.pin(keys[:1], 600)
                 w0 = time.monotonic()
                 ms = cuda_ms(lambda c=ctl, p=pin: c.load(loads[:1], p, 600), TRACED_LOADS)
@@ -316,7 +325,7 @@ def loadback_table(
                 fixed[f"{name}_one_page_us"] = round(ms * 1e3, 1)
                 ctl.unpin(pin)
         a, b = rows[0], rows[1]
-        for k in ("kernel", "in_process", "sidecar") if b["MiB"] > a["MiB"] else ():
+        for k in ("kernel", *(n for n, _ in controllers)) if b["MiB"] > a["MiB"] else ():
             # intercept of the line through the two smallest sizes: the cost of a load-back
             # of no bytes
             slope = (b[f"{k}_ms"] - a[f"{k}_ms"]) / (b["MiB"] - a["MiB"])
@@ -325,6 +334,7 @@ def loadback_table(
         print(json.dumps(fixed), flush=True)
     finally:
         sys.setswitchinterval(previous)
+        sleeper.close()
         remote.close()
         local.close()
         side.stop()

@@ -144,7 +144,7 @@ def report(result_json: str, trace_dir: str) -> None:
     loadback = load_events(os.path.join(trace_dir, "sidecar-loadback-default.json"))
     for row in out.get("loadback", []):
         for name, window in row.get("windows", {}).items():
-            server = _within(loadback, window) if name == "sidecar" else []
+            server = _within(loadback, window) if name != "in_process" else []
             stages = breakdown(_within(engine, window), server, "client_load", "client_load_end")
             if name == "in_process":
                 stages = breakdown(_within(engine, window), [], "ctl_load", "ctl_load_end")

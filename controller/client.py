@@ -159,14 +159,16 @@ class SidecarController:
                 )
                 self._wake.set()
 
-    def _call(self, verb: Verb, args: Any, timeout_s: float, progress: Any = None) -> Any:
+    def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any:
         """The reply record to ``args`` (the verb's argument record); raises
-        SidecarUnavailable while the breaker is open, RemoteError for a refusal."""
+        SidecarUnavailable while the breaker is open, RemoteError for a refusal. ``spin``:
+        a call on the engine's critical path (``reply_spin_s``)."""
         if self._open:
             self.counters[f"{verb.value}_skipped"] += 1
             raise SidecarUnavailable(f"the sidecar at {self.endpoint} is unavailable")
         try:
-            res = self._channel.call(verb, args, timeout_s, progress)
+            spin_s = self.config.reply_spin_s if spin else 0.0
+            res = self._channel.call(verb, args, timeout_s, spin_s=spin_s)
         except (SidecarUnavailable, RemoteError) as exc:
             self._call_failed(exc)
             raise
@@ -321,6 +323,7 @@ class SidecarController:
                     Verb.LOOKUP,
                     LookupArgs(b"".join(chunk), list(components)),
                     self.config.lookup_timeout_s,
+                    spin=True,
                 )
                 for comp, raw in zip(components, res.presence):
                     pres = np.frombuffer(raw, dtype=np.int8)
@@ -380,7 +383,7 @@ class SidecarController:
             return None
         try:
             res = self._call(
-                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s
+                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s, True
             )
         except ControllerError as exc:
             log.debug("pin failed: %s", exc)
@@ -415,7 +418,7 @@ class SidecarController:
             return LoadResult.FAILED
         generation, deadline = ch.generation, time.monotonic() + timeout
         try:
-            res = ch.wait(rid, timeout, forget=False)
+            res = ch.wait(rid, timeout, forget=False, spin_s=self.config.reply_spin_s)
         except RemoteError as exc:
             self._call_failed(exc)
             log.warning("load-back through the sidecar failed: %s", exc)
