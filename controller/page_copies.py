@@ -234,7 +234,7 @@ class PageCopies:
     ) -> DeviceLoad:
         """Issue the copy of held host pages into the engine's slots without waiting for
         it; the pages stay held until the returned load's :meth:`DeviceLoad.finish`."""
-        load = DeviceLoad(self, entries, time.perf_counter())
+        load = DeviceLoad(self, entries, buffers, time.perf_counter())
         try:
             plan = list(zip(entries, refs))
             for comp, group in _by_component(plan).items():
@@ -259,9 +259,14 @@ class DeviceLoad:
     whether it has ended, :meth:`finish` waits for it, releases the host pages and
     returns whether every byte arrived."""
 
-    def __init__(self, copies: PageCopies, entries: list[PageEntry], t0: float) -> None:
+    def __init__(
+        self, copies: PageCopies, entries: list[PageEntry], buffers: EngineBuffers, t0: float
+    ) -> None:
         self._copies = copies
         self._entries = entries
+        # The engine's tensors stay referenced while the copy may write into them: a
+        # sidecar unmaps an engine's memory once nothing holds it (a session that ended).
+        self._buffers: EngineBuffers | None = buffers
         self._t0 = t0
         self.events: list[Any] = []  # one per component; None: a CPU copy, done already
         self.nbytes = 0
@@ -288,6 +293,7 @@ class DeviceLoad:
                     e.synchronize()
                 except Exception as exc:
                     self.failed(exc)
+        self._buffers = None
         ok = self._error is None
         store = self._copies._store
         with store.lock:
