@@ -588,6 +588,11 @@ def main() -> int:
 
     out["transformers"] = transformers.__version__
     work = pathlib.Path(tempfile.mkdtemp(prefix="hcttft", dir="/tmp"))
+
+    def save() -> None:  # after each part, so that a run cut short keeps what it measured
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, default=float))
+
     try:
         if not args.skip_loadback:
             sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -597,17 +602,18 @@ def main() -> int:
             out["loadback"] = loadback_table(work, sizes, profile_dir=prof)
             if args.switch_interval_us:
                 out["loadback"] += loadback_table(work, sizes, args.switch_interval_us * 1e-6)
+            save()
         lengths = [int(x) for x in args.lengths.split(",")]
         out["ttft"] = []
-        for family in args.models.split(","):
+        for family in filter(None, args.models.split(",")):  # --models "": no TTFT rows
             out["ttft"] += ttft_rows(work, family, lengths)
+            save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(out, default=float)
     if args.json:
-        pathlib.Path(args.json).write_text(text)
+        save()
     else:
-        print(text)
+        print(json.dumps(out, default=float))
     return 0
 
 
