@@ -75,6 +75,10 @@ class SidecarClientConfig:
     # The engine's critical-path calls (lookup, pin, load) poll for their reply without
     # sleeping for up to this long: the engine's thread waits on them anyway.
     reply_spin_s: float = 0.05
+    # pin() sends nothing and the load pins its own pages on arrival, sparing a round trip
+    # (docs/protocol.md, "A load that pins its own pages"): for a client whose pins are
+    # always followed by a load of those pages from this same client.
+    pin_at_load: bool = False
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tcp_token_file: str | Path | None = None
     curve_server_public_key_file: str | Path | None = None
@@ -242,9 +246,7 @@ class Channel:
             self._progress.pop(req_id, None)
             self._replies.pop(req_id, None)
 
-    def wait(
-        self, req_id: int, timeout_s: float, forget: bool = True, spin_s: float = 0.0
-    ) -> Any:
+    def wait(self, req_id: int, timeout_s: float, forget: bool = True, spin_s: float = 0.0) -> Any:
         """The result record of ``req_id``; raises RemoteError for an error reply and
         SidecarUnavailable when none came within ``timeout_s`` (after which a late reply
         is still filed for :meth:`poll` unless ``forget``). For the first ``spin_s`` the

@@ -87,6 +87,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("hicache.sidecar.client")
+LOAD_PINS = 0  # the pin id of a pin left to the load (pin_at_load); the sidecar's start at 1
 
 
 def _current_stream(device: Any) -> Any:
@@ -375,12 +376,21 @@ class SidecarController:
         return handle
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        """Pin ``keys`` for ``ttl_s``; None when a page is absent or the sidecar is
+        unavailable. With ``pin_at_load`` nothing is sent: the receipt tells :meth:`load`
+        to pin the pages it loads (an absent page then fails the load instead)."""
         if len(keys) > MAX_PIN_KEYS:  # one pin holds one load: a prefix this long misses
             self.counters["pin_too_large"] += 1
             log.warning(
                 "a pin of %d keys is over the sidecar's %d: a miss", len(keys), MAX_PIN_KEYS
             )
             return None
+        if self.config.pin_at_load:
+            if self._open:
+                self.counters["pin_skipped"] += 1
+                return None
+            deadline = time.monotonic() + ttl_s
+            return PinReceipt(LOAD_PINS, list(keys), deadline, generation=self._channel.generation)
         try:
             res = self._call(
                 Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s, True
@@ -409,7 +419,13 @@ class SidecarController:
             _current_stream(device).synchronize()
         ch = self._channel
         timeout = timeout_s + self.config.load_timeout_margin_s
-        args = LoadArgs(list(refs), pin.pin_id, float(timeout_s))
+        if pin.pin_id == LOAD_PINS:  # the load pins its pages for what is left of the TTL
+            ttl = pin.deadline - time.monotonic()
+            if ttl <= 0:
+                return LoadResult.FAILED  # expired, as a pin would have
+            args = LoadArgs(list(refs), float(timeout_s), pin_ttl_s=max(ttl, 0.001))
+        else:
+            args = LoadArgs(list(refs), float(timeout_s), pin_id=pin.pin_id)
         try:
             rid = ch.send(Verb.LOAD, args, timeout)
         except SidecarUnavailable as exc:  # never sent: nothing can run
@@ -434,17 +450,13 @@ class SidecarController:
         return LoadResult.LOADED if res.ok else LoadResult.FAILED
 
     def unpin(self, pin: PinReceipt) -> None:
-        """Release ``pin`` without waiting for the sidecar's answer: the engine is on its
-        critical path here, and an unpin that is lost changes nothing but when the pages
-        become evictable (the pin lapses at its deadline). The sidecar handles an unpin on
-        its I/O thread in the order sent, so a later request sees the pin released."""
-        if pin.generation != self._channel.generation or self._open:
-            return  # a pin of a session that is gone was released with it
+        """Release ``pin``, not waiting for the answer (docs/protocol.md: a lost unpin
+        only lets the pin lapse at its deadline; later requests see it released)."""
+        if pin.generation != self._channel.generation or self._open or pin.pin_id == LOAD_PINS:
+            return  # released with its session, or a load's own pin (released by the load)
+        args, timeout = PinIdArgs(pin.pin_id), self.config.request_timeout_s
         try:
-            self._channel.send(
-                Verb.UNPIN, PinIdArgs(pin.pin_id), self.config.request_timeout_s,
-                reply_wanted=False,
-            )  # fmt: skip
+            self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
         except SidecarUnavailable as exc:
             log.debug("unpin not sent (the pin expires on its own): %s", exc)
 

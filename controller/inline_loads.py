@@ -49,6 +49,7 @@ class _InFlight:
     load: DeviceLoad
     t0: float
     issued: float
+    own_pin: PinReceipt | None  # the pin the load took over its own pages, released at its end
 
 
 class InlineLoads:
@@ -60,8 +61,11 @@ class InlineLoads:
         sessions: Sessions,
         metrics: SidecarMetrics,
         send: Callable[[int, bytes, bytes], None],
+        pin_for: Callable[[LoadArgs, str], PinReceipt | None],
     ) -> None:
+        """``pin_for``: the pin a load runs under (``VerbHandlers.load_pin``)."""
         self.ctl = controller
+        self.pin_for = pin_for
         self.sessions = sessions
         self.metrics = metrics
         self._send = send  # (router index, routing id, payload): the server's reply path
@@ -91,23 +95,36 @@ class InlineLoads:
                 return False
         if not self.sessions.job_started(conn):  # fencing counts it as a running job
             return False
+        own_pin = None
         try:
-            pin = PinReceipt(args.pin_id, [], 0.0)
-            load = self.ctl.start_load(args.refs, pin, engine_id=conn.engine_id)
+            pin = self.pin_for(args, conn.engine_id)
+            if pin is None:  # a page is absent: the load fails, nothing was pinned
+                load: DeviceLoad | bool | None = False
+            else:
+                own_pin = pin if args.pin_id is None else None
+                load = self.ctl.start_load(args.refs, pin, engine_id=conn.engine_id)
         except BaseException:
+            self._release(own_pin, conn)
             self.sessions.job_ended(conn)
             raise
         if load is None:  # a page to read from disk first: a worker's job
+            self._release(own_pin, conn)
             self.sessions.job_ended(conn)
             return False
         self.sessions.inflight += 1
         conn.inflight += 1
         if isinstance(load, bool):
+            self._release(own_pin, conn)
             self._answer(conn, spec, req, t0, load)
         else:
             now = time.monotonic()
-            self._flight.append(_InFlight(conn.sock, conn, spec, req, load, t0, now))
+            self._flight.append(_InFlight(conn.sock, conn, spec, req, load, t0, now, own_pin))
         return True
+
+    def _release(self, own_pin: PinReceipt | None, conn: Connection) -> None:
+        """Release the pin a load took over its own pages (none: it named one)."""
+        if own_pin is not None:
+            self.ctl.unpin(own_pin, engine_id=conn.engine_id)
 
     def reap(self) -> None:
         """Answer every load whose copy has ended."""
@@ -120,6 +137,7 @@ class InlineLoads:
                 continue
             try:
                 ok = f.load.finish()
+                self._release(f.own_pin, f.conn)
             except Exception as exc:  # the release failed: the load did not happen
                 self._reply_error(f, exc)
                 continue

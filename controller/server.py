@@ -131,7 +131,9 @@ class SidecarServer:
             self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
         )
         self._lane = FairLane("hicache-sidecar-bulk")
-        self._inline = InlineLoads(controller, self.sessions, self.metrics, self._send)
+        self._inline = InlineLoads(
+            controller, self.sessions, self.metrics, self._send, self.verbs.load_pin
+        )
         self._last_reap = 0.0
 
     @property
@@ -336,7 +338,7 @@ class SidecarServer:
                 args = spec.decode_args(req.args)
                 call = Call(conn, req, deadline, _no_progress)
                 reply = self.verbs.handlers[req.verb](call, args)
-            elif req.verb is Verb.LOAD and self._start_inline(conn, spec, req, t0):
+            elif spec.runs is Runs.IO_OR_WORKER and self._start_inline(conn, spec, req, t0):
                 return  # answered once its copy has ended (inline_loads.py)
             else:
                 self._dispatch(conn, spec, req, deadline, t0)
@@ -390,7 +392,7 @@ class SidecarServer:
     def _start_inline(self, conn: Connection, spec: VerbSpec, req: Request, t0: float) -> bool:
         """Begin a small load on this thread when its pages are all on host; False: it
         goes to a worker."""
-        if req.verb in self.verbs.on_workers or page_count(req.args, "refs") > INLINE_MAX_PAGES:
+        if req.verb in self.verbs.on_workers or _large(spec, req):
             return False
         self._check_capacity()
         return self._inline.start(conn, spec, req, spec.decode_args(req.args), t0)
@@ -485,5 +487,6 @@ def _no_progress(done: int, total: int) -> None:
 
 
 def _large(spec: VerbSpec, req: Request) -> bool:
-    """A lookup or pin too large for the I/O thread: it runs on the fair lane."""
+    """A lookup or pin too large for the I/O thread (it runs on the fair lane), or a load
+    (it runs on a worker)."""
     return page_count(req.args, spec.pages_column) > INLINE_MAX_PAGES

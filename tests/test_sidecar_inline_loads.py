@@ -165,3 +165,70 @@ def test_a_load_that_reads_from_disk_runs_on_a_worker(setup):
     assert setup.same_bytes(src, dst)
     assert setup.worker_loads == 1
     setup.controller.check_invariants()
+
+
+def _own_pins_client(setup: Setup) -> SidecarController:
+    cfg = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, pin_at_load=True)
+    client = SidecarController(setup.client.endpoint, "engine-own-pins", cfg)
+    client.register(setup.layout, PAGE, setup.pools)
+    return client
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_a_load_that_pins_its_own_pages_loads_them_and_releases_its_pin(setup, where):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    if where == "disk":  # the load reads its pages on a worker, under its own pin too
+        assert setup.controller.flush(30)
+        store = setup.controller._store
+        with store.lock:
+            for e in list(store.index):
+                store.evict_host_locked(e)
+    client = _own_pins_client(setup)
+    try:
+        dst = setup.retarget(src)
+        pin = client.pin([r.key for r in dst], 30)
+        assert pin is not None
+        assert setup.controller.stats()["pins_active"] == 0  # nothing sent yet
+        assert client.load(dst, pin, 10)
+        assert setup.same_bytes(src, dst)
+        assert setup.worker_loads == (1 if where == "disk" else 0)
+        assert setup.controller.stats()["pins_active"] == 0  # released when the load ended
+        client.unpin(pin)  # sends nothing: the load released it
+        setup.controller.check_invariants()
+    finally:
+        client.close()
+
+
+def test_a_load_that_pins_its_own_pages_fails_when_one_is_gone_and_pins_nothing(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    client = _own_pins_client(setup)
+    try:
+        pin = client.pin([r.key for r in src], 30)
+        assert setup.controller.flush(30)  # a page being written to disk is never dropped
+        with setup.controller._store.lock:
+            setup.controller._store.drop_locked(src[2].key, False)  # evicted after the match
+        dst = setup.retarget(src)
+        assert not client.load(dst, pin, 10)
+        assert setup.controller.stats()["pins_active"] == 0
+        assert client.available  # a miss, not a fault of the sidecar
+        setup.controller.check_invariants()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("pin_args", [{}, {"pin_id": 1, "pin_ttl_s": 5.0}])
+def test_a_load_names_exactly_one_pin(setup, pin_args):
+    from hicache.controller.channel import RemoteError
+    from hicache.controller.verb_specs import SPECS
+    from hicache.controller.wire_fields import encode_refs
+
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    args = {"refs": encode_refs(setup.retarget(src)), "timeout_s": 5.0, **pin_args}
+    with pytest.raises(RemoteError, match="exactly one of pin_id and pin_ttl_s"):
+        setup.client._channel.call(Verb.LOAD, args, 5.0)
+    assert SPECS[Verb.LOAD].decode_args(args).refs  # the arguments are well-formed otherwise
+    assert setup.controller.stats()["pins_active"] == 0
+    setup.controller.check_invariants()
