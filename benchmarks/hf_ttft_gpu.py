@@ -48,6 +48,7 @@ DEVICE = "cuda"
 # (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
 TRACE_DIR: pathlib.Path | None = None
 TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
+SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
 
 
 def trace_path(name: str) -> pathlib.Path | None:
@@ -148,13 +149,13 @@ class TimedController:
         return timed
 
 
-def client(endpoint: str, name: str, reply_spin_s: float | None = None, **options):
-    """A sidecar client with long timeouts (``reply_spin_s``: None, the default's;
-    ``options``: other SidecarClientConfig fields)."""
+def client(endpoint: str, name: str, reply_spin_s: float = SPIN_S, **options):
+    """A sidecar client with long timeouts that spins for its replies (``reply_spin_s``:
+    every call of the engine here blocks its only thread); ``options``: other
+    SidecarClientConfig fields."""
     from hicache.controller.client import SidecarClientConfig, SidecarController
 
-    if reply_spin_s is not None:
-        options["reply_spin_s"] = reply_spin_s
+    options["reply_spin_s"] = reply_spin_s
     cfg = SidecarClientConfig(
         request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0, **options
     )

@@ -73,8 +73,9 @@ class SidecarClientConfig:
     reconnect_interval_s: float = 1.0
     heartbeat_interval_s: float | None = None  # None: as the sidecar asks in its handshake
     # The engine's critical-path calls (lookup, pin, load) poll for their reply without
-    # sleeping for up to this long: the engine's thread waits on them anyway.
-    reply_spin_s: float = 0.05
+    # sleeping for up to this long (docs/protocol.md): for an engine whose thread waits on
+    # them with nothing else of the process running; 0 (the default) sleeps.
+    reply_spin_s: float = 0.0
     # pin() sends nothing and the load pins its own pages on arrival, sparing a round trip
     # (docs/protocol.md, "A load that pins its own pages"): for a client whose pins are
     # always followed by a load of those pages from this same client.

@@ -27,7 +27,10 @@ from hicache.types import ComponentType
 
 PAGE = 4
 FULL = ComponentType.FULL
-CLIENT = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0)
+# The engine's client spins for its replies (reply_spin_s), as one whose thread blocks on
+# every call would; the other connections of these tests sleep (the default).
+CLIENT = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, reply_spin_s=0.02)
+SLEEPING = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0)
 
 
 class Setup:
@@ -137,7 +140,7 @@ def test_the_io_thread_answers_while_an_inline_copy_is_in_flight(setup):
     try:
         wait_for(lambda: started, 10, "the load to start on the I/O thread")
         # A second connection: the engine's own socket is busy waiting for the load.
-        other = SidecarController(setup.client.endpoint, "other", CLIENT)
+        other = SidecarController(setup.client.endpoint, "other", SLEEPING)
         other.attach(setup.layout, PAGE)
         presence = other.lookup([r.page_hash for r in src], [FULL]).presence[FULL]
         assert presence.tolist() == [Presence.HOST] * len(src)
