@@ -27,7 +27,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.eviction import LeafEvictionPolicy
 from hicache.invariants import check_cache
-from hicache.keys import TOKEN_BYTES, TokenInput, token_array
+from hicache.keys import TOKEN_BYTES, TokenInput, token_array, token_view
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
 from hicache.load_back import LoadBack
@@ -135,7 +135,7 @@ class UnifiedRadixCache:
         self.poll_transfers()
         arr = token_array(tokens)
         n = arr.size - arr.size % self.page_size
-        key = arr[:n].tobytes()
+        key = token_view(arr[:n])
         # With a controller, a namespace this tree has not seen may still hit beyond it.
         root = self.tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
@@ -153,7 +153,7 @@ class UnifiedRadixCache:
                 self._on_prefix_hit(prefix_nodes)
             if self.beyond is not None and last_node.end < n:
                 rest = self.tree.walk(last_node, key, last_node.end * TOKEN_BYTES)
-                hit = self.beyond.find(Walk(last_node, key, *rest))
+                hit = self.beyond.find(Walk(last_node, key.tobytes(), *rest))
                 result.host_hit_len = hit.host_hit_len
                 result.disk_hit_len = hit.disk_hit_len
                 result.remote_hit_len = hit.remote_hit_len
@@ -247,7 +247,7 @@ class UnifiedRadixCache:
             if self.mamba is None:
                 raise ValueError("insert: a mamba_slot for a layout without Mamba layers")
             end_values[self.mamba.idx] = mamba_slot
-        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len)
+        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len, True)
 
     def _insert(
         self,
@@ -256,15 +256,17 @@ class UnifiedRadixCache:
         end_values: dict[int, Any],
         extra_key: str | None,
         prev_prefix_len: int,
+        check_pages: bool,
     ) -> int:
-        """``insert``, with the values handed to the end node by component index."""
+        """``insert``, with the values handed to the end node by component index;
+        ``check_pages`` as in TreeInsert.insert (False for a request's own slots)."""
         self.poll_transfers()
         slots = np.asarray(
             kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else kv_indices,
             dtype=np.int64,
         )
         cached, touched = self.inserter.insert(
-            token_array(tokens), slots, end_values, extra_key, prev_prefix_len
+            token_array(tokens), slots, end_values, extra_key, prev_prefix_len, check_pages
         )
         if touched and self.backups is not None:
             self.backups.after_insert(touched)
@@ -327,8 +329,15 @@ class UnifiedRadixCache:
                 end_values[comp.idx] = value
         if end <= req.prefix_len:
             return req.prefix_len
+        # The request's slots are the cache's own allocation (alloc_tokens, match_prefix):
+        # whole pages by construction.
         self._insert(
-            req.token_ids[:end], req.kv_slots[:end], end_values, req.extra_key, req.prefix_len
+            req.token_ids[:end],
+            req.kv_slots[:end],
+            end_values,
+            req.extra_key,
+            req.prefix_len,
+            check_pages=False,
         )
         return end
 

@@ -38,6 +38,12 @@ def token_array(tokens: TokenInput) -> np.ndarray:
     return arr
 
 
+def token_view(arr: np.ndarray) -> memoryview:
+    """The key bytes of ``arr`` (a :func:`token_array`) as a byte view, copied only when
+    ``arr`` is not contiguous: what a tree walk reads without building the key."""
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
 def token_bytes(tokens: TokenInput) -> bytes:
     """The key bytes of ``tokens``."""
     return token_array(tokens).tobytes()
