@@ -27,7 +27,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.eviction import LeafEvictionPolicy
 from hicache.invariants import check_cache
-from hicache.keys import TOKEN_BYTES, TokenInput, token_array, token_view
+from hicache.keys import TOKEN_BYTES, TokenInput, token_array, walk_key
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
 from hicache.load_back import LoadBack
@@ -135,7 +135,7 @@ class UnifiedRadixCache:
         self.poll_transfers()
         arr = token_array(tokens)
         n = arr.size - arr.size % self.page_size
-        key = token_view(arr[:n])
+        key = walk_key(arr[:n])
         # With a controller, a namespace this tree has not seen may still hit beyond it.
         root = self.tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
@@ -153,7 +153,7 @@ class UnifiedRadixCache:
                 self._on_prefix_hit(prefix_nodes)
             if self.beyond is not None and last_node.end < n:
                 rest = self.tree.walk(last_node, key, last_node.end * TOKEN_BYTES)
-                hit = self.beyond.find(Walk(last_node, key.tobytes(), *rest))
+                hit = self.beyond.find(Walk(last_node, bytes(key), *rest))
                 result.host_hit_len = hit.host_hit_len
                 result.disk_hit_len = hit.disk_hit_len
                 result.remote_hit_len = hit.remote_hit_len

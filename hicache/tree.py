@@ -87,27 +87,30 @@ class RadixTree:
         self, node: TreeNode, key: bytes | memoryview, pos: int = 0
     ) -> tuple[list[TreeNode], TreeNode | None, int]:
         """Follow ``key[pos:]`` (``pos`` in bytes) down from ``node``; ``key`` is token
-        bytes, or a byte view of them (:func:`~hicache.keys.token_view`, no copy made).
+        bytes, or a byte view of them (:func:`~hicache.keys.token_view`), which a long
+        query passes so as not to copy itself into a key first.
 
         Returns the nodes whose whole key matched, then the next node that matched only
         partly (or None) and how many whole-page tokens of it matched.
         """
         path: list[TreeNode] = []
         step = self.page_bytes
-        view = key if type(key) is memoryview else memoryview(key)
-        n = len(view)
+        view = type(key) is memoryview
+        n = len(key)
         while pos < n:
-            child = node.children.get(bytes(view[pos : pos + step]))
+            page = key[pos : pos + step]
+            child = node.children.get(bytes(page) if view else page)
             if child is None:
                 break
             ck = child.key
             end = pos + len(ck)
-            if end <= n and ck.startswith(view[pos:end]):  # memcmp in place, nothing copied
+            # One memcmp in place either way (a view's slice copies nothing).
+            if (end <= n and ck.startswith(key[pos:end])) if view else key.startswith(ck, pos):
                 path.append(child)
                 pos = end
                 node = child
                 continue
-            return path, child, self._common_tokens(ck, view, pos)
+            return path, child, self._common_tokens(ck, key, pos)
         return path, None, 0
 
     def matched_tokens(self, node: TreeNode, key: bytes, pos: int) -> int:

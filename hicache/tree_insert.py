@@ -75,7 +75,7 @@ class TreeInsert:
             own_pages = slots[prev_prefix_len:n:ps] // ps
             for c in aux:
                 valid_from[c.idx] = c.insert_valid_from(own_pages, prev_prefix_len, n)
-        cuts = sorted({v for v in valid_from.values() if v is not None})
+        cuts = sorted({v for v in valid_from.values() if v is not None}) if aux else ()
         node, pos, cached, touched = root, 0, 0, []
         while pos < n:
             child = node.children.get(key[pos * TOKEN_BYTES : pos * TOKEN_BYTES + tree.page_bytes])
@@ -103,7 +103,7 @@ class TreeInsert:
             touched.append(child)
             node, pos = child, pos + m
         while pos < n:
-            end = next((c for c in cuts if pos < c < n), n)
+            end = next((c for c in cuts if pos < c < n), n) if cuts else n
             end = tree.leaf_policy.insert_end(key, pos, end)
             child = tree.add_child(node, key[pos * TOKEN_BYTES : end * TOKEN_BYTES])
             self._fill_node(child, slots[pos:end], valid_from)
