@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,41 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engines" / "vllm"))
 
+from sidecar_launch import start_sidecar  # noqa: E402
 from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
-
-
-def start_sidecar(
-    workdir: Path, host_pool: str = "256MiB", extra: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen, Path]:
-    """``hicache serve`` in ``workdir``, once it serves; (the process, its socket)."""
-    socket = workdir / "run" / "hicache.sock"
-    ready = workdir / "ready.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hicache.controller.sidecar_process",
-        "--socket",
-        str(socket),
-        "--disk-path",
-        str(workdir / "lmdb"),
-        "--metrics-port",
-        "0",
-        "--host-pool-bytes",
-        host_pool,
-        "--disk-budget-bytes",
-        "1GiB",
-        "--ready-file",
-        str(ready),
-        *extra,
-    ]
-    log = open(workdir / "sidecar.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            raise SystemExit(f"the sidecar did not start; see {workdir / 'sidecar.log'}")
-        time.sleep(0.1)
-    return proc, socket
 
 
 def stored_pages(socket: Path) -> int:
