@@ -27,7 +27,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
 from hicache.eviction import LeafEvictionPolicy
 from hicache.invariants import check_cache
-from hicache.keys import TOKEN_BYTES, TokenInput, token_array
+from hicache.keys import TOKEN_BYTES, TokenInput, token_array, walk_key
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
 from hicache.load_back import LoadBack
@@ -133,33 +133,35 @@ class UnifiedRadixCache:
         when the prefix is empty). Splits a node when the match ends inside it.
         """
         self.poll_transfers()
+        tree = self.tree
         arr = token_array(tokens)
         n = arr.size - arr.size % self.page_size
-        key = arr[:n].tobytes()
+        key = walk_key(arr if n == arr.size else arr[:n])
         # With a controller, a namespace this tree has not seen may still hit beyond it.
-        root = self.tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
+        root = tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
         self.counters["match_calls"] += 1
         if root is None or n == 0:
             result = MatchResult(_EMPTY, 0, root or self._null_root)
         else:
-            path, partial, k = self.tree.walk(root, key)
+            path, partial, k = tree.walk(root, key)
             last_node, prefix_nodes = self._device_match(root, path, partial, k)
-            slots = self.tree.device_slots(prefix_nodes)
+            slots = tree.device_slots(prefix_nodes)
             if len(prefix_nodes) == 1:
                 slots = slots.copy()  # never hand out a node's own array
-            result = MatchResult(slots, last_node.end, last_node)
+            end = last_node.end
+            result = MatchResult(slots, end, last_node)
             if prefix_nodes:
-                self.tree.touch(prefix_nodes)
+                tree.touch(prefix_nodes)
                 self._on_prefix_hit(prefix_nodes)
-            if self.beyond is not None and last_node.end < n:
-                rest = self.tree.walk(last_node, key, last_node.end * TOKEN_BYTES)
-                hit = self.beyond.find(Walk(last_node, key, *rest))
+            if self.beyond is not None and end < n:
+                rest = tree.walk(last_node, key, end * TOKEN_BYTES)
+                hit = self.beyond.find(Walk(last_node, bytes(key), *rest))
                 result.host_hit_len = hit.host_hit_len
                 result.disk_hit_len = hit.disk_hit_len
                 result.remote_hit_len = hit.remote_hit_len
                 result.load_node = hit.load_node
             if not root.children:
-                self.tree.roots.pop(extra_key, None)
+                tree.roots.pop(extra_key, None)
         self.counters["device_hit_tokens"] += result.prefix_len
         if result.host_hit_len or result.disk_hit_len or result.remote_hit_len:
             self.counters["host_hit_tokens"] += result.host_hit_len
@@ -173,9 +175,11 @@ class UnifiedRadixCache:
         self, root: TreeNode, path: list[TreeNode], partial: TreeNode | None, k: int
     ) -> tuple[TreeNode, list[TreeNode]]:
         """The deepest end on the device every component accepts: (last node, its path)."""
-        dev = 0
-        while dev < len(path) and path[dev].base.value is not None:
-            dev += 1
+        dev = len(path)
+        for i, node in enumerate(path):
+            if node.base.value is None:
+                dev = i
+                break
         cand = path[:dev] if dev < len(path) else path
         partial_end = None
         if partial is not None and dev == len(path) and partial.base.value is not None:
@@ -196,9 +200,10 @@ class UnifiedRadixCache:
 
     def _on_prefix_hit(self, nodes: list[TreeNode]) -> None:
         """Count hits (the leaf policy and selective write-through learn from them)."""
+        on_hit = self.tree.leaf_policy.on_hit
         for node in nodes:
             node.hit_count += 1
-            self.tree.leaf_policy.on_hit(node)
+            on_hit(node)
         if self.backups is not None:
             self.backups.on_prefix_hit(nodes)
 
@@ -247,7 +252,7 @@ class UnifiedRadixCache:
             if self.mamba is None:
                 raise ValueError("insert: a mamba_slot for a layout without Mamba layers")
             end_values[self.mamba.idx] = mamba_slot
-        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len)
+        return self._insert(tokens, kv_indices, end_values, extra_key, prev_prefix_len, True)
 
     def _insert(
         self,
@@ -256,15 +261,17 @@ class UnifiedRadixCache:
         end_values: dict[int, Any],
         extra_key: str | None,
         prev_prefix_len: int,
+        check_pages: bool,
     ) -> int:
-        """``insert``, with the values handed to the end node by component index."""
+        """``insert``, with the values handed to the end node by component index;
+        ``check_pages`` as in TreeInsert.insert (False for a request's own slots)."""
         self.poll_transfers()
         slots = np.asarray(
             kv_indices.numpy() if isinstance(kv_indices, torch.Tensor) else kv_indices,
             dtype=np.int64,
         )
         cached, touched = self.inserter.insert(
-            token_array(tokens), slots, end_values, extra_key, prev_prefix_len
+            token_array(tokens), slots, end_values, extra_key, prev_prefix_len, check_pages
         )
         if touched and self.backups is not None:
             self.backups.after_insert(touched)
@@ -327,8 +334,15 @@ class UnifiedRadixCache:
                 end_values[comp.idx] = value
         if end <= req.prefix_len:
             return req.prefix_len
+        # The request's slots are the cache's own allocation (alloc_tokens, match_prefix):
+        # whole pages by construction.
         self._insert(
-            req.token_ids[:end], req.kv_slots[:end], end_values, req.extra_key, req.prefix_len
+            req.token_ids[:end],
+            req.kv_slots[:end],
+            end_values,
+            req.extra_key,
+            req.prefix_len,
+            check_pages=False,
         )
         return end
 

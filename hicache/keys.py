@@ -38,6 +38,26 @@ def token_array(tokens: TokenInput) -> np.ndarray:
     return arr
 
 
+# From this many key bytes on, a tree walk is faster over a view of the token array than
+# over a key built first (the copy costs more than the view's slices; 8k tokens: ~1.5 µs
+# saved, 1k tokens: ~0.4 µs lost).
+VIEW_MIN_KEY_BYTES = 16 << 10
+
+
+def token_view(arr: np.ndarray) -> memoryview:
+    """The key bytes of ``arr`` (a :func:`token_array`) as a byte view, copied only when
+    ``arr`` is not contiguous: what a tree walk reads without building the key."""
+    return memoryview(np.ascontiguousarray(arr).view(np.uint8))
+
+
+def walk_key(arr: np.ndarray) -> bytes | memoryview:
+    """What a tree walk over the tokens ``arr`` reads fastest: their key bytes, or for a
+    long query a byte view of them (:data:`VIEW_MIN_KEY_BYTES`)."""
+    if arr.size * TOKEN_BYTES >= VIEW_MIN_KEY_BYTES:
+        return token_view(arr)
+    return arr.tobytes()
+
+
 def token_bytes(tokens: TokenInput) -> bytes:
     """The key bytes of ``tokens``."""
     return token_array(tokens).tobytes()

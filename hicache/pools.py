@@ -221,7 +221,9 @@ class PageAllocator:
             return True
         rows = slots.reshape(-1, ps)
         first = rows[:, :1]
-        return bool(((rows - first) == self._page_offsets).all() and not (first % ps).any())
+        # Each row must equal its page's slots: the page's first slot (the row's first,
+        # rounded down to the page) plus 0..ps-1. One comparison pass.
+        return bool((rows == first - first % ps + self._page_offsets).all())
 
 
 class KVPool(PageAllocator):

@@ -60,6 +60,9 @@ class RadixTree:
         # at a node's end (Mamba), without which the head could not end a match.
         self.cut_tails = all(c.head_survives_cut for c in self.components)
         self.aux_lru = {c.idx: LRUList() for c in self.components if not c.leaf_only}
+        # (component index, its LRU list) of every component kept in one: what a touch
+        # moves besides the leaf policy's entry
+        self._aux_lru_items = list(self.aux_lru.items())
         self.evictable = {c.ctype: 0 for c in self.components}
         self.protected = {c.ctype: 0 for c in self.components}
         self.roots: dict[str | None, TreeNode] = {}
@@ -81,36 +84,51 @@ class RadixTree:
         return root
 
     def walk(
-        self, node: TreeNode, key: bytes, pos: int = 0
+        self, node: TreeNode, key: bytes | memoryview, pos: int = 0
     ) -> tuple[list[TreeNode], TreeNode | None, int]:
-        """Follow ``key[pos:]`` (``pos`` in bytes) down from ``node``.
+        """Follow ``key[pos:]`` (``pos`` in bytes) down from ``node``; ``key`` is token
+        bytes, or a byte view of them (:func:`~hicache.keys.token_view`), which a long
+        query passes so as not to copy itself into a key first.
 
         Returns the nodes whose whole key matched, then the next node that matched only
         partly (or None) and how many whole-page tokens of it matched.
         """
         path: list[TreeNode] = []
         step = self.page_bytes
+        view = type(key) is memoryview
         n = len(key)
         while pos < n:
-            child = node.children.get(key[pos : pos + step])
+            page = key[pos : pos + step]
+            child = node.children.get(bytes(page) if view else page)
             if child is None:
                 break
             ck = child.key
-            if key.startswith(ck, pos):  # memcmp in place, no slice copied
+            end = pos + len(ck)
+            # One memcmp in place either way (a view's slice copies nothing).
+            if (end <= n and ck.startswith(key[pos:end])) if view else key.startswith(ck, pos):
                 path.append(child)
-                pos += len(ck)
+                pos = end
                 node = child
                 continue
             return path, child, self._common_tokens(ck, key, pos)
         return path, None, 0
 
-    def _common_tokens(self, node_key: bytes, key: bytes, pos: int) -> int:
+    def matched_tokens(self, node: TreeNode, key: bytes, pos: int) -> int:
+        """Whole-page tokens of ``node``'s key that ``key[pos:]`` (``pos`` in bytes)
+        repeats from its start; the caller found the first page equal."""
+        ck = node.key
+        if key.startswith(ck, pos):  # the common case, one memcmp
+            return len(ck) // TOKEN_BYTES
+        return self._common_tokens(ck, key, pos)
+
+    def _common_tokens(self, node_key: bytes, key: bytes | memoryview, pos: int) -> int:
         """Whole-page tokens shared by ``node_key`` and ``key[pos:]`` (at least one page)."""
         count = min(len(node_key), len(key) - pos) // TOKEN_BYTES
         a = np.frombuffer(node_key, dtype=np.int64, count=count)
         b = np.frombuffer(key, dtype=np.int64, count=count, offset=pos)
-        diff = np.flatnonzero(a != b)
-        same = int(diff[0]) if diff.size else count
+        differs = a != b
+        first = int(differs.argmax())  # argmax stops at the first True
+        same = first if differs[first] else count
         return same - same % self.page_size
 
     def add_child(self, parent: TreeNode, key: bytes) -> TreeNode:
@@ -309,12 +327,13 @@ class RadixTree:
         """Mark ``nodes`` (root to leaf order) as just used."""
         self.clock += 1
         now = self.clock
+        aux = self._aux_lru_items
         for node in nodes:
             node.last_access = now
-            for comp in self.components:
-                cd = node.data[comp.idx]
+            for idx, lru in aux:
+                cd = node.data[idx]
                 if cd.in_lru:
-                    self.aux_lru[comp.idx].touch(cd)
+                    lru.touch(cd)
             if node.in_policy:
                 self.leaf_policy.touch(node)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache import pools as pools_module
 from hicache.components.base import TreeComponent
 from hicache.keys import TOKEN_BYTES
 from hicache.node import TreeNode
@@ -34,12 +35,17 @@ class TreeInsert:
         end_values: dict[int, Any],
         extra_key: str | None,
         prev_prefix_len: int,
+        check_pages: bool = True,
     ) -> tuple[int, list[TreeNode]]:
         """Cache tokens ``arr`` (whole pages) whose backbone slots are ``slots``; the tree
         takes ``slots[prev_prefix_len:]`` (freeing those of tokens it holds already) and
         ``end_values`` (by component index) for the end node. Returns how many leading
         tokens were already cached on the device, and the nodes the insert went through
-        (touched, root to leaf)."""
+        (touched, root to leaf).
+
+        ``check_pages`` checks that the slots taken are whole pages (raising ValueError):
+        callers passing slots the cache allocated itself pass False, and the check then
+        runs only with the pools' debug checks on."""
         tree = self.tree
         ps = tree.page_size
         n = arr.size
@@ -48,7 +54,11 @@ class TreeInsert:
                 f"insert needs whole pages and one slot per token: {n} tokens, {slots.size} "
                 f"slots, page_size {ps}"
             )
-        if n and not tree.base.pool().check_whole_pages(slots[prev_prefix_len:]):
+        if (
+            n
+            and (check_pages or pools_module.DEBUG_CHECKS)
+            and not tree.base.pool().check_whole_pages(slots[prev_prefix_len:])
+        ):
             raise ValueError("insert: kv_indices beyond prev_prefix_len are not whole pages")
         root = tree.namespace_root(extra_key, create=n > 0)
         if n == 0:
@@ -65,13 +75,13 @@ class TreeInsert:
             own_pages = slots[prev_prefix_len:n:ps] // ps
             for c in aux:
                 valid_from[c.idx] = c.insert_valid_from(own_pages, prev_prefix_len, n)
-        cuts = sorted({v for v in valid_from.values() if v is not None})
+        cuts = sorted({v for v in valid_from.values() if v is not None}) if aux else ()
         node, pos, cached, touched = root, 0, 0, []
         while pos < n:
             child = node.children.get(key[pos * TOKEN_BYTES : pos * TOKEN_BYTES + tree.page_bytes])
             if child is None:
                 break
-            m = min(child.num_tokens, tree._common_tokens(child.key, key, pos * TOKEN_BYTES))
+            m = tree.matched_tokens(child, key, pos * TOKEN_BYTES)
             if m < child.num_tokens:
                 child = tree.split(child, m)
             for comp in aux:
@@ -93,7 +103,7 @@ class TreeInsert:
             touched.append(child)
             node, pos = child, pos + m
         while pos < n:
-            end = next((c for c in cuts if pos < c < n), n)
+            end = next((c for c in cuts if pos < c < n), n) if cuts else n
             end = tree.leaf_policy.insert_end(key, pos, end)
             child = tree.add_child(node, key[pos * TOKEN_BYTES : end * TOKEN_BYTES])
             self._fill_node(child, slots[pos:end], valid_from)
