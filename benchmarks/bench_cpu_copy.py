@@ -5,8 +5,10 @@ Same run, same bytes, best of ``--repeats``:
 * ``memcpy``: one ``Tensor.copy_`` of that many contiguous bytes (the baseline);
 * ``reference``: the torch reference (gather, permute, scatter) — the CPU path before
   ``Backend.CPU``;
-* ``cpu rows``: ``hicache.kernels`` on CPU tensors by default (one memmove per run of
-  rows, split across threads);
+* ``cpu rows``: ``hicache.kernels`` on CPU tensors by default (a KV page or a Mamba
+  state is one strided copy per item, split by items across threads);
+* ``memmove per row``: the CPU path before that, one memmove per row (a page of one
+  layer's K or V), split across threads by bytes;
 * ``controller``: ``LocalController.load`` / ``backup`` through the host pool, the whole
   path a sidecar runs for an engine on a CPU.
 
@@ -37,6 +39,8 @@ from hicache.kernels import (
     mamba_states_to_host,
     reference,
 )
+from hicache.kernels.cpu_rows import move_runs, row_runs
+from hicache.kernels.geometry import kv_row_copy
 from hicache.keys import namespace_hash, page_hashes
 
 PAGE_SIZE = 16
@@ -98,6 +102,11 @@ def kv_transfers(total: int) -> list[Transfer]:
         ),
         ("KV to host, cpu rows", lambda: kv_pages_to_host(device_kv, host_kv, dev, hp, ps), nbytes),
         (
+            "KV to host, memmove per row",
+            memmove_per_row(device_kv, host_kv, dev, hp, ps, to_host=True),
+            nbytes,
+        ),
+        (
             "KV to device, reference",
             lambda: reference.kv_pages_to_device_ref(host_kv, device_kv, hp, dev, ps),
             nbytes,
@@ -107,7 +116,27 @@ def kv_transfers(total: int) -> list[Transfer]:
             lambda: kv_pages_to_device(host_kv, device_kv, hp, dev, ps),
             nbytes,
         ),
+        (
+            "KV to device, memmove per row",
+            memmove_per_row(device_kv, host_kv, dev, hp, ps, to_host=False),
+            nbytes,
+        ),
     ]
+
+
+def memmove_per_row(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    dev: torch.Tensor,
+    hp: torch.Tensor,
+    page_size: int,
+    to_host: bool,
+) -> Callable[[], object]:
+    """The CPU path before strided item copies: one ``memmove`` per row (a page of one
+    layer's K or V), rows merged where contiguous on both sides, split across threads."""
+    copy = kv_row_copy(device_kv, host_kv, dev, hp, page_size, to_host)
+    src, dst = (dev, hp) if to_host else (hp, dev)
+    return lambda: move_runs(*row_runs(copy, src.numpy(), dst.numpy()))
 
 
 def mamba_transfers(total: int) -> list[Transfer]:

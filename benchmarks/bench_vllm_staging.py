@@ -1,4 +1,4 @@
-"""vLLM's blocks through hicache on a CPU: a store and a load of whole blocks, end to end,
+"""vLLM's blocks through hicache on a CPU or a GPU: a store and a load of whole blocks, end to end,
 against a memcpy of the same bytes in the same run.
 
 On a CPU vLLM's KV tensors are the worker's private memory, so a store is two copies
@@ -12,23 +12,19 @@ with the ratio to a ``Tensor.copy_`` of the same bytes, timed after warm-up stor
 touched the whole host pool (the sidecar keeps its LMDB tier; its writer is let catch up
 between the timed transfers). Run it in ``.venv-vllm``.
 
-Usage: ``.venv-vllm/bin/python benchmarks/bench_vllm_staging.py [--blocks 64] [--layers 8]``
+Usage: ``.venv-vllm/bin/python benchmarks/bench_vllm_staging.py [--blocks 64] [--layers 8]
+[--device cuda]``
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_vllm_ttft import start_sidecar
 
 PAGE_BYTES = 16 * 8 * 128 * 2 * 2  # one layer's block: 16 tokens of K and V
 WARM_ROUNDS = 4
@@ -51,12 +47,37 @@ def empty_host_pool(socket: Path, pool_bytes: int, timeout_s: float = 120.0) -> 
         admin.close()
 
 
+class Baseline:
+    """One copy of ``nbytes`` the transfer could at best be: a memcpy on a CPU; on a GPU
+    a pinned device-to-host copy (the sidecar's half of a store), timed to its end."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.what = "memcpy" if device.type == "cpu" else "pinned device-to-host copy"
+        self.src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where vLLM's blocks live: cpu, or cuda (the staging area then is GPU memory "
+        "the sidecar maps over CUDA IPC, and the baseline a pinned host<->device copy)",
+    )
     args = ap.parse_args()
+    device = torch.device(args.device)
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -65,7 +86,8 @@ def main() -> None:
         make_offload_key,
     )
 
-    from hicache.integrations.vllm import HiCacheVllmConfig
+    from hicache.apps.engine.cluster import SidecarProcess, SidecarSettings
+    from hicache.integrations.vllm_config import HiCacheVllmConfig
     from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
     from hicache.integrations.vllm_pages import GroupPages, PageNamespace
     from hicache.integrations.vllm_worker import HiCacheOffloadingWorker
@@ -76,10 +98,14 @@ def main() -> None:
     # each timed store the host tier is emptied (untimed), so it writes into pages that
     # were written before, as a running sidecar's stores do.
     pool_mib = WARM_ROUNDS * args.blocks * args.layers * PAGE_BYTES >> 20
-    sidecar, socket = start_sidecar(workdir, host_pool=f"{pool_mib}MiB", extra=())
+    sidecar = SidecarProcess(
+        workdir, SidecarSettings(host_pool_bytes=pool_mib << 20, disk_budget_bytes=1 << 30)
+    ).start()
+    socket = sidecar.socket_path
     n, layers = args.blocks, args.layers
     tensors = [
-        torch.randint(-128, 128, (2 * n + 1, PAGE_BYTES), dtype=torch.int8) for _ in range(layers)
+        torch.randint(-128, 128, (2 * n + 1, PAGE_BYTES), dtype=torch.int8, device=device)
+        for _ in range(layers)
     ]
     caches = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
@@ -104,7 +130,7 @@ def main() -> None:
 
     src = list(range(1, n + 1))  # block 0 is vLLM's null block
     dst = list(range(n + 1, 2 * n + 1))
-    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    baseline = Baseline(nbytes, device)
     best = {"store": float("inf"), "load": float("inf"), "memcpy": float("inf")}
     try:
         for rep in range(WARM_ROUNDS + args.repeats):
@@ -136,24 +162,24 @@ def main() -> None:
                 ),
             )
             assert not worker.take_failed_loads(), worker.counters
-            t0 = time.perf_counter()
-            b.copy_(a)
-            best["memcpy"] = min(best["memcpy"], time.perf_counter() - t0)
+            best["memcpy"] = min(best["memcpy"], baseline())
         restored = all(torch.equal(t[1 : n + 1], t[n + 1 :]) for t in tensors)
         assert restored, "a load did not restore the bytes"
     finally:
         worker.shutdown()
-        sidecar.terminate()
-        sidecar.wait(60)
+        sidecar.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     m = nbytes / best["memcpy"] / 1e9
     print(
-        f"vLLM blocks through the sidecar on CPU: {n} blocks x {layers} layers = "
-        f"{nbytes / 2**20:.0f} MiB, best of {args.repeats}; memcpy {m:.2f} GB/s"
+        f"vLLM blocks through the sidecar on {device.type}: {n} blocks x {layers} layers = "
+        f"{nbytes / 2**20:.0f} MiB, best of {args.repeats}; {baseline.what} {m:.2f} GB/s"
     )
     for what in ("store", "load"):
         g = nbytes / best[what] / 1e9
-        print(f"  {what:<5} {g:6.2f} GB/s  ({g / m:.2f} of memcpy; two copies and the round trips)")
+        print(
+            f"  {what:<5} {g:6.2f} GB/s  ({g / m:.2f} of the {baseline.what}; two copies and "
+            f"the round trips)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,40 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engines" / "vllm"))
 
 from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
-
-
-def start_sidecar(
-    workdir: Path, host_pool: str = "256MiB", extra: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen, Path]:
-    """``hicache serve`` in ``workdir``, once it serves; (the process, its socket)."""
-    socket = workdir / "run" / "hicache.sock"
-    ready = workdir / "ready.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hicache.controller.sidecar_process",
-        "--socket",
-        str(socket),
-        "--disk-path",
-        str(workdir / "lmdb"),
-        "--metrics-port",
-        "0",
-        "--host-pool-bytes",
-        host_pool,
-        "--disk-budget-bytes",
-        "1GiB",
-        "--ready-file",
-        str(ready),
-        *extra,
-    ]
-    log = open(workdir / "sidecar.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            raise SystemExit(f"the sidecar did not start; see {workdir / 'sidecar.log'}")
-        time.sleep(0.1)
-    return proc, socket
 
 
 def stored_pages(socket: Path) -> int:
@@ -85,7 +50,10 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     workdir = Path(tempfile.mkdtemp(prefix="hvb", dir="/tmp"))
-    sidecar, socket = start_sidecar(workdir)
+    from hicache.apps.engine.cluster import SidecarProcess
+
+    sidecar = SidecarProcess(workdir).start()
+    socket = sidecar.socket_path
     try:
         model = make_tiny_llama(workdir / "model")
         llm = build_llm(str(model), str(socket), {})
@@ -122,8 +90,7 @@ def main() -> None:
         print(f"  hicache connector hit TTFT  {h:8.1f} ms   ({h / c:.2f} of cold)")
         print(f"  native prefix-cache hit     {n:8.1f} ms   ({n / c:.2f} of cold)")
     finally:
-        sidecar.terminate()
-        sidecar.wait(60)
+        sidecar.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -356,6 +356,14 @@ def run_checks(pages: int = 64, repeat: int = 5) -> list[dict[str, Any]]:
         err = register_raw(sidecar.endpoint, forged)
         rows.append(_refusal("forged GPU UUID", err, "not one this sidecar sees"))
 
+        # 2e. a storage that claims more bytes than its allocation holds (the driver's
+        # extent check): a view past the end could reach another engine's memory.
+        oversized = _unhex(json.loads(json.dumps(_hexify(desc))))
+        first = next(iter(oversized["buffers"].values()))
+        first["storage_bytes"] += 1 << 40
+        err = register_raw(sidecar.endpoint, oversized)
+        rows.append(_refusal("storage larger than its allocation", err, "allocation holds"))
+
         # 2d. pools on a GPU the sidecar does not see.
         if torch.cuda.device_count() >= 2:
             blind = Sidecar(work, "gpu0-only", {"CUDA_VISIBLE_DEVICES": "0"})

@@ -1,4 +1,4 @@
-"""The CPU row path (``Backend.CPU``): one memmove per run of rows, the CPU default.
+"""The CPU row path (``Backend.CPU``, the CPU default): memmove runs or strided item copies.
 
 It must move exactly the bytes the torch reference moves (bit for bit, poisoned outputs,
 rows outside the transfer untouched), in one thread and split across threads, for KV
@@ -103,3 +103,33 @@ def test_no_rows_move_nothing() -> None:
     copy = kv_row_copy(device_kv, host_kv, torch.tensor([0]), torch.tensor([0]), 4, to_host=True)
     assert copy_rows_cpu(copy, np.empty(0, np.int64), np.empty(0, np.int64)) == 0
     assert not host_kv.any()
+
+
+@pytest.mark.parametrize("layers", [1, LAYERS])
+def test_dense_items_take_memmove_runs_and_others_strided_copies(
+    layers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-layer Mamba state is one dense block on both sides: consecutive items merge
+    into memmove runs (split across threads). With several layers an item is rows far
+    apart in the engine's pool, copied as one strided view. Both match the reference."""
+    from hicache.kernels import cpu_rows
+
+    paths: list[str] = []
+    strided, runs = cpu_rows.copy_items_strided, cpu_rows.move_runs
+    monkeypatch.setattr(
+        cpu_rows, "copy_items_strided", lambda *a, **k: paths.append("strided") or strided(*a, **k)
+    )
+    monkeypatch.setattr(
+        cpu_rows, "move_runs", lambda *a, **k: paths.append("memmove") or runs(*a, **k)
+    )
+    gen = torch.Generator().manual_seed(layers)
+    conv = randomize(torch.empty(layers, 9, 6, 3), gen)
+    ssm = randomize(torch.empty(layers, 9, 4, 5), gen)
+    pages = MambaHostPages(7, layers, (6, 3), (4, 5), torch.float32)
+    randomize(pages.buffer, gen)
+    slots, host = torch.tensor([2, 3, 4, 0]), torch.tensor([1, 2, 3, 6])
+    want, got = pages.buffer.clone(), pages.buffer.clone()
+    reference.mamba_states_to_host_ref(conv, ssm, *pages.views(want), slots, host)
+    kernels.mamba_states_to_host(conv, ssm, *pages.views(got), slots, host, tuning=THREADED)
+    assert torch.equal(got, want)
+    assert paths == (["memmove"] * 2 if layers == 1 else ["strided"] * 2)

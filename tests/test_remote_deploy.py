@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from remote_support import SLOTS, _free_port, require_redis_server
-from test_deploy import REPO, promtool, run_tool
+from test_deploy import REMOTE_ROW, REPO, dashboard_exprs, promtool, run_tool
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.local import LocalController
@@ -191,6 +191,28 @@ def test_every_series_in_the_remote_rules_and_their_tests_is_exported():
     assert names and names <= set(series), names - set(series)
     assert "reason" in series["hicache_remote_write_dropped_total"]
     assert "reason" in series["hicache_remote_invalid_values_total"]
+
+
+def test_the_dashboards_remote_row_reads_only_exported_series():
+    """Every query of the dashboard's remote-tier row names series (and labels) that a
+    controller with a remote tier exports; the row covers hits, calls, fills, writes and
+    the breaker."""
+    exprs = dashboard_exprs({REMOTE_ROW})
+    text = " ".join(e for _, e in exprs)
+    for needed in ('result="remote"', "hicache_remote_ops_total", "hicache_remote_fills_total",
+                   "hicache_remote_write_dropped_total", "hicache_remote_breaker_state"):
+        assert needed in text, needed
+    series = _exported_remote_series()
+    problems = []
+    for where, expr in exprs:
+        for name, labels in re.findall(r"\b(hicache_[a-z_]+)(?:\{([^}]*)\})?", expr):
+            if name not in series:
+                problems.append(f"{where}: {name} is not exported")
+                continue
+            for label in re.findall(r"([a-z_]+)\s*=~?", labels):
+                if label not in ("job", "instance") and label not in series[name]:
+                    problems.append(f"{where}: {name} has no label {label!r}")
+    assert not problems, "\n".join(problems)
 
 
 def test_the_metrics_reference_documents_every_remote_series():

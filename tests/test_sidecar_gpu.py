@@ -35,3 +35,4 @@ def test_cuda_ipc_registration_round_trip_and_refusals() -> None:
     assert not failed, failed
     names = " | ".join(row["name"] for row in rows)
     assert "bytes equal" in names and "stale" in names and "forged GPU" in names
+    assert "larger than its allocation" in names

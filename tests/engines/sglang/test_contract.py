@@ -173,3 +173,62 @@ def test_hybrid_controller_calls_match_the_file_backend(
     # the trailing-pages rule itself: the hit ends at the last page with a state
     assert got["hit_tokens"] == max(state_at) * PAGE_SIZE
     assert got["state_bytes_match"] is True
+
+
+def _swa_run(backend, kv_pool, swa_pool, window_pages: int, base: int):
+    """KV for six pages through the controller's backup, and SWA pages for only the last
+    ``window_pages`` (what a hybrid full + sliding-window stack keeps of a prefix: the
+    window); then the existence checks under the trailing-pages rule (the window, and one
+    page more than was stored) and all pages, and a read of the window into fresh pages."""
+    tokens = list(range(base, base + STORED_PAGES * PAGE_SIZE))
+    keys = page_keys(tokens)
+    ctl = ControllerShim(backend, kv_pool, False)
+    assert ctl.backup(fill_pages(kv_pool, STORED_PAGES, seed=21), tokens) == len(tokens)
+    src = fill_pages(swa_pool, window_pages, seed=31 + window_pages)
+    res = backend.batch_set_v2(
+        [PoolTransfer(name=PoolName.SWA, host_indices=src, keys=keys[-window_pages:])]
+    )
+    assert res[PoolName.SWA] == [True] * window_pages
+    seen = {}
+    for policy, trailing in ((PoolHitPolicy.TRAILING_PAGES, window_pages),
+                             (PoolHitPolicy.TRAILING_PAGES, window_pages + 1),
+                             (PoolHitPolicy.ALL_PAGES, 1)):  # fmt: skip
+        r = backend.batch_exists_v2(
+            keys, [PoolTransfer(name=PoolName.SWA, keys=keys[-trailing:], hit_policy=policy)]
+        )
+        seen[(policy.value, trailing)] = (r.kv_hit_pages, dict(r.extra_pool_hit_pages),
+                                          r.restorable_prefix_pages)
+    dst = swa_pool.alloc(window_pages * PAGE_SIZE)
+    got = backend.batch_get_v2(
+        [PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys[-window_pages:])]
+    )
+    seen["get"] = got[PoolName.SWA]
+    seen["bytes"] = host_page_bytes(swa_pool, dst, window_pages) == host_page_bytes(
+        swa_pool, src, window_pages
+    )
+    return seen
+
+
+@pytest.mark.parametrize("window_pages", [1, 3])
+def test_sliding_window_pages_match_the_file_backend(
+    sidecar_per_layout, token_base, tmp_path, window_pages
+):
+    """SGLang's full + SWA stack keeps its sliding-window layers in a second
+    MHATokenToKVPoolHost, registered as the SWA pool: hicache answers its existence
+    checks and moves its pages as SGLang's file backend does."""
+    sidecar = sidecar_per_layout("swa")
+    kv, swa = mha_host_pool(), mha_host_pool()
+    oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.SWA: swa})
+    expected = _swa_run(oracle, kv, swa, window_pages, token_base)
+    kv, swa = mha_host_pool(), mha_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.SWA: swa})
+    try:
+        got = _swa_run(backend, kv, swa, window_pages, token_base)
+    finally:
+        backend.close()
+    assert got == expected
+    assert got["get"] == [True] * window_pages and got["bytes"] is True
+    # the rule itself: a window of stored SWA pages hits the whole prefix; asking one page
+    # more than was stored does not
+    assert got[("trailing_pages", window_pages)][0] == STORED_PAGES
+    assert got[("trailing_pages", window_pages + 1)][0] < STORED_PAGES
