@@ -74,6 +74,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a clear waits for queued backups and disk writes to commit before it drops
+# what it may: a write still queued after this is kept (in flight), never lost or torn.
+CLEAR_FLUSH_TIMEOUT_S = 30.0
+
 DEFAULT_ENGINE = "local"
 
 
@@ -393,6 +397,11 @@ class LocalController:
         namespace: str | None = None,
         all_namespaces: bool = True,
     ) -> admin_ops.ClearResult:
+        """Drop every unpinned page of ``tiers`` (admin_ops.clear). Backups and disk
+        writes queued before the call are committed first (for up to
+        ``CLEAR_FLUSH_TIMEOUT_S``), so a page stored just before a clear is dropped
+        instead of being kept as in flight, or written to disk after it."""
+        self.flush(CLEAR_FLUSH_TIMEOUT_S)
         return admin_ops.clear(self, fingerprint, tiers, namespace, all_namespaces)
 
     def evict(

@@ -335,6 +335,22 @@ def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
     ctl.close()
 
 
+def test_a_clear_right_after_a_backup_drops_its_pages_from_every_tier(tmp_path):
+    """A page stored just before a clear (its disk write still queued behind a slow
+    writer) is dropped by the clear, not kept as in flight and written to disk after it."""
+    _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
+    chain = engine.write_chain(range(3 * PAGE))
+    _store(ctl, chain)
+    res = ctl.clear(None, [Tier.HOST, Tier.DISK])
+    assert res.kept_pages == 0 and res.host_pages == res.disk_pages == len(chain.refs())
+    assert ctl.flush(10.0)
+    assert ctl.tiers_of(chain.page_keys()) == [set()] * len(chain.refs())
+    with ctl.store.disk.env.begin() as txn:
+        assert all(txn.get(r.key.storage_key()) is None for r in chain.refs())
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def test_corrupt_header_is_dropped_when_the_index_is_rebuilt(tmp_path):
     layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(3 * PAGE))
