@@ -12,6 +12,9 @@ through the sidecar against the in-process controller, all measured in the same 
   the same pages in this process.
 * Backup: P pages the controller does not hold yet, from those pools into the host pool,
   until the handle reports them held: through the sidecar against ``LocalController``.
+* Fixed cost: a one-page load-back and a one-page lookup, each ``--fixed-calls`` times
+  (median), through the sidecar and in-process: what a call costs beyond its bytes, and
+  how much a load-back through the sidecar pays beyond a lookup round trip.
 """
 
 from __future__ import annotations
@@ -131,11 +134,32 @@ def _time_loads(load, repeat: int) -> float:
     return statistics.median(seconds)
 
 
+def _fixed_costs(ctl, refs: list[PageRef], calls: int) -> dict[str, float]:
+    """Median µs of a load-back and of a lookup of the one page of ``refs``."""
+    pin = ctl.pin([r.key for r in refs], 600)
+    assert pin is not None
+    hashes = [r.page_hash for r in refs]
+    out = {}
+    for what, call in (
+        ("load", lambda: ctl.load(refs, pin, 60)),
+        ("lookup", lambda: ctl.lookup(hashes, [FULL])),
+    ):
+        samples = []
+        for _ in range(calls + calls // 10):
+            t0 = time.perf_counter_ns()
+            assert call()
+            samples.append(time.perf_counter_ns() - t0)
+        out[what] = statistics.median(samples[calls // 10 :]) / 1e3
+    ctl.unpin(pin)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lookups", type=int, default=5000)
     p.add_argument("--pages", type=int, default=128)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--fixed-calls", type=int, default=400)
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
 
@@ -202,6 +226,7 @@ def main() -> int:
         assert pin is not None
         side_s = _time_loads(lambda: client.load(dst, pin, 60), args.repeat)
         client.unpin(pin)
+        fixed = {"sidecar": _fixed_costs(client, dst[:1], args.fixed_calls)}
         client.close()
 
         local = LocalController(ControllerConfig(host_pool_bytes=host_bytes, disk_path=None))
@@ -210,6 +235,8 @@ def main() -> int:
         assert local.backup(src).wait(120)
         lpin = local.pin([r.key for r in dst], 600)
         local_s = _time_loads(lambda: local.load(dst, lpin, 60), args.repeat)
+        local.unpin(lpin)
+        fixed["in_process"] = _fixed_costs(local, dst[:1], args.fixed_calls)
         local.close()
     finally:
         sidecar.send_signal(signal.SIGTERM)
@@ -235,7 +262,12 @@ def main() -> int:
         "sidecar_backup_MBps": mb / side_backup_s,
         "in_process_backup_MBps": mb / local_backup_s,
         "backup_ratio": local_backup_s / side_backup_s,
+        **{f"{where}_{what}_us": us for where, f in fixed.items() for what, us in f.items()},
     }
+    figures["fixed_load_ratio"] = figures["in_process_load_us"] / figures["sidecar_load_us"]
+    figures["sidecar_load_beyond_lookup_us"] = (
+        figures["sidecar_load_us"] - figures["sidecar_lookup_us"]
+    )
     print(f"lookup round trip, {CHAIN}-page chain, {args.lookups} calls (after warm-up)")
     print(f"  {'':28} {'p50 us':>9} {'p99 us':>9}")
     print(f"  {'bare pyzmq+msgpack echo':28} {echo_p50:9.1f} {echo_p99:9.1f}")
@@ -249,6 +281,15 @@ def main() -> int:
     print(f"  through the sidecar: {figures['sidecar_backup_MBps']:9.1f} MB/s")
     print(f"  in-process:          {figures['in_process_backup_MBps']:9.1f} MB/s")
     print(f"  sidecar / in-process: {figures['backup_ratio']:.2f}")
+    print(f"fixed cost of one call, one page, median of {args.fixed_calls} (us)")
+    print(f"  {'':12} {'load-back':>10} {'lookup':>10}")
+    for where in ("sidecar", "in_process"):
+        load_us, lookup_us = figures[where + "_load_us"], figures[where + "_lookup_us"]
+        print(f"  {where:12} {load_us:10.1f} {lookup_us:10.1f}")
+    print(f"  load-back in-process / sidecar: {figures['fixed_load_ratio']:.2f}")
+    print(
+        f"  sidecar load-back beyond its lookup: {figures['sidecar_load_beyond_lookup_us']:.1f} us"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sidecar_launch import start_sidecar
 
 PAGE_BYTES = 16 * 8 * 128 * 2 * 2  # one layer's block: 16 tokens of K and V
 WARM_ROUNDS = 4
@@ -91,6 +86,7 @@ def main() -> None:
         make_offload_key,
     )
 
+    from hicache.apps.engine.cluster import SidecarProcess, SidecarSettings
     from hicache.integrations.vllm_config import HiCacheVllmConfig
     from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
     from hicache.integrations.vllm_pages import GroupPages, PageNamespace
@@ -102,7 +98,10 @@ def main() -> None:
     # each timed store the host tier is emptied (untimed), so it writes into pages that
     # were written before, as a running sidecar's stores do.
     pool_mib = WARM_ROUNDS * args.blocks * args.layers * PAGE_BYTES >> 20
-    sidecar, socket = start_sidecar(workdir, host_pool=f"{pool_mib}MiB", extra=())
+    sidecar = SidecarProcess(
+        workdir, SidecarSettings(host_pool_bytes=pool_mib << 20, disk_budget_bytes=1 << 30)
+    ).start()
+    socket = sidecar.socket_path
     n, layers = args.blocks, args.layers
     tensors = [
         torch.randint(-128, 128, (2 * n + 1, PAGE_BYTES), dtype=torch.int8, device=device)
@@ -168,8 +167,7 @@ def main() -> None:
         assert restored, "a load did not restore the bytes"
     finally:
         worker.shutdown()
-        sidecar.terminate()
-        sidecar.wait(60)
+        sidecar.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     m = nbytes / best["memcpy"] / 1e9
     print(

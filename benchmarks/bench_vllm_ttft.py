@@ -26,7 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engines" / "vllm"))
 
-from sidecar_launch import start_sidecar  # noqa: E402
 from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
 
 
@@ -51,7 +50,10 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     workdir = Path(tempfile.mkdtemp(prefix="hvb", dir="/tmp"))
-    sidecar, socket = start_sidecar(workdir)
+    from hicache.apps.engine.cluster import SidecarProcess
+
+    sidecar = SidecarProcess(workdir).start()
+    socket = sidecar.socket_path
     try:
         model = make_tiny_llama(workdir / "model")
         llm = build_llm(str(model), str(socket), {})
@@ -88,8 +90,7 @@ def main() -> None:
         print(f"  hicache connector hit TTFT  {h:8.1f} ms   ({h / c:.2f} of cold)")
         print(f"  native prefix-cache hit     {n:8.1f} ms   ({n / c:.2f} of cold)")
     finally:
-        sidecar.terminate()
-        sidecar.wait(60)
+        sidecar.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -44,6 +44,15 @@ MAX_CHECKED_PREFIX = 8192
 REPEAT = 3  # device and host hits per length (the median is reported)
 # ``--dry-run``: tiny models and small sizes on the CPU, to check the script off a GPU.
 DEVICE = "cuda"
+# ``--trace-dir``: where each sidecar and this process write their request stages
+# (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
+TRACE_DIR: pathlib.Path | None = None
+TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
+SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
+
+
+def trace_path(name: str) -> pathlib.Path | None:
+    return None if TRACE_DIR is None else TRACE_DIR / f"{name}.json"
 
 
 def sync() -> None:
@@ -63,6 +72,7 @@ class SidecarProc:
         disk_budget: str,
         switch_interval_s: float | None = None,
         profile_path: pathlib.Path | None = None,
+        trace_path: pathlib.Path | None = None,
     ) -> None:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +91,11 @@ class SidecarProc:
             # Requests run on the server's worker threads, which a profiler of the main
             # thread never sees: profile each job on its thread, write when it stops.
             run = f"__import__('hf_ttft_gpu').profiled_sidecar({argv!r}, {str(profile_path)!r})"
+        if trace_path is not None:  # timestamps of each request's stages (sidecar_trace.py)
+            run = (
+                "__import__('gpu_sidecar_check').import_hicache() or __import__("
+                f"'sidecar_trace').install_server({str(trace_path)!r}) or {run}"
+            )
         code = (
             f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
             + ("" if switch_interval_s is None else f"sys.setswitchinterval({switch_interval_s}); ")
@@ -134,11 +149,15 @@ class TimedController:
         return timed
 
 
-def client(endpoint: str, name: str):
+def client(endpoint: str, name: str, reply_spin_s: float = SPIN_S, **options):
+    """A sidecar client with long timeouts that spins for its replies (``reply_spin_s``:
+    every call of the engine here blocks its only thread); ``options``: other
+    SidecarClientConfig fields."""
     from hicache.controller.client import SidecarClientConfig, SidecarController
 
+    options["reply_spin_s"] = reply_spin_s
     cfg = SidecarClientConfig(
-        request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0
+        request_timeout_s=600.0, lookup_timeout_s=60.0, connect_timeout_s=60.0, **options
     )
     return SidecarController(endpoint, name, cfg)
 
@@ -206,7 +225,12 @@ def loadback_table(
         sys.setswitchinterval(switch_interval_s)
     side_profile = None if profile_dir is None else profile_dir / f"sidecar-{label}.prof"
     side = SidecarProc(
-        work / f"loadback-{label}", host_bytes, "64MiB", switch_interval_s, side_profile
+        work / f"loadback-{label}",
+        host_bytes,
+        "64MiB",
+        switch_interval_s,
+        side_profile,
+        trace_path(f"sidecar-loadback-{label}"),
     )
     local = LocalController(
         ControllerConfig(host_pool_bytes=max_pages * page_bytes + (64 << 20), disk_path=None)
@@ -217,10 +241,14 @@ def loadback_table(
 
         profiler = cProfile.Profile()
     remote = client(side.endpoint, "loadback")
+    # The same sidecar through a client that sleeps while it waits (reply_spin_s = 0).
+    sleeper = client(side.endpoint, "loadback-sleeping", reply_spin_s=0.0)
+    controllers = (("in_process", local), ("sidecar", remote), ("sidecar_sleeping", sleeper))
     rows = []
     try:
         local.register(layout, page, pools)
         remote.register(layout, page, pools)
+        sleeper.register(layout, page, pools)
         src = pools.alloc_kv_pages(max_pages)
         dst = pools.alloc_kv_pages(max_pages)
         hashes = page_hashes(np.arange(max_pages * page), fp, page)
@@ -252,7 +280,8 @@ def loadback_table(
             )
             times = {"kernel": kernel}
             cold = {}
-            for name, ctl in (("in_process", local), ("sidecar", remote)):
+            windows = {}
+            for name, ctl in controllers:
                 pin = ctl.pin(keys, 600)
                 t0 = time.perf_counter()
                 ctl.load(loads, pin, 600)  # the first load of these pages: what a hit pays
@@ -260,7 +289,9 @@ def loadback_table(
                 cold[name] = (time.perf_counter() - t0) * 1e3
                 if name == "sidecar" and profiler is not None:
                     profiler.enable()
+                w0 = time.monotonic()
                 times[name] = cuda_ms(lambda c=ctl, p=pin, lo=loads: c.load(lo, p, 600))
+                windows[name] = [w0, time.monotonic()]
                 if name == "sidecar" and profiler is not None:
                     profiler.disable()
                 ctl.unpin(pin)
@@ -272,7 +303,12 @@ def loadback_table(
             for k, ms in cold.items():
                 row[f"{k}_first_ms"] = round(ms, 3)
             row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
+            row["sleeping_vs_in_process"] = round(
+                times["in_process"] / times["sidecar_sleeping"], 3
+            )
             row["in_process_vs_kernel"] = round(times["kernel"] / times["in_process"], 3)
+            if TRACE_DIR is not None:
+                row["windows"] = windows
             rows.append(row)
             print(json.dumps(row), flush=True)
         equal = torch.equal(
@@ -282,8 +318,17 @@ def loadback_table(
         one = [refs[0].page_hash]
         floor = cuda_ms(lambda: remote.lookup(one, [ComponentType.FULL]), repeat=20)
         fixed = {"pass": label, "loadback_bytes_equal": equal, "sidecar_rpc_floor_us": floor * 1e3}
+        if TRACE_DIR is not None:  # many one-page loads, each stage timed on both sides
+            fixed["windows"] = {}
+            for name, ctl in controllers:
+                pin = ctl.pin(keys[:1], 600)
+                w0 = time.monotonic()
+                ms = cuda_ms(lambda c=ctl, p=pin: c.load(loads[:1], p, 600), TRACED_LOADS)
+                fixed["windows"][name] = [w0, time.monotonic()]
+                fixed[f"{name}_one_page_us"] = round(ms * 1e3, 1)
+                ctl.unpin(pin)
         a, b = rows[0], rows[1]
-        for k in ("kernel", "in_process", "sidecar") if b["MiB"] > a["MiB"] else ():
+        for k in ("kernel", *(n for n, _ in controllers)) if b["MiB"] > a["MiB"] else ():
             # intercept of the line through the two smallest sizes: the cost of a load-back
             # of no bytes
             slope = (b[f"{k}_ms"] - a[f"{k}_ms"]) / (b["MiB"] - a["MiB"])
@@ -292,6 +337,7 @@ def loadback_table(
         print(json.dumps(fixed), flush=True)
     finally:
         sys.setswitchinterval(previous)
+        sleeper.close()
         remote.close()
         local.close()
         side.stop()
@@ -372,11 +418,13 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
     page, chunk = (64, 2048) if DEVICE == "cuda" else (16, 64)
     slots = (max(lengths) + 4 * SUFFIX + page) * 3
     side_dir = work / f"ttft-{family}"
-    sidecar = SidecarProc(side_dir, "12GiB", "48GiB")
+    sidecar = SidecarProc(
+        side_dir, "12GiB", "48GiB", trace_path=trace_path(f"sidecar-ttft-{family}")
+    )
     made: list = []
 
-    def engine(prefetch=None):
-        c = TimedController(client(sidecar.endpoint, f"{family}-{len(made)}"))
+    def engine(prefetch=None, **options):
+        c = TimedController(client(sidecar.endpoint, f"{family}-{len(made)}", **options))
         extra = {} if prefetch is None else {"prefetch_policy": prefetch}
         lm = PrefixCachedLM.build(
             model, page_size=page, full_slots=slots, mamba_slots=64, controller=c,
@@ -403,6 +451,10 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         lm.cache.evict(full_tokens=10**9)
         lm.generate(warm + toks(SUFFIX, gw), 1)
         ctl = made[0][1]
+        # host hits again through a client whose loads pin their own pages (pin_at_load)
+        own = engine(pin_at_load=True)
+        own.generate(warm + toks(SUFFIX, gw), 1)  # its first host hit: plans, allocator
+        own_ctl = made[1][1]
         for length in lengths:
             prefix = toks(length)
             s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
@@ -431,11 +483,28 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
                 lm.cache.flush_backups()
                 lm.cache.evict(full_tokens=10**9)
                 ctl.reset()
+                w0 = time.monotonic()
                 r = lm.generate(prefix + suffix, 1)
                 assert r.host_hit_tokens == length, r
                 host.append((r.ttft_s * 1e3, r, dict(ctl.seconds)))
+                row.setdefault("host_hit_windows", []).append([w0, time.monotonic()])
                 if i == 0:
                     row["same_as_live_host"] = _same(lm, prefix + suffix, length, r)
+            own_runs = []
+            gown = torch.Generator().manual_seed(7 + length)  # suffixes no engine cached yet
+            for i, suffix in enumerate([toks(SUFFIX, gown) for _ in range(REPEAT)]):
+                own.cache.flush_backups()
+                own.cache.evict(full_tokens=10**9)
+                own_ctl.reset()
+                r = own.generate(prefix + suffix, 1)
+                assert r.host_hit_tokens == length, r
+                own_runs.append((r.ttft_s * 1e3, dict(own_ctl.seconds)))
+                if i == 0:
+                    row["same_as_live_host_own_pins"] = _same(own, prefix + suffix, length, r)
+            own_ms, own_rpc = sorted(own_runs, key=lambda h: h[0])[len(own_runs) // 2]
+            row["ttft_host_hit_own_pins_ms"] = own_ms
+            for verb, sec in own_rpc.items():
+                row[f"host_own_pins_{verb}_rpc_ms"] = sec * 1e3
             ttft, r, rpc = sorted(host, key=lambda h: h[0])[len(host) // 2]  # the median
             row["ttft_host_hit_ms"] = ttft
             row["host_match_ms"] = r.match_s * 1e3
@@ -455,6 +524,9 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
             row["host_vs_goal"] = row["ttft_host_hit_ms"] / (
                 row["pinned_memcpy_ms"] + row["ttft_device_hit_ms"]
             )
+            row["host_own_pins_vs_goal"] = row["ttft_host_hit_own_pins_ms"] / (
+                row["pinned_memcpy_ms"] + row["ttft_device_hit_ms"]
+            )
             row["host_speedup_vs_no_hit"] = row["ttft_no_hit_ms"] / row["ttft_host_hit_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -464,7 +536,7 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         for lm_c in made:
             lm_c[0].cache.pools.close()
         made.clear()
-        del lm
+        del lm, own
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         sidecar.stop()
@@ -515,15 +587,23 @@ def main() -> int:
         help="also run the load-back table with this thread switch interval (0: not)",
     )
     p.add_argument("--profile-dir", default=None, help="profile the sidecar's loads here")
+    p.add_argument("--trace-dir", default=None, help="time each request's stages, files here")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, TRACE_DIR
     if args.dry_run:
         DEVICE = "cpu"
     import_hicache()
     import torch
 
+    if args.trace_dir:
+        import sidecar_trace
+
+        TRACE_DIR = pathlib.Path(args.trace_dir)
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
+        sidecar_trace.install_client(str(TRACE_DIR / "engine.json"))
+        sidecar_trace.install_controller()
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -533,6 +613,11 @@ def main() -> int:
 
     out["transformers"] = transformers.__version__
     work = pathlib.Path(tempfile.mkdtemp(prefix="hcttft", dir="/tmp"))
+
+    def save() -> None:  # after each part, so that a run cut short keeps what it measured
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, default=float))
+
     try:
         if not args.skip_loadback:
             sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -542,17 +627,18 @@ def main() -> int:
             out["loadback"] = loadback_table(work, sizes, profile_dir=prof)
             if args.switch_interval_us:
                 out["loadback"] += loadback_table(work, sizes, args.switch_interval_us * 1e-6)
+            save()
         lengths = [int(x) for x in args.lengths.split(",")]
         out["ttft"] = []
-        for family in args.models.split(","):
+        for family in filter(None, args.models.split(",")):  # --models "": no TTFT rows
             out["ttft"] += ttft_rows(work, family, lengths)
+            save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(out, default=float)
     if args.json:
-        pathlib.Path(args.json).write_text(text)
+        save()
     else:
-        print(text)
+        print(json.dumps(out, default=float))
     return 0
 
 

@@ -6,12 +6,11 @@ blocks), with a 5 % device + 20 % host tier (write-back), and each quarter of th
 (by requests) replayed alone from an empty cache. Prints one Markdown table per family
 and part, each policy's row with the LRU row of the same run beside it (points above LRU,
 requests/s as a multiple of LRU's), and ends with the cells that miss the goals of
-docs/performance.md ("Which policy to pick"): device hit >= LRU - 0.3 points, total hit
-with a host tier >= LRU's, cold quarters within 0.5 points of LRU, requests/s >= 0.5x LRU.
+docs/performance.md ("Which policy to pick"), as :mod:`hicache.apps.replay_goals` checks them.
 
     .venv/bin/python benchmarks/replay_families.py --workloads DIR
         [--policy lru,learned,adaptive] [--families chat,agent] [--device 1%,2%,5%,10%,20%]
-        [--no-device] [--no-host] [--no-quarters]
+        [--no-device] [--no-host] [--no-quarters] [--rate-rounds 3]
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from pathlib import Path
 
 from hicache.apps.replay import ReplaySettings, load_trace, unique_blocks
 from hicache.apps.replay_bench import BenchRow, BoundsCache, parse_capacity, run_row
+from hicache.apps.replay_goals import cell_misses, quarters
 from hicache.config import EvictionPolicyKind, WritePolicy
 
-DEVICE_SLACK_POINTS = 0.3
-COLD_SLACK_POINTS = 0.5
-MIN_RATE_OF_LRU = 0.5
 
-
-def _rows(trace, policies, devices, host_spec, label) -> list[tuple[str, BenchRow]]:
+def _rows(trace, policies, devices, host_spec, label, rounds) -> list[tuple[str, BenchRow]]:
+    """One row per capacity and policy. Each cell replays every policy in turn
+    ``rounds`` times and keeps each policy's fastest run (the hit ratios are the same
+    every time): on a shared machine one run's rate swings 2-3x."""
     unique = unique_blocks(trace)
     bounds = BoundsCache(trace, ReplaySettings(device_blocks=1).shape)
     longest = max(len(r.hash_ids) for r in trace)
@@ -41,16 +40,20 @@ def _rows(trace, policies, devices, host_spec, label) -> list[tuple[str, BenchRo
         if cap.blocks < longest:
             print(f"  {label} {spec}: below the longest request, skipped", file=sys.stderr)
             continue
-        for policy in policies:
-            settings = ReplaySettings(
-                device_blocks=cap.blocks,
-                host_blocks=host.blocks,
-                policy=policy,
-                write_policy=WritePolicy.WRITE_BACK,
-            )
-            row = run_row(trace, settings, bounds, cap.spec)
-            print(f"  {label} {spec} {policy.value}: {row.seconds:.1f} s", file=sys.stderr)
-            out.append((label, row))
+        best: dict[EvictionPolicyKind, BenchRow] = {}
+        for _ in range(rounds):
+            for policy in policies:
+                settings = ReplaySettings(
+                    device_blocks=cap.blocks,
+                    host_blocks=host.blocks,
+                    policy=policy,
+                    write_policy=WritePolicy.WRITE_BACK,
+                )
+                row = run_row(trace, settings, bounds, cap.spec)
+                print(f"  {label} {spec} {policy.value}: {row.seconds:.1f} s", file=sys.stderr)
+                if policy not in best or row.requests_per_s > best[policy].requests_per_s:
+                    best[policy] = row
+        out += [(label, best[policy]) for policy in policies]
     return out
 
 
@@ -73,17 +76,8 @@ def _table(rows: list[tuple[str, BenchRow]], with_host: bool) -> tuple[str, list
             f"| {r.device_of_optimum:.3f} | {r.requests_per_s:,.0f} "
             f"| {base.requests_per_s:,.0f} | {rate:.2f} |"
         )
-        if r.policy == "lru":
-            continue
-        where = f"{label} {r.device_spec} {r.policy}"
-        slack = COLD_SLACK_POINTS if label.startswith("q") else DEVICE_SLACK_POINTS
-        if with_host and r.total_hit < base.total_hit:
-            ours, theirs = 100 * r.total_hit, 100 * base.total_hit
-            misses.append(f"{where}: total {ours:.2f}% < LRU {theirs:.2f}%")
-        elif not with_host and delta < -slack:
-            misses.append(f"{where}: {delta:+.2f} points against LRU")
-        if rate < MIN_RATE_OF_LRU:
-            misses.append(f"{where}: {rate:.2f}x LRU's requests/s")
+        if r.policy != "lru":
+            misses += cell_misses(label, r, base, with_host)
     return "\n".join(lines), misses
 
 
@@ -96,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-device", action="store_true", help="skip the device-only rows")
     ap.add_argument("--no-host", action="store_true", help="skip the 5%% + 20%% host rows")
     ap.add_argument("--no-quarters", action="store_true", help="skip the cold quarters")
+    ap.add_argument("--rate-rounds", type=int, default=3, help="runs per cell; the fastest is kept")
     args = ap.parse_args(argv)
     root = Path(args.workloads)
     manifest = json.loads((root / "manifest.json").read_text())["families"]
@@ -110,21 +105,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {name}: {len(trace):,} requests, {unique_blocks(trace):,} distinct blocks\n")
         parts = []
         if not args.no_device:
-            parts.append(("device", _rows(trace, policies, devices, "0", "whole"), False))
+            parts.append(
+                ("device", _rows(trace, policies, devices, "0", "whole", args.rate_rounds), False)
+            )
         if not args.no_host:
             parts.append(
                 (
                     "5% device + 20% host, write-back",
-                    _rows(trace, policies, ["5%"], "20%", "whole"),
+                    _rows(trace, policies, ["5%"], "20%", "whole", args.rate_rounds),
                     True,
                 )
             )
         if not args.no_quarters:
-            q = len(trace) // 4
             cold = []
-            for k in range(4):
-                part = trace[k * q : (k + 1) * q if k < 3 else len(trace)]
-                cold += _rows(part, policies, devices, "0", f"q{k + 1}")
+            for k, part in enumerate(quarters(trace)):
+                cold += _rows(part, policies, devices, "0", f"q{k + 1}", args.rate_rounds)
             title = "each quarter from empty (capacities of the quarter's blocks)"
             parts.append((title, cold, False))
         for title, rows, with_host in parts:

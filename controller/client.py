@@ -87,6 +87,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("hicache.sidecar.client")
+LOAD_PINS = 0  # the pin id of a pin left to the load (pin_at_load); the sidecar's start at 1
 
 
 def _current_stream(device: Any) -> Any:
@@ -159,14 +160,16 @@ class SidecarController:
                 )
                 self._wake.set()
 
-    def _call(self, verb: Verb, args: Any, timeout_s: float, progress: Any = None) -> Any:
+    def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any:
         """The reply record to ``args`` (the verb's argument record); raises
-        SidecarUnavailable while the breaker is open, RemoteError for a refusal."""
+        SidecarUnavailable while the breaker is open, RemoteError for a refusal. ``spin``:
+        a call on the engine's critical path (``reply_spin_s``)."""
         if self._open:
             self.counters[f"{verb.value}_skipped"] += 1
             raise SidecarUnavailable(f"the sidecar at {self.endpoint} is unavailable")
         try:
-            res = self._channel.call(verb, args, timeout_s, progress)
+            spin_s = self.config.reply_spin_s if spin else 0.0
+            res = self._channel.call(verb, args, timeout_s, spin_s=spin_s)
         except (SidecarUnavailable, RemoteError) as exc:
             self._call_failed(exc)
             raise
@@ -321,6 +324,7 @@ class SidecarController:
                     Verb.LOOKUP,
                     LookupArgs(b"".join(chunk), list(components)),
                     self.config.lookup_timeout_s,
+                    spin=True,
                 )
                 for comp, raw in zip(components, res.presence):
                     pres = np.frombuffer(raw, dtype=np.int8)
@@ -372,15 +376,24 @@ class SidecarController:
         return handle
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
+        """Pin ``keys`` for ``ttl_s``; None when a page is absent or the sidecar is
+        unavailable. With ``pin_at_load`` nothing is sent: the receipt tells :meth:`load`
+        to pin the pages it loads (an absent page then fails the load instead)."""
         if len(keys) > MAX_PIN_KEYS:  # one pin holds one load: a prefix this long misses
             self.counters["pin_too_large"] += 1
             log.warning(
                 "a pin of %d keys is over the sidecar's %d: a miss", len(keys), MAX_PIN_KEYS
             )
             return None
+        if self.config.pin_at_load:
+            if self._open:
+                self.counters["pin_skipped"] += 1
+                return None
+            deadline = time.monotonic() + ttl_s
+            return PinReceipt(LOAD_PINS, list(keys), deadline, generation=self._channel.generation)
         try:
             res = self._call(
-                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s
+                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s, True
             )
         except ControllerError as exc:
             log.debug("pin failed: %s", exc)
@@ -406,7 +419,13 @@ class SidecarController:
             _current_stream(device).synchronize()
         ch = self._channel
         timeout = timeout_s + self.config.load_timeout_margin_s
-        args = LoadArgs(list(refs), pin.pin_id, float(timeout_s))
+        if pin.pin_id == LOAD_PINS:  # the load pins its pages for what is left of the TTL
+            ttl = pin.deadline - time.monotonic()
+            if ttl <= 0:
+                return LoadResult.FAILED  # expired, as a pin would have
+            args = LoadArgs(list(refs), float(timeout_s), pin_ttl_s=max(ttl, 0.001))
+        else:
+            args = LoadArgs(list(refs), float(timeout_s), pin_id=pin.pin_id)
         try:
             rid = ch.send(Verb.LOAD, args, timeout)
         except SidecarUnavailable as exc:  # never sent: nothing can run
@@ -415,7 +434,7 @@ class SidecarController:
             return LoadResult.FAILED
         generation, deadline = ch.generation, time.monotonic() + timeout
         try:
-            res = ch.wait(rid, timeout, forget=False)
+            res = ch.wait(rid, timeout, forget=False, spin_s=self.config.reply_spin_s)
         except RemoteError as exc:
             self._call_failed(exc)
             log.warning("load-back through the sidecar failed: %s", exc)
@@ -431,12 +450,15 @@ class SidecarController:
         return LoadResult.LOADED if res.ok else LoadResult.FAILED
 
     def unpin(self, pin: PinReceipt) -> None:
-        if pin.generation != self._channel.generation:
-            return
+        """Release ``pin``, not waiting for the answer (docs/protocol.md: a lost unpin
+        only lets the pin lapse at its deadline; later requests see it released)."""
+        if pin.generation != self._channel.generation or self._open or pin.pin_id == LOAD_PINS:
+            return  # released with its session, or a load's own pin (released by the load)
+        args, timeout = PinIdArgs(pin.pin_id), self.config.request_timeout_s
         try:
-            self._call(Verb.UNPIN, PinIdArgs(pin.pin_id), self.config.request_timeout_s)
-        except ControllerError as exc:
-            log.debug("unpin failed (the pin expires on its own): %s", exc)
+            self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
+        except SidecarUnavailable as exc:
+            log.debug("unpin not sent (the pin expires on its own): %s", exc)
 
     def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
         if self._open or not keys:

@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +46,8 @@ from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.counters import Counters, Failure, component_label
 from hicache.controller.faults import FaultPlan
 from hicache.controller.fills import FillTracker
-from hicache.controller.page_copies import PageCopies, check_refs
-from hicache.controller.page_index import DiskState, HostState, PageEntry
+from hicache.controller.page_copies import DeviceLoad, PageCopies, check_refs
+from hicache.controller.page_index import DiskState, HostState
 from hicache.controller.page_store import PageStore
 from hicache.controller.remote_store import RemoteStore
 from hicache.controller.remote_tier import open_remote
@@ -76,8 +75,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE = "local"
-# PageKey.storage_key() without building a PageKey: this runs once per page per call.
-_TAG = {c: bytes((int(c),)) for c in ComponentType}
 
 
 class ControllerLayoutMismatch(ControllerError, LayoutMismatchError):
@@ -322,54 +319,37 @@ class LocalController:
         loaded = self._load(refs, pin, timeout_s, engine_id)
         return LoadResult.LOADED if loaded else LoadResult.FAILED
 
+    def start_load(
+        self,
+        refs: Sequence[PageRef],
+        pin: PinReceipt,
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> DeviceLoad | bool | None:
+        """:meth:`load` of pages all held on host, without waiting for the copy: the
+        returned load's ``done()`` says when it has ended and its ``finish()`` (which
+        must be called) releases the pages and says whether the bytes arrived. False for
+        a load that fails at once (a page gone, the pin expired); None, with nothing
+        changed, when a page must first be read from disk (call :meth:`load`). Raises as
+        :meth:`load` does."""
+        self._check_open()
+        buffers = self._buffers(engine_id)
+        claimed = self._copies.claim(refs, pin.pin_id, engine_id, buffers, self._layout, True)
+        if not isinstance(claimed, list):
+            return claimed
+        return self._copies.start_to_device(refs, claimed, buffers)
+
     def _load(
         self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float | None, engine_id: str
     ) -> bool:
         self._check_open()
         buffers = self._buffers(engine_id)
-        check_refs(refs, buffers, self._layout)
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        if refs and self._store.faults is not None:
-            for what, host_only in (("evict_before_load", False), ("evict_host_before_load", True)):
-                if self._store.fault(what):
-                    with self._store.lock:
-                        self._store.drop_locked(refs[-1].key, host_only)
-        entries: list[PageEntry] = []
-        fills: list[Future] = []
-        with self._store.lock:
-            self._store.expire_pins_locked()
-            rec = self._store.pins.get(pin.pin_id)
-            if rec is None:
-                self.counters.fail(Failure.PIN_EXPIRED)
-                return False
-            if rec.engine_id != engine_id:
-                raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
-            for ref in refs:
-                skey = ref.page_hash + _TAG[ref.component]
-                if skey not in rec.skeys:
-                    raise ControllerError(
-                        f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "
-                        f"{pin.pin_id}; pin every page before loading it"
-                    )
-                e = self._store.index.get(skey)
-                if e is None or not e.held:
-                    self.counters.fail(Failure.PAGE_ABSENT)
-                    return False
-                entries.append(e)
-            # Only once every page is known to be held: a doomed load reads nothing.
-            for e in entries:
-                if e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
-                elif e.host_state is HostState.NONE:
-                    fut = self._store.start_read_locked(e)
-                    if fut is None:
-                        return False
-                    fills.append(fut)
-            if not fills:  # all on host already: hold them now, in the same section
-                for e in entries:
-                    self._store.hold_locked(e)
-        if fills:
+        claimed = self._copies.claim(refs, pin.pin_id, engine_id, buffers, self._layout, False)
+        if isinstance(claimed, bool):
+            return claimed
+        if isinstance(claimed, tuple):
+            entries, fills = claimed
             filled = self._fills.wait(fills, deadline)
             if filled is None:
                 self.counters.fail(Failure.LOAD_TIMEOUT)
@@ -383,6 +363,8 @@ class LocalController:
                         return False
                 for e in entries:
                     self._store.hold_locked(e)
+        else:
+            entries = claimed
         return self._copies.to_device(refs, entries, buffers)
 
     # -- state ---------------------------------------------------------------------------

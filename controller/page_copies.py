@@ -161,39 +161,153 @@ class PageCopies:
                 self._fills.publish_locked(queued)
         return True
 
+    def claim(
+        self,
+        refs: Sequence[PageRef],
+        pin_id: int,
+        engine_id: str,
+        buffers: EngineBuffers,
+        layout: ModelLayout | None,
+        inline: bool,
+    ) -> list[PageEntry] | tuple[list[PageEntry], list[Future]] | bool | None:
+        """Check a load of ``refs`` under pin ``pin_id``, and hold its pages when all are
+        on host: their entries. Otherwise the entries and the reads that bring them to
+        host, or (``inline``) None with nothing changed. False when the load fails at
+        once (counted); raises ControllerError for one that can never succeed."""
+        check_refs(refs, buffers, layout)
+        if refs and self._store.faults is not None:
+            for what, host_only in (("evict_before_load", False), ("evict_host_before_load", True)):
+                if self._store.fault(what):
+                    with self._store.lock:
+                        self._store.drop_locked(refs[-1].key, host_only)
+        entries: list[PageEntry] = []
+        with self._store.lock:
+            self._store.expire_pins_locked()
+            rec = self._store.pins.get(pin_id)
+            if rec is None:
+                self.counters.fail(Failure.PIN_EXPIRED)
+                return False
+            if rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
+            skeys, index = rec.skeys, self._store.index
+            for ref in refs:
+                skey = ref.page_hash + _TAG[ref.component]
+                if skey not in skeys:
+                    raise ControllerError(
+                        f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "
+                        f"{pin_id}; pin every page before loading it"
+                    )
+                e = index.get(skey)
+                if e is None or not e.held:
+                    self.counters.fail(Failure.PAGE_ABSENT)
+                    return False
+                entries.append(e)
+            ready = HostState.READY
+            if all(e.host_state is ready for e in entries):
+                # All on host already: hold them now, in the same section.
+                for e in entries:
+                    self._store.hold_locked(e)
+                return entries
+            if inline:
+                return None
+            # Only once every page is known to be held: a doomed load reads nothing.
+            fills: list[Future] = []
+            for e in entries:
+                if e.host_state is HostState.FILLING:
+                    fills.append(e.fill)
+                elif e.host_state is HostState.NONE:
+                    fut = self._store.start_read_locked(e)
+                    if fut is None:
+                        return False
+                    fills.append(fut)
+        return (entries, fills)
+
     def to_device(
         self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
     ) -> bool:
-        t0 = time.perf_counter()
-        ok = False
-        nbytes = 0
+        """Copy held host pages into the engine's slots and release them; True once the
+        bytes are there."""
+        return self.start_to_device(refs, entries, buffers).finish()
+
+    def start_to_device(
+        self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
+    ) -> DeviceLoad:
+        """Issue the copy of held host pages into the engine's slots without waiting for
+        it; the pages stay held until the returned load's :meth:`DeviceLoad.finish`."""
+        load = DeviceLoad(self, entries, buffers, time.perf_counter())
         try:
             plan = list(zip(entries, refs))
             for comp, group in _by_component(plan).items():
                 if self._store.fault("copy_to_device"):
                     raise RuntimeError("injected host-to-device copy failure")
-                self.transfer.to_device(
-                    comp,
-                    buffers,
-                    [e.host_page for e, _ in group],
-                    [r.device_index for _, r in group],
+                load.events.append(
+                    self.transfer.start_to_device(
+                        comp,
+                        buffers,
+                        [e.host_page for e, _ in group],
+                        [r.device_index for _, r in group],
+                    )
                 )
-                nbytes += len(group) * self._store.host[comp].page_bytes
-            ok = True
+                load.nbytes += len(group) * self._store.host[comp].page_bytes
         except Exception as exc:
+            load.failed(exc)
+        return load
+
+
+class DeviceLoad:
+    """A load's copy into the engine's slots, issued: :meth:`done` says (never blocking)
+    whether it has ended, :meth:`finish` waits for it, releases the host pages and
+    returns whether every byte arrived."""
+
+    def __init__(
+        self, copies: PageCopies, entries: list[PageEntry], buffers: EngineBuffers, t0: float
+    ) -> None:
+        self._copies = copies
+        self._entries = entries
+        # The engine's tensors stay referenced while the copy may write into them: a
+        # sidecar unmaps an engine's memory once nothing holds it (a session that ended).
+        self._buffers: EngineBuffers | None = buffers
+        self._t0 = t0
+        self.events: list[Any] = []  # one per component; None: a CPU copy, done already
+        self.nbytes = 0
+        self._error: Exception | None = None
+
+    def failed(self, exc: Exception) -> None:
+        if self._error is None:
+            self._error = exc
             log.error("load copy failed: %s", exc)
-            self.counters.fail(Failure.COPY_ERROR)
-        finally:
-            with self._store.lock:
-                for e in entries:
-                    self._store.unhold_locked(e)
-                    if ok:
-                        self._store.index.served(e)
-                        if self._store.remote is not None:
-                            self._store.remote.on_served_locked(e)
+            self._copies.counters.fail(Failure.COPY_ERROR)
+
+    def done(self) -> bool:
+        try:
+            return all(e is None or e.query() for e in self.events)
+        except Exception as exc:  # a device error: the copy has ended, badly
+            self.failed(exc)
+            return True
+
+    def finish(self) -> bool:
+        # Every copy issued has ended before its pages are released, a failed load too.
+        for e in self.events:
+            if e is not None:
+                try:
+                    e.synchronize()
+                except Exception as exc:
+                    self.failed(exc)
+        self._buffers = None
+        ok = self._error is None
+        store = self._copies._store
+        with store.lock:
+            for e in self._entries:
+                store.unhold_locked(e)
+                if ok:
+                    store.index.served(e)
+                    if store.remote is not None:
+                        store.remote.on_served_locked(e)
         if ok:
-            self.counters.transfer("host_to_device", len(entries), nbytes, time.perf_counter() - t0)
-            self.counters.inc("load", "ok")
+            counters = self._copies.counters
+            seconds = time.perf_counter() - self._t0
+            counters.transfer("host_to_device", len(self._entries), self.nbytes, seconds)
+            counters.inc("load", "ok")
         return ok
 
 

@@ -13,7 +13,9 @@ Threading model
   the sessions, answers the cheap verbs itself and hands the rest on. Nothing it does
   waits on a copy or a disk read, so a lookup is answered while loads and backups run.
 * **Workers** (a thread pool) run register, backup, load, prefetch and the long admin
-  verbs, and pass their replies back through an inproc socket.
+  verbs, and pass their replies back through an inproc socket. A small load of pages all
+  on host is the exception: the I/O thread issues its copy and answers it once the copy
+  has ended, never waiting on it (:mod:`~hicache.controller.inline_loads`).
 * **The lane** (:mod:`~hicache.controller.fair_lane`) runs lookups and pins too large
   for the I/O thread, one engine's request after another's.
 
@@ -38,6 +40,7 @@ import zmq
 
 from hicache.controller.fair_lane import FairLane
 from hicache.controller.fd_pass import FdInbox, fd_socket_path
+from hicache.controller.inline_loads import InlineLoads
 from hicache.controller.metrics import SidecarMetrics
 from hicache.controller.protocol import (
     ErrorCode,
@@ -128,6 +131,9 @@ class SidecarServer:
             self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
         )
         self._lane = FairLane("hicache-sidecar-bulk")
+        self._inline = InlineLoads(
+            controller, self.sessions, self.metrics, self._send, self.verbs.load_pin
+        )
         self._last_reap = 0.0
 
     @property
@@ -249,12 +255,13 @@ class SidecarServer:
                 if time.monotonic() > drain_deadline:
                     log.error("drain timed out with %d requests in flight", sessions.inflight)
                     break
-            events = dict(poller.poll(_POLL_MS))
+            events = dict(poller.poll(self._inline.poll_ms(_POLL_MS)))
             for i, r in enumerate(self._routers):
                 if r in events:
                     self._read_router(i, r)
             if self._replies in events:
                 self._read_replies()
+            self._inline.reap()
             now = time.monotonic()
             if now - self._last_reap > min(1.0, self.config.lease_s / 4):
                 self._last_reap = now
@@ -331,6 +338,8 @@ class SidecarServer:
                 args = spec.decode_args(req.args)
                 call = Call(conn, req, deadline, _no_progress)
                 reply = self.verbs.handlers[req.verb](call, args)
+            elif spec.runs is Runs.IO_OR_WORKER and self._start_inline(conn, spec, req, t0):
+                return  # answered once its copy has ended (inline_loads.py)
             else:
                 self._dispatch(conn, spec, req, deadline, t0)
                 return
@@ -372,15 +381,27 @@ class SidecarServer:
                 f"{verb.value} before register: register the engine's device pools first",
             )
 
+    def _check_capacity(self) -> None:
+        inflight = self.sessions.inflight
+        if inflight >= self.config.max_inflight_requests:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"{inflight} requests in flight (max_inflight_requests); retry later",
+            )
+
+    def _start_inline(self, conn: Connection, spec: VerbSpec, req: Request, t0: float) -> bool:
+        """Begin a small load on this thread when its pages are all on host; False: it
+        goes to a worker."""
+        if req.verb in self.verbs.on_workers or _large(spec, req):
+            return False
+        self._check_capacity()
+        return self._inline.start(conn, spec, req, spec.decode_args(req.args), t0)
+
     def _dispatch(
         self, conn: Connection, spec: VerbSpec, req: Request, deadline: float, t0: float
     ) -> None:
         sessions = self.sessions
-        if sessions.inflight >= self.config.max_inflight_requests:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"{sessions.inflight} requests in flight (max_inflight_requests); retry later",
-            )
+        self._check_capacity()
         sessions.inflight += 1
         conn.inflight += 1
         if spec.runs is Runs.IO_OR_LANE and req.verb not in self.verbs.on_workers:
@@ -466,5 +487,6 @@ def _no_progress(done: int, total: int) -> None:
 
 
 def _large(spec: VerbSpec, req: Request) -> bool:
-    """A lookup or pin too large for the I/O thread: it runs on the fair lane."""
+    """A lookup or pin too large for the I/O thread (it runs on the fair lane), or a load
+    (it runs on a worker)."""
     return page_count(req.args, spec.pages_column) > INLINE_MAX_PAGES

@@ -325,8 +325,26 @@ class VerbHandlers:
 
     def load(self, call: Call, a: LoadArgs) -> OkReply:
         timeout = min(a.timeout_s, call.remaining())
-        pin = PinReceipt(a.pin_id, [], 0.0)
-        return OkReply(self.ctl.load(a.refs, pin, timeout, engine_id=call.conn.engine_id).ok)
+        engine_id = call.conn.engine_id
+        pin = self.load_pin(a, engine_id)
+        if pin is None:
+            return OkReply(False)
+        try:
+            return OkReply(self.ctl.load(a.refs, pin, timeout, engine_id=engine_id).ok)
+        finally:
+            if a.pin_id is None:
+                self.ctl.unpin(pin, engine_id=engine_id)
+
+    def load_pin(self, a: LoadArgs, engine_id: str) -> PinReceipt | None:
+        """The pin a load runs under: the one it names, or (``pin_ttl_s``) one taken now
+        over its own pages, which the caller releases when the load ends; None when a
+        page is absent (nothing pinned)."""
+        if (a.pin_id is None) == (a.pin_ttl_s is None):
+            raise bad_args("load: give exactly one of pin_id and pin_ttl_s")
+        if a.pin_id is not None:
+            return PinReceipt(a.pin_id, [], 0.0)
+        keys = list(dict.fromkeys(r.key for r in a.refs))
+        return self.ctl.pin(keys, a.pin_ttl_s, engine_id=engine_id)
 
     def prefetch(self, call: Call, a: KeysArgs) -> OkReply:
         handle = self.ctl.prefetch(a.keys, engine_id=call.conn.engine_id)

@@ -162,10 +162,26 @@ class TransferEngine:
         device_index: Sequence[int],
     ) -> None:
         """Copy host pages into device pages/slots; the bytes are there on return."""
+        done = self.start_to_device(component, buffers, host_pages, device_index)
+        if done is not None:
+            done.synchronize()
+
+    def start_to_device(
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        host_pages: Sequence[int],
+        device_index: Sequence[int],
+    ) -> Any:
+        """Issue the copy of host pages into device pages/slots without waiting for it.
+
+        CPU: done on return, returns None. CUDA: queued on the load stream; returns a CUDA
+        event recorded after the copy (the bytes are there once it has completed).
+        """
         copy = self._plan(component, buffers, to_host=False)
         if buffers.device.type != "cuda":
             copy(device_index, host_pages)
-            return
+            return None
         load, _ = self._streams_for(buffers.device)
         # The slots were just handed out by the engine; work it queued earlier on them
         # (by their previous owner) must finish before they are overwritten.
@@ -174,4 +190,4 @@ class TransferEngine:
             copy(device_index, host_pages)
             done = torch.cuda.Event()
             done.record(load)
-        done.synchronize()
+        return done

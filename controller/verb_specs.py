@@ -58,6 +58,9 @@ class Runs(enum.Enum):
     WORKER = "worker"  # on a worker, with the request's deadline
     # On the I/O thread when small; above INLINE_MAX_PAGES pages on the fair lane.
     IO_OR_LANE = "I/O or lane"
+    # A copy begun on the I/O thread and answered there once it has ended, when small and
+    # on host (controller/inline_loads.py); otherwise on a worker.
+    IO_OR_WORKER = "I/O or worker"
 
 
 # -- argument records ---------------------------------------------------------------------
@@ -106,9 +109,13 @@ class PinArgs:
 
 @dataclass(frozen=True)
 class LoadArgs:
+    """A load under the pin ``pin_id``, or (``pin_ttl_s`` instead) one that pins its own
+    pages for that long and releases them when it ends: exactly one of the two."""
+
     refs: list[PageRef] = wire(Refs())
-    pin_id: int = wire(Int())
     timeout_s: float = wire(Float(0.0, MAX_LOAD_TIMEOUT_S))
+    pin_id: int | None = wire(Int(), optional=True)
+    pin_ttl_s: float | None = wire(Float(0.001, MAX_PIN_TTL_S), optional=True)
 
 
 @dataclass(frozen=True)
@@ -245,7 +252,7 @@ class VerbSpec:
     runs: Runs
     roles: frozenset[Role]
     needs_registration: bool = False  # it addresses the engine's device memory
-    pages_column: str | None = None  # IO_OR_LANE: the argument whose size decides
+    pages_column: str | None = None  # IO_OR_LANE/IO_OR_WORKER: the argument whose size decides
 
     def decode_args(self, args: Any) -> Any:
         """The request's arguments as this verb's record; BAD_ARGS naming what is wrong."""
@@ -284,7 +291,15 @@ SPECS: dict[Verb, VerbSpec] = {
         _spec(Verb.LOOKUP, LookupArgs, LookupReply, Runs.IO_OR_LANE, ENGINE, pages_column="hashes"),
         _spec(Verb.BACKUP, BackupArgs, OkReply, Runs.WORKER, ENGINE, needs_registration=True),
         _spec(Verb.PIN, PinArgs, PinReply, Runs.IO_OR_LANE, ENGINE, pages_column="keys"),
-        _spec(Verb.LOAD, LoadArgs, OkReply, Runs.WORKER, ENGINE, needs_registration=True),
+        _spec(
+            Verb.LOAD,
+            LoadArgs,
+            OkReply,
+            Runs.IO_OR_WORKER,
+            ENGINE,
+            needs_registration=True,
+            pages_column="refs",
+        ),
         _spec(Verb.UNPIN, PinIdArgs, Empty, Runs.IO, ENGINE),
         _spec(Verb.PREFETCH, KeysArgs, OkReply, Runs.WORKER, ENGINE),
         _spec(Verb.STATS, NoArgs, OPEN, Runs.IO, BOTH),

@@ -333,9 +333,10 @@ def split_hashes(raw: bytes) -> list[bytes]:
 
 
 def encode_hashes(hashes: Sequence[bytes]) -> bytes:
-    if any(len(h) != HASH_BYTES for h in hashes):
+    if hashes and set(map(len, hashes)) != {HASH_BYTES}:
         raise ValueError(f"page hashes must be {HASH_BYTES} bytes")
     return b"".join(hashes)
+
 
 
 def hash_column(v: Any, limit: int = MAX_PAGES) -> bytes:
@@ -362,7 +363,7 @@ def page_count(args: dict[str, Any], column_name: str) -> int:
 def encode_refs(refs: Sequence[PageRef]) -> dict[str, bytes]:
     """Page references as four columns: component tags, hashes, parents, device indices."""
     return {
-        "c": bytes(int(r.component) for r in refs),
+        "c": bytes([r.component for r in refs]),
         "h": encode_hashes([r.page_hash for r in refs]),
         "p": encode_hashes([r.parent_hash for r in refs]),
         "d": np.asarray([r.device_index for r in refs], dtype="<i8").tobytes(),
@@ -384,7 +385,7 @@ def decode_refs(v: Any) -> list[PageRef]:
 
 def encode_keys(keys: Sequence[PageKey]) -> dict[str, bytes]:
     return {
-        "c": bytes(int(k.component) for k in keys),
+        "c": bytes([k.component for k in keys]),
         "h": encode_hashes([k.page_hash for k in keys]),
     }
 

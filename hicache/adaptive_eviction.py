@@ -4,7 +4,7 @@ Neither rule wins everywhere: the learned rule (:mod:`hicache.learned_eviction`)
 never-reused leaves first, which pays where most blocks are dead and hot prefixes return
 late, and loses where a prefix's next use is its first reuse (the next turn of a
 conversation extends a tail nobody has used yet). This policy keeps both rules' state up
-to date (every hook goes to both) and at each pick asks both for their victim. When they
+to date (every hook goes to both) and at a pick asks both for their victim. When they
 name the same leaf, that leaf goes and nothing is learned. When they differ, the rule
 being followed has its victim evicted, and the two choices are remembered in a ghost
 list, each charged to the rule that made it:
@@ -14,19 +14,33 @@ list, each charged to the rule that made it:
 * the leaf the other rule named, which stayed, is charged to that rule if a match uses
   it: that rule would have caused a miss.
 
-A ghost entry lives for ``ghost_turnovers`` of the cache's turnover (the learned rule's
-running mean age of evicted leaves), so both rules are judged over the same horizon, a
-choice whose consequence comes later than that counting as harmless. Charges decay by
-``1 - 1/charge_window_events`` per charge, and the rule followed switches when the
-other's decayed charge is lower by ``switch_margin`` of it. It starts with LRU, the
-cheaper and safer rule while nothing is known.
+Each choice counts once, however many picks named it: the rule not followed names the
+same leaf pick after pick (LRU its oldest leaf), but had it been followed that leaf would
+have gone at the first pick and the next picks would have named others, whose fate is
+unknown. Counting every pick charged the rule not followed many times per miss, and the
+policy stuck to whichever rule it followed (on conversations, the learned rule, 11 points
+below LRU, for more than half the trace).
 
-Chains are still cut from the tail: both rules only ever name evictable leaves, and the
-tail the tree takes of a victim is what the rule that named it asks (``tail_tokens``).
-Cost per pick: one LRU heap peek and a few dictionary operations, plus a learned sample
-(the learned rule's pick) at every pick while it is followed and at one pick in
-``lru_dispute_every_picks`` while LRU is; per hook, the two rules' own O(1)/O(log n)
-upkeep.
+A ghost entry lives for ``ghost_turnovers`` times the running mean age of LRU's
+candidate at a pick: the time a leaf survives in this cache under LRU. That horizon does
+not depend on the rule followed (the learned rule's own eviction age shrinks while it
+evicts young leaves, which had hidden its misses from a horizon measured on it). Charges
+decay by ``1 - 1/charge_window_events`` per charge, and the rule followed switches when
+the other's decayed charge is lower by the margin of its direction, once the charges sum
+to ``min_switch_charges``: it starts with LRU, the cheaper and safer rule while nothing is
+known, and a few early charges (a cold cache, a short burst) are no evidence; a switch on
+them cost up to 0.8 points on quarters of traces replayed from empty. A victim that comes
+back by a load-back from the host tier cost a copy, not a recomputation, and is charged
+``load_back_charge`` of a miss; charged in full, with a write-back host tier the policy
+followed the learned rule into fewer total hits than LRU's.
+
+Chains are still cut from the tail: both rules only ever name evictable leaves. Cost, to
+stay within half of LRU's: a victim gives all that is asked of it (the learned rule's
+own quantum-by-quantum picks, each with a tree split, cost it 3-8x LRU's rate), new nodes
+are not cut where evicted pieces ended (the cuts fragment the tree: more nodes to walk
+and to split), and while LRU is followed the learned rule is asked for its pick (a sample
+of leaves ranked in Python) at one pick in ``lru_dispute_every_picks``. Per hook, the two
+rules' own O(1)/O(log n) upkeep.
 """
 
 from __future__ import annotations
@@ -50,17 +64,25 @@ _EVICTED, _KEPT = 0, 1  # what happened to a ghost entry's leaf when it was reme
 class AdaptivePolicyParams:
     """Tuning of :class:`AdaptiveLeafPolicy`; units in the names."""
 
-    ghost_turnovers: float = 2.0  # a ghost entry's life, in cache turnovers
-    ghost_min_ticks: float = 256.0  # its least life, while the turnover is not yet known
-    charge_window_events: int = 4096  # horizon of the decayed charges, in charges
-    to_lru_margin: float = 0.3  # follow LRU when its charge is this much below the learned's
-    to_learned_margin: float = 0.0  # follow the learned rule when its charge is this much below
+    ghost_turnovers: float = 2.0  # a ghost entry's life, in mean ages of LRU's candidate
+    ghost_min_ticks: float = 256.0  # its least life, while that age is not yet known
+    # Charges forget at this horizon (in charges): short, so that a switch that was wrong is
+    # undone within a few hundred of its misses.
+    charge_window_events: int = 512
+    # Asymmetric: a wrong switch to the learned rule costs up to 11 points (conversations),
+    # a wrong switch to LRU a share of the learned rule's gain.
+    to_lru_margin: float = 0.0  # follow LRU as soon as its charge is below the learned's
+    to_learned_margin: float = 0.5  # follow the learned rule at half LRU's charge or less
     start_with_learned: bool = False
-    lru_dispute_every_picks: int = 4  # while following LRU, ask the learned rule this often
+    min_switch_charges: float = 64.0  # no switch while the decayed charges sum to less
+    load_back_charge: float = 0.1  # a victim back from the host tier, as a fraction of a miss
+    lru_dispute_every_picks: int = 8  # while following LRU, ask the learned rule this often
 
     def __post_init__(self) -> None:
         if not self.ghost_turnovers > 0 or not self.ghost_min_ticks > 0:
             raise ValueError("ghost_turnovers and ghost_min_ticks must be > 0")
+        if not self.min_switch_charges >= 0 or not 0 <= self.load_back_charge <= 1:
+            raise ValueError("min_switch_charges must be >= 0, load_back_charge within [0, 1]")
         if self.charge_window_events < 1 or self.lru_dispute_every_picks < 1:
             raise ValueError("charge_window_events and lru_dispute_every_picks must be >= 1")
         if not (0 <= self.to_lru_margin < 1 and 0 <= self.to_learned_margin < 1):
@@ -86,12 +108,12 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self.picks = [0, 0]  # victims evicted on each rule's word (agreements not counted)
         self.switches = 0
         self._decay = 1.0 - 1.0 / self.params.charge_window_events
-        # fp -> (rule, what, tick, picks): ``picks`` is how many picks named the leaf.
-        self._ghost: dict[int, tuple[int, int, int, int]] = {}
+        self._ghost: dict[int, tuple[int, int, int]] = {}  # fp -> (rule, what, tick)
         self._ghost_order: deque[tuple[int, int]] = deque()  # (tick, fp), oldest first
         self._last_rule = LRU  # the rule whose victim the tree is evicting now
         self._disputed = False  # the rules named different victims at the last pick
         self._pops = 0
+        self._lru_age_ticks = 0.0  # running mean age of LRU's candidate at a pick
 
     # -- introspection -------------------------------------------------------------------
 
@@ -103,8 +125,7 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
     # -- the ghost list --------------------------------------------------------------------
 
     def _ghost_life_ticks(self) -> float:
-        turnover = self.learned._turnover_ticks if self.learned._evictions else 0.0
-        return max(self.params.ghost_min_ticks, self.params.ghost_turnovers * turnover)
+        return max(self.params.ghost_min_ticks, self.params.ghost_turnovers * self._lru_age_ticks)
 
     def _expire(self) -> None:
         horizon = self.learned._now - self._ghost_life_ticks()
@@ -116,17 +137,14 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
                 del ghost[fp]
 
     def _remember(self, node: TreeNode, rule: int, what: int) -> None:
-        """One pick of ``rule`` named ``node``. A leaf the other rule keeps evicting around
-        is named again at every pick: each pick counts, so that both rules are charged
-        per pick, the one followed (a new victim each pick) and the other alike."""
+        """A pick of ``rule`` named ``node`` (``what`` says whether it went or stayed); a
+        leaf named again replaces its entry, so it is charged once."""
         fp = self.learned.fingerprint(node)
         tick = self.learned._now
-        entry = self._ghost.get(fp)
-        picks = entry[3] + 1 if entry is not None and entry[:2] == (rule, what) else 1
-        self._ghost[fp] = (rule, what, tick, picks)
+        self._ghost[fp] = (rule, what, tick)
         self._ghost_order.append((tick, fp))
 
-    def _settle(self, node: TreeNode, what: int) -> None:
+    def _settle(self, node: TreeNode, what: int, charge: float = 1.0) -> None:
         """``node`` came back (``_EVICTED``) or was used (``_KEPT``): if the ghost list has
         it in that state, charge the rule that chose it and forget the entry."""
         if not self._ghost:
@@ -140,10 +158,14 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         charges = self.charges
         charges[LRU] *= self._decay
         charges[LEARNED] *= self._decay
-        charges[entry[0]] += entry[3]
+        charges[entry[0]] += charge
         other = 1 - self.following
         margin = self.params.to_lru_margin if other == LRU else self.params.to_learned_margin
-        if charges[other] < (1.0 - margin) * charges[self.following]:
+        evidence = charges[LRU] + charges[LEARNED]
+        if (
+            evidence >= self.params.min_switch_charges
+            and charges[other] < (1.0 - margin) * charges[self.following]
+        ):
             self.following = other
             self.switches += 1
 
@@ -155,7 +177,7 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
     def add(self, node: TreeNode) -> None:
         st = node.policy_state
         if st is not None and st.evicted:  # loaded back from the host tier: a return
-            self._settle(node, _EVICTED)
+            self._settle(node, _EVICTED, self.params.load_back_charge)
         self.lru.add(node)
         self.learned.add(node)
 
@@ -178,9 +200,6 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
     def on_split(self, node: TreeNode) -> None:
         self.learned.on_split(node)
 
-    def insert_end(self, key: bytes, start: int, end: int) -> int:
-        return self.learned.insert_end(key, start, end)
-
     def members(self) -> set[int]:
         lru, learned = self.lru.members(), self.learned.members()
         if lru != learned:
@@ -195,6 +214,10 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
             return None
         self._disputed = False
         self._pops += 1
+        window = min(self._pops, self.learned.params.turnover_window_evictions)
+        self._lru_age_ticks += (
+            self.learned._now - by_lru.last_access - self._lru_age_ticks
+        ) / window
         if self.following == LRU and self._pops % self.params.lru_dispute_every_picks:
             # Following LRU, a sample of the picks is enough to keep judging the rules;
             # the learned rule's pick (a sample of leaves ranked in Python) is the cost.
@@ -213,11 +236,6 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self.lru.remove(victim)
         self.learned.remove(victim)
         return victim
-
-    def tail_tokens(self, node: TreeNode, want_tokens: int) -> int:
-        if self._last_rule == LRU:
-            return self.lru.tail_tokens(node, want_tokens)
-        return self.learned.tail_tokens(node, want_tokens)
 
     def on_evict(self, node: TreeNode) -> None:
         if self._disputed:

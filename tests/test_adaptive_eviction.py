@@ -1,5 +1,7 @@
-"""The adaptive leaf policy: it follows the learned rule where that wins and LRU where the
-learned rule loses, on small traces of three workload families; its charges; invariants."""
+"""The adaptive leaf policy: the goals against LRU that would make it the default, on small
+traces of three workload families (and that the check catches a policy that misses them);
+with evidence enough it follows the learned rule where that wins and LRU where it loses;
+invariants."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ from functools import cache
 
 import pytest
 
+from hicache.adaptive_eviction import LEARNED as LEARNED_RULE
+from hicache.adaptive_eviction import LRU as LRU_RULE
 from hicache.adaptive_eviction import AdaptiveLeafPolicy, AdaptivePolicyParams
 from hicache.apps.replay import ReplaySettings, TraceReplayer, TraceRequest, replay, unique_blocks
+from hicache.apps.replay_goals import goal_misses
 from hicache.apps.workloads import (
     AgentFamily,
     ChatFamily,
@@ -25,6 +30,9 @@ LRU, LEARNED, ADAPTIVE = (
     EvictionPolicyKind.ADAPTIVE,
 )
 SLACK = 0.003  # the adaptive policy may lose this much device hit ratio to LRU
+# These traces are a seventh of the families' size, and the default evidence before a switch
+# is set for full traces: the tests of the switching itself ask for less, at every pick.
+SMALL_TRACE_PARAMS = AdaptivePolicyParams(min_switch_charges=16, lru_dispute_every_picks=1)
 
 
 def as_trace(rows: list[dict]) -> list[TraceRequest]:
@@ -55,44 +63,56 @@ def hit_ratio(name: str, percent: int, kind: EvictionPolicyKind) -> float:
     return replay(trace, ReplaySettings(capacity, policy=kind)).device_hit_ratio
 
 
-def test_where_the_learned_rule_loses_to_lru_the_adaptive_policy_does_not():
+@pytest.mark.parametrize("name", ["agent", "chat", "rag"])
+def test_the_adaptive_policy_meets_the_goals_against_lru(name):
+    # Every capacity of 1-20 % (those that hold the longest request), the 5 % device with a
+    # 20 % write-back host, every quarter from empty; not the request rate (a benchmark's).
+    assert goal_misses(family(name), ADAPTIVE, check_rate=False) == []
+
+
+def test_the_goal_check_catches_a_policy_that_loses_to_lru():
+    # The learned rule, alone, evicts the fresh tails that the next turn or step needs.
+    on_chat = goal_misses(family("chat"), LEARNED, device_percents=(10.0, 20.0), check_rate=False)
+    assert any("whole 20% learned" in miss and "points against LRU" in miss for miss in on_chat)
+    on_agent = goal_misses(family("agent"), LEARNED, device_percents=(10.0,), check_rate=False)
+    assert any("whole 10% learned" in miss for miss in on_agent)
+
+
+def replay_adaptive(name: str, percent: int) -> tuple[float, AdaptiveLeafPolicy]:
+    """Device hit ratio of the adaptive policy with ``SMALL_TRACE_PARAMS``, the invariants
+    checked along the way and at the end, and the policy."""
+    trace = family(name)
+    capacity = round(unique_blocks(trace) * percent / 100)
+    policy = AdaptiveLeafPolicy(params=SMALL_TRACE_PARAMS)
+    settings = ReplaySettings(capacity, policy=ADAPTIVE, check_invariants_every=97)
+    replayer = TraceReplayer(trace, settings, policy)
+    try:
+        result = replayer.run()
+        replayer.check()
+        assert policy.members() == policy.learned.members()
+    finally:
+        replayer.close()
+    return result.device_hit_ratio, policy
+
+
+def test_where_the_learned_rule_wins_it_follows_it_and_takes_a_share_of_the_gain():
+    lru, learned = hit_ratio("rag", 5, LRU), hit_ratio("rag", 5, LEARNED)
+    assert learned > lru + 0.04
+    adaptive, policy = replay_adaptive("rag", 5)
+    assert policy.switches >= 1 and policy.picks[LEARNED_RULE] > policy.picks[LRU_RULE]
+    # Starting from LRU and switching only on evidence costs part of the gain.
+    assert adaptive > lru + 0.3 * (learned - lru)
+
+
+def test_where_the_learned_rule_loses_it_stays_within_the_slack_of_lru():
     # Agent sessions at 10 %: the learned rule keeps used tool prefixes and evicts the
     # sessions' fresh steps, which their next step needs.
     lru, learned = hit_ratio("agent", 10, LRU), hit_ratio("agent", 10, LEARNED)
     assert learned < lru - 0.02
-    assert hit_ratio("agent", 10, ADAPTIVE) >= lru - SLACK
-
-
-@pytest.mark.parametrize(("name", "percent"), [("agent", 3), ("rag", 5)])
-def test_where_the_learned_rule_wins_the_adaptive_policy_takes_a_share_of_the_gain(name, percent):
-    lru, learned = hit_ratio(name, percent, LRU), hit_ratio(name, percent, LEARNED)
-    assert learned > lru + 0.04
-    # Starting from LRU and switching only on evidence costs part of the gain.
-    assert hit_ratio(name, percent, ADAPTIVE) > lru + 0.4 * (learned - lru)
-
-
-def test_on_conversations_the_adaptive_policy_stays_within_the_slack_of_lru():
-    assert hit_ratio("chat", 5, ADAPTIVE) >= hit_ratio("chat", 5, LRU) - SLACK
-
-
-def test_the_charges_pick_the_rule_and_the_replay_keeps_the_invariants():
-    trace = family("agent")
-    capacity = round(unique_blocks(trace) * 0.10)
-    replayer = TraceReplayer(
-        trace, ReplaySettings(capacity, policy=ADAPTIVE, check_invariants_every=97)
-    )
-    try:
-        replayer.run()
-        replayer.check()
-        policy = replayer.cache.tree.leaf_policy
-        assert isinstance(policy, AdaptiveLeafPolicy)
-        # It ends following LRU, the rule charged less, after trying the learned one.
-        assert policy.following_name == "lru"
-        assert policy.charges[0] < policy.charges[1]
-        assert policy.picks[0] > 0 and policy.picks[1] > 0
-        assert policy.members() == policy.learned.members()
-    finally:
-        replayer.close()
+    adaptive, policy = replay_adaptive("agent", 10)
+    assert policy.picks[LEARNED_RULE] > 0  # it tried the learned rule, and went back
+    assert policy.following_name == "lru"
+    assert adaptive >= lru - SLACK
 
 
 def test_bad_parameters_are_refused():
@@ -101,6 +121,8 @@ def test_bad_parameters_are_refused():
         {"charge_window_events": 0},
         {"to_lru_margin": 1.0},
         {"lru_dispute_every_picks": 0},
+        {"min_switch_charges": -1.0},
+        {"load_back_charge": 1.5},
     ):
         with pytest.raises(ValueError):
             AdaptivePolicyParams(**bad)

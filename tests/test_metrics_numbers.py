@@ -34,7 +34,7 @@ from hicache.controller.faults import FaultPlan
 from hicache.controller.lmdb_tier import ReadStatus
 from hicache.controller.local import LocalController
 from hicache.controller.metrics import SidecarMetrics
-from hicache.controller.page_copies import PageCopies
+from hicache.controller.page_copies import DeviceLoad, PageCopies
 from hicache.controller.page_store import _READ_FAILURES, PageStore
 from hicache.controller_api import LoadResult, PageRef, PinReceipt
 from hicache.types import Tier
@@ -257,7 +257,13 @@ LOAD_FAILURES: dict[str, tuple[Callable[[Store], bool], Failure, dict]] = {
 def _reasons_a_load_can_count() -> set[Failure]:
     """Read from the code: what ``load`` counts, what its copy counts, what the disk read
     it starts counts when it cannot start and when it fails."""
-    paths = (LocalController._load, PageCopies.to_device, PageStore.start_read_locked)
+    paths = (
+        LocalController._load,
+        PageCopies.claim,
+        DeviceLoad.failed,
+        DeviceLoad.done,
+        PageStore.start_read_locked,
+    )
     named = {m for f in paths for m in re.findall(r"Failure\.([A-Z_]+)", inspect.getsource(f))}
     return {Failure[n] for n in named} | set(_READ_FAILURES.values())
 

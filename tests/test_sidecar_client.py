@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -292,4 +293,40 @@ def test_tcp_with_curve_keys_serves_only_authorized_clients(workdir):
     finally:
         good.close()
         bad.close()
+        side.stop()
+
+
+def test_an_unpin_does_not_wait_for_the_sidecar_and_is_applied_in_order(workdir):
+    from hicache.controller.protocol import Verb
+
+    side = InProcessSidecar(workdir).start()
+    engine = Engine(side.endpoint)
+    release = threading.Event()
+    handlers = side.server.verbs.handlers
+    unpin = handlers[Verb.UNPIN]
+
+    def held_unpin(call, args):  # the sidecar's I/O thread is busy for a while
+        release.wait(10)
+        return unpin(call, args)
+
+    try:
+        engine.register()
+        refs = engine.chain()
+        assert engine.client.backup(refs).wait(10)
+        pin = engine.client.pin([r.key for r in refs], 30)
+        assert pin is not None and side.controller.stats()["pins_active"] == 1
+        handlers[Verb.UNPIN] = held_unpin
+        t0 = time.monotonic()
+        engine.client.unpin(pin)
+        returned_s = time.monotonic() - t0
+        assert side.controller.stats()["pins_active"] == 1  # not applied yet
+        release.set()
+        # The next request is answered after the unpin, which the sidecar applied first.
+        assert engine.presence(refs) == [Presence.HOST] * 4
+        assert side.controller.stats()["pins_active"] == 0
+        assert returned_s < FAST.request_timeout_s / 2  # it never waited for a reply
+        assert engine.client.available and engine.client._failures == 0
+    finally:
+        release.set()
+        engine.close()
         side.stop()

@@ -39,6 +39,7 @@ import numpy as np
 
 from hicache.cache import UnifiedRadixCache
 from hicache.config import CacheConfig, EvictionPolicyKind, WritePolicy
+from hicache.eviction import LeafEvictionPolicy
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
 from hicache.pools import DevicePools
@@ -303,7 +304,14 @@ class ReplayError(RuntimeError):
 class TraceReplayer:
     """Drives one trace through a cache (and a LocalController for the host tier)."""
 
-    def __init__(self, trace: Sequence[TraceRequest], settings: ReplaySettings) -> None:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        settings: ReplaySettings,
+        leaf_policy: LeafEvictionPolicy | None = None,
+    ) -> None:
+        """``leaf_policy``, when given, replaces the one ``settings.policy`` names (a
+        policy with its own parameters)."""
         self.trace = trace
         self.settings = settings
         self.shape = settings.shape
@@ -332,7 +340,11 @@ class TraceReplayer:
             self.controller = LocalController(ccfg)
         self.pools = DevicePools.allocate(REPLAY_LAYOUT, config)
         self.cache = UnifiedRadixCache(
-            REPLAY_LAYOUT, config, self.pools, self.controller, make_leaf_policy(config)
+            REPLAY_LAYOUT,
+            config,
+            self.pools,
+            self.controller,
+            leaf_policy or make_leaf_policy(config),
         )
         self.result = ReplayResult()
         self._inflight: list[tuple[float, int, Request]] = []

@@ -1,0 +1,237 @@
+"""Loads begun on the sidecar's I/O thread (controller/inline_loads.py): a small load of
+pages on host is answered there without a worker, the I/O thread keeps answering while
+its copy is in flight, a load that must read from disk still runs on a worker, and every
+one of them loads the right bytes."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from cache_support import make_layout
+from sidecar_support import short_tmpdir, wait_for
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
+from hicache.controller.protocol import Verb
+from hicache.controller.server import SidecarServer
+from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller_api import PageRef, Presence
+from hicache.keys import namespace_hash, page_hashes
+from hicache.types import ComponentType
+
+PAGE = 4
+FULL = ComponentType.FULL
+# The engine's client spins for its replies (reply_spin_s), as one whose thread blocks on
+# every call would; the other connections of these tests sleep (the default).
+CLIENT = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, reply_spin_s=0.02)
+SLEEPING = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0)
+
+
+class Setup:
+    def __init__(self, workdir) -> None:
+        ctl_cfg = ControllerConfig(
+            host_pool_bytes=4 << 20, disk_path=workdir / "lmdb", disk_budget_bytes=32 << 20
+        )
+        self.controller = LocalController(ctl_cfg)
+        cfg = SidecarConfig(socket_path=workdir / "s.sock", metrics_port=0)
+        self.server = SidecarServer(self.controller, cfg)
+        self.server.bind()
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+        self.worker_loads = 0
+        handlers = self.server.verbs.handlers
+        on_worker = handlers[Verb.LOAD]
+
+        def counted(call, args):
+            self.worker_loads += 1
+            return on_worker(call, args)
+
+        handlers[Verb.LOAD] = counted
+        self.layout = make_layout("full")
+        pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
+        self.pools = DevicePools.allocate(self.layout, pools_cfg)
+        self.client = SidecarController("ipc://" + str(workdir / "s.sock"), "engine", CLIENT)
+        self.client.register(self.layout, PAGE, self.pools)
+
+    def chain(self, n: int = 4) -> list[PageRef]:
+        fp = self.layout.fingerprint(PAGE)
+        hashes = page_hashes(np.arange(n * PAGE) + 5, fp, PAGE)
+        parents = [namespace_hash(fp, None), *hashes[:-1]]
+        pages = self.pools.alloc_kv_pages(n)
+        slots = torch.from_numpy(self.pools.full.pages_to_slots(pages))
+        buf = self.pools.full.buffer
+        buf[:, :, slots] = torch.randn(buf[:, :, slots].shape)
+        return [PageRef(FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)]
+
+    def retarget(self, refs: list[PageRef]) -> list[PageRef]:
+        dst = self.pools.alloc_kv_pages(len(refs))
+        return [PageRef(FULL, r.page_hash, r.parent_hash, int(d)) for r, d in zip(refs, dst)]
+
+    def same_bytes(self, a: list[PageRef], b: list[PageRef]) -> bool:
+        full = self.pools.full
+        sa = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in a])))
+        sb = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in b])))
+        return torch.equal(full.buffer[:, :, sa], full.buffer[:, :, sb])
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.request_stop()
+        self.thread.join(60)
+        self.controller.close()
+        self.pools.close()
+
+
+@pytest.fixture
+def setup():
+    d = short_tmpdir()
+    s = Setup(d)
+    yield s
+    s.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_small_load_on_host_is_answered_by_the_io_thread_with_the_right_bytes(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    dst = setup.retarget(src)
+    pin = setup.client.pin([r.key for r in dst], 30)
+    assert setup.client.load(dst, pin, 10)
+    assert setup.same_bytes(src, dst)
+    assert setup.worker_loads == 0
+    assert setup.controller.stats()["pins_active"] == 1  # the load leaves the pin as it was
+    setup.client.unpin(pin)
+    setup.controller.check_invariants()
+
+
+def test_the_io_thread_answers_while_an_inline_copy_is_in_flight(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    dst = setup.retarget(src)
+    pin = setup.client.pin([r.key for r in dst], 30)
+    gate = threading.Event()
+    real_start = setup.controller.start_load
+    started = []
+
+    class Unfinished:  # a copy that has not ended until the gate opens
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def done(self) -> bool:
+            return gate.is_set() and self.inner.done()
+
+        def finish(self) -> bool:
+            return self.inner.finish()
+
+    def held(*a, **kw):
+        load = real_start(*a, **kw)
+        started.append(load)
+        return Unfinished(load)
+
+    setup.controller.start_load = held
+    result = []
+    loader = threading.Thread(target=lambda: result.append(setup.client.load(dst, pin, 10)))
+    loader.start()
+    try:
+        wait_for(lambda: started, 10, "the load to start on the I/O thread")
+        # A second connection: the engine's own socket is busy waiting for the load.
+        other = SidecarController(setup.client.endpoint, "other", SLEEPING)
+        other.attach(setup.layout, PAGE)
+        presence = other.lookup([r.page_hash for r in src], [FULL]).presence[FULL]
+        assert presence.tolist() == [Presence.HOST] * len(src)
+        other.close()
+        assert not result, "answered before its copy ended"
+    finally:
+        gate.set()
+        loader.join(30)
+    assert result and result[0]
+    assert setup.same_bytes(src, dst) and setup.worker_loads == 0
+    setup.controller.check_invariants()
+
+
+def test_a_load_that_reads_from_disk_runs_on_a_worker(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    assert setup.controller.flush(30)
+    store = setup.controller._store
+    with store.lock:
+        for e in list(store.index):
+            store.evict_host_locked(e)
+    dst = setup.retarget(src)
+    pin = setup.client.pin([r.key for r in dst], 30)
+    assert setup.client.load(dst, pin, 10)
+    assert setup.same_bytes(src, dst)
+    assert setup.worker_loads == 1
+    setup.controller.check_invariants()
+
+
+def _own_pins_client(setup: Setup) -> SidecarController:
+    cfg = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, pin_at_load=True)
+    client = SidecarController(setup.client.endpoint, "engine-own-pins", cfg)
+    client.register(setup.layout, PAGE, setup.pools)
+    return client
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_a_load_that_pins_its_own_pages_loads_them_and_releases_its_pin(setup, where):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    if where == "disk":  # the load reads its pages on a worker, under its own pin too
+        assert setup.controller.flush(30)
+        store = setup.controller._store
+        with store.lock:
+            for e in list(store.index):
+                store.evict_host_locked(e)
+    client = _own_pins_client(setup)
+    try:
+        dst = setup.retarget(src)
+        pin = client.pin([r.key for r in dst], 30)
+        assert pin is not None
+        assert setup.controller.stats()["pins_active"] == 0  # nothing sent yet
+        assert client.load(dst, pin, 10)
+        assert setup.same_bytes(src, dst)
+        assert setup.worker_loads == (1 if where == "disk" else 0)
+        assert setup.controller.stats()["pins_active"] == 0  # released when the load ended
+        client.unpin(pin)  # sends nothing: the load released it
+        setup.controller.check_invariants()
+    finally:
+        client.close()
+
+
+def test_a_load_that_pins_its_own_pages_fails_when_one_is_gone_and_pins_nothing(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    client = _own_pins_client(setup)
+    try:
+        pin = client.pin([r.key for r in src], 30)
+        assert setup.controller.flush(30)  # a page being written to disk is never dropped
+        with setup.controller._store.lock:
+            setup.controller._store.drop_locked(src[2].key, False)  # evicted after the match
+        dst = setup.retarget(src)
+        assert not client.load(dst, pin, 10)
+        assert setup.controller.stats()["pins_active"] == 0
+        assert client.available  # a miss, not a fault of the sidecar
+        setup.controller.check_invariants()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("pin_args", [{}, {"pin_id": 1, "pin_ttl_s": 5.0}])
+def test_a_load_names_exactly_one_pin(setup, pin_args):
+    from hicache.controller.channel import RemoteError
+    from hicache.controller.verb_specs import SPECS
+    from hicache.controller.wire_fields import encode_refs
+
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    args = {"refs": encode_refs(setup.retarget(src)), "timeout_s": 5.0, **pin_args}
+    with pytest.raises(RemoteError, match="exactly one of pin_id and pin_ttl_s"):
+        setup.client._channel.call(Verb.LOAD, args, 5.0)
+    assert SPECS[Verb.LOAD].decode_args(args).refs  # the arguments are well-formed otherwise
+    assert setup.controller.stats()["pins_active"] == 0
+    setup.controller.check_invariants()
