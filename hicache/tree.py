@@ -93,24 +93,44 @@ class RadixTree:
         Returns the nodes whose whole key matched, then the next node that matched only
         partly (or None) and how many whole-page tokens of it matched.
         """
+        if type(key) is memoryview:
+            return self._walk_view(node, key, pos)
         path: list[TreeNode] = []
         step = self.page_bytes
-        view = type(key) is memoryview
         n = len(key)
         while pos < n:
-            page = key[pos : pos + step]
-            child = node.children.get(bytes(page) if view else page)
+            child = node.children.get(key[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            if key.startswith(ck, pos):  # memcmp in place, no slice copied
+                path.append(child)
+                pos += len(ck)
+                node = child
+                continue
+            return path, child, self._common_tokens(ck, key, pos)
+        return path, None, 0
+
+    def _walk_view(
+        self, node: TreeNode, view: memoryview, pos: int
+    ) -> tuple[list[TreeNode], TreeNode | None, int]:
+        """``walk`` over a byte view: the same steps, each node's key compared with the
+        view's slice (a slice of a view copies nothing)."""
+        path: list[TreeNode] = []
+        step = self.page_bytes
+        n = len(view)
+        while pos < n:
+            child = node.children.get(bytes(view[pos : pos + step]))
             if child is None:
                 break
             ck = child.key
             end = pos + len(ck)
-            # One memcmp in place either way (a view's slice copies nothing).
-            if (end <= n and ck.startswith(key[pos:end])) if view else key.startswith(ck, pos):
+            if end <= n and ck.startswith(view[pos:end]):
                 path.append(child)
                 pos = end
                 node = child
                 continue
-            return path, child, self._common_tokens(ck, key, pos)
+            return path, child, self._common_tokens(ck, view, pos)
         return path, None, 0
 
     def matched_tokens(self, node: TreeNode, key: bytes, pos: int) -> int:
