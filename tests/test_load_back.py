@@ -59,6 +59,30 @@ def test_host_hit_loads_back_bit_exact(mix, ps):
     assert cache.match_prefix(tokens).prefix_len == tokens.size
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+def test_a_sibling_of_a_loaded_hybrid_prefix_hits_it_on_the_device(ps):
+    """A load-back for a request leaves the prefix's Mamba state on the device as well
+    (from a free slot): a second request with the same prefix, arriving while the first
+    still runs, is a device hit, and each request works on its own state."""
+    cache, engine, ctrl, tokens = demoted_cache("full+mamba", ps)
+    scribble(cache)
+    first = Request("first")
+    m = cache.match_prefix(tokens, req=first)
+    assert cache.load_back(m.load_node, req=first)
+    cache.check_invariants()
+    second = Request("second")
+    again = cache.match_prefix(tokens, req=second)
+    assert again.prefix_len == tokens.size and again.load_node is None
+    assert second.mamba_slot is not None and second.mamba_slot != first.mamba_slot
+    for req in (first, second):
+        engine.verify_prefix(req, tokens, req.prefix_len)
+    cache.check_invariants()
+    for req in (first, second):
+        cache.cache_finished_req(req)
+        cache.check_invariants()
+    assert cache.match_prefix(tokens).prefix_len == tokens.size
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_failed_load_back_leaves_pools_and_request_as_they_were(fault, mix):

@@ -96,17 +96,34 @@ class MambaComponent(TreeComponent):
         if not ok:
             self.pools.mamba.free_state(slot)
             return
+        node = plan.end_node
         if req is not None:
+            if self._keep_on_node(node):
+                # The node keeps the loaded state as well, so that the next request with
+                # this prefix (a sibling, a retry) finds it on the device instead of
+                # loading it again; the request works on its own copy. Only from a free
+                # slot: a load-back never evicts for this.
+                own = self.pools.mamba.alloc_state()
+                self.pools.mamba.copy_state(slot, own)
+                self.tree.set_value(node, self, slot)
+                node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
+                slot = own
             if req.mamba_slot is not None:
                 self.pools.mamba.free_state(req.mamba_slot)
             req.mamba_slot = slot
             return
-        node = plan.end_node
         if node.data[self.idx].value is None and node.base.value is not None:
             self.tree.set_value(node, self, slot)
             node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
         else:
             self.pools.mamba.free_state(slot)
+
+    def _keep_on_node(self, node: TreeNode) -> bool:
+        return (
+            node.data[self.idx].value is None
+            and node.base.value is not None
+            and self.pools.mamba.available_pages() > 0
+        )
 
     def pool(self) -> Any:
         return self.pools.mamba
