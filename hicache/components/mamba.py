@@ -97,33 +97,29 @@ class MambaComponent(TreeComponent):
             self.pools.mamba.free_state(slot)
             return
         node = plan.end_node
-        if req is not None:
-            if self._keep_on_node(node):
-                # The node keeps the loaded state as well, so that the next request with
-                # this prefix (a sibling, a retry) finds it on the device instead of
-                # loading it again; the request works on its own copy. Only from a free
-                # slot: a load-back never evicts for this.
-                own = self.pools.mamba.alloc_state()
-                self.pools.mamba.copy_state(slot, own)
-                self.tree.set_value(node, self, slot)
-                node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
-                slot = own
-            if req.mamba_slot is not None:
-                self.pools.mamba.free_state(req.mamba_slot)
-            req.mamba_slot = slot
+        node_takes = node.data[self.idx].value is None and node.base.value is not None
+        if req is None:
+            if node_takes:
+                self._set_node_state(node, slot)
+            else:
+                self.pools.mamba.free_state(slot)
             return
-        if node.data[self.idx].value is None and node.base.value is not None:
-            self.tree.set_value(node, self, slot)
-            node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
-        else:
-            self.pools.mamba.free_state(slot)
+        if node_takes and self.pools.mamba.available_pages() > 0:
+            # The node keeps the loaded state as well, so that the next request with this
+            # prefix (a sibling, a retry) finds it on the device instead of loading it
+            # again; the request works on its own copy. Only from a free slot: a load-back
+            # never evicts for this.
+            own = self.pools.mamba.alloc_state()
+            self.pools.mamba.copy_state(slot, own)
+            self._set_node_state(node, slot)
+            slot = own
+        if req.mamba_slot is not None:
+            self.pools.mamba.free_state(req.mamba_slot)
+        req.mamba_slot = slot
 
-    def _keep_on_node(self, node: TreeNode) -> bool:
-        return (
-            node.data[self.idx].value is None
-            and node.base.value is not None
-            and self.pools.mamba.available_pages() > 0
-        )
+    def _set_node_state(self, node: TreeNode, slot: int) -> None:
+        self.tree.set_value(node, self, slot)
+        node.data[self.idx].backed = node.base.backed  # held only with its FULL pages
 
     def pool(self) -> Any:
         return self.pools.mamba
