@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -124,3 +125,28 @@ def test_pinned_policy_without_cuda_is_a_clear_error():
             PAGE,
             ControllerConfig(host_pool_bytes=1 << 16, host_pinning=HostPinning.PINNED),
         )
+
+
+def test_shared_pages_are_memfd_memory_that_populate_faults_in_whole():
+    from hicache.controller.host_pool import SharedPages, populate
+
+    pages, row = 96, 1 << 20  # 96 MiB: several populate chunks
+    shared = SharedPages("test", pages, row, HostPinning.PAGEABLE)
+    assert os.fstat(shared.fd).st_blocks == 0, "nothing faulted in before the populate"
+    populate(shared.buffer.data_ptr(), pages * row)
+    assert os.fstat(shared.fd).st_blocks * 512 >= pages * row
+    assert not shared.buffer.any(), "fresh pages read as zeros"
+    # The same memory, seen through the descriptor (what an engine maps).
+    shared.buffer[3, 7] = 42
+    assert os.pread(shared.fd, 1, 3 * row + 7) == b"\x2a"
+
+
+def test_a_shared_pool_serves_as_a_private_one():
+    layout = hybrid_layout()
+    cfg = ControllerConfig(host_pool_bytes=1 << 20, host_shared=True)
+    pool, private = HostPool(layout, PAGE, cfg), HostPool(layout, PAGE, ControllerConfig(1 << 20))
+    for comp, p in pool.components.items():
+        assert p.shared is not None and p.num_pages == private[comp].num_pages
+        assert os.fstat(p.shared.fd).st_size >= p.num_pages * p.row_bytes
+    assert pool.kv(FULL).shape == private.kv(FULL).shape
+    assert pool.ssm().shape == private.ssm().shape

@@ -3,6 +3,7 @@ sidecar that does not answer, reconnection after a restart, leases and heartbeat
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -328,5 +329,31 @@ def test_an_unpin_does_not_wait_for_the_sidecar_and_is_applied_in_order(workdir)
         assert engine.client.available and engine.client._failures == 0
     finally:
         release.set()
+        engine.close()
+        side.stop()
+
+
+def test_a_first_registration_may_take_longer_than_the_handshake_deadline(workdir):
+    """The sidecar builds its tiers at the first registration (a host pool of many GiB
+    takes seconds to page-lock): the client waits for it instead of timing out into a
+    breaker that is open while the engine starts serving."""
+    side = InProcessSidecar(workdir).start()
+    real = side.controller.register_buffers
+
+    def slow_first(*args, **kwargs):
+        time.sleep(1.0)  # as the allocation of a large pool would
+        return real(*args, **kwargs)
+
+    side.controller.register_buffers = slow_first
+    quick = dataclasses.replace(FAST, connect_timeout_s=0.3, register_timeout_s=5.0)
+    engine = Engine(side.endpoint, quick)
+    try:
+        engine.register()
+        assert engine.client.available, "registered within register_timeout_s"
+        refs = engine.chain()
+        assert engine.client.backup(refs).wait(10)
+        assert engine.presence(refs) == [Presence.HOST] * len(refs)
+        side.controller.check_invariants()
+    finally:
         engine.close()
         side.stop()
