@@ -98,6 +98,11 @@ class ControllerCollector(Collector):
             "Loads that copied every page asked for into the engine's device memory.",
             value=_get(s, "load", "ok"),
         )
+        yield CounterMetricFamily(
+            "hicache_loads_engine_copied",
+            "Load-backs an engine copied itself from the shared host pages (no load request).",
+            value=_get(s, "load", "engine_copied"),
+        )
 
         fams = {
             unit: CounterMetricFamily(

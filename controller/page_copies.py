@@ -258,8 +258,7 @@ class PageCopies:
                     store.remote.on_served_locked(e)
                 nbytes += store.host[e.component].page_bytes
         self.counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
-        self.counters.inc("load", "ok")
-        self.counters.inc("load", "engine_copied")
+        self.counters.inc("load", "engine_copied")  # not a load request: not in ("load", "ok")
 
     def to_device(
         self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
