@@ -52,23 +52,24 @@ class AdaptivePolicyParams:
 
     shadow_units: int = 512  # capacity of each miniature (the sample rate follows from it)
     unit_tokens: int = 512  # the miniatures' unit (rounded up to whole pages)
-    shadow_sample_size: int = 64  # units ranked per eviction of the learned miniature
-    shadow_evict_batch: int = 8  # the lowest-ranked units of that sample that go
+    shadow_use_classes: int = 8  # the learned miniature ranks exactly below this many uses
     decision_window_disagreements: int = 256  # horizon of the decayed evidence
-    min_disagreements: float = 64.0  # no switch while the decayed disagreements are fewer
-    to_learned_z: float = 3.0  # follow the learned rule when its sign test reaches this
+    min_disagreements: float = 64.0  # none to the learned rule on fewer decayed disagreements
+    min_disagreements_to_lru: float = 16.0  # none back to LRU on fewer
+    to_learned_z: float = 4.0  # follow the learned rule when its sign test reaches this
     to_lru_z: float = 1.0  # go back to LRU when LRU's reaches this
     start_with_learned: bool = False
+    evidence_growth_per_return: float = 2.0  # min_disagreements' factor per return to LRU
 
     def __post_init__(self) -> None:
-        if min(self.shadow_units, self.unit_tokens, self.shadow_sample_size) < 1:
-            raise ValueError("shadow_units, unit_tokens and shadow_sample_size must be >= 1")
-        if self.shadow_evict_batch < 1:
-            raise ValueError("shadow_evict_batch must be >= 1")
+        if min(self.shadow_units, self.unit_tokens, self.shadow_use_classes) < 1:
+            raise ValueError("shadow_units, unit_tokens and shadow_use_classes must be >= 1")
         if self.decision_window_disagreements < 1 or not self.min_disagreements >= 0:
             raise ValueError("decision_window_disagreements >= 1, min_disagreements >= 0")
         if not (self.to_learned_z >= 0 and self.to_lru_z >= 0):
             raise ValueError("to_learned_z and to_lru_z must be >= 0")
+        if not (self.min_disagreements_to_lru >= 0 and self.evidence_growth_per_return >= 1):
+            raise ValueError("min_disagreements_to_lru >= 0, evidence_growth_per_return >= 1")
 
 
 class AdaptiveLeafPolicy(LeafEvictionPolicy):
@@ -101,6 +102,7 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self._decay = 1.0 - 1.0 / self.params.decision_window_disagreements
         self._broken = [False, False]  # the request being served missed in that miniature
         self.host_tier = False  # a load-back from a host tier was seen
+        self._to_learned_evidence = self.params.min_disagreements
         self.attach(1)
 
     # -- introspection -------------------------------------------------------------------
@@ -132,14 +134,7 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         history = max(1, round(rate * self.learned.params.history_entries))
         self.shadows = (
             ShadowLRU(capacity),
-            ShadowLearned(
-                capacity,
-                history,
-                p.shadow_sample_size,
-                p.shadow_evict_batch,
-                self._seed,
-                self.learned.params,
-            ),
+            ShadowLearned(capacity, history, p.shadow_use_classes, self.learned.params),
         )
 
     def _accessed(self, node: TreeNode) -> None:
@@ -179,15 +174,25 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         decay = self._decay
         self._wins = self._wins * decay + (1.0 if learned_won else -1.0)
         self._disagreements = self._disagreements * decay + 1.0
-        if self._disagreements < self.params.min_disagreements:
-            return
+        p = self.params
         z = self.sign_test
-        if self.following == LRU and z >= self.params.to_learned_z:
-            self.following = LEARNED
-            self.switches += 1
-        elif self.following == LEARNED and z <= -self.params.to_lru_z:
-            self.following = LRU
-            self.switches += 1
+        if self.following == LRU:
+            if self._disagreements >= self._to_learned_evidence and z >= p.to_learned_z:
+                self._switch(LEARNED)
+        elif self._disagreements >= p.min_disagreements_to_lru and z <= -p.to_lru_z:
+            # The learned rule was tried and lost: ask more evidence of it next time.
+            self._to_learned_evidence = min(
+                self._to_learned_evidence * p.evidence_growth_per_return,
+                p.decision_window_disagreements / 2,
+            )
+            self._switch(LRU)
+
+    def _switch(self, rule: int) -> None:
+        """Follow ``rule``; the evidence starts anew (what it says from now on is about the
+        cache that rule shapes)."""
+        self.following = rule
+        self.switches += 1
+        self._wins = self._disagreements = 0.0
 
     # -- hooks from the tree -------------------------------------------------------------
 

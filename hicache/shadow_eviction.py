@@ -17,15 +17,14 @@ caches them.
 
 Each rule here is its tree version reduced to units: :class:`ShadowLRU` evicts the least
 recently used unit; :class:`ShadowLearned` the lowest estimated reuse rate
-``(uses + prior_uses) / (age + prior_ticks)`` of a random sample (the formula and
-parameters of :mod:`hicache.learned_eviction`, its history of evicted units included).
-Costs: O(1) per sampled access for LRU, O(sample) per sampled miss for the learned rule;
-units out of the sample cost one fingerprint each.
+``(uses + prior_uses) / (age + prior_ticks)`` (the formula and parameters of
+:mod:`hicache.learned_eviction`, its history of evicted units included). Costs: O(1) per
+sampled access for LRU, O(use classes) per sampled miss for the learned rule; units out of
+the sample cost one fingerprint each.
 """
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 
 from hicache.learned_eviction import LearnedPolicyParams
@@ -58,42 +57,47 @@ class ShadowLRU:
 
 
 class ShadowLearned:
-    """A cache of ``capacity_units`` units under the learned rule (module docstring)."""
+    """A cache of ``capacity_units`` units under the learned rule (module docstring).
+
+    Among units with the same uses, the lowest rate is the oldest: the units are kept in
+    one recency list per use count (counts from ``use_classes - 1`` up share the last
+    list), and a victim is the lowest-rate head of those lists, an exact minimum over
+    every unit where the tree's rule ranks a random sample, at O(use_classes) per
+    eviction."""
 
     def __init__(
         self,
         capacity_units: int,
         history_units: int,
-        sample_size: int,
-        evict_batch: int,
-        seed: int,
+        use_classes: int,
         params: LearnedPolicyParams,
     ) -> None:
-        if min(capacity_units, history_units, sample_size, evict_batch) < 1:
-            raise ValueError("capacity, history, sample size and batch must be >= 1")
+        if min(capacity_units, history_units, use_classes) < 1:
+            raise ValueError("capacity_units, history_units and use_classes must be >= 1")
         self.capacity_units = capacity_units
         self.evictions = 0
         self._history_units = history_units
-        self._sample_size = sample_size
-        self._evict_batch = evict_batch
+        self._top_class = use_classes - 1
         self._params = params
-        self._rng = random.Random(seed)
-        self._state: dict[int, list[int]] = {}  # unit -> [uses, stamp, slot in _members]
-        self._members: list[int] = []
+        self._state: dict[int, list[int]] = {}  # unit -> [uses, stamp]
+        self._by_uses: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(use_classes)]
         self._history: OrderedDict[int, int] = OrderedDict()  # evicted unit -> its uses
         self._turnover_ticks = 0.0
 
     def access(self, unit: int, now: int) -> bool:
         """Use ``unit`` at tick ``now``; True when it was cached. It is cached after."""
+        top, by_uses = self._top_class, self._by_uses
         st = self._state.get(unit)
         if st is not None:
+            del by_uses[min(st[0], top)][unit]
             st[0] += 1
             st[1] = now
+            by_uses[min(st[0], top)][unit] = None
             return True
         uses = self._history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
-        self._state[unit] = [uses, now, len(self._members)]
-        self._members.append(unit)
-        if len(self._members) > self.capacity_units:
+        self._state[unit] = [uses, now]
+        by_uses[min(uses, top)][unit] = None
+        if len(self._state) > self.capacity_units:
             self._evict(now)
         return False
 
@@ -103,34 +107,30 @@ class ShadowLearned:
         return max(1.0, self._params.prior_turnovers * self._turnover_ticks)
 
     def _evict(self, now: int) -> None:
-        """Evict the ``evict_batch`` lowest-ranked units of one random sample (ranking
-        once for several victims is what keeps the miniature cheap)."""
-        members, state = self._members, self._state
-        k = self._sample_size
-        pool = members if len(members) <= k else self._rng.choices(members, k=k)
+        state = self._state
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
-        ranked = []
-        for unit in set(pool):
-            uses, stamp, _ = state[unit]
-            if stamp != now:  # the request being served uses it: the tree has it locked
-                ranked.append(((uses + prior_uses) / (now - stamp + prior), stamp, unit))
-        if not ranked:
-            ranked = [(0.0, 0, pool[0])]
-        ranked.sort()
+        victim, best = None, None
+        for units in self._by_uses:
+            if not units:
+                continue
+            unit = next(iter(units))
+            uses, stamp = state[unit]
+            if stamp == now:  # the whole list is the request being served (tree: locked)
+                continue
+            rate = (uses + prior_uses) / (now - stamp + prior)
+            if best is None or rate < best:
+                victim, best = unit, rate
+        if victim is None:  # every unit is the current request's: the oldest goes
+            victim = next(iter(next(units for units in self._by_uses if units)))
+        uses, stamp = state.pop(victim)
+        del self._by_uses[min(uses, self._top_class)][victim]
         history = self._history
-        window = self._params.turnover_window_evictions
-        for _, stamp, victim in ranked[: self._evict_batch]:
-            uses, stamp, slot = state.pop(victim)
-            last = members.pop()
-            if last != victim:
-                members[slot] = last
-                state[last][2] = slot
-            history[victim] = uses
-            if len(history) > self._history_units:
-                history.popitem(last=False)
-            self.evictions += 1
-            weight = 1.0 / min(self.evictions, window)
-            self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
+        history[victim] = uses
+        if len(history) > self._history_units:
+            history.popitem(last=False)
+        self.evictions += 1
+        weight = 1.0 / min(self.evictions, self._params.turnover_window_evictions)
+        self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
 
     def __len__(self) -> int:
-        return len(self._members)
+        return len(self._state)

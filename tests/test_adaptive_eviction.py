@@ -120,7 +120,7 @@ def test_bad_parameters_are_refused():
     for bad in (
         {"shadow_units": 0},
         {"unit_tokens": 0},
-        {"shadow_evict_batch": 0},
+        {"shadow_use_classes": 0},
         {"decision_window_disagreements": 0},
         {"min_disagreements": -1.0},
         {"to_learned_z": -1.0},
