@@ -89,10 +89,14 @@ class ShadowLearned:
         top, by_uses = self._top_class, self._by_uses
         st = self._state.get(unit)
         if st is not None:
-            del by_uses[min(st[0], top)][unit]
-            st[0] += 1
+            uses = st[0]
+            st[0] = uses + 1
             st[1] = now
-            by_uses[min(st[0], top)][unit] = None
+            if uses < top:
+                del by_uses[uses][unit]
+                by_uses[uses + 1][unit] = None
+            else:  # already in the last list: to its end
+                by_uses[top].move_to_end(unit)
             return True
         uses = self._history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
         self._state[unit] = [uses, now]
@@ -109,21 +113,20 @@ class ShadowLearned:
     def _evict(self, now: int) -> None:
         state = self._state
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
-        victim, best = None, None
+        victims, best = None, None  # the list whose head goes
         for units in self._by_uses:
             if not units:
                 continue
-            unit = next(iter(units))
-            uses, stamp = state[unit]
+            uses, stamp = state[next(iter(units))]
             if stamp == now:  # the whole list is the request being served (tree: locked)
                 continue
             rate = (uses + prior_uses) / (now - stamp + prior)
             if best is None or rate < best:
-                victim, best = unit, rate
-        if victim is None:  # every unit is the current request's: the oldest goes
-            victim = next(iter(next(units for units in self._by_uses if units)))
+                victims, best = units, rate
+        if victims is None:  # every unit is the current request's: the oldest goes
+            victims = next(units for units in self._by_uses if units)
+        victim, _ = victims.popitem(last=False)
         uses, stamp = state.pop(victim)
-        del self._by_uses[min(uses, self._top_class)][victim]
         history = self._history
         history[victim] = uses
         if len(history) > self._history_units:
