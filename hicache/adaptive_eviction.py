@@ -4,182 +4,213 @@ Neither rule wins everywhere: the learned rule (:mod:`hicache.learned_eviction`)
 never-reused leaves first, which pays where most blocks are dead and hot prefixes return
 late, and loses where a prefix's next use is its first reuse (the next turn of a
 conversation extends a tail nobody has used yet). This policy keeps both rules' state up
-to date (every hook goes to both) and at a pick asks both for their victim. When they
-name the same leaf, that leaf goes and nothing is learned. When they differ, the rule
-being followed has its victim evicted, and the two choices are remembered in a ghost
-list, each charged to the rule that made it:
+to date (every hook goes to both), evicts the victims of the one it follows, and decides
+which to follow by measuring both: each rule runs in a miniature simulation
+(:mod:`hicache.shadow_eviction`) fed a hash-sampled share of the units every request uses,
+at the same share of the device's capacity, so each rule's hit ratio on the workload seen
+now is counted, not inferred from the one cache that exists.
 
-* the evicted victim is charged to its rule if it is inserted (or loaded back) again:
-  that rule caused a miss;
-* the leaf the other rule named, which stayed, is charged to that rule if a match uses
-  it: that rule would have caused a miss.
+Only the sampled accesses where the two miniatures disagree (one hit, the other missed)
+are evidence. Their decayed sum over about the last ``decision_window_disagreements`` is
+a sign test: ``z = (learned's wins - LRU's wins) / sqrt(disagreements)``. The policy starts
+with LRU (the cheaper, safer rule while nothing is known), switches to the learned rule
+when ``z >= to_learned_z`` and back when ``z <= -to_lru_z``, and not before the decayed
+disagreements reach ``min_disagreements``: a cold cache or a short burst is no evidence.
+The thresholds are asymmetric because the costs are: a wrong switch to the learned rule
+costs up to 11 points (conversations), a wrong switch to LRU a share of a gain.
 
-Each choice counts once, however many picks named it: the rule not followed names the
-same leaf pick after pick (LRU its oldest leaf), but had it been followed that leaf would
-have gone at the first pick and the next picks would have named others, whose fate is
-unknown. Counting every pick charged the rule not followed many times per miss, and the
-policy stuck to whichever rule it followed (on conversations, the learned rule, 11 points
-below LRU, for more than half the trace).
-
-A ghost entry lives for ``ghost_turnovers`` times the running mean age of LRU's
-candidate at a pick: the time a leaf survives in this cache under LRU. That horizon does
-not depend on the rule followed (the learned rule's own eviction age shrinks while it
-evicts young leaves, which had hidden its misses from a horizon measured on it). Charges
-decay by ``1 - 1/charge_window_events`` per charge, and the rule followed switches when
-the other's decayed charge is lower by the margin of its direction, once the charges sum
-to ``min_switch_charges``: it starts with LRU, the cheaper and safer rule while nothing is
-known, and a few early charges (a cold cache, a short burst) are no evidence; a switch on
-them cost up to 0.8 points on quarters of traces replayed from empty. A victim that comes
-back by a load-back from the host tier cost a copy, not a recomputation, and is charged
-``load_back_charge`` of a miss; charged in full, with a write-back host tier the policy
-followed the learned rule into fewer total hits than LRU's.
-
-Chains are still cut from the tail: both rules only ever name evictable leaves. Cost, to
-stay within half of LRU's: a victim gives all that is asked of it (the learned rule's
-own quantum-by-quantum picks, each with a tree split, cost it 3-8x LRU's rate), new nodes
-are not cut where evicted pieces ended (the cuts fragment the tree: more nodes to walk
-and to split), and while LRU is followed the learned rule is asked for its pick (a sample
-of leaves ranked in Python) at one pick in ``lru_dispute_every_picks``. Per hook, the two
-rules' own O(1)/O(log n) upkeep.
+Chains are still cut from the tail: both rules only ever name evictable leaves. Cost,
+to stay within half of LRU's: while LRU is followed the learned rule is never asked for a
+victim (its per-hook upkeep is O(1)); a victim gives all that is asked of it; new nodes are
+not cut where evicted pieces ended (cuts fragment the tree); the miniatures see
+``shadow_units`` units whatever the device's size, so the sample rate falls as the device
+grows, and a unit out of the sample costs one fingerprint.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hicache.eviction import LeafEvictionPolicy, LRULeafPolicy
 from hicache.learned_eviction import LearnedLeafPolicy, LearnedPolicyParams
+from hicache.shadow_eviction import ShadowLearned, ShadowLRU
 
 if TYPE_CHECKING:
     from hicache.tree import TreeNode
 
 LRU, LEARNED = 0, 1
 RULE_NAMES = ("lru", "learned")
-_EVICTED, _KEPT = 0, 1  # what happened to a ghost entry's leaf when it was remembered
+_FP_SAMPLE_BITS = 32  # the low bits of a unit's fingerprint that decide its sampling
+_FP_SAMPLE_MASK = (1 << _FP_SAMPLE_BITS) - 1
 
 
 @dataclass(frozen=True)
 class AdaptivePolicyParams:
     """Tuning of :class:`AdaptiveLeafPolicy`; units in the names."""
 
-    ghost_turnovers: float = 2.0  # a ghost entry's life, in mean ages of LRU's candidate
-    ghost_min_ticks: float = 256.0  # its least life, while that age is not yet known
-    # Charges forget at this horizon (in charges): short, so that a switch that was wrong is
-    # undone within a few hundred of its misses.
-    charge_window_events: int = 512
-    # Asymmetric: a wrong switch to the learned rule costs up to 11 points (conversations),
-    # a wrong switch to LRU a share of the learned rule's gain.
-    to_lru_margin: float = 0.0  # follow LRU as soon as its charge is below the learned's
-    to_learned_margin: float = 0.5  # follow the learned rule at half LRU's charge or less
+    shadow_units: int = 512  # capacity of each miniature (the sample rate follows from it)
+    unit_tokens: int = 512  # the miniatures' unit (rounded up to whole pages)
+    shadow_use_classes: int = 8  # the learned miniature ranks exactly below this many uses
+    decision_window_disagreements: int = 256  # horizon of the decayed evidence
+    min_disagreements: float = 64.0  # none to the learned rule on fewer decayed disagreements
+    min_disagreements_to_lru: float = 16.0  # none back to LRU on fewer
+    to_learned_z: float = 4.0  # follow the learned rule when its sign test reaches this
+    to_lru_z: float = 1.0  # go back to LRU when LRU's reaches this
     start_with_learned: bool = False
-    min_switch_charges: float = 64.0  # no switch while the decayed charges sum to less
-    load_back_charge: float = 0.1  # a victim back from the host tier, as a fraction of a miss
-    lru_dispute_every_picks: int = 8  # while following LRU, ask the learned rule this often
+    evidence_growth_per_return: float = 2.0  # min_disagreements' factor per return to LRU
 
     def __post_init__(self) -> None:
-        if not self.ghost_turnovers > 0 or not self.ghost_min_ticks > 0:
-            raise ValueError("ghost_turnovers and ghost_min_ticks must be > 0")
-        if not self.min_switch_charges >= 0 or not 0 <= self.load_back_charge <= 1:
-            raise ValueError("min_switch_charges must be >= 0, load_back_charge within [0, 1]")
-        if self.charge_window_events < 1 or self.lru_dispute_every_picks < 1:
-            raise ValueError("charge_window_events and lru_dispute_every_picks must be >= 1")
-        if not (0 <= self.to_lru_margin < 1 and 0 <= self.to_learned_margin < 1):
-            raise ValueError("to_lru_margin and to_learned_margin must be within [0, 1)")
+        if min(self.shadow_units, self.unit_tokens, self.shadow_use_classes) < 1:
+            raise ValueError("shadow_units, unit_tokens and shadow_use_classes must be >= 1")
+        if self.decision_window_disagreements < 1 or not self.min_disagreements >= 0:
+            raise ValueError("decision_window_disagreements >= 1, min_disagreements >= 0")
+        if not (self.to_learned_z >= 0 and self.to_lru_z >= 0):
+            raise ValueError("to_learned_z and to_lru_z must be >= 0")
+        if not (self.min_disagreements_to_lru >= 0 and self.evidence_growth_per_return >= 1):
+            raise ValueError("min_disagreements_to_lru >= 0, evidence_growth_per_return >= 1")
 
 
 class AdaptiveLeafPolicy(LeafEvictionPolicy):
-    """Follows whichever of LRU and the learned rule the ghost lists charge less (see the
-    module docstring)."""
+    """Follows whichever of LRU and the learned rule hits more in its miniature (see the
+    module docstring). ``device_tokens``: the device's capacity, which the miniatures
+    scale."""
 
     def __init__(
         self,
+        device_tokens: int,
         sample_size: int = 64,
         seed: int = 0,
         params: AdaptivePolicyParams | None = None,
         learned_params: LearnedPolicyParams | None = None,
     ) -> None:
+        if device_tokens < 1:
+            raise ValueError(f"device_tokens must be >= 1, got {device_tokens}")
         self.params = params or AdaptivePolicyParams()
+        self.device_tokens = device_tokens
         self.lru = LRULeafPolicy()
         self.learned = LearnedLeafPolicy(sample_size, seed, learned_params)
         self.following = LEARNED if self.params.start_with_learned else LRU
-        self.charges = [0.0, 0.0]
-        self.picks = [0, 0]  # victims evicted on each rule's word (agreements not counted)
+        self.picks = [0, 0]  # victims evicted while following each rule
         self.switches = 0
-        self._decay = 1.0 - 1.0 / self.params.charge_window_events
-        self._ghost: dict[int, tuple[int, int, int]] = {}  # fp -> (rule, what, tick)
-        self._ghost_order: deque[tuple[int, int]] = deque()  # (tick, fp), oldest first
-        self._last_rule = LRU  # the rule whose victim the tree is evicting now
-        self._disputed = False  # the rules named different victims at the last pick
-        self._pops = 0
-        self._lru_age_ticks = 0.0  # running mean age of LRU's candidate at a pick
+        self.shadow_hits = [0, 0]  # sampled accesses each miniature hit
+        self.sampled_accesses = 0
+        self._seed = seed
+        self._wins = 0.0  # decayed: learned's miniature hit and LRU's missed, minus the reverse
+        self._disagreements = 0.0  # decayed count of those accesses
+        self._decay = 1.0 - 1.0 / self.params.decision_window_disagreements
+        self._broken = [False, False]  # the request being served missed in that miniature
+        self.host_tier = False  # a load-back from a host tier was seen
+        self._to_learned_evidence = self.params.min_disagreements
+        self.attach(1)
 
     # -- introspection -------------------------------------------------------------------
 
     @property
     def following_name(self) -> str:
-        """The rule whose victims go when the two disagree: "lru" or "learned"."""
+        """The rule whose victims go: "lru" or "learned"."""
         return RULE_NAMES[self.following]
 
-    # -- the ghost list --------------------------------------------------------------------
+    @property
+    def sign_test(self) -> float:
+        """The decayed evidence for the learned rule, in standard deviations (module
+        docstring); 0 while the miniatures have not disagreed."""
+        if not self._disagreements:
+            return 0.0
+        return self._wins / math.sqrt(self._disagreements)
 
-    def _ghost_life_ticks(self) -> float:
-        return max(self.params.ghost_min_ticks, self.params.ghost_turnovers * self._lru_age_ticks)
-
-    def _expire(self) -> None:
-        horizon = self.learned._now - self._ghost_life_ticks()
-        order, ghost = self._ghost_order, self._ghost
-        while order and order[0][0] < horizon:
-            tick, fp = order.popleft()
-            entry = ghost.get(fp)
-            if entry is not None and entry[2] == tick:
-                del ghost[fp]
-
-    def _remember(self, node: TreeNode, rule: int, what: int) -> None:
-        """A pick of ``rule`` named ``node`` (``what`` says whether it went or stayed); a
-        leaf named again replaces its entry, so it is charged once."""
-        fp = self.learned.fingerprint(node)
-        tick = self.learned._now
-        self._ghost[fp] = (rule, what, tick)
-        self._ghost_order.append((tick, fp))
-
-    def _settle(self, node: TreeNode, what: int, charge: float = 1.0) -> None:
-        """``node`` came back (``_EVICTED``) or was used (``_KEPT``): if the ghost list has
-        it in that state, charge the rule that chose it and forget the entry."""
-        if not self._ghost:
-            return
-        fp = self.learned.fingerprint(node)
-        entry = self._ghost.get(fp)
-        if entry is None or entry[1] != what:
-            return
-        del self._ghost[fp]
-        self._expire()
-        charges = self.charges
-        charges[LRU] *= self._decay
-        charges[LEARNED] *= self._decay
-        charges[entry[0]] += charge
-        other = 1 - self.following
-        margin = self.params.to_lru_margin if other == LRU else self.params.to_learned_margin
-        evidence = charges[LRU] + charges[LEARNED]
-        if (
-            evidence >= self.params.min_switch_charges
-            and charges[other] < (1.0 - margin) * charges[self.following]
-        ):
-            self.following = other
-            self.switches += 1
-
-    # -- hooks from the tree ---------------------------------------------------------------
+    # -- the miniatures ------------------------------------------------------------------
 
     def attach(self, page_size: int) -> None:
         self.learned.attach(page_size)
+        p = self.params
+        self._unit_tokens = -(-p.unit_tokens // page_size) * page_size
+        device_units = max(1, self.device_tokens // self._unit_tokens)
+        rate = min(1.0, p.shadow_units / device_units)
+        self.sample_rate = rate
+        self._threshold = 0 if self.host_tier else int(rate * (1 << _FP_SAMPLE_BITS))
+        capacity = max(1, round(rate * device_units))
+        history = max(1, round(rate * self.learned.params.history_entries))
+        self.shadows = (
+            ShadowLRU(capacity),
+            ShadowLearned(capacity, history, p.shadow_use_classes, self.learned.params),
+        )
+
+    def _accessed(self, node: TreeNode) -> None:
+        """A request uses ``node``'s tokens: feed the sampled units that start in it to
+        both miniatures, and weigh their disagreements."""
+        start = node.start
+        broken = self._broken
+        if start == 0:  # every request's accesses begin at the root
+            broken[LRU] = broken[LEARNED] = False
+        unit = self._unit_tokens
+        first = -start % unit
+        if first >= node.num_tokens or not self._threshold:
+            return
+        key, threshold, fingerprint_at = node.key, self._threshold, self.learned._fingerprint_at
+        now = self.learned._now
+        by_lru, by_learned = self.shadows
+        for offset in range(first, node.num_tokens, unit):
+            fp = fingerprint_at(key, offset, start + offset)  # the learned rule's, per unit
+            if fp & _FP_SAMPLE_MASK >= threshold:
+                continue
+            self.sampled_accesses += 1
+            lru_hit = by_lru.access(fp, now) and not broken[LRU]
+            learned_hit = by_learned.access(fp, now) and not broken[LEARNED]
+            if lru_hit:
+                self.shadow_hits[LRU] += 1
+            else:
+                broken[LRU] = True
+            if learned_hit:
+                self.shadow_hits[LEARNED] += 1
+            else:
+                broken[LEARNED] = True
+            if lru_hit != learned_hit:
+                self._weigh(learned_hit)
+
+    def _weigh(self, learned_won: bool) -> None:
+        """One miniature hit where the other missed: update the evidence, maybe switch."""
+        decay = self._decay
+        self._wins = self._wins * decay + (1.0 if learned_won else -1.0)
+        self._disagreements = self._disagreements * decay + 1.0
+        p = self.params
+        z = self.sign_test
+        if self.following == LRU:
+            if self._disagreements >= self._to_learned_evidence and z >= p.to_learned_z:
+                self._switch(LEARNED)
+        elif self._disagreements >= p.min_disagreements_to_lru and z <= -p.to_lru_z:
+            # The learned rule was tried and lost: ask more evidence of it next time.
+            self._to_learned_evidence = min(
+                self._to_learned_evidence * p.evidence_growth_per_return,
+                p.decision_window_disagreements / 2,
+            )
+            self._switch(LRU)
+
+    def _switch(self, rule: int) -> None:
+        """Follow ``rule``; the evidence starts anew (what it says from now on is about the
+        cache that rule shapes)."""
+        self.following = rule
+        self.switches += 1
+        self._wins = self._disagreements = 0.0
+
+    # -- hooks from the tree -------------------------------------------------------------
 
     def add(self, node: TreeNode) -> None:
         st = node.policy_state
-        if st is not None and st.evicted:  # loaded back from the host tier: a return
-            self._settle(node, _EVICTED, self.params.load_back_charge)
+        if st is not None and st.evicted and not self.host_tier:  # back from the host tier
+            self._below_is_a_host_tier()
         self.lru.add(node)
         self.learned.add(node)
+
+    def _below_is_a_host_tier(self) -> None:
+        """The miniatures count device hits only: with a host tier a device miss is often
+        a host hit (a copy, not a recomputation), which they cannot see, and the rule
+        they prefer can lose total hits (the learned rule did, with write-back). So from
+        the first load-back on, LRU is followed and the miniatures stop."""
+        self.host_tier = True
+        self.following = LRU
+        self._threshold = 0
 
     def remove(self, node: TreeNode) -> None:
         self.lru.remove(node)
@@ -190,15 +221,18 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self.learned.touch(node)
 
     def on_insert(self, node: TreeNode) -> None:
-        self._settle(node, _EVICTED)
         self.learned.on_insert(node)
+        self._accessed(node)
 
     def on_hit(self, node: TreeNode) -> None:
-        self._settle(node, _KEPT)
         self.learned.on_hit(node)
+        self._accessed(node)
 
     def on_split(self, node: TreeNode) -> None:
         self.learned.on_split(node)
+
+    def on_evict(self, node: TreeNode) -> None:
+        self.learned.on_evict(node)
 
     def members(self) -> set[int]:
         lru, learned = self.lru.members(), self.learned.members()
@@ -206,39 +240,16 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
             raise AssertionError("adaptive policy: its two rules disagree on the members")
         return lru
 
-    # -- eviction --------------------------------------------------------------------------
+    # -- eviction ------------------------------------------------------------------------
 
     def pop(self) -> TreeNode | None:
-        by_lru = self.lru.peek()
-        if by_lru is None:
+        if self.following == LRU:
+            victim = self.lru.peek()
+        else:
+            victim = self.learned.propose()
+        if victim is None:
             return None
-        self._disputed = False
-        self._pops += 1
-        window = min(self._pops, self.learned.params.turnover_window_evictions)
-        self._lru_age_ticks += (
-            self.learned._now - by_lru.last_access - self._lru_age_ticks
-        ) / window
-        if self.following == LRU and self._pops % self.params.lru_dispute_every_picks:
-            # Following LRU, a sample of the picks is enough to keep judging the rules;
-            # the learned rule's pick (a sample of leaves ranked in Python) is the cost.
-            by_learned = by_lru
-        else:
-            by_learned = self.learned.propose()
-        if by_learned is by_lru:
-            victim, rule = by_lru, self.following
-        else:
-            rule = self.following
-            victim, kept = (by_lru, by_learned) if rule == LRU else (by_learned, by_lru)
-            self.picks[rule] += 1
-            self._remember(kept, 1 - rule, _KEPT)
-            self._disputed = True  # on_evict remembers the piece that actually goes
-        self._last_rule = rule
+        self.picks[self.following] += 1
         self.lru.remove(victim)
         self.learned.remove(victim)
         return victim
-
-    def on_evict(self, node: TreeNode) -> None:
-        if self._disputed:
-            self._disputed = False
-            self._remember(node, self._last_rule, _EVICTED)
-        self.learned.on_evict(node)

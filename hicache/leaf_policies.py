@@ -16,4 +16,6 @@ def make_leaf_policy(config: CacheConfig) -> LeafEvictionPolicy:
         return LRULeafPolicy()
     if kind is EvictionPolicyKind.LEARNED:
         return LearnedLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
-    return AdaptiveLeafPolicy(sample_size=config.eviction_sample_size, seed=config.seed)
+    return AdaptiveLeafPolicy(
+        config.full_slots, sample_size=config.eviction_sample_size, seed=config.seed
+    )

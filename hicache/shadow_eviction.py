@@ -1,0 +1,139 @@
+"""Miniature simulations of the device leaf rules, on a hash-sampled share of the cache.
+
+To know which of two eviction rules would hit more on the workload the cache sees now,
+run each on a miniature of it: the units (runs of ``unit_tokens`` at a fixed position,
+identified by a fingerprint of their first tokens and that position) whose fingerprint
+falls below a threshold form a sample of rate ``R`` of every unit the cache sees, and a
+cache of ``R`` times the device's capacity, fed only the sampled units, has about the hit
+ratio of the whole cache under the same rule (spatial sampling: a unit is in or out of the
+sample whatever request uses it, so its reuse pattern is kept whole). Each rule gets its
+own miniature, the same accesses, and its hits are its measured hit ratio, not a guess
+from the one cache that exists.
+
+A miniature knows requests only by where they start: an access at position 0 begins a
+new request, and after a request's first sampled miss its later units count as misses
+(they would be past the end of its cached prefix) though they are cached, as the request
+caches them.
+
+Each rule here is its tree version reduced to units: :class:`ShadowLRU` evicts the least
+recently used unit; :class:`ShadowLearned` the lowest estimated reuse rate
+``(uses + prior_uses) / (age + prior_ticks)`` (the formula and parameters of
+:mod:`hicache.learned_eviction`, its history of evicted units included). Costs: O(1) per
+sampled access for LRU, O(use classes) per sampled miss for the learned rule; units out of
+the sample cost one fingerprint each.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hicache.learned_eviction import LearnedPolicyParams
+
+
+class ShadowLRU:
+    """A cache of ``capacity_units`` units, least recently used out first."""
+
+    def __init__(self, capacity_units: int) -> None:
+        if capacity_units < 1:
+            raise ValueError(f"capacity_units must be >= 1, got {capacity_units}")
+        self.capacity_units = capacity_units
+        self.evictions = 0
+        self._units: OrderedDict[int, None] = OrderedDict()
+
+    def access(self, unit: int, now: int) -> bool:
+        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after."""
+        units = self._units
+        if unit in units:
+            units.move_to_end(unit)
+            return True
+        units[unit] = None
+        if len(units) > self.capacity_units:
+            units.popitem(last=False)
+            self.evictions += 1
+        return False
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+
+class ShadowLearned:
+    """A cache of ``capacity_units`` units under the learned rule (module docstring).
+
+    Among units with the same uses, the lowest rate is the oldest: the units are kept in
+    one recency list per use count (counts from ``use_classes - 1`` up share the last
+    list), and a victim is the lowest-rate head of those lists, an exact minimum over
+    every unit where the tree's rule ranks a random sample, at O(use_classes) per
+    eviction."""
+
+    def __init__(
+        self,
+        capacity_units: int,
+        history_units: int,
+        use_classes: int,
+        params: LearnedPolicyParams,
+    ) -> None:
+        if min(capacity_units, history_units, use_classes) < 1:
+            raise ValueError("capacity_units, history_units and use_classes must be >= 1")
+        self.capacity_units = capacity_units
+        self.evictions = 0
+        self._history_units = history_units
+        self._top_class = use_classes - 1
+        self._params = params
+        self._state: dict[int, list[int]] = {}  # unit -> [uses, stamp]
+        self._by_uses: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(use_classes)]
+        self._history: OrderedDict[int, int] = OrderedDict()  # evicted unit -> its uses
+        self._turnover_ticks = 0.0
+
+    def access(self, unit: int, now: int) -> bool:
+        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after."""
+        top, by_uses = self._top_class, self._by_uses
+        st = self._state.get(unit)
+        if st is not None:
+            uses = st[0]
+            st[0] = uses + 1
+            st[1] = now
+            if uses < top:
+                del by_uses[uses][unit]
+                by_uses[uses + 1][unit] = None
+            else:  # already in the last list: to its end
+                by_uses[top].move_to_end(unit)
+            return True
+        uses = self._history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
+        self._state[unit] = [uses, now]
+        by_uses[min(uses, top)][unit] = None
+        if len(self._state) > self.capacity_units:
+            self._evict(now)
+        return False
+
+    def _prior_ticks(self) -> float:
+        if not self.evictions:
+            return self._params.initial_prior_ticks
+        return max(1.0, self._params.prior_turnovers * self._turnover_ticks)
+
+    def _evict(self, now: int) -> None:
+        state = self._state
+        prior, prior_uses = self._prior_ticks(), self._params.prior_uses
+        victims, best = None, None  # the list whose head goes
+        for units in self._by_uses:
+            if not units:
+                continue
+            uses, stamp = state[next(iter(units))]
+            if stamp == now:  # the whole list is the request being served (tree: locked)
+                continue
+            rate = (uses + prior_uses) / (now - stamp + prior)
+            if best is None or rate < best:
+                victims, best = units, rate
+        if victims is None:  # every unit is the current request's: the oldest goes
+            victims = next(units for units in self._by_uses if units)
+        victim, _ = victims.popitem(last=False)
+        uses, stamp = state.pop(victim)
+        history = self._history
+        history[victim] = uses
+        if len(history) > self._history_units:
+            history.popitem(last=False)
+        self.evictions += 1
+        weight = 1.0 / min(self.evictions, self._params.turnover_window_evictions)
+        self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
+
+    def __len__(self) -> int:
+        return len(self._state)
