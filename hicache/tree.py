@@ -56,6 +56,13 @@ class RadixTree:
         self.free_order = sorted(self.components, key=lambda c: c.priority)
         self.leaf_policy = leaf_policy
         leaf_policy.attach(self.page_size)
+        # the policy's hit hook, or None where it keeps the base class's no-op (a match
+        # then skips calling it once per node)
+        self._policy_on_hit = (
+            leaf_policy.on_hit
+            if type(leaf_policy).on_hit is not LeafEvictionPolicy.on_hit
+            else None
+        )
         # Eviction may cut a leaf and keep its head, unless a component's state lives only
         # at a node's end (Mamba), without which the head could not end a match.
         self.cut_tails = all(c.head_survives_cut for c in self.components)
@@ -120,7 +127,7 @@ class RadixTree:
         step = self.page_bytes
         n = len(view)
         while pos < n:
-            child = node.children.get(bytes(view[pos : pos + step]))
+            child = node.children.get(view[pos : pos + step].tobytes())
             if child is None:
                 break
             ck = child.key
@@ -343,19 +350,27 @@ class RadixTree:
             else:
                 self.aux_lru[comp.idx].insert_by_access(cd)
 
-    def touch(self, nodes: Sequence[TreeNode]) -> None:
-        """Mark ``nodes`` (root to leaf order) as just used."""
+    def touch(self, nodes: Sequence[TreeNode], hit: bool = False) -> None:
+        """Mark ``nodes`` (root to leaf order) as just used; with ``hit`` a match used
+        them: their hit counts grow and the leaf policy's ``on_hit`` hears of each."""
         self.clock += 1
         now = self.clock
         aux = self._aux_lru_items
+        policy_touch = self.leaf_policy.touch
         for node in nodes:
             node.last_access = now
+            if hit:
+                node.hit_count += 1
             for idx, lru in aux:
                 cd = node.data[idx]
                 if cd.in_lru:
                     lru.touch(cd)
             if node.in_policy:
-                self.leaf_policy.touch(node)
+                policy_touch(node)
+        if hit and self._policy_on_hit is not None:
+            on_hit = self._policy_on_hit
+            for node in nodes:
+                on_hit(node)
 
     # -- locks ---------------------------------------------------------------------------
 
