@@ -92,7 +92,6 @@ class PageAllocator:
         # A stack of free page ids: pops come from the end, pushes go to the end.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -219,11 +218,15 @@ class PageAllocator:
             return False
         if ps == 1 or slots.size == 0:
             return True
-        rows = slots.reshape(-1, ps)
-        first = rows[:, :1]
-        # Each row must equal its page's slots: the page's first slot (the row's first,
-        # rounded down to the page) plus 0..ps-1. One comparison pass.
-        return bool((rows == first - first % ps + self._page_offsets).all())
+        # Each page's first slot is page-aligned and every step inside a page is +1, in
+        # 1-D passes: a (pages, page_size) comparison runs NumPy's inner loop once per
+        # page, about twice the time at 1,024 slots and page 16.
+        if (slots[::ps] % ps).any():
+            return False
+        steps_of_one = (slots[1:] - slots[:-1]) == 1
+        # the steps across page boundaries (positions ps-1, 2ps-1, ...) may be anything
+        inside = np.count_nonzero(steps_of_one) - np.count_nonzero(steps_of_one[ps - 1 :: ps])
+        return inside == slots.size - slots.size // ps
 
 
 class KVPool(PageAllocator):
