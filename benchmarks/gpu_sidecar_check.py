@@ -76,8 +76,8 @@ def make_pools(device: str, pages: int):
     cfg = CacheConfig(
         page_size=PAGE,
         sliding_window=4 * PAGE,
-        full_slots=(2 * pages + 8) * PAGE,
-        mamba_slots=2 * pages + 4,
+        full_slots=(3 * pages + 8) * PAGE,
+        mamba_slots=3 * pages + 4,
         device=device,
     )
     return DevicePools.allocate(layout(), cfg)
@@ -185,6 +185,24 @@ def role_engine(args: argparse.Namespace) -> int:
     result["load"] = bool(pin is not None and client.load(dst_refs, pin, 60))
     torch.cuda.synchronize()
     result["equal"] = same_bytes(pools, src, dst)
+    # copied here, from the sidecar's shared host pages (controller/host_share.py)
+    result["engine_copied"] = client.counters["load_engine_copied"]
+    # the same pages copied by the sidecar, for a client that maps nothing
+    plain = SidecarController(
+        args.endpoint,
+        "gpu-engine-sidecar-copies",
+        SidecarClientConfig(connect_timeout_s=60, engine_copies=False),
+    )
+    plain.register(pools.layout, PAGE, pools)
+    refs2, dst2 = retarget(pools, refs, args.pages)
+    pin2 = plain.pin([r.key for r in refs2], 120)
+    result["sidecar_copied_load"] = bool(pin2 is not None and plain.load(refs2, pin2, 60))
+    torch.cuda.synchronize()
+    result["sidecar_copied_equal"] = same_bytes(pools, src, dst2)
+    result["sidecar_copied_by_engine"] = plain.counters["load_engine_copied"]
+    if pin2 is not None:
+        plain.unpin(pin2)
+    plain.close()
     # Throughput: the same load, repeated, timed from this process.
     seconds = []
     for _ in range(args.repeat):
@@ -326,8 +344,14 @@ def run_checks(pages: int = 64, repeat: int = 5) -> list[dict[str, Any]]:
         else:
             res = json.loads(out.read_text())
             ok = res["registered"] and res["backup"] and res["load"] and all(res["equal"].values())
+            ok = ok and res["engine_copied"] >= 1 and res["sidecar_copied_by_engine"] == 0
+            ok = ok and res["sidecar_copied_load"] and all(res["sidecar_copied_equal"].values())
             rows.append(
-                {"name": "IPC register + backup + load, bytes equal", "ok": ok, "detail": res}
+                {
+                    "name": "IPC register + backup + load (engine and sidecar copies), bytes equal",
+                    "ok": ok,
+                    "detail": res,
+                }
             )
 
         # 2a. stale handles: exported by a process that has exited.

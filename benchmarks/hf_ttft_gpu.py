@@ -240,15 +240,28 @@ def loadback_table(
         import cProfile
 
         profiler = cProfile.Profile()
+    # The default client: it copies load-backs of host pages itself from the sidecar's
+    # shared host pages (controller/host_share.py).
     remote = client(side.endpoint, "loadback")
-    # The same sidecar through a client that sleeps while it waits (reply_spin_s = 0).
-    sleeper = client(side.endpoint, "loadback-sleeping", reply_spin_s=0.0)
-    controllers = (("in_process", local), ("sidecar", remote), ("sidecar_sleeping", sleeper))
+    # The same sidecar copying them itself (engine_copies=False), the client spinning for
+    # the reply, and one that sleeps while it waits (reply_spin_s = 0).
+    copier = client(side.endpoint, "loadback-sidecar-copies", engine_copies=False)
+    sleeper = client(side.endpoint, "loadback-sleeping", reply_spin_s=0.0, engine_copies=False)
+    controllers = (
+        ("in_process", local),
+        ("sidecar", remote),
+        ("sidecar_copies", copier),
+        ("sidecar_sleeping", sleeper),
+    )
     rows = []
     try:
         local.register(layout, page, pools)
-        remote.register(layout, page, pools)
-        sleeper.register(layout, page, pools)
+        for ctl in (remote, copier, sleeper):
+            ctl.register(layout, page, pools)
+        assert remote._share is not None, "the default client maps the shared host pages"
+        share_open = {"host_pool_bytes": remote._share.pool.resident_bytes,
+                      "map_and_register_s": round(remote._share.open_s, 3)}  # fmt: skip
+        print(json.dumps({"pass": label, "host_share_open": share_open}), flush=True)
         src = pools.alloc_kv_pages(max_pages)
         dst = pools.alloc_kv_pages(max_pages)
         hashes = page_hashes(np.arange(max_pages * page), fp, page)
@@ -303,6 +316,9 @@ def loadback_table(
             for k, ms in cold.items():
                 row[f"{k}_first_ms"] = round(ms, 3)
             row["sidecar_vs_in_process"] = round(times["in_process"] / times["sidecar"], 3)
+            row["sidecar_copies_vs_in_process"] = round(
+                times["in_process"] / times["sidecar_copies"], 3
+            )
             row["sleeping_vs_in_process"] = round(
                 times["in_process"] / times["sidecar_sleeping"], 3
             )
@@ -318,6 +334,7 @@ def loadback_table(
         one = [refs[0].page_hash]
         floor = cuda_ms(lambda: remote.lookup(one, [ComponentType.FULL]), repeat=20)
         fixed = {"pass": label, "loadback_bytes_equal": equal, "sidecar_rpc_floor_us": floor * 1e3}
+        fixed["host_share_open"] = share_open
         if TRACE_DIR is not None:  # many one-page loads, each stage timed on both sides
             fixed["windows"] = {}
             for name, ctl in controllers:
@@ -337,8 +354,8 @@ def loadback_table(
         print(json.dumps(fixed), flush=True)
     finally:
         sys.setswitchinterval(previous)
-        sleeper.close()
-        remote.close()
+        for ctl in (sleeper, copier, remote):
+            ctl.close()
         local.close()
         side.stop()
         pools.close()
@@ -548,6 +565,11 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
                 row["pinned_memcpy_ms"] + row["ttft_device_hit_ms"]
             )
             row["host_speedup_vs_no_hit"] = row["ttft_no_hit_ms"] / row["ttft_host_hit_ms"]
+            share = made[0][1]._inner._share  # the sidecar's host pages mapped here
+            row["host_share_open_s"] = None if share is None else round(share.open_s, 3)
+            row["host_loads_engine_copied"] = sum(
+                c._inner.counters["load_engine_copied"] for _, c in made
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
         # disk hits: restart the sidecar (host tier empty), a fresh engine, every length again

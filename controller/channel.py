@@ -80,6 +80,9 @@ class SidecarClientConfig:
     # (docs/protocol.md, "A load that pins its own pages"): for a client whose pins are
     # always followed by a load of those pages from this same client.
     pin_at_load: bool = False
+    # Map the sidecar's shared host pages (an ipc:// sidecar whose host_shared is on) and
+    # copy load-backs of pages on host here (controller/host_share.py).
+    engine_copies: bool = True
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tcp_token_file: str | Path | None = None
     curve_server_public_key_file: str | Path | None = None

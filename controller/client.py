@@ -40,6 +40,7 @@ from hicache.controller.channel import (
     SidecarUnavailable,
     result_of,
 )
+from hicache.controller.host_share import HostShare
 from hicache.controller.protocol import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     ErrorCode,
@@ -48,17 +49,21 @@ from hicache.controller.protocol import (
     default_endpoint,
     normalize_endpoint,
 )
-from hicache.controller.sidecar_transfer import RemoteTransfer
+from hicache.controller.sidecar_transfer import (
+    LOAD_PINS,
+    RemoteTransfer,
+    current_stream,
+    sidecar_load,
+)
 from hicache.controller.verb_specs import (
     BackupArgs,
     HelloArgs,
     KeysArgs,
-    LoadArgs,
     LookupArgs,
     NoArgs,
     PinArgs,
-    PinIdArgs,
     RegisterArgs,
+    UnpinArgs,
 )
 from hicache.controller.wire_fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
 from hicache.controller_api import (
@@ -87,13 +92,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("hicache.sidecar.client")
-LOAD_PINS = 0  # the pin id of a pin left to the load (pin_at_load); the sidecar's start at 1
-
-
-def _current_stream(device: Any) -> Any:
-    import torch
-
-    return torch.cuda.current_stream(device)
 
 
 class SidecarController:
@@ -119,6 +117,8 @@ class SidecarController:
         # only looks up and pins (attach), which never registers memory.
         self._registration: tuple[ModelLayout, int, dict[str, Any] | Callable | None] | None = None
         self._device: Any = None
+        self._pools: DevicePools | None = None
+        self._share: HostShare | None = None  # the sidecar's host pages, mapped here
         self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
@@ -210,6 +210,12 @@ class SidecarController:
             register = RegisterArgs(page_size, desc["device"], desc["buffers"])
             if ch.call(Verb.REGISTER, register, t).fenced:
                 self._fenced_generation = ch.generation
+        self._share = None  # the pages of an earlier session's sidecar are not this one's
+        if desc is not None and self.config.engine_copies:
+            share = HostShare.for_session(
+                self.endpoint, layout, page_size, self._pools, ch.generation
+            )
+            self._share = share
         with self._state_lock:
             self._open = False
             self._failures = 0
@@ -276,7 +282,7 @@ class SidecarController:
         from hicache.controller.device_share import export_pools
 
         self._registration = (layout, page_size, export_pools(pools))
-        self._device = pools.full.buffer.device
+        self._device, self._pools = pools.full.buffer.device, pools
         self._start_session()
 
     def register_described(
@@ -364,7 +370,7 @@ class SidecarController:
                 ready_handle, keep_alive = export_ready_event(device)
             except Exception as exc:  # no IPC events here: finish the engine's work first
                 log.debug("interprocess event unavailable (%s); synchronizing", exc)
-                (ready_event or _current_stream(device)).synchronize()
+                (ready_event or current_stream(device)).synchronize()
         timeout = self.config.backup_timeout_s
         try:
             rid = self._channel.send(Verb.BACKUP, BackupArgs(refs, ready_handle), timeout)
@@ -392,69 +398,47 @@ class SidecarController:
             deadline = time.monotonic() + ttl_s
             return PinReceipt(LOAD_PINS, list(keys), deadline, generation=self._channel.generation)
         try:
-            res = self._call(
-                Verb.PIN, PinArgs(list(keys), float(ttl_s)), self.config.request_timeout_s, True
-            )
+            args = PinArgs(list(keys), float(ttl_s), True if self._share else None)
+            res = self._call(Verb.PIN, args, self.config.request_timeout_s, True)
         except ControllerError as exc:
             log.debug("pin failed: %s", exc)
             return None
         if res.pin_id is None:
             return None
         deadline = time.monotonic() + (ttl_s if res.ttl_s is None else res.ttl_s)
-        return PinReceipt(res.pin_id, list(keys), deadline, generation=self._channel.generation)
+        pages = None if res.host_pages is None else np.frombuffer(res.host_pages, np.int32)
+        return PinReceipt(
+            res.pin_id,
+            list(keys),
+            deadline,
+            generation=self._channel.generation,
+            host_pages=None if pages is None else pages.tolist(),
+        )
 
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult:
-        """``ok`` when the sidecar copied every page. When no answer came in time, the copy
-        may still run: the result is then a failure whose ``pending`` handle is done once
-        it can no longer write (the reply, or a newer session)."""
+        """``ok`` when every page was copied: here, from the sidecar's shared host pages,
+        or by the sidecar (``sidecar_transfer.sidecar_load``: without an answer in time,
+        a failure whose ``pending`` handle is done once the copy can no longer write)."""
         if pin.generation != self._channel.generation:
             return LoadResult.FAILED  # pinned on a session that is gone
         if self._open:
             self.counters["load_skipped"] += 1
             return LoadResult.FAILED
-        device = self._cuda_device()
-        if device is not None:
-            # Work the engine queued on these slots (their previous owner's) must finish
-            # before the sidecar overwrites them; a load blocks the engine anyway.
-            _current_stream(device).synchronize()
-        ch = self._channel
-        timeout = timeout_s + self.config.load_timeout_margin_s
-        if pin.pin_id == LOAD_PINS:  # the load pins its pages for what is left of the TTL
-            ttl = pin.deadline - time.monotonic()
-            if ttl <= 0:
-                return LoadResult.FAILED  # expired, as a pin would have
-            args = LoadArgs(list(refs), float(timeout_s), pin_ttl_s=max(ttl, 0.001))
-        else:
-            args = LoadArgs(list(refs), float(timeout_s), pin_id=pin.pin_id)
-        try:
-            rid = ch.send(Verb.LOAD, args, timeout)
-        except SidecarUnavailable as exc:  # never sent: nothing can run
-            self._failed(exc)
-            log.warning("load-back through the sidecar failed: %s", exc)
-            return LoadResult.FAILED
-        generation, deadline = ch.generation, time.monotonic() + timeout
-        try:
-            res = ch.wait(rid, timeout, forget=False, spin_s=self.config.reply_spin_s)
-        except RemoteError as exc:
-            self._call_failed(exc)
-            log.warning("load-back through the sidecar failed: %s", exc)
-            return LoadResult.FAILED
-        except SidecarUnavailable:
-            # No answer in time: the sidecar may still be copying into these slots.
-            self.counters["load_abandoned"] += 1
-            log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
-            pending = RemoteTransfer(self, rid, generation, 0.0, deadline)
-            pending.done()  # past its deadline: opens the breaker for a new session
-            return LoadResult(False, pending)
-        self._succeeded()
-        return LoadResult.LOADED if res.ok else LoadResult.FAILED
+        share = self._share  # pages all on host: copied here (host_share.py)
+        copied = None if share is None else share.try_load(refs, pin)
+        if copied is not None:
+            self.counters["load_engine_copied"] += 1
+            return LoadResult.LOADED if copied else LoadResult.FAILED
+        return sidecar_load(self, refs, pin, timeout_s)
 
     def unpin(self, pin: PinReceipt) -> None:
         """Release ``pin``, not waiting for the answer (docs/protocol.md: a lost unpin
         only lets the pin lapse at its deadline; later requests see it released)."""
         if pin.generation != self._channel.generation or self._open or pin.pin_id == LOAD_PINS:
             return  # released with its session, or a load's own pin (released by the load)
-        args, timeout = PinIdArgs(pin.pin_id), self.config.request_timeout_s
+        share = self._share
+        loaded_s = None if share is None else share.loaded_s(pin)
+        args, timeout = UnpinArgs(pin.pin_id, loaded_s), self.config.request_timeout_s
         try:
             self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
         except SidecarUnavailable as exc:

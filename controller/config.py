@@ -82,6 +82,10 @@ class ControllerConfig:
     host_weight_swa: float = 1.0
     host_weight_mamba: float = 0.25
     host_pinning: HostPinning = HostPinning.AUTO
+    # Host pages in memory the sidecar's engines map read-only, so that an engine copies
+    # a load-back of pages on host itself (controller/host_share.py). The sidecar turns
+    # it on; an in-process controller has no one to share with.
+    host_shared: bool = False
     # A host page that served a load-back is evicted as if it had been used this many
     # host-tier lifetimes later (0: plain LRU). See controller/page_index.py.
     host_hit_retention_turnovers: float = 1.0

@@ -13,6 +13,11 @@ ZeroMQ naming the **tickets** the sidecar answered: ``{"kind": "memfd", "ticket"
 * A ticket is redeemed once, only by a registration from the process that sent the
   descriptor (the kernel's pid on both sockets), and expires after ``TICKET_TTL_S``
   unredeemed (its descriptor is closed).
+
+The other way, an engine asks for the sidecar's **host pages** (``b"H"``, no
+descriptor): the reply is a 4-byte big-endian length, a msgpack map that describes them
+(controller/host_share.py) and their memfd descriptors, which the engine maps read-only
+to copy its load-backs itself. A sidecar whose pages are not shared answers a length of 0.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -70,11 +76,50 @@ def send_fds(
     return [reply[i : i + TICKET_BYTES] for i in range(0, want, TICKET_BYTES)]
 
 
-class FdInbox:
-    """The sidecar's end: accepts descriptors, keeps them under tickets until redeemed."""
+def receive_fds(
+    path: str | os.PathLike, timeout_s: float = CONNECT_TIMEOUT_S
+) -> tuple[bytes, list[int]]:
+    """The sidecar's host-page description and descriptors (the caller owns and closes
+    them); ``(b"", [])`` when it shares none. Raises OSError when the sidecar is not there
+    or answers short."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(os.fspath(path))
+        sock.sendall(b"H")
+        space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        data, ancillary, flags, _ = sock.recvmsg(1 << 16, space)
+        fds: list[int] = []
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", raw[: len(raw) - len(raw) % 4]))
+        try:
+            if flags & socket.MSG_CTRUNC or len(data) < 4:
+                raise OSError("the sidecar's host-page reply was cut short")
+            want = 4 + int.from_bytes(data[:4], "big")
+            while len(data) < want:
+                chunk = sock.recv(want - len(data))
+                if not chunk:
+                    raise OSError("the sidecar closed the descriptor socket mid-reply")
+                data += chunk
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+    return data[4:want], fds
 
-    def __init__(self, path: Path) -> None:
+
+# What the sidecar answers a request for its host pages: (description, descriptors) or
+# None when its pages are not shared.
+HostShareSource = Callable[[], "tuple[bytes, list[int]] | None"]
+
+
+class FdInbox:
+    """The sidecar's end: accepts descriptors, keeps them under tickets until redeemed,
+    and hands out its host pages' descriptors (``host_share``)."""
+
+    def __init__(self, path: Path, host_share: HostShareSource | None = None) -> None:
         self.path = path
+        self.host_share = host_share
         self._lock = threading.Lock()
         self._held: dict[bytes, tuple[int, int, float]] = {}  # ticket -> (fd, pid, since)
         self._closed = False
@@ -115,7 +160,10 @@ class FdInbox:
             log.warning("descriptor socket: refused pid %d of uid %d (not this user)", pid, uid)
             return
         space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-        _msg, ancillary, flags, _ = conn.recvmsg(1, space)
+        msg, ancillary, flags, _ = conn.recvmsg(1, space)
+        if msg == b"H" and not ancillary:
+            self._send_host_share(conn)
+            return
         fds: list[int] = []
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -132,6 +180,22 @@ class FdInbox:
             for ticket, fd in zip(tickets, fds):
                 self._held[ticket] = (fd, pid, now)
         conn.sendall(b"".join(tickets))
+
+    def _send_host_share(self, conn: socket.socket) -> None:
+        try:
+            share = None if self.host_share is None else self.host_share()
+        except Exception as exc:  # never the inbox's end: this engine loads through ZeroMQ
+            log.error("describing the shared host pages failed: %s", exc)
+            share = None
+        if share is None:
+            conn.sendall((0).to_bytes(4, "big"))
+            return
+        header, fds = share
+        payload = len(header).to_bytes(4, "big") + header
+        rights = array.array("i", fds).tobytes()
+        sent = conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        if sent < len(payload):
+            conn.sendall(payload[sent:])
 
     def _expire(self, now: float) -> None:
         with self._lock:
@@ -152,7 +216,11 @@ class FdInbox:
         return held[0]
 
     def map_descriptor(
-        self, ticket: object, peer: PeerCredentials, dtype: torch.dtype, shape: list[int],
+        self,
+        ticket: object,
+        peer: PeerCredentials,
+        dtype: torch.dtype,
+        shape: list[int],
         offset: object,
     ) -> tuple[torch.Tensor, mmap.mmap]:
         """The memory under ``ticket`` as a ``dtype`` tensor of ``shape`` from byte

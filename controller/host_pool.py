@@ -19,8 +19,12 @@ budget; ``resident_bytes`` counts it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import mmap
+import os
+import weakref
 
 import numpy as np
 import torch
@@ -38,20 +42,67 @@ FRAME_BYTES = 128
 
 def _allocate_bytes(num_pages: int, page_bytes: int, pinning: HostPinning) -> torch.Tensor:
     """``[num_pages, page_bytes]`` uint8, pinned as the policy asks (AUTO falls back)."""
-    want_pin = pinning is HostPinning.PINNED or (
-        pinning is HostPinning.AUTO and torch.cuda.is_available()
-    )
-    if want_pin:
+    if _wants_pin(pinning):
         try:
             return torch.empty((num_pages, page_bytes), dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
-            if pinning is HostPinning.PINNED:
-                raise ConfigError(
-                    f"could not pin {num_pages * page_bytes} bytes of host memory ({exc}); "
-                    "raise the memlock limit (ulimit -l) or set host_pinning='auto'"
-                ) from exc
-            log.warning("host pool: pinning failed (%s); using pageable memory", exc)
+            _pin_failed(pinning, num_pages * page_bytes, exc)
     return torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+
+
+def _wants_pin(pinning: HostPinning) -> bool:
+    return pinning is HostPinning.PINNED or (
+        pinning is HostPinning.AUTO and torch.cuda.is_available()
+    )
+
+
+def _pin_failed(pinning: HostPinning, nbytes: int, exc: Exception) -> None:
+    """Raise for a pool that must be pinned; warn for one that may fall back."""
+    if pinning is HostPinning.PINNED:
+        raise ConfigError(
+            f"could not pin {nbytes} bytes of host memory ({exc}); "
+            "raise the memlock limit (ulimit -l) or set host_pinning='auto'"
+        ) from exc
+    log.warning("host pool: pinning failed (%s); using pageable memory", exc)
+
+
+class SharedPages:
+    """Host pages in a ``memfd`` that the sidecar's engines map to copy from themselves
+    (controller/host_share.py): the descriptor, its mapping and, on CUDA, the
+    registration that makes it pinned. Released with the pool (the mapping goes once no
+    tensor uses it)."""
+
+    def __init__(self, name: str, num_pages: int, page_bytes: int, pinning: HostPinning):
+        nbytes = max(num_pages * page_bytes, 1)
+        self.fd = os.memfd_create(f"hicache-host-{name}", os.MFD_CLOEXEC)
+        self.nbytes = nbytes
+        try:
+            os.ftruncate(self.fd, nbytes)
+            mapping = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        # Through NumPy, whose array holds an export of the mapping while a tensor lives.
+        raw = np.frombuffer(mapping, dtype=np.uint8, count=num_pages * page_bytes)
+        self.buffer = torch.from_numpy(raw).view(num_pages, page_bytes)
+        self.registered = False
+        if num_pages and _wants_pin(pinning):
+            rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+            if int(rc) == 0:
+                self.registered = True
+            else:
+                _pin_failed(pinning, nbytes, RuntimeError(f"cudaHostRegister returned {rc}"))
+        self._release = weakref.finalize(
+            self, _release_shared, self.fd, self.buffer.data_ptr() if self.registered else None
+        )
+
+
+def _release_shared(fd: int, registered_ptr: int | None) -> None:
+    if registered_ptr is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(registered_ptr)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class HostComponentPool:
@@ -70,12 +121,29 @@ class HostComponentPool:
         page_size: int,
         num_pages: int,
         pinning: HostPinning,
+        shared: bool = False,
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """``shared``: the pages live in a memfd (``self.shared``) that engines may map;
+        ``buffer``: pages another process allocated, mapped here (``[num_pages,
+        row_bytes]`` uint8), instead of new memory."""
         self.component = component
         self.page_bytes = layout.page_bytes(component, page_size)
         self.num_pages = num_pages
-        self.row_bytes = FRAME_BYTES + -(-self.page_bytes // FRAME_BYTES) * FRAME_BYTES
-        self.buffer = _allocate_bytes(num_pages, self.row_bytes, pinning)
+        self.row_bytes = row_bytes(self.page_bytes)
+        self.shared: SharedPages | None = None
+        if buffer is not None:
+            if tuple(buffer.shape) != (num_pages, self.row_bytes) or buffer.dtype != torch.uint8:
+                raise ConfigError(
+                    f"host {component.name} pages: a buffer of {tuple(buffer.shape)} "
+                    f"{buffer.dtype}, not ({num_pages}, {self.row_bytes}) uint8"
+                )
+            self.buffer = buffer
+        elif shared:
+            self.shared = SharedPages(component.name.lower(), num_pages, self.row_bytes, pinning)
+            self.buffer = self.shared.buffer
+        else:
+            self.buffer = _allocate_bytes(num_pages, self.row_bytes, pinning)
         self.pinned = bool(self.buffer.is_pinned()) if num_pages else False
         # The same bytes as numpy rows: LMDB reads and writes go through these.
         self.rows: np.ndarray = self.buffer.numpy()
@@ -166,6 +234,11 @@ class HostComponentPool:
         assert in_use == owned, f"host {self.component.name}: in-use flags disagree with owners"
 
 
+def row_bytes(page_bytes: int) -> int:
+    """Bytes of one host page with its frame: a multiple of ``FRAME_BYTES``."""
+    return FRAME_BYTES + -(-page_bytes // FRAME_BYTES) * FRAME_BYTES
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = []
     acc = 1
@@ -196,12 +269,29 @@ def host_page_counts(
 class HostPool:
     """Host pages of every component of one layout."""
 
-    def __init__(self, layout: ModelLayout, page_size: int, config: ControllerConfig) -> None:
+    def __init__(
+        self,
+        layout: ModelLayout,
+        page_size: int,
+        config: ControllerConfig | None,
+        mapped: dict[ComponentType, torch.Tensor] | None = None,
+    ) -> None:
+        """New pages sized by ``config`` (in a memfd with ``config.host_shared``), or
+        (``mapped``, ``config`` None) views over pages another process holds, one
+        ``[pages, row_bytes]`` buffer per component."""
         self.layout = layout
         self.page_size = page_size
+        if mapped is not None:
+            self.components = {
+                c: HostComponentPool(
+                    c, layout, page_size, b.shape[0], HostPinning.PAGEABLE, buffer=b
+                )
+                for c, b in mapped.items()
+            }
+            return
         counts = host_page_counts(layout, page_size, config)
         self.components: dict[ComponentType, HostComponentPool] = {
-            c: HostComponentPool(c, layout, page_size, n, config.host_pinning)
+            c: HostComponentPool(c, layout, page_size, n, config.host_pinning, config.host_shared)
             for c, n in counts.items()
         }
 

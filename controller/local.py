@@ -288,13 +288,23 @@ class LocalController:
         self.counters.inc("pins", "pinned")
         return PinReceipt(rec.pin_id, list(keys), rec.deadline, engine_id=engine_id)
 
-    def unpin(self, pin: PinReceipt, engine_id: str = DEFAULT_ENGINE) -> None:
-        """Release a pin; harmless when released already or expired."""
+    def unpin(
+        self, pin: PinReceipt, engine_id: str = DEFAULT_ENGINE, loaded_s: float | None = None
+    ) -> None:
+        """Release a pin; harmless when released already or expired. ``loaded_s``: the
+        engine copied the pinned pages itself from shared host pages, in that long."""
         with self._store.lock:
             rec = self._store.pins.get(pin.pin_id)
             if rec is not None and rec.engine_id != engine_id:
                 raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
+            if rec is not None and loaded_s is not None:
+                self._copies.served_directly_locked(rec.entries, loaded_s)
             self._store.pins.release(pin.pin_id)
+
+    def pinned_host_pages(self, pin: PinReceipt, keys: Sequence[PageKey]) -> np.ndarray | None:
+        """The host page of each of ``keys`` under ``pin`` (-1: not ready on host), for an
+        engine that copies from shared host pages; None when they are not shared."""
+        return self._copies.pinned_host_pages(pin.pin_id, keys)
 
     def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
         """Start reading disk-only (and remote-hinted) pages into host pages; the handle

@@ -15,13 +15,21 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hicache.controller.config import ControllerConfig
 from hicache.controller.counters import Counters, Failure
 from hicache.controller.fills import FillTracker, QueuedBackup
 from hicache.controller.page_index import DiskState, HostState, PageEntry
 from hicache.controller.page_store import PageStore
 from hicache.controller.transfer import EngineBuffers, TransferEngine
-from hicache.controller_api import CompletedTransfer, ControllerError, PageRef, TransferHandle
+from hicache.controller_api import (
+    CompletedTransfer,
+    ControllerError,
+    PageKey,
+    PageRef,
+    TransferHandle,
+)
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
 
@@ -221,6 +229,37 @@ class PageCopies:
                         return False
                     fills.append(fut)
         return (entries, fills)
+
+    def pinned_host_pages(self, pin_id: int, keys: Sequence[PageKey]) -> np.ndarray | None:
+        """See LocalController.pinned_host_pages."""
+        store = self._store
+        if any(p.shared is None for p in store.host.components.values()):
+            return None
+        out = np.full(len(keys), -1, dtype=np.int32)
+        with store.lock:
+            rec = store.pins.get(pin_id)
+            if rec is None:
+                return out
+            for i, k in enumerate(keys):
+                skey = k.page_hash + _TAG[k.component]
+                e = store.index.get(skey) if skey in rec.skeys else None
+                if e is not None and e.host_state is HostState.READY:
+                    out[i] = e.host_page
+        return out
+
+    def served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
+        """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
+        transfer and keep the pages as any page that served a load-back."""
+        store, nbytes = self._store, 0
+        for e in entries:
+            if e.host_state is HostState.READY:
+                store.index.served(e)
+                if store.remote is not None:
+                    store.remote.on_served_locked(e)
+                nbytes += store.host[e.component].page_bytes
+        self.counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
+        self.counters.inc("load", "ok")
+        self.counters.inc("load", "engine_copied")
 
     def to_device(
         self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from hicache.controller import host_share
 from hicache.controller.fair_lane import FairLane
 from hicache.controller.fd_pass import FdInbox, fd_socket_path
 from hicache.controller.inline_loads import InlineLoads
@@ -198,7 +199,10 @@ class SidecarServer:
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(self._reply_addr)
         self.endpoints.append(self._bind_ipc())
-        self.verbs.fd_inbox = FdInbox(fd_socket_path(self.config.socket))
+        ctl = self.verbs.ctl
+        self.verbs.fd_inbox = FdInbox(
+            fd_socket_path(self.config.socket), host_share=lambda: host_share.describe(ctl)
+        )
         if self.config.tcp_endpoint:
             self.endpoints.append(self._bind_tcp())
         log.info("listening on %s", ", ".join(self.endpoints))

@@ -187,6 +187,7 @@ def load_settings(
         else:
             table = _tomllib().loads(text)
         layout = _layout_from(table, str(layout_file))
+    ctl.setdefault("host_shared", True)  # the engines copy their load-backs themselves
     return ServeSettings(SidecarConfig(**side), ControllerConfig(**ctl), layout)
 
 

@@ -3,7 +3,9 @@ outcome is known, and when its copy can no longer touch the pages."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from hicache.controller.channel import (
@@ -13,6 +15,18 @@ from hicache.controller.channel import (
     SidecarUnavailable,
     result_of,
 )
+from hicache.controller.protocol import Verb
+from hicache.controller.verb_specs import LoadArgs
+from hicache.controller_api import LoadResult, PageRef, PinReceipt
+
+log = logging.getLogger("hicache.sidecar.client")
+LOAD_PINS = 0  # the pin id of a pin left to the load (pin_at_load); the sidecar's start at 1
+
+
+def current_stream(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.current_stream(device)
 
 
 class TransferClient(Protocol):
@@ -111,3 +125,48 @@ class RemoteTransfer:
                 self._client._channel._drain(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
         self.done()  # the deadline may have passed in the last slice
         return bool(self._ok)
+
+
+def sidecar_load(
+    client: Any, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float
+) -> LoadResult:
+    """A load-back the sidecar copies into ``client``'s (a SidecarController's) pages:
+    ``ok`` when it copied every page. When no answer came in time, the copy may still run:
+    the result is then a failure whose ``pending`` handle is done once it can no longer
+    write (the reply, or a newer session)."""
+    device = client._cuda_device()
+    if device is not None:
+        # Work the engine queued on these slots (their previous owner's) must finish
+        # before the sidecar overwrites them; a load blocks the engine anyway.
+        current_stream(device).synchronize()
+    ch = client._channel
+    timeout = timeout_s + client.config.load_timeout_margin_s
+    if pin.pin_id == LOAD_PINS:  # the load pins its pages for what is left of the TTL
+        ttl = pin.deadline - time.monotonic()
+        if ttl <= 0:
+            return LoadResult.FAILED  # expired, as a pin would have
+        args = LoadArgs(list(refs), float(timeout_s), pin_ttl_s=max(ttl, 0.001))
+    else:
+        args = LoadArgs(list(refs), float(timeout_s), pin_id=pin.pin_id)
+    try:
+        rid = ch.send(Verb.LOAD, args, timeout)
+    except SidecarUnavailable as exc:  # never sent: nothing can run
+        client._failed(exc)
+        log.warning("load-back through the sidecar failed: %s", exc)
+        return LoadResult.FAILED
+    generation, deadline = ch.generation, time.monotonic() + timeout
+    try:
+        res = ch.wait(rid, timeout, forget=False, spin_s=client.config.reply_spin_s)
+    except RemoteError as exc:
+        client._call_failed(exc)
+        log.warning("load-back through the sidecar failed: %s", exc)
+        return LoadResult.FAILED
+    except SidecarUnavailable:
+        # No answer in time: the sidecar may still be copying into these slots.
+        client.counters["load_abandoned"] += 1
+        log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
+        pending = RemoteTransfer(client, rid, generation, 0.0, deadline)
+        pending.done()  # past its deadline: opens the breaker for a new session
+        return LoadResult(False, pending)
+    client._succeeded()
+    return LoadResult.LOADED if res.ok else LoadResult.FAILED

@@ -59,6 +59,7 @@ from hicache.controller.verb_specs import (
     PinReply,
     RegisterArgs,
     RegisterReply,
+    UnpinArgs,
 )
 from hicache.controller.wire_fields import WORK_CHUNK_PAGES, bad_args, split_hashes
 from hicache.controller_api import PinReceipt
@@ -231,10 +232,13 @@ class VerbHandlers:
         receipt = self.ctl.pin(a.keys, a.ttl_s, engine_id=call.conn.engine_id)
         if receipt is None:
             return PinReply(None)
-        return PinReply(receipt.pin_id, receipt.deadline - time.monotonic())
+        ttl = receipt.deadline - time.monotonic()
+        pages = self.ctl.pinned_host_pages(receipt, a.keys) if a.host_pages else None
+        return PinReply(receipt.pin_id, ttl, None if pages is None else pages.tobytes())
 
-    def unpin(self, call: Call, a: PinIdArgs) -> Empty:
-        self.ctl.unpin(PinReceipt(a.pin_id, [], 0.0), engine_id=call.conn.engine_id)
+    def unpin(self, call: Call, a: UnpinArgs) -> Empty:
+        pin = PinReceipt(a.pin_id, [], 0.0)
+        self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s)
         return Empty()
 
     def stats(self, call: Call, a: NoArgs) -> dict[str, Any]:

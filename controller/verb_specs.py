@@ -105,6 +105,8 @@ class BackupArgs:
 class PinArgs:
     keys: list[PageKey] = wire(Keys(MAX_PIN_KEYS, yield_to_io))
     ttl_s: float = wire(Float(0.001, MAX_PIN_TTL_S))
+    # The engine maps the shared host pages: answer each key's host page (host_share.py).
+    host_pages: bool | None = wire(Bool(), optional=True)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,13 @@ class LoadArgs:
 @dataclass(frozen=True)
 class PinIdArgs:
     pin_id: int = wire(Int())
+
+
+@dataclass(frozen=True)
+class UnpinArgs:
+    pin_id: int = wire(Int())
+    # The engine copied the pinned pages from the shared host pages, in this many seconds.
+    loaded_s: float | None = wire(Float(0.0, MAX_LOAD_TIMEOUT_S), optional=True)
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,8 @@ class OkReply:
 class PinReply:
     pin_id: int | None = wire(Nullable(Int()))  # nil: a page was absent, nothing pinned
     ttl_s: float | None = wire(Float(0.0, float("inf")), optional=True)
+    # Asked for (PinArgs.host_pages) and shared: int32 per key, -1 for a page not on host.
+    host_pages: bytes | None = wire(Bin(), optional=True)
 
 
 @dataclass(frozen=True)
@@ -300,7 +311,7 @@ SPECS: dict[Verb, VerbSpec] = {
             needs_registration=True,
             pages_column="refs",
         ),
-        _spec(Verb.UNPIN, PinIdArgs, Empty, Runs.IO, ENGINE),
+        _spec(Verb.UNPIN, UnpinArgs, Empty, Runs.IO, ENGINE),
         _spec(Verb.PREFETCH, KeysArgs, OkReply, Runs.WORKER, ENGINE),
         _spec(Verb.STATS, NoArgs, OPEN, Runs.IO, BOTH),
         _spec(Verb.BYE, NoArgs, Empty, Runs.IO, BOTH),

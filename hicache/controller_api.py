@@ -79,7 +79,9 @@ class PinReceipt:
 
     ``engine_id``: the engine that holds the pin (a shared controller's); ``generation``:
     the sidecar session it was made on (a sidecar client's: a pin of a session that is
-    gone is released already, and is neither loaded from nor unpinned).
+    gone is released already, and is neither loaded from nor unpinned); ``host_pages``:
+    the host page of each key (-1: not on host), when the client maps the sidecar's host
+    pages and copies from them itself (controller/host_share.py).
     """
 
     pin_id: int
@@ -87,6 +89,7 @@ class PinReceipt:
     deadline: float
     engine_id: str | None = None
     generation: int | None = None
+    host_pages: list[int] | None = None
 
 
 class TransferHandle(Protocol):

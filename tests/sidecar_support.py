@@ -369,3 +369,46 @@ if __name__ == "__main__":
     p.add_argument("--client-config", default="{}")
     a = p.parse_args()
     _serve_engine(a.endpoint, a.engine_id, a.mix, json.loads(a.client_config))
+
+
+class FullPages:
+    """FULL pages of shared-memory device pools, for tests that back pages up and load
+    them into other slots through a controller: random contents, fresh destinations and
+    a byte comparison. (torch and the library are imported on first use.)"""
+
+    def __init__(self, pools: Any, layout: Any, page_size: int) -> None:
+        self.pools, self.layout, self.page_size = pools, layout, page_size
+
+    def chain(self, n: int = 4, seed: int = 5) -> list:
+        import numpy as np
+        import torch
+
+        from hicache.controller_api import PageRef
+        from hicache.keys import namespace_hash, page_hashes
+        from hicache.types import ComponentType
+
+        fp = self.layout.fingerprint(self.page_size)
+        hashes = page_hashes(np.arange(n * self.page_size) + seed, fp, self.page_size)
+        parents = [namespace_hash(fp, None), *hashes[:-1]]
+        pages = self.pools.alloc_kv_pages(n)
+        slots = torch.from_numpy(self.pools.full.pages_to_slots(pages))
+        buf = self.pools.full.buffer
+        buf[:, :, slots] = torch.randn(buf[:, :, slots].shape)
+        full = ComponentType.FULL
+        return [PageRef(full, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)]
+
+    def retarget(self, refs: list) -> list:
+        """The same pages, to be loaded into fresh device pages."""
+        from dataclasses import replace
+
+        dst = self.pools.alloc_kv_pages(len(refs))
+        return [replace(r, device_index=int(d)) for r, d in zip(refs, dst)]
+
+    def same_bytes(self, a: list, b: list) -> bool:
+        import numpy as np
+        import torch
+
+        full = self.pools.full
+        sa = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in a])))
+        sb = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in b])))
+        return torch.equal(full.buffer[:, :, sa], full.buffer[:, :, sb])

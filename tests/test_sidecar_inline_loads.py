@@ -8,11 +8,9 @@ from __future__ import annotations
 import shutil
 import threading
 
-import numpy as np
 import pytest
-import torch
 from cache_support import make_layout
-from sidecar_support import short_tmpdir, wait_for
+from sidecar_support import FullPages, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import SidecarClientConfig, SidecarController
@@ -21,8 +19,7 @@ from hicache.controller.local import LocalController
 from hicache.controller.protocol import Verb
 from hicache.controller.server import SidecarServer
 from hicache.controller.sidecar_config import SidecarConfig
-from hicache.controller_api import PageRef, Presence
-from hicache.keys import namespace_hash, page_hashes
+from hicache.controller_api import Presence
 from hicache.types import ComponentType
 
 PAGE = 4
@@ -56,28 +53,11 @@ class Setup:
         self.layout = make_layout("full")
         pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
         self.pools = DevicePools.allocate(self.layout, pools_cfg)
+        self.pages = FullPages(self.pools, self.layout, PAGE)
+        self.chain, self.retarget = self.pages.chain, self.pages.retarget
+        self.same_bytes = self.pages.same_bytes
         self.client = SidecarController("ipc://" + str(workdir / "s.sock"), "engine", CLIENT)
         self.client.register(self.layout, PAGE, self.pools)
-
-    def chain(self, n: int = 4) -> list[PageRef]:
-        fp = self.layout.fingerprint(PAGE)
-        hashes = page_hashes(np.arange(n * PAGE) + 5, fp, PAGE)
-        parents = [namespace_hash(fp, None), *hashes[:-1]]
-        pages = self.pools.alloc_kv_pages(n)
-        slots = torch.from_numpy(self.pools.full.pages_to_slots(pages))
-        buf = self.pools.full.buffer
-        buf[:, :, slots] = torch.randn(buf[:, :, slots].shape)
-        return [PageRef(FULL, h, p, int(d)) for h, p, d in zip(hashes, parents, pages)]
-
-    def retarget(self, refs: list[PageRef]) -> list[PageRef]:
-        dst = self.pools.alloc_kv_pages(len(refs))
-        return [PageRef(FULL, r.page_hash, r.parent_hash, int(d)) for r, d in zip(refs, dst)]
-
-    def same_bytes(self, a: list[PageRef], b: list[PageRef]) -> bool:
-        full = self.pools.full
-        sa = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in a])))
-        sb = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in b])))
-        return torch.equal(full.buffer[:, :, sa], full.buffer[:, :, sb])
 
     def close(self) -> None:
         self.client.close()

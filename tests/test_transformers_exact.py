@@ -77,8 +77,11 @@ def assert_same(result, reference: list) -> None:
         assert torch.equal(got, want), (got - want).abs().max().item()
 
 
-def ctl_config(disk: Path) -> ControllerConfig:
-    return ControllerConfig(host_pool_bytes=8 << 20, disk_path=disk, disk_budget_bytes=64 << 20)
+def ctl_config(disk: Path, host_shared: bool = False) -> ControllerConfig:
+    return ControllerConfig(
+        host_pool_bytes=8 << 20, disk_path=disk, disk_budget_bytes=64 << 20,
+        host_shared=host_shared,
+    )  # fmt: skip
 
 
 class ThreadSidecar:
@@ -90,7 +93,9 @@ class ThreadSidecar:
         self.endpoint = "ipc://" + str(workdir / "s.sock")
 
     def start(self) -> ThreadSidecar:
-        self.controller = LocalController(ctl_config(self.workdir / "lmdb"))
+        # Shared host pages, as `hicache serve` has them: host hits are copied by the
+        # engine, disk hits by the sidecar (controller/host_share.py).
+        self.controller = LocalController(ctl_config(self.workdir / "lmdb", host_shared=True))
         cfg = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0)
         self.server = SidecarServer(self.controller, cfg)
         self.server.bind()
@@ -192,6 +197,7 @@ def test_restored_prefix_is_bit_identical_through_the_sidecar(family):
 
     try:
         _tier_walk(family, start, settle, restart)
+        assert sum(c.counters["load_engine_copied"] for _, c in engines) >= 1, "a host hit"
     finally:
         for lm, client in engines:
             client.close()

@@ -1,0 +1,229 @@
+"""Load-backs the engine copies itself from the sidecar's shared host pages
+(controller/host_share.py): the right bytes with no load request, the sidecar told of
+them at the unpin, every case the engine cannot copy (a page on disk only, a pin about
+to lapse, a sidecar that shares nothing) loaded by the sidecar as before, and a restarted
+sidecar's new pages mapped again."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import msgpack
+import pytest
+from cache_support import make_layout
+from sidecar_support import FullPages, short_tmpdir, wait_for
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller import host_share
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.config import ControllerConfig
+from hicache.controller.local import LocalController
+from hicache.controller.protocol import Verb
+from hicache.controller.server import SidecarServer
+from hicache.controller.sidecar_config import SidecarConfig
+from hicache.types import ComponentType, Tier
+
+PAGE = 4
+FULL = ComponentType.FULL
+CLIENT = SidecarClientConfig(
+    request_timeout_s=10.0, lookup_timeout_s=10.0, reconnect_interval_s=0.1
+)
+
+
+class Sidecar:
+    """A sidecar server in a thread whose load requests are counted."""
+
+    def __init__(self, workdir, shared: bool = True) -> None:
+        cfg = ControllerConfig(
+            host_pool_bytes=4 << 20,
+            disk_path=workdir / "lmdb",
+            disk_budget_bytes=32 << 20,
+            host_shared=shared,
+        )
+        self.controller = LocalController(cfg)
+        self.server = SidecarServer(
+            self.controller, SidecarConfig(socket_path=workdir / "s.sock", metrics_port=0)
+        )
+        self.server.bind()
+        self.load_requests = 0
+        handlers = self.server.verbs.handlers
+        on_worker = handlers[Verb.LOAD]
+
+        def counted(call, args):
+            self.load_requests += 1
+            return on_worker(call, args)
+
+        handlers[Verb.LOAD] = counted
+        inline = self.server._inline
+        real_start = inline.start
+
+        def counted_inline(*a, **kw):
+            started = real_start(*a, **kw)
+            self.load_requests += int(started)
+            return started
+
+        inline.start = counted_inline
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+
+    def counter(self, *key: str) -> float:
+        return self.controller.counters._values.get(key, 0)
+
+    def stop(self) -> None:
+        self.server.request_stop()
+        self.thread.join(60)
+        self.controller.close()
+
+
+class Engine:
+    def __init__(self, workdir, config: SidecarClientConfig = CLIENT) -> None:
+        self.layout = make_layout("full")
+        pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
+        self.pools = DevicePools.allocate(self.layout, pools_cfg)
+        self.pages = FullPages(self.pools, self.layout, PAGE)
+        self.chain, self.retarget = self.pages.chain, self.pages.retarget
+        self.same_bytes = self.pages.same_bytes
+        self.client = SidecarController("ipc://" + str(workdir / "s.sock"), "engine", config)
+        self.client.register(self.layout, PAGE, self.pools)
+
+    def close(self) -> None:
+        self.client.close()
+        self.pools.close()
+
+
+@pytest.fixture
+def workdir():
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def pair(workdir):
+    side = Sidecar(workdir)
+    engine = Engine(workdir)
+    yield side, engine
+    engine.close()
+    side.stop()
+
+
+def test_a_load_of_pages_on_host_is_copied_by_the_engine_with_the_right_bytes(pair):
+    side, engine = pair
+    assert engine.client._share is not None, "the engine mapped the shared host pages"
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    dst = engine.retarget(src)
+    pin = engine.client.pin([r.key for r in dst], 30)
+    assert pin is not None and all(p >= 0 for p in pin.host_pages)
+    assert engine.client.load(dst, pin, 10)
+    assert engine.same_bytes(src, dst)
+    assert side.load_requests == 0, "no load request reached the sidecar"
+    assert engine.client.counters["load_engine_copied"] == 1
+    engine.client.unpin(pin)
+    # The unpin tells the sidecar: it counts the load and the pages' bytes.
+    wait_for(lambda: side.counter("load", "engine_copied") == 1, 10, "the unpin told of the load")
+    page_bytes = engine.layout.page_bytes(FULL, PAGE)
+    assert side.counter("transfer", "host_to_device", "pages") == len(src)
+    assert side.counter("transfer", "host_to_device", "bytes") == len(src) * page_bytes
+    assert side.controller.stats()["pins_active"] == 0
+    side.controller.check_invariants()
+
+
+def test_a_page_only_on_disk_is_loaded_by_the_sidecar(pair):
+    side, engine = pair
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    assert side.controller.flush(10)
+    side.controller.evict(Tier.HOST, 1 << 30, FULL)  # now on disk only
+    dst = engine.retarget(src)
+    pin = engine.client.pin([r.key for r in dst], 30)
+    assert pin is not None and all(p == -1 for p in pin.host_pages)
+    assert engine.client.load(dst, pin, 10)
+    assert engine.same_bytes(src, dst)
+    assert side.load_requests == 1 and engine.client.counters["load_engine_copied"] == 0
+    engine.client.unpin(pin)
+    side.controller.check_invariants()
+
+
+def test_a_pin_close_to_its_deadline_is_loaded_by_the_sidecar(pair):
+    side, engine = pair
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    dst = engine.retarget(src)
+    pin = engine.client.pin([r.key for r in dst], host_share.TTL_MARGIN_S / 2 + 5)
+    pin.deadline -= 5  # as if the engine had waited: under the margin now
+    assert engine.client.load(dst, pin, 10)
+    assert engine.same_bytes(src, dst)
+    assert side.load_requests == 1 and engine.client.counters["load_engine_copied"] == 0
+    engine.client.unpin(pin)
+    side.controller.check_invariants()
+
+
+def test_a_sidecar_that_shares_nothing_and_a_client_that_asks_nothing_load_as_before(workdir):
+    side = Sidecar(workdir, shared=False)
+    plain = Engine(workdir)
+    own = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, engine_copies=False)
+    try:
+        assert plain.client._share is None
+        src = plain.chain()
+        assert plain.client.backup(src).wait(10)
+        dst = plain.retarget(src)
+        pin = plain.client.pin([r.key for r in dst], 30)
+        assert pin.host_pages is None
+        assert plain.client.load(dst, pin, 10) and plain.same_bytes(src, dst)
+        assert side.load_requests == 1
+        plain.client.unpin(pin)
+    finally:
+        plain.close()
+        side.stop()
+    side = Sidecar(workdir, shared=True)
+    other = Engine(workdir, own)
+    try:
+        assert other.client._share is None  # engine_copies=False: it never maps them
+    finally:
+        other.close()
+        side.stop()
+
+
+def test_a_restarted_sidecars_pages_are_mapped_again(workdir):
+    side = Sidecar(workdir)
+    engine = Engine(workdir)
+    try:
+        first = engine.client._share
+        side.stop()
+        side = Sidecar(workdir)
+        src = engine.chain(seed=50)
+        # The client notices the restart, reconnects, registers and maps the new pages.
+        wait_for(lambda: engine.client.backup(src).wait(10), 20, "a backup to the new sidecar")
+        share = engine.client._share
+        assert share is not None and share is not first
+        assert share.generation == engine.client._channel.generation
+        dst = engine.retarget(src)
+        pin = engine.client.pin([r.key for r in dst], 30)
+        assert engine.client.load(dst, pin, 10) and engine.same_bytes(src, dst)
+        assert side.load_requests == 0 and engine.client.counters["load_engine_copied"] == 1
+        engine.client.unpin(pin)
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
+
+
+def test_a_description_that_does_not_fit_the_layout_is_refused(pair):
+    side, engine = pair
+    header, fds = host_share.describe(side.controller)  # the sidecar's own descriptors
+    layout = engine.layout
+    assert set(host_share._map(header, fds, layout, PAGE)) == {FULL}
+    desc = msgpack.unpackb(header)
+    wrong_rows = dict(desc, components=[dict(desc["components"][0], row_bytes=128)])
+    wrong_layout = dict(desc, fingerprint=b"\0" * 16)
+    too_many = dict(desc, components=[dict(desc["components"][0], pages=1 << 30)])
+    for bad, says in (
+        (wrong_rows, "bytes, not this layout's"),
+        (wrong_layout, "another layout's"),
+        (dict(desc, version=99), "another version"),
+        (too_many, "smaller than"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            host_share._map(msgpack.packb(bad), fds, layout, PAGE)
