@@ -182,10 +182,13 @@ class UnifiedRadixCache:
     ) -> tuple[TreeNode, list[TreeNode]]:
         """The deepest end on the device every component accepts: (last node, its path)."""
         dev = len(path)
-        for i, node in enumerate(path):
-            if node.base.value is None:
-                dev = i
-                break
+        # A node on the device has its parent there too: one look at the path's end
+        # says whether the whole path is on the device.
+        if path and path[-1].base.value is None:
+            for i, node in enumerate(path):
+                if node.base.value is None:
+                    dev = i
+                    break
         cand = path[:dev] if dev < len(path) else path
         partial_end = None
         if partial is not None and dev == len(path) and partial.base.value is not None:

@@ -371,12 +371,13 @@ class RadixTree:
             node.last_access = now
             if hit:
                 node.hit_count += 1
-            for idx, lru in aux:
+            if node.in_policy:
+                policy_touch(node)
+        for idx, lru in aux:
+            for node in nodes:
                 cd = node.data[idx]
                 if cd.in_lru:
                     lru.touch(cd)
-            if node.in_policy:
-                policy_touch(node)
         if hit and self._policy_on_hit is not None:
             on_hit = self._policy_on_hit
             for node in nodes:
