@@ -19,6 +19,7 @@ Usage: ``.venv-vllm/bin/python benchmarks/bench_vllm_staging.py [--blocks 64] [-
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 import time
@@ -28,6 +29,22 @@ import torch
 
 PAGE_BYTES = 16 * 8 * 128 * 2 * 2  # one layer's block: 16 tokens of K and V
 WARM_ROUNDS = 4
+
+
+def sidecar_report(socket: Path) -> str:
+    """The sidecar's failure counters and tiers, for a run that went wrong."""
+    from hicache.controller.admin_cli import AdminClient
+    from hicache.controller.protocol import Verb
+
+    admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
+    try:
+        stats = admin.call(Verb.STATS)
+    except Exception as exc:
+        return f"no stats: {exc}"
+    finally:
+        admin.close()
+    keep = ("counters", "failures", "host", "disk", "pins_active")
+    return json.dumps({k: v for k, v in stats.items() if k in keep}, default=str)[:6000]
 
 
 def empty_host_pool(socket: Path, pool_bytes: int, timeout_s: float = 120.0) -> None:
@@ -165,6 +182,9 @@ def main() -> None:
             best["memcpy"] = min(best["memcpy"], baseline())
         restored = all(torch.equal(t[1 : n + 1], t[n + 1 :]) for t in tensors)
         assert restored, "a load did not restore the bytes"
+    except BaseException:
+        print(sidecar_report(socket), "\n", sidecar.log_tail(), flush=True)
+        raise
     finally:
         worker.shutdown()
         sidecar.stop()

@@ -68,6 +68,10 @@ class SidecarClientConfig:
     lookup_timeout_s: float = 0.25
     backup_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
+    # A registration may wait for the sidecar to build its tiers at the first one (its host
+    # pool allocated and page-locked: about 1.4 s per 4 GiB on an H200 host), so it is
+    # given at least this long.
+    register_timeout_s: float = 120.0
     load_timeout_margin_s: float = 1.0  # added to a load's own timeout for the round trip
     breaker_failures: int = 3
     reconnect_interval_s: float = 1.0
@@ -94,6 +98,7 @@ class SidecarClientConfig:
             "lookup_timeout_s",
             "backup_timeout_s",
             "connect_timeout_s",
+            "register_timeout_s",
             "reconnect_interval_s",
         ):
             if not getattr(self, name) > 0:

@@ -208,7 +208,7 @@ class SidecarController:
             self._heartbeat_s = welcome.heartbeat_interval_s
         if desc is not None:
             register = RegisterArgs(page_size, desc["device"], desc["buffers"])
-            if ch.call(Verb.REGISTER, register, t).fenced:
+            if ch.call(Verb.REGISTER, register, max(t, self.config.register_timeout_s)).fenced:
                 self._fenced_generation = ch.generation
         self._share = None  # the pages of an earlier session's sidecar are not this one's
         if desc is not None and self.config.engine_copies:
