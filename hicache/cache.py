@@ -136,23 +136,29 @@ class UnifiedRadixCache:
         tree = self.tree
         arr = token_array(tokens)
         n = arr.size - arr.size % self.page_size
-        key = walk_key(arr if n == arr.size else arr[:n])
         # With a controller, a namespace this tree has not seen may still hit beyond it.
-        root = tree.namespace_root(extra_key, create=self.controller is not None and n > 0)
-        self.counters["match_calls"] += 1
+        root = tree.roots.get(extra_key)
+        if root is None and self.controller is not None and n > 0:
+            root = tree.namespace_root(extra_key, create=True)
+        counters = self.counters
+        counters["match_calls"] += 1
         if root is None or n == 0:
             result = MatchResult(_EMPTY, 0, root or self._null_root)
         else:
+            key = walk_key(arr if n == arr.size else arr[:n])
             path, partial, k = tree.walk(root, key)
             last_node, prefix_nodes = self._device_match(root, path, partial, k)
-            slots = tree.device_slots(prefix_nodes)
-            if len(prefix_nodes) == 1:
-                slots = slots.copy()  # never hand out a node's own array
+            if prefix_nodes:
+                slots = tree.device_slots(prefix_nodes)
+                if len(prefix_nodes) == 1:
+                    slots = slots.copy()  # never hand out a node's own array
+                tree.touch(prefix_nodes, hit=True)
+                if self.backups is not None:
+                    self.backups.on_prefix_hit(prefix_nodes)
+            else:
+                slots = _EMPTY
             end = last_node.end
             result = MatchResult(slots, end, last_node)
-            if prefix_nodes:
-                tree.touch(prefix_nodes)
-                self._on_prefix_hit(prefix_nodes)
             if self.beyond is not None and end < n:
                 rest = tree.walk(last_node, key, end * TOKEN_BYTES)
                 hit = self.beyond.find(Walk(last_node, bytes(key), *rest))
@@ -162,11 +168,11 @@ class UnifiedRadixCache:
                 result.load_node = hit.load_node
             if not root.children:
                 tree.roots.pop(extra_key, None)
-        self.counters["device_hit_tokens"] += result.prefix_len
+        counters["device_hit_tokens"] += result.prefix_len
         if result.host_hit_len or result.disk_hit_len or result.remote_hit_len:
-            self.counters["host_hit_tokens"] += result.host_hit_len
-            self.counters["disk_hit_tokens"] += result.disk_hit_len
-            self.counters["remote_hit_tokens"] += result.remote_hit_len
+            counters["host_hit_tokens"] += result.host_hit_len
+            counters["disk_hit_tokens"] += result.disk_hit_len
+            counters["remote_hit_tokens"] += result.remote_hit_len
         if req is not None:
             self._attach(req, result, arr)
         return result
@@ -176,10 +182,13 @@ class UnifiedRadixCache:
     ) -> tuple[TreeNode, list[TreeNode]]:
         """The deepest end on the device every component accepts: (last node, its path)."""
         dev = len(path)
-        for i, node in enumerate(path):
-            if node.base.value is None:
-                dev = i
-                break
+        # A node on the device has its parent there too: one look at the path's end
+        # says whether the whole path is on the device.
+        if path and path[-1].base.value is None:
+            for i, node in enumerate(path):
+                if node.base.value is None:
+                    dev = i
+                    break
         cand = path[:dev] if dev < len(path) else path
         partial_end = None
         if partial is not None and dev == len(path) and partial.base.value is not None:
@@ -197,15 +206,6 @@ class UnifiedRadixCache:
                     cand[i] = self.tree.split(cand[i], end - cand[i].start)
                 return cand[i], cand[: i + 1]
         return root, []
-
-    def _on_prefix_hit(self, nodes: list[TreeNode]) -> None:
-        """Count hits (the leaf policy and selective write-through learn from them)."""
-        on_hit = self.tree.leaf_policy.on_hit
-        for node in nodes:
-            node.hit_count += 1
-            on_hit(node)
-        if self.backups is not None:
-            self.backups.on_prefix_hit(nodes)
 
     def _attach(self, req: Request, result: MatchResult, tokens: np.ndarray) -> None:
         """Give ``req`` the matched device prefix: lock, slots, and what each component

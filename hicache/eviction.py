@@ -65,10 +65,11 @@ class LeafEvictionPolicy(ABC):
         """``node``, as ``pop`` named it or its tail that ``tail_tokens`` chose, is leaving
         the device now."""
 
-    def insert_end(self, key: bytes, start: int, end: int) -> int:
+    def insert_end(self, key: bytes | memoryview, start: int, end: int) -> int:
         """Where a node the tree is about to create for ``key``'s tokens ``[start, end)``
-        should end (a page boundary within it; the rest becomes the next node). A policy
-        that keeps state per node may cut where that state differs; LRU does not cut."""
+        should end (a page boundary within it; the rest becomes the next node); ``key`` is
+        token bytes, or a byte view of them for a long insert. A policy that keeps state
+        per node may cut where that state differs; LRU does not cut."""
         return end
 
 

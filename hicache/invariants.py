@@ -36,6 +36,10 @@ def check_tree(tree: RadixTree) -> None:
         full = node.base
         if full.value is not None:
             assert parent.on_device, f"{node}: on device below a node that is not"
+            # what RadixTree.device_slots joins byte for byte
+            assert full.value.dtype == np.int64 and full.value.flags.c_contiguous, (
+                f"{node}: FULL slots not C-contiguous int64"
+            )
         assert full.lock_ref >= max((c.base.lock_ref for c in node.children.values()), default=0), (
             f"{node}: FULL lock smaller than a child's"
         )

@@ -47,7 +47,9 @@ VIEW_MIN_KEY_BYTES = 16 << 10
 def token_view(arr: np.ndarray) -> memoryview:
     """The key bytes of ``arr`` (a :func:`token_array`) as a byte view, copied only when
     ``arr`` is not contiguous: what a tree walk reads without building the key."""
-    return memoryview(np.ascontiguousarray(arr).view(np.uint8))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return memoryview(arr).cast("B")
 
 
 def walk_key(arr: np.ndarray) -> bytes | memoryview:

@@ -213,7 +213,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
     def _fingerprint(self, node: TreeNode, offset_tokens: int = 0) -> int:
         return self._fingerprint_at(node.key, offset_tokens, node.start + offset_tokens)
 
-    def _fingerprint_at(self, key: bytes, offset_tokens: int, position: int) -> int:
+    def _fingerprint_at(self, key: bytes | memoryview, offset_tokens: int, position: int) -> int:
         """Of the tokens of ``key`` from ``offset_tokens``, which sit at ``position``."""
         off = offset_tokens * _TOKEN_BYTES
         return xxhash.xxh3_64_intdigest(key[off : off + self._fp_bytes], seed=position)
@@ -234,7 +234,7 @@ class LearnedLeafPolicy(LeafEvictionPolicy):
             offset = end - node.start
         return first
 
-    def insert_end(self, key: bytes, start: int, end: int) -> int:
+    def insert_end(self, key: bytes | memoryview, start: int, end: int) -> int:
         """End a new node where the evicted leaf remembered at ``start`` ended, so each
         returning leaf gets back its own uses and the blocks after it start from none."""
         if not len(self._history):

@@ -92,7 +92,7 @@ class PageAllocator:
         # A stack of free page ids: pops come from the end, pushes go to the end.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._ones = b""  # int64 ones, as many as the longest whole-page check needed
 
     # -- queries -------------------------------------------------------------------------
 
@@ -219,11 +219,16 @@ class PageAllocator:
             return False
         if ps == 1 or slots.size == 0:
             return True
-        rows = slots.reshape(-1, ps)
-        first = rows[:, :1]
-        # Each row must equal its page's slots: the page's first slot (the row's first,
-        # rounded down to the page) plus 0..ps-1. One comparison pass.
-        return bool((rows == first - first % ps + self._page_offsets).all())
+        # Each page's first slot is page-aligned and every step inside a page is +1. In
+        # 1-D passes and one memcmp: a (pages, page_size) comparison runs NumPy's inner
+        # loop once per page (~7 µs for 64 pages of 16 here, against ~3 µs).
+        if np.count_nonzero(slots[::ps] % ps):
+            return False
+        steps = slots[1:] - slots[:-1]
+        steps[ps - 1 :: ps] = 1  # the steps across page boundaries may be anything
+        if len(self._ones) < steps.nbytes:
+            self._ones = np.ones(max(steps.size, 2 * len(self._ones) // 8), np.int64).tobytes()
+        return self._ones.startswith(steps)  # every step +1
 
 
 class KVPool(PageAllocator):

@@ -26,6 +26,7 @@ from hicache.node import TreeNode
 from hicache.records import LockReceipt
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_SLOT_DTYPE = np.dtype(np.int64)
 
 
 class RadixTree:
@@ -56,6 +57,13 @@ class RadixTree:
         self.free_order = sorted(self.components, key=lambda c: c.priority)
         self.leaf_policy = leaf_policy
         leaf_policy.attach(self.page_size)
+        # the policy's hit hook, or None where it keeps the base class's no-op (a match
+        # then skips calling it once per node)
+        self._policy_on_hit = (
+            leaf_policy.on_hit
+            if type(leaf_policy).on_hit is not LeafEvictionPolicy.on_hit
+            else None
+        )
         # Eviction may cut a leaf and keep its head, unless a component's state lives only
         # at a node's end (Mamba), without which the head could not end a match.
         self.cut_tails = all(c.head_survives_cut for c in self.components)
@@ -120,7 +128,7 @@ class RadixTree:
         step = self.page_bytes
         n = len(view)
         while pos < n:
-            child = node.children.get(bytes(view[pos : pos + step]))
+            child = node.children.get(view[pos : pos + step].tobytes())
             if child is None:
                 break
             ck = child.key
@@ -133,11 +141,16 @@ class RadixTree:
             return path, child, self._common_tokens(ck, view, pos)
         return path, None, 0
 
-    def matched_tokens(self, node: TreeNode, key: bytes, pos: int) -> int:
-        """Whole-page tokens of ``node``'s key that ``key[pos:]`` (``pos`` in bytes)
-        repeats from its start; the caller found the first page equal."""
+    def matched_tokens(self, node: TreeNode, key: bytes | memoryview, pos: int) -> int:
+        """Whole-page tokens of ``node``'s key that ``key[pos:]`` (``pos`` in bytes; token
+        bytes or a byte view of them) repeats from its start; the caller found the first
+        page equal."""
         ck = node.key
-        if key.startswith(ck, pos):  # the common case, one memcmp
+        if type(key) is memoryview:
+            end = pos + len(ck)
+            if end <= len(key) and ck.startswith(key[pos:end]):  # one memcmp, no copy
+                return len(ck) // TOKEN_BYTES
+        elif key.startswith(ck, pos):  # the common case, one memcmp
             return len(ck) // TOKEN_BYTES
         return self._common_tokens(ck, key, pos)
 
@@ -255,7 +268,11 @@ class RadixTree:
             return _EMPTY
         if len(nodes) == 1:
             return nodes[0].base.value
-        return np.concatenate([n.base.value for n in nodes])
+        # One copy into a bytearray, viewed as int64: the same array np.concatenate would
+        # build, without its per-call dtype and shape resolution (~1.3 µs of the ~4 µs it
+        # takes for 8k slots in 5 nodes here). Backbone values are C-contiguous int64
+        # (check_invariants says so); a strided one would raise, not join wrongly.
+        return np.frombuffer(bytearray().join([n.base.value for n in nodes]), _SLOT_DTYPE)
 
     def end_hash(self, node: TreeNode) -> bytes:
         """The chain hash at ``node``'s end (``h_0`` for a namespace root)."""
@@ -343,19 +360,28 @@ class RadixTree:
             else:
                 self.aux_lru[comp.idx].insert_by_access(cd)
 
-    def touch(self, nodes: Sequence[TreeNode]) -> None:
-        """Mark ``nodes`` (root to leaf order) as just used."""
+    def touch(self, nodes: Sequence[TreeNode], hit: bool = False) -> None:
+        """Mark ``nodes`` (root to leaf order) as just used; with ``hit`` a match used
+        them: their hit counts grow and the leaf policy's ``on_hit`` hears of each."""
         self.clock += 1
         now = self.clock
         aux = self._aux_lru_items
+        policy_touch = self.leaf_policy.touch
         for node in nodes:
             node.last_access = now
-            for idx, lru in aux:
+            if hit:
+                node.hit_count += 1
+            if node.in_policy:
+                policy_touch(node)
+        for idx, lru in aux:
+            for node in nodes:
                 cd = node.data[idx]
                 if cd.in_lru:
                     lru.touch(cd)
-            if node.in_policy:
-                self.leaf_policy.touch(node)
+        if hit and self._policy_on_hit is not None:
+            on_hit = self._policy_on_hit
+            for node in nodes:
+                on_hit(node)
 
     # -- locks ---------------------------------------------------------------------------
 

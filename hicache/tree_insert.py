@@ -15,7 +15,7 @@ import numpy as np
 
 from hicache import pools as pools_module
 from hicache.components.base import TreeComponent
-from hicache.keys import TOKEN_BYTES
+from hicache.keys import TOKEN_BYTES, walk_key
 from hicache.node import TreeNode
 from hicache.pools import DevicePools
 from hicache.tree import RadixTree
@@ -65,7 +65,7 @@ class TreeInsert:
             for idx, value in end_values.items():
                 tree.components[idx].discard_value(value)
             return 0, []
-        key = arr.tobytes()
+        key = walk_key(arr)  # a long query is read through a view, not copied first
         aux = tree.components[1:]
         valid_from: dict[int, Any] = {}
         if aux:
@@ -78,7 +78,8 @@ class TreeInsert:
         cuts = sorted({v for v in valid_from.values() if v is not None}) if aux else ()
         node, pos, cached, touched = root, 0, 0, []
         while pos < n:
-            child = node.children.get(key[pos * TOKEN_BYTES : pos * TOKEN_BYTES + tree.page_bytes])
+            off = pos * TOKEN_BYTES
+            child = node.children.get(bytes(key[off : off + tree.page_bytes]))
             if child is None:
                 break
             m = tree.matched_tokens(child, key, pos * TOKEN_BYTES)
@@ -105,7 +106,7 @@ class TreeInsert:
         while pos < n:
             end = next((c for c in cuts if pos < c < n), n) if cuts else n
             end = tree.leaf_policy.insert_end(key, pos, end)
-            child = tree.add_child(node, key[pos * TOKEN_BYTES : end * TOKEN_BYTES])
+            child = tree.add_child(node, bytes(key[pos * TOKEN_BYTES : end * TOKEN_BYTES]))
             self._fill_node(child, slots[pos:end], valid_from)
             touched.append(child)
             node, pos = child, end

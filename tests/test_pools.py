@@ -61,6 +61,43 @@ def test_alloc_slots_is_page_granular():
     assert alloc.available_pages() == 8
 
 
+@pytest.mark.parametrize("page_size", [2, 3, 16])
+def test_check_whole_pages_agrees_with_its_definition(page_size):
+    """Each page's slots must be its own first slot (page-aligned) plus 0..page_size-1:
+    checked against that rule written out page by page, on whole pages and on pages
+    with one slot moved, two slots swapped, a shifted run, or random slots."""
+    alloc = PageAllocator(num_pages=64, page_size=page_size, name="full")
+    rng = np.random.default_rng(page_size)
+
+    def by_definition(slots):
+        if slots.size % page_size:
+            return False
+        for start in range(0, slots.size, page_size):
+            page = slots[start : start + page_size].tolist()
+            if page[0] % page_size or page != list(range(page[0], page[0] + page_size)):
+                return False
+        return True
+
+    verdicts = set()
+    for trial in range(600):
+        pages = rng.permutation(64)[: int(rng.integers(1, 6))]
+        slots = alloc.pages_to_slots(pages)
+        kind = trial % 5
+        if kind == 1:
+            slots[rng.integers(slots.size)] += int(rng.integers(1, 4)) * rng.choice([-1, 1])
+        elif kind == 2:
+            i, j = rng.choice(slots.size, size=2, replace=False)
+            slots[[i, j]] = slots[[j, i]]
+        elif kind == 3:
+            slots = slots + int(rng.integers(1, page_size))
+        elif kind == 4:
+            slots = rng.integers(0, 64 * page_size, slots.size)
+        want = by_definition(slots)
+        assert alloc.check_whole_pages(slots) == want, (slots, want)
+        verdicts.add(want)
+    assert verdicts == {True, False}
+
+
 def test_pools_for_hybrid_layout_have_the_right_shapes():
     layout = hybrid_layout()
     cfg = CacheConfig(page_size=4, sliding_window=8, full_slots=64, swa_slots=32, mamba_slots=5)

@@ -1,13 +1,16 @@
-"""The tree's fast paths give what the plain ones give: a walk over a byte view of the
-tokens against one over their key bytes, and the whole-page check of an engine's insert,
-which stays on when the pools' debug checks are off."""
+"""The tree's fast paths give what the plain ones give: a walk and an insert over a byte
+view of the tokens against ones over their key bytes, the whole-page check of an engine's
+insert, which stays on when the pools' debug checks are off, and a match's hits and slots."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import hicache.cache
+import hicache.tree_insert
 from hicache import CacheConfig, DevicePools, ModelLayout, UnifiedRadixCache, pools
+from hicache.eviction import LRULeafPolicy
 from hicache.keys import VIEW_MIN_KEY_BYTES, token_view, walk_key
 
 LONG = VIEW_MIN_KEY_BYTES // 8 + 512  # tokens: a query long enough to walk over a view
@@ -74,4 +77,80 @@ def test_an_engine_insert_of_slots_that_are_not_whole_pages_is_refused(monkeypat
         assert cache.stats().total_tokens == 0
     cache.insert(tokens, slots)
     assert cache.match_prefix(tokens).prefix_len == 8
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_insert_over_a_view_builds_the_tree_an_insert_over_the_key_builds(
+    monkeypatch, page_size
+):
+    """Long inserts walk a byte view of the tokens; the same inserts over key bytes (the
+    plain path, forced here) must leave the same nodes, slots and free pages: shared
+    prefixes, a divergence inside a node (a split), a full duplicate and a longer one."""
+    rng = np.random.default_rng(11)
+    shared = rng.integers(1, 32000, LONG)
+    prompts = [
+        np.concatenate([shared, rng.integers(1, 32000, 8 * page_size)]),
+        np.concatenate([shared[: LONG // 2], rng.integers(1, 32000, LONG // 2)]),
+        shared[: LONG - LONG % page_size],
+        np.concatenate([shared, rng.integers(1, 32000, LONG)]),
+    ]
+    prompts = [p[: p.size - p.size % page_size] for p in prompts]
+
+    def build() -> tuple[list, int, list]:
+        cache = make(page_size, 16 * LONG)
+        for tokens in prompts:
+            insert(cache, tokens)
+            cache.check_invariants()
+        nodes = sorted((n.start, n.key, n.base.value.tolist()) for n in cache.tree.iter_nodes())
+        hits = [cache.match_prefix(p).device_slots.tolist() for p in prompts]
+        return nodes, cache.pools.full.available(), hits
+
+    by_view = build()
+
+    def key_bytes(arr):
+        return arr.tobytes()
+
+    monkeypatch.setattr(hicache.tree_insert, "walk_key", key_bytes)
+    monkeypatch.setattr(hicache.cache, "walk_key", key_bytes)
+    assert build() == by_view
+
+
+def test_a_match_counts_a_hit_on_each_device_node_and_hands_out_its_own_slots():
+    """Every node of the matched device prefix gets one hit and, for a policy that
+    listens, one ``on_hit``; the slots are the nodes' slots in order, in a fresh array
+    the caller may write to without touching the tree's."""
+
+    class Listening(LRULeafPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heard: list[int] = []
+
+        def on_hit(self, node) -> None:
+            self.heard.append(node.id)
+
+    layout = ModelLayout(("full",), num_kv_heads=1, head_dim=1, dtype="float32")
+    cfg = CacheConfig(page_size=4, full_slots=256)
+    policy = Listening()
+    cache = UnifiedRadixCache(layout, cfg, DevicePools.allocate(layout, cfg), leaf_policy=policy)
+    rng = np.random.default_rng(5)
+    head = rng.integers(1, 32000, 16)
+    first = np.concatenate([head, rng.integers(1, 32000, 8)])
+    insert(cache, first)
+    insert(cache, np.concatenate([head, rng.integers(1, 32000, 8)]))  # splits at 16
+    insert(cache, np.concatenate([first, rng.integers(1, 32000, 12)]))
+    cache.check_invariants()
+    policy.heard.clear()
+    counts = {n.id: n.hit_count for n in cache.tree.iter_nodes()}
+    query = np.concatenate([first, rng.integers(1, 32000, 4)])
+    m = cache.match_prefix(query)
+    path = cache.tree.path_to_root(m.last_node)
+    assert m.prefix_len == first.size and len(path) == 2
+    assert policy.heard == [n.id for n in path]
+    hit = {n.id for n in path}
+    assert all(n.hit_count == counts[n.id] + (n.id in hit) for n in cache.tree.iter_nodes())
+    assert m.device_slots.tolist() == np.concatenate([n.base.value for n in path]).tolist()
+    before = [n.base.value.copy() for n in path]
+    m.device_slots[:] = -1
+    assert all((n.base.value == b).all() for n, b in zip(path, before))
     cache.check_invariants()
