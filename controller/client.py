@@ -425,9 +425,10 @@ class SidecarController:
             self.counters["load_skipped"] += 1
             return LoadResult.FAILED
         share = self._share  # pages all on host: copied here (host_share.py)
-        copied = None if share is None else share.try_load(refs, pin)
+        mine = share is not None and share.generation == pin.generation
+        copied = share.try_load(refs, pin) if mine else None
         if copied is not None:
-            self.counters["load_engine_copied"] += 1
+            self.counters["load_engine_copied" if copied else "load_engine_copy_failed"] += 1
             return LoadResult.LOADED if copied else LoadResult.FAILED
         return sidecar_load(self, refs, pin, timeout_s)
 

@@ -45,6 +45,7 @@ from hicache.controller.fd_pass import fd_socket_path, receive_fds
 from hicache.controller.host_pool import HostPool, row_bytes
 from hicache.controller.page_copies import check_refs
 from hicache.controller.transfer import EngineBuffers, TransferEngine
+from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
@@ -164,7 +165,11 @@ class HostShare:
         t0 = time.perf_counter()
         if self.buffers.device.type == "cuda":  # the slots' earlier work ends first
             torch.cuda.current_stream(self.buffers.device).synchronize()
-        ok = self.load(refs, pages)
+        try:
+            ok = self.load(refs, pages)
+        except ControllerError as exc:  # refs outside this engine's pools: as the sidecar
+            log.warning("load-back refused: %s", exc)  # would answer, a failed load
+            return False
         if ok:
             self._loaded[pin.pin_id] = time.perf_counter() - t0
         return ok
@@ -191,7 +196,7 @@ class HostShare:
 
     def load(self, refs: Sequence[PageRef], host_pages: list[int]) -> bool:
         """Copy ``host_pages`` into the slots of ``refs``; True once the bytes are there.
-        Raises ControllerError for refs that name no slot of this engine."""
+        Raises ControllerError for refs that name no slot of this engine (or one twice)."""
         check_refs(refs, self.buffers, self.layout)
         groups: dict[ComponentType, tuple[list[int], list[int]]] = {}
         for ref, page in zip(refs, host_pages):

@@ -6,6 +6,7 @@ sidecar's new pages mapped again."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 
@@ -227,3 +228,18 @@ def test_a_description_that_does_not_fit_the_layout_is_refused(pair):
     ):
         with pytest.raises(ValueError, match=says):
             host_share._map(msgpack.packb(bad), fds, layout, PAGE)
+
+
+def test_refs_outside_the_engines_pools_fail_the_load_as_the_sidecar_would(pair):
+    side, engine = pair
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    capacity = engine.pools.full.buffer.shape[2] // PAGE
+    bad = [dataclasses.replace(r, device_index=capacity + i) for i, r in enumerate(src)]
+    pin = engine.client.pin([r.key for r in bad], 30)
+    assert not engine.client.load(bad, pin, 10)
+    assert side.load_requests == 0 and engine.client.counters["load_engine_copy_failed"] == 1
+    engine.client.unpin(pin)  # no copy happened: nothing reported
+    wait_for(lambda: side.controller.stats()["pins_active"] == 0, 10, "the unpin")
+    assert side.counter("load", "engine_copied") == 0
+    side.controller.check_invariants()
