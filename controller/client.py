@@ -212,10 +212,9 @@ class SidecarController:
                 self._fenced_generation = ch.generation
         self._share = None  # the pages of an earlier session's sidecar are not this one's
         if desc is not None and self.config.engine_copies:
-            share = HostShare.for_session(
+            self._share = HostShare.for_session(
                 self.endpoint, layout, page_size, self._pools, ch.generation
             )
-            self._share = share
         with self._state_lock:
             self._open = False
             self._failures = 0

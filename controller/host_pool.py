@@ -77,7 +77,6 @@ class SharedPages:
     def __init__(self, name: str, num_pages: int, page_bytes: int, pinning: HostPinning):
         nbytes = max(num_pages * page_bytes, 1)
         self.fd = os.memfd_create(f"hicache-host-{name}", os.MFD_CLOEXEC)
-        self.nbytes = nbytes
         try:
             os.ftruncate(self.fd, nbytes)
             mapping = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -87,17 +86,15 @@ class SharedPages:
         # Through NumPy, whose array holds an export of the mapping while a tensor lives.
         raw = np.frombuffer(mapping, dtype=np.uint8, count=num_pages * page_bytes)
         self.buffer = torch.from_numpy(raw).view(num_pages, page_bytes)
-        self.registered = False
+        registered = None  # the address CUDA page-locked, unregistered at release
         if num_pages and _wants_pin(pinning):
             populate(self.buffer.data_ptr(), nbytes)  # else the registration does, alone
             rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
             if int(rc) == 0:
-                self.registered = True
+                registered = self.buffer.data_ptr()
             else:
                 _pin_failed(pinning, nbytes, RuntimeError(f"cudaHostRegister returned {rc}"))
-        self._release = weakref.finalize(
-            self, _release_shared, self.fd, self.buffer.data_ptr() if self.registered else None
-        )
+        self._release = weakref.finalize(self, _release_shared, self.fd, registered)
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, without touching it

@@ -35,7 +35,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from hicache.controller.local import LocalController
     from hicache.controller_api import PageRef, PinReceipt
     from hicache.layout import ModelLayout
+    from hicache.pools import DevicePools
 
 log = logging.getLogger("hicache.sidecar.host_share")
 
@@ -89,10 +90,8 @@ class HostShare:
         self.pool = pool
         self.generation = generation  # the client's session these pages belong to
         self.buffers = buffers
-        self.layout = pool.layout
         self._engine = TransferEngine(pool)
         self._registered = registered
-        self.nbytes = {c: p.page_bytes for c, p in pool.components.items()}
         self._loaded: dict[int, float] = {}  # pin id -> seconds its copy here took
         self.open_s = 0.0  # how long mapping (and page-locking) the pages took
 
@@ -146,10 +145,15 @@ class HostShare:
 
     @classmethod
     def for_session(
-        cls, endpoint: str, layout: ModelLayout, page_size: int, pools: Any, generation: int
+        cls,
+        endpoint: str,
+        layout: ModelLayout,
+        page_size: int,
+        pools: DevicePools | None,
+        generation: int,
     ) -> HostShare | None:
-        """:meth:`open` for a client of ``endpoint`` whose ``pools`` (DevicePools) are
-        registered; None for a TCP endpoint or a client without pools."""
+        """:meth:`open` for a client of ``endpoint`` whose ``pools`` are registered; None
+        for a TCP endpoint or a client without pools."""
         if pools is None or not endpoint.startswith("ipc://"):
             return None
         path = fd_socket_path(endpoint[len("ipc://") :])
@@ -197,7 +201,7 @@ class HostShare:
     def load(self, refs: Sequence[PageRef], host_pages: list[int]) -> bool:
         """Copy ``host_pages`` into the slots of ``refs``; True once the bytes are there.
         Raises ControllerError for refs that name no slot of this engine (or one twice)."""
-        check_refs(refs, self.buffers, self.layout)
+        check_refs(refs, self.buffers, self.pool.layout)
         groups: dict[ComponentType, tuple[list[int], list[int]]] = {}
         for ref, page in zip(refs, host_pages):
             if not 0 <= page < self.pool[ref.component].num_pages:
