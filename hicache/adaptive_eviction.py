@@ -51,6 +51,7 @@ class AdaptivePolicyParams:
     """Tuning of :class:`AdaptiveLeafPolicy`; units in the names."""
 
     shadow_units: int = 512  # capacity of each miniature (the sample rate follows from it)
+    max_sample_rate: float = 1.0  # the miniatures are at most this share (0.5 lost cold quarters)
     unit_tokens: int = 512  # the miniatures' unit (rounded up to whole pages)
     shadow_use_classes: int = 8  # the learned miniature ranks exactly below this many uses
     decision_window_disagreements: int = 256  # horizon of the decayed evidence
@@ -66,6 +67,8 @@ class AdaptivePolicyParams:
             raise ValueError("shadow_units, unit_tokens and shadow_use_classes must be >= 1")
         if self.decision_window_disagreements < 1 or not self.min_disagreements >= 0:
             raise ValueError("decision_window_disagreements >= 1, min_disagreements >= 0")
+        if not 0 < self.max_sample_rate <= 1:
+            raise ValueError("max_sample_rate must be within (0, 1]")
         if not (self.to_learned_z >= 0 and self.to_lru_z >= 0):
             raise ValueError("to_learned_z and to_lru_z must be >= 0")
         if not (self.min_disagreements_to_lru >= 0 and self.evidence_growth_per_return >= 1):
@@ -127,7 +130,7 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         p = self.params
         self._unit_tokens = -(-p.unit_tokens // page_size) * page_size
         device_units = max(1, self.device_tokens // self._unit_tokens)
-        rate = min(1.0, p.shadow_units / device_units)
+        rate = min(p.max_sample_rate, p.shadow_units / device_units)
         self.sample_rate = rate
         self._threshold = 0 if self.host_tier else int(rate * (1 << _FP_SAMPLE_BITS))
         capacity = max(1, round(rate * device_units))
@@ -151,23 +154,37 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         key, threshold, fingerprint_at = node.key, self._threshold, self.learned._fingerprint_at
         now = self.learned._now
         by_lru, by_learned = self.shadows
+        lru_units, learned_access = by_lru.units, by_learned.access
+        hits = self.shadow_hits
+        lru_broken, learned_broken = broken
+        sampled = 0
         for offset in range(first, node.num_tokens, unit):
             fp = fingerprint_at(key, offset, start + offset)  # the learned rule's, per unit
             if fp & _FP_SAMPLE_MASK >= threshold:
                 continue
-            self.sampled_accesses += 1
-            lru_hit = by_lru.access(fp, now) and not broken[LRU]
-            learned_hit = by_learned.access(fp, now) and not broken[LEARNED]
+            sampled += 1
+            if fp in lru_units:  # ShadowLRU.access, inlined (the cost of every sampled unit)
+                lru_units.move_to_end(fp)
+                lru_hit = not lru_broken
+            else:
+                lru_units[fp] = None
+                lru_hit = False
+            learned_hit = learned_access(fp, now) and not learned_broken
             if lru_hit:
-                self.shadow_hits[LRU] += 1
+                hits[LRU] += 1
             else:
-                broken[LRU] = True
+                lru_broken = True
             if learned_hit:
-                self.shadow_hits[LEARNED] += 1
+                hits[LEARNED] += 1
             else:
-                broken[LEARNED] = True
+                learned_broken = True
             if lru_hit != learned_hit:
                 self._weigh(learned_hit)
+        if sampled:
+            broken[LRU], broken[LEARNED] = lru_broken, learned_broken
+            self.sampled_accesses += sampled
+            by_lru.trim(now)
+            by_learned.trim(now)
 
     def _weigh(self, learned_won: bool) -> None:
         """One miniature hit where the other missed: update the evidence, maybe switch."""

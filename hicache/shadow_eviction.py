@@ -29,6 +29,9 @@ from collections import OrderedDict
 
 from hicache.learned_eviction import LearnedPolicyParams
 
+_LOCKED = 1e300  # the rate ``trim`` gives a use list whose head is the request being served
+_EMPTY = float("inf")  # and an empty one
+
 
 class ShadowLRU:
     """A cache of ``capacity_units`` units, least recently used out first."""
@@ -38,22 +41,30 @@ class ShadowLRU:
             raise ValueError(f"capacity_units must be >= 1, got {capacity_units}")
         self.capacity_units = capacity_units
         self.evictions = 0
-        self._units: OrderedDict[int, None] = OrderedDict()
+        self.units: OrderedDict[int, None] = OrderedDict()  # least recent first
 
     def access(self, unit: int, now: int) -> bool:
-        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after."""
-        units = self._units
+        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after, and
+        the cache may hold more than its capacity until the next :meth:`trim`."""
+        units = self.units
         if unit in units:
             units.move_to_end(unit)
             return True
         units[unit] = None
-        if len(units) > self.capacity_units:
-            units.popitem(last=False)
-            self.evictions += 1
         return False
 
+    def trim(self, now: int) -> None:
+        """Evict down to the capacity (at the end of each node's accesses: the units of
+        one request never evict each other, as in the tree)."""
+        units = self.units
+        excess = len(units) - self.capacity_units
+        if excess > 0:
+            self.evictions += excess
+            for _ in range(excess):
+                units.popitem(last=False)
+
     def __len__(self) -> int:
-        return len(self._units)
+        return len(self.units)
 
 
 class ShadowLearned:
@@ -85,7 +96,8 @@ class ShadowLearned:
         self._turnover_ticks = 0.0
 
     def access(self, unit: int, now: int) -> bool:
-        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after."""
+        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after (the
+        capacity is restored at the next :meth:`trim`)."""
         top, by_uses = self._top_class, self._by_uses
         st = self._state.get(unit)
         if st is not None:
@@ -101,8 +113,6 @@ class ShadowLearned:
         uses = self._history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
         self._state[unit] = [uses, now]
         by_uses[min(uses, top)][unit] = None
-        if len(self._state) > self.capacity_units:
-            self._evict(now)
         return False
 
     def _prior_ticks(self) -> float:
@@ -110,30 +120,47 @@ class ShadowLearned:
             return self._params.initial_prior_ticks
         return max(1.0, self._params.prior_turnovers * self._turnover_ticks)
 
-    def _evict(self, now: int) -> None:
+    def trim(self, now: int) -> None:
+        """Evict down to the capacity, each victim the lowest-rate head of the use lists
+        (at the end of each node's accesses). The prior is the one of the trim's start,
+        and a list whose head was used at ``now`` (the request being served: locked in the
+        tree) gives nothing unless every list is such; each eviction recomputes only the
+        rate of the list it took from."""
         state = self._state
+        excess = len(state) - self.capacity_units
+        if excess <= 0:
+            return
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
-        victims, best = None, None  # the list whose head goes
-        for units in self._by_uses:
+        lists = self._by_uses
+        rates = [_EMPTY] * len(lists)
+
+        def head_rate(units: OrderedDict[int, None]) -> float:
             if not units:
-                continue
+                return _EMPTY
             uses, stamp = state[next(iter(units))]
-            if stamp == now:  # the whole list is the request being served (tree: locked)
-                continue
-            rate = (uses + prior_uses) / (now - stamp + prior)
-            if best is None or rate < best:
-                victims, best = units, rate
-        if victims is None:  # every unit is the current request's: the oldest goes
-            victims = next(units for units in self._by_uses if units)
-        victim, _ = victims.popitem(last=False)
-        uses, stamp = state.pop(victim)
-        history = self._history
-        history[victim] = uses
-        if len(history) > self._history_units:
-            history.popitem(last=False)
-        self.evictions += 1
-        weight = 1.0 / min(self.evictions, self._params.turnover_window_evictions)
-        self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
+            if stamp == now:
+                return _LOCKED
+            return (uses + prior_uses) / (now - stamp + prior)
+
+        for i, units in enumerate(lists):
+            rates[i] = head_rate(units)
+        history, history_units = self._history, self._history_units
+        window = self._params.turnover_window_evictions
+        for _ in range(excess):
+            best = min(rates)
+            i = rates.index(best)
+            if best == _LOCKED:  # every unit is the current request's: the oldest goes
+                i = next(k for k, units in enumerate(lists) if units)
+            units = lists[i]
+            victim, _ = units.popitem(last=False)
+            uses, stamp = state.pop(victim)
+            history[victim] = uses
+            if len(history) > history_units:
+                history.popitem(last=False)
+            self.evictions += 1
+            weight = 1.0 / min(self.evictions, window)
+            self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
+            rates[i] = head_rate(units)
 
     def __len__(self) -> int:
         return len(self._state)

@@ -137,26 +137,33 @@ def test_with_a_host_tier_it_follows_lru_from_the_first_load_back():
     assert sampled < replay_adaptive("rag", 5)[1].sampled_accesses  # the miniatures stopped
 
 
+def use(shadow, unit, now):
+    """One access, then the trim that ends a node's accesses in the policy."""
+    hit = shadow.access(unit, now)
+    shadow.trim(now)
+    return hit
+
+
 def test_the_lru_miniature_evicts_the_least_recently_used_unit():
     shadow = ShadowLRU(capacity_units=2)
-    hits = [shadow.access(unit, now) for now, unit in enumerate([1, 2, 1, 3])]
+    hits = [use(shadow, unit, now) for now, unit in enumerate([1, 2, 1, 3])]
     assert hits == [False, False, True, False]
-    assert shadow.access(1, 4) and not shadow.access(2, 5)  # 2 was the oldest when 3 came
+    assert use(shadow, 1, 4) and not use(shadow, 2, 5)  # 2 was the oldest when 3 came
     assert len(shadow) == 2 and shadow.evictions == 2
 
 
 def test_the_learned_miniature_keeps_used_units_and_remembers_evicted_ones():
     shadow = ShadowLearned(2, history_units=8, use_classes=4, params=LearnedPolicyParams())
-    shadow.access(1, 0)
-    shadow.access(1, 1)  # unit 1: used twice
-    shadow.access(2, 2)
-    shadow.access(3, 3)  # full: unit 2, never used again and older than 3, goes
-    assert shadow.access(1, 4) and shadow.access(3, 5) and len(shadow) == 2
+    use(shadow, 1, 0)
+    use(shadow, 1, 1)  # unit 1: used twice
+    use(shadow, 2, 2)
+    use(shadow, 3, 3)  # full: unit 2, never used again and older than 3, goes
+    assert use(shadow, 1, 4) and use(shadow, 3, 5) and len(shadow) == 2
     # 2 comes back (a miss) with its remembered use, and 3 (one use, none since) goes,
     # not 1 (three uses).
-    assert not shadow.access(2, 6)
-    assert shadow.access(2, 7) and shadow.access(1, 8)
-    assert not shadow.access(3, 9) and shadow.evictions == 3
+    assert not use(shadow, 2, 6)
+    assert use(shadow, 2, 7) and use(shadow, 1, 8)
+    assert not use(shadow, 3, 9) and shadow.evictions == 3
 
 
 def test_bad_parameters_are_refused():
@@ -168,6 +175,7 @@ def test_bad_parameters_are_refused():
         {"min_disagreements": -1.0},
         {"to_learned_z": -1.0},
         {"evidence_growth_per_return": 0.5},
+        {"max_sample_rate": 0.0},
     ):
         with pytest.raises(ValueError):
             AdaptivePolicyParams(**bad)
