@@ -152,6 +152,18 @@ def test_the_lru_miniature_evicts_the_least_recently_used_unit():
     assert len(shadow) == 2 and shadow.evictions == 2
 
 
+def test_a_trim_evicts_only_after_all_of_a_nodes_accesses():
+    shadow = ShadowLearned(2, history_units=8, use_classes=4, params=LearnedPolicyParams())
+    assert not any(shadow.access(unit, 0) for unit in (1, 2, 3))  # one node, one request
+    assert shadow.access(1, 0) and len(shadow) == 3  # over capacity until the trim
+    shadow.trim(0)
+    assert len(shadow) == 2 and shadow.evictions == 1
+    lru = ShadowLRU(capacity_units=1)
+    lru.access(1, 0), lru.access(2, 0)
+    lru.trim(0)
+    assert list(lru.units) == [2] and lru.evictions == 1
+
+
 def test_the_learned_miniature_keeps_used_units_and_remembers_evicted_ones():
     shadow = ShadowLearned(2, history_units=8, use_classes=4, params=LearnedPolicyParams())
     use(shadow, 1, 0)
