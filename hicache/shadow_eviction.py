@@ -125,42 +125,45 @@ class ShadowLearned:
         (at the end of each node's accesses). The prior is the one of the trim's start,
         and a list whose head was used at ``now`` (the request being served: locked in the
         tree) gives nothing unless every list is such; each eviction recomputes only the
-        rate of the list it took from."""
+        rate of the list it took from. (One loop, locals only: at a small device this runs
+        once per miss of every request.)"""
         state = self._state
         excess = len(state) - self.capacity_units
         if excess <= 0:
             return
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
         lists = self._by_uses
-        rates = [_EMPTY] * len(lists)
-
-        def head_rate(units: OrderedDict[int, None]) -> float:
+        rates = []
+        for units in lists:
             if not units:
-                return _EMPTY
+                rates.append(_EMPTY)
+                continue
             uses, stamp = state[next(iter(units))]
-            if stamp == now:
-                return _LOCKED
-            return (uses + prior_uses) / (now - stamp + prior)
-
-        for i, units in enumerate(lists):
-            rates[i] = head_rate(units)
+            rates.append(_LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior))
         history, history_units = self._history, self._history_units
         window = self._params.turnover_window_evictions
+        evictions, turnover = self.evictions, self._turnover_ticks
         for _ in range(excess):
             best = min(rates)
             i = rates.index(best)
             if best == _LOCKED:  # every unit is the current request's: the oldest goes
                 i = next(k for k, units in enumerate(lists) if units)
             units = lists[i]
-            victim, _ = units.popitem(last=False)
+            victim = units.popitem(last=False)[0]
             uses, stamp = state.pop(victim)
             history[victim] = uses
             if len(history) > history_units:
                 history.popitem(last=False)
-            self.evictions += 1
-            weight = 1.0 / min(self.evictions, window)
-            self._turnover_ticks += weight * (now - stamp - self._turnover_ticks)
-            rates[i] = head_rate(units)
+            evictions += 1
+            turnover += (now - stamp - turnover) / (evictions if evictions < window else window)
+            if units:
+                uses, stamp = state[next(iter(units))]
+                rates[i] = (
+                    _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
+                )
+            else:
+                rates[i] = _EMPTY
+        self.evictions, self._turnover_ticks = evictions, turnover
 
     def __len__(self) -> int:
         return len(self._state)
