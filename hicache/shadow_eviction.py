@@ -158,9 +158,7 @@ class ShadowLearned:
             turnover += (now - stamp - turnover) / (evictions if evictions < window else window)
             if units:
                 uses, stamp = state[next(iter(units))]
-                rates[i] = (
-                    _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
-                )
+                rates[i] = _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
             else:
                 rates[i] = _EMPTY
         self.evictions, self._turnover_ticks = evictions, turnover
