@@ -125,42 +125,44 @@ class ShadowLearned:
         (at the end of each node's accesses). The prior is the one of the trim's start,
         and a list whose head was used at ``now`` (the request being served: locked in the
         tree) gives nothing unless every list is such; each eviction recomputes only the
-        rate of the list it took from. (One loop, locals only: at a small device this runs
-        once per miss of every request.)"""
+        rate of the list it took from. (One loop of locals: at a small device this runs once
+        per miss of every request.)"""
         state = self._state
         excess = len(state) - self.capacity_units
         if excess <= 0:
             return
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
         lists = self._by_uses
-        rates = []
-        for units in lists:
-            if not units:
-                rates.append(_EMPTY)
-                continue
-            uses, stamp = state[next(iter(units))]
-            rates.append(_LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior))
+        rates = [_EMPTY] * len(lists)
         history, history_units = self._history, self._history_units
         window = self._params.turnover_window_evictions
         evictions, turnover = self.evictions, self._turnover_ticks
-        for _ in range(excess):
+        stale = range(len(lists))  # the lists whose head rate is to be computed
+        while True:
+            for k in stale:
+                units = lists[k]
+                if units:
+                    uses, stamp = state[next(iter(units))]
+                    rates[k] = (
+                        _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
+                    )
+                else:
+                    rates[k] = _EMPTY
+            if not excess:
+                break
+            excess -= 1
             best = min(rates)
             i = rates.index(best)
             if best == _LOCKED:  # every unit is the current request's: the oldest goes
                 i = next(k for k, units in enumerate(lists) if units)
-            units = lists[i]
-            victim = units.popitem(last=False)[0]
+            victim = lists[i].popitem(last=False)[0]
             uses, stamp = state.pop(victim)
             history[victim] = uses
             if len(history) > history_units:
                 history.popitem(last=False)
             evictions += 1
             turnover += (now - stamp - turnover) / (evictions if evictions < window else window)
-            if units:
-                uses, stamp = state[next(iter(units))]
-                rates[i] = _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
-            else:
-                rates[i] = _EMPTY
+            stale = (i,)
         self.evictions, self._turnover_ticks = evictions, turnover
 
     def __len__(self) -> int:
