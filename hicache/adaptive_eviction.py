@@ -24,7 +24,7 @@ to stay within half of LRU's: while LRU is followed the learned rule is never as
 victim (its per-hook upkeep is O(1)); a victim gives all that is asked of it; new nodes are
 not cut where evicted pieces ended (cuts fragment the tree); the miniatures see
 ``shadow_units`` units whatever the device's size, so the sample rate falls as the device
-grows, and a unit out of the sample costs one fingerprint.
+grows, and a node's sampled units are hashed once, not at each hit.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from xxhash import xxh3_64_intdigest as xxh3
+
 from hicache.eviction import LeafEvictionPolicy, LRULeafPolicy
+from hicache.keys import TOKEN_BYTES
 from hicache.learned_eviction import LearnedLeafPolicy, LearnedPolicyParams
 from hicache.shadow_eviction import ShadowLearned, ShadowLRU
 
@@ -129,6 +132,8 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
         self.learned.attach(page_size)
         p = self.params
         self._unit_tokens = -(-p.unit_tokens // page_size) * page_size
+        self._unit_bytes = self._unit_tokens * TOKEN_BYTES
+        self._fp_bytes = min(self.learned.params.fingerprint_tokens, page_size) * TOKEN_BYTES
         device_units = max(1, self.device_tokens // self._unit_tokens)
         rate = min(p.max_sample_rate, p.shadow_units / device_units)
         self.sample_rate = rate
@@ -140,51 +145,56 @@ class AdaptiveLeafPolicy(LeafEvictionPolicy):
             ShadowLearned(capacity, history, p.shadow_use_classes, self.learned.params),
         )
 
+    def _sampled_units(self, node: TreeNode) -> tuple[int, ...]:
+        """The fingerprints of the sampled units that start in ``node``, in order; kept on
+        its state while its tokens and the sample stay the same (a split or a cut tail
+        shortens its key), so a node hit again costs no hashing."""
+        st = node.policy_state
+        key, threshold = node.key, self._threshold
+        kept = st.sampled
+        if kept is not None and kept[0] == len(key) and kept[1] == threshold:
+            return kept[2]
+        # A unit's id: its position and first tokens (as the learned rule's fingerprint).
+        start, step, head, digest = node.start, self._unit_bytes, self._fp_bytes, xxh3
+        units = tuple(
+            fp
+            for at in range(-start % self._unit_tokens * TOKEN_BYTES, len(key), step)
+            if (fp := digest(key[at : at + head], seed=start + at // TOKEN_BYTES)) & _FP_SAMPLE_MASK
+            < threshold
+        )
+        st.sampled = (len(key), threshold, units)
+        return units
+
     def _accessed(self, node: TreeNode) -> None:
         """A request uses ``node``'s tokens: feed the sampled units that start in it to
         both miniatures, and weigh their disagreements."""
-        start = node.start
         broken = self._broken
-        if start == 0:  # every request's accesses begin at the root
+        if node.start == 0:  # every request's accesses begin at the root
             broken[LRU] = broken[LEARNED] = False
-        unit = self._unit_tokens
-        first = -start % unit
-        if first >= node.num_tokens or not self._threshold:
+        if not self._threshold:
             return
-        key, threshold, fingerprint_at = node.key, self._threshold, self.learned._fingerprint_at
+        units = self._sampled_units(node)
+        if not units:
+            return
+        # Each miniature hits the units before its first miss (the request's prefix ends
+        # there, in it) and none once an earlier node missed: where they disagree, the one
+        # with the longer run of hits won every unit between the two ends.
         now = self.learned._now
         by_lru, by_learned = self.shadows
-        lru_units, learned_access = by_lru.units, by_learned.access
-        hits = self.shadow_hits
-        lru_broken, learned_broken = broken
-        sampled = 0
-        for offset in range(first, node.num_tokens, unit):
-            fp = fingerprint_at(key, offset, start + offset)  # the learned rule's, per unit
-            if fp & _FP_SAMPLE_MASK >= threshold:
-                continue
-            sampled += 1
-            if fp in lru_units:  # ShadowLRU.access, inlined (the cost of every sampled unit)
-                lru_units.move_to_end(fp)
-                lru_hit = not lru_broken
-            else:
-                lru_units[fp] = None
-                lru_hit = False
-            learned_hit = learned_access(fp, now) and not learned_broken
-            if lru_hit:
-                hits[LRU] += 1
-            else:
-                lru_broken = True
-            if learned_hit:
-                hits[LEARNED] += 1
-            else:
-                learned_broken = True
-            if lru_hit != learned_hit:
-                self._weigh(learned_hit)
-        if sampled:
-            broken[LRU], broken[LEARNED] = lru_broken, learned_broken
-            self.sampled_accesses += sampled
-            by_lru.trim(now)
-            by_learned.trim(now)
+        n = len(units)
+        leads = [by_lru.access_run(units, now), by_learned.access_run(units, now)]
+        for rule in (LRU, LEARNED):
+            if broken[rule]:
+                leads[rule] = 0
+            elif leads[rule] < n:
+                broken[rule] = True
+            self.shadow_hits[rule] += leads[rule]
+        self.sampled_accesses += n
+        by_lru.trim(now)
+        by_learned.trim(now)
+        lead = leads[LEARNED] - leads[LRU]
+        for _ in range(abs(lead)):
+            self._weigh(lead > 0)
 
     def _weigh(self, learned_won: bool) -> None:
         """One miniature hit where the other missed: update the evidence, maybe switch."""

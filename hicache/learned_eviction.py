@@ -96,7 +96,7 @@ class LearnedPolicyParams:
 class _LeafState:
     """What the policy keeps on a node (in ``node.policy_state``)."""
 
-    __slots__ = ("evicted", "fp", "slot", "stamp", "uses")
+    __slots__ = ("evicted", "fp", "sampled", "slot", "stamp", "uses")
 
     def __init__(self, stamp: int, uses: int) -> None:
         self.stamp = stamp  # tree clock of the last use (insert, hit or return)
@@ -104,6 +104,8 @@ class _LeafState:
         self.slot = -1  # index in the member array, -1 when not a member
         self.evicted = False  # left the device (and may come back from the host tier)
         self.fp: int | None = None  # the node's fingerprint, once asked for
+        # The adaptive policy's: (key bytes, sample threshold, sampled units' fingerprints).
+        self.sampled: tuple[int, int, tuple[int, ...]] | None = None
 
 
 class _History:

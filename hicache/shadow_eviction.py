@@ -26,6 +26,7 @@ the sample cost one fingerprint each.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from hicache.learned_eviction import LearnedPolicyParams
 
@@ -43,15 +44,21 @@ class ShadowLRU:
         self.evictions = 0
         self.units: OrderedDict[int, None] = OrderedDict()  # least recent first
 
-    def access(self, unit: int, now: int) -> bool:
-        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after, and
-        the cache may hold more than its capacity until the next :meth:`trim`."""
-        units = self.units
-        if unit in units:
-            units.move_to_end(unit)
-            return True
-        units[unit] = None
-        return False
+    def access_run(self, units: Sequence[int], now: int) -> int:
+        """Use ``units`` (one node's sampled units, in order) at tick ``now``; returns how
+        many of them, from the first, were cached. All are cached after, and the cache
+        may hold more than its capacity until the next :meth:`trim`."""
+        cached = self.units
+        move = cached.move_to_end
+        lead = -1
+        for i, unit in enumerate(units):
+            if unit in cached:
+                move(unit)
+            else:
+                cached[unit] = None
+                if lead < 0:
+                    lead = i
+        return len(units) if lead < 0 else lead
 
     def trim(self, now: int) -> None:
         """Evict down to the capacity (at the end of each node's accesses: the units of
@@ -72,9 +79,9 @@ class ShadowLearned:
 
     Among units with the same uses, the lowest rate is the oldest: the units are kept in
     one recency list per use count (counts from ``use_classes - 1`` up share the last
-    list), and a victim is the lowest-rate head of those lists, an exact minimum over
-    every unit where the tree's rule ranks a random sample, at O(use_classes) per
-    eviction."""
+    list, each unit with its last use), and a victim is the lowest-rate head of those
+    lists, an exact minimum over every unit where the tree's rule ranks a random sample,
+    at O(use_classes) per eviction."""
 
     def __init__(
         self,
@@ -90,30 +97,36 @@ class ShadowLearned:
         self._history_units = history_units
         self._top_class = use_classes - 1
         self._params = params
-        self._state: dict[int, list[int]] = {}  # unit -> [uses, stamp]
-        self._by_uses: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(use_classes)]
+        self._uses: dict[int, int] = {}  # cached unit -> its uses
+        # by use count: unit -> the tick of its last use, least recent first
+        self._by_uses: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(use_classes)]
         self._history: OrderedDict[int, int] = OrderedDict()  # evicted unit -> its uses
         self._turnover_ticks = 0.0
 
-    def access(self, unit: int, now: int) -> bool:
-        """Use ``unit`` at tick ``now``; True when it was cached. It is cached after (the
-        capacity is restored at the next :meth:`trim`)."""
-        top, by_uses = self._top_class, self._by_uses
-        st = self._state.get(unit)
-        if st is not None:
-            uses = st[0]
-            st[0] = uses + 1
-            st[1] = now
-            if uses < top:
-                del by_uses[uses][unit]
-                by_uses[uses + 1][unit] = None
-            else:  # already in the last list: to its end
-                by_uses[top].move_to_end(unit)
-            return True
-        uses = self._history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
-        self._state[unit] = [uses, now]
-        by_uses[min(uses, top)][unit] = None
-        return False
+    def access_run(self, units: Sequence[int], now: int) -> int:
+        """Use ``units`` (one node's sampled units, in order) at tick ``now``; returns how
+        many of them, from the first, were cached. All are cached after (the capacity is
+        restored at the next :meth:`trim`)."""
+        top, by_uses, cached, history = self._top_class, self._by_uses, self._uses, self._history
+        lead = -1
+        for i, unit in enumerate(units):
+            uses = cached.get(unit)
+            if uses is not None:
+                cached[unit] = uses + 1
+                if uses < top:
+                    del by_uses[uses][unit]
+                    by_uses[uses + 1][unit] = now
+                else:  # already in the last list: to its end
+                    last = by_uses[top]
+                    del last[unit]
+                    last[unit] = now
+                continue
+            if lead < 0:
+                lead = i
+            uses = history.pop(unit, -1) + 1  # a return counts as a use, as in the tree
+            cached[unit] = uses
+            by_uses[uses if uses < top else top][unit] = now
+        return len(units) if lead < 0 else lead
 
     def _prior_ticks(self) -> float:
         if not self.evictions:
@@ -124,46 +137,59 @@ class ShadowLearned:
         """Evict down to the capacity, each victim the lowest-rate head of the use lists
         (at the end of each node's accesses). The prior is the one of the trim's start,
         and a list whose head was used at ``now`` (the request being served: locked in the
-        tree) gives nothing unless every list is such; each eviction recomputes only the
-        rate of the list it took from. (One loop of locals: at a small device this runs once
-        per miss of every request.)"""
-        state = self._state
-        excess = len(state) - self.capacity_units
+        tree) gives nothing unless every list is such. The heads' rates rise along each
+        list, so victims come from one list while its head stays below every other head
+        (the lowest list first among equal rates). (One loop of locals: at a small device
+        this runs once per miss of every request.)"""
+        cached = self._uses
+        excess = len(cached) - self.capacity_units
         if excess <= 0:
             return
         prior, prior_uses = self._prior_ticks(), self._params.prior_uses
-        lists = self._by_uses
-        rates = [_EMPTY] * len(lists)
-        history, history_units = self._history, self._history_units
-        window = self._params.turnover_window_evictions
+        lists, top = self._by_uses, self._top_class
+        history, window = self._history, self._params.turnover_window_evictions
         evictions, turnover = self.evictions, self._turnover_ticks
-        stale = range(len(lists))  # the lists whose head rate is to be computed
-        while True:
-            for k in stale:
-                units = lists[k]
-                if units:
-                    uses, stamp = state[next(iter(units))]
-                    rates[k] = (
-                        _LOCKED if stamp == now else (uses + prior_uses) / (now - stamp + prior)
-                    )
-                else:
-                    rates[k] = _EMPTY
-            if not excess:
-                break
-            excess -= 1
+        rates = []
+        for k, units in enumerate(lists):
+            rate = _EMPTY
+            if units:
+                unit, stamp = next(iter(units.items()))
+                rate = (
+                    _LOCKED
+                    if stamp == now
+                    else ((k if k < top else cached[unit]) + prior_uses) / (now - stamp + prior)
+                )
+            rates.append(rate)
+        while excess:
             best = min(rates)
             i = rates.index(best)
             if best == _LOCKED:  # every unit is the current request's: the oldest goes
                 i = next(k for k, units in enumerate(lists) if units)
-            victim = lists[i].popitem(last=False)[0]
-            uses, stamp = state.pop(victim)
-            history[victim] = uses
-            if len(history) > history_units:
-                history.popitem(last=False)
-            evictions += 1
-            turnover += (now - stamp - turnover) / (evictions if evictions < window else window)
-            stale = (i,)
+            rates[i] = _EMPTY
+            limit = min(rates)  # the others: list i gives while its head is below
+            j = rates.index(limit)
+            units = lists[i]
+            pop = units.popitem
+            while True:
+                victim, stamp = pop(last=False)
+                history[victim] = cached.pop(victim)
+                evictions += 1
+                turnover += (now - stamp - turnover) / (evictions if evictions < window else window)
+                excess -= 1
+                if not units:
+                    break
+                unit, stamp = next(iter(units.items()))
+                rate = (
+                    _LOCKED
+                    if stamp == now
+                    else ((i if i < top else cached[unit]) + prior_uses) / (now - stamp + prior)
+                )
+                if not excess or rate > limit or (rate == limit and j < i):
+                    rates[i] = rate
+                    break
+        for _ in range(len(history) - self._history_units):
+            history.popitem(last=False)
         self.evictions, self._turnover_ticks = evictions, turnover
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._uses)

@@ -129,6 +129,33 @@ def test_where_the_learned_rule_loses_it_stays_within_the_slack_of_lru():
     assert adaptive >= lru - SLACK
 
 
+def test_the_sampled_units_kept_on_a_node_are_those_of_its_tokens_now():
+    # A node's sampled units are hashed once and kept; a split or a cut tail must not
+    # leave a node with the units of the tokens it had before.
+    trace = family("rag")
+    capacity = round(unique_blocks(trace) * 5 / 100)
+    settings = ReplaySettings(capacity, policy=ADAPTIVE, check_invariants_every=97)
+    policy = AdaptiveLeafPolicy(capacity * settings.shape.block_tokens)
+    replayer = TraceReplayer(trace, settings, policy)
+    try:
+        replayer.run()
+        replayer.check()
+        kept, stale = 0, 0
+        for node in replayer.cache.tree.iter_nodes():
+            st = node.policy_state
+            if st is None or st.sampled is None:
+                continue
+            if st.sampled[0] != len(node.key):
+                stale += 1  # cut since it was last used: recomputed when used again
+            used = policy._sampled_units(node)
+            st.sampled = None
+            assert policy._sampled_units(node) == used
+            kept += bool(used)
+        assert kept > 20 and stale > 0, (kept, stale)
+    finally:
+        replayer.close()
+
+
 def test_with_a_host_tier_it_follows_lru_from_the_first_load_back():
     # The miniatures see device hits only; a host tier serves many device misses.
     _, policy = replay_adaptive("rag", 5, host_percent=20)
@@ -139,7 +166,7 @@ def test_with_a_host_tier_it_follows_lru_from_the_first_load_back():
 
 def use(shadow, unit, now):
     """One access, then the trim that ends a node's accesses in the policy."""
-    hit = shadow.access(unit, now)
+    hit = shadow.access_run((unit,), now) == 1
     shadow.trim(now)
     return hit
 
@@ -154,14 +181,28 @@ def test_the_lru_miniature_evicts_the_least_recently_used_unit():
 
 def test_a_trim_evicts_only_after_all_of_a_nodes_accesses():
     shadow = ShadowLearned(2, history_units=8, use_classes=4, params=LearnedPolicyParams())
-    assert not any(shadow.access(unit, 0) for unit in (1, 2, 3))  # one node, one request
-    assert shadow.access(1, 0) and len(shadow) == 3  # over capacity until the trim
+    assert shadow.access_run((1, 2, 3), 0) == 0  # one node, one request
+    assert shadow.access_run((1,), 0) == 1 and len(shadow) == 3  # over capacity until the trim
     shadow.trim(0)
     assert len(shadow) == 2 and shadow.evictions == 1
     lru = ShadowLRU(capacity_units=1)
-    lru.access(1, 0), lru.access(2, 0)
+    assert lru.access_run((1, 2), 0) == 0
     lru.trim(0)
     assert list(lru.units) == [2] and lru.evictions == 1
+
+
+def test_a_run_of_accesses_counts_the_hits_before_its_first_miss():
+    # A request's prefix ends at its first miss: the hits after it are not hits.
+    for shadow in (
+        ShadowLRU(capacity_units=8),
+        ShadowLearned(8, history_units=8, use_classes=4, params=LearnedPolicyParams()),
+    ):
+        assert shadow.access_run((1, 2, 3), 0) == 0
+        shadow.trim(0)
+        assert shadow.access_run((1, 2, 3), 1) == 3
+        assert shadow.access_run((1, 4, 2, 3), 2) == 1 and len(shadow) == 4  # 2, 3 still used
+        shadow.trim(2)
+        assert shadow.access_run((), 3) == 0 and shadow.evictions == 0
 
 
 def test_the_learned_miniature_keeps_used_units_and_remembers_evicted_ones():
