@@ -129,6 +129,29 @@ def test_where_the_learned_rule_loses_it_stays_within_the_slack_of_lru():
     assert adaptive >= lru - SLACK
 
 
+def test_a_burst_of_disagreements_in_one_request_is_one_observation():
+    # A request's prefix hit ends at its first miss, so one request can put dozens of
+    # disagreements on one side; counted as units they would read as a sign test of 8.
+    policy = AdaptiveLeafPolicy(device_tokens=1 << 20)
+    policy._weigh(+64)
+    assert policy.sign_test == pytest.approx(1.0) and policy.following_name == "lru"
+    # Many requests that each lead a little are evidence, and it follows the learned rule.
+    for _ in range(200):
+        policy._weigh(+2)
+        if policy.following_name == "learned":
+            break
+    assert policy.following_name == "learned" and policy.switches == 1
+    # The evidence started anew; requests the learned rule loses take it back to LRU.
+    assert policy.sign_test == 0.0
+    for _ in range(100):
+        policy._weigh(-1)
+        if policy.following_name == "lru":
+            break
+    assert policy.following_name == "lru" and policy.switches == 2
+    # A return to LRU asks more evidence of the learned rule the next time.
+    assert policy._to_learned_evidence > policy.params.min_disagreements
+
+
 def test_the_sampled_units_kept_on_a_node_are_those_of_its_tokens_now():
     # A node's sampled units are hashed once and kept; a split or a cut tail must not
     # leave a node with the units of the tokens it had before.
