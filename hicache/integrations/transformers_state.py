@@ -68,7 +68,7 @@ class CacheCodec:
             if mamba_slot is None:
                 raise ConfigError("restore: a Mamba layout needs the prefix's state slot")
             for layer_i, states in enumerate(self._unpack(mamba_slot)):
-                _set_states(cache.layers[self.map.mamba[layer_i]], self.layout, states)
+                _set_states(cache.layers[self.map.mamba[layer_i]], self.layout, states, n)
         return cache
 
     @staticmethod
@@ -186,7 +186,7 @@ def _set_kv(layer: Any, k: torch.Tensor, v: torch.Tensor) -> None:
         layer._sliding_window_tensor = layer._sliding_window_tensor.to(k.device)
 
 
-def _set_states(layer: Any, layout: Any, states: list[torch.Tensor]) -> None:
+def _set_states(layer: Any, layout: Any, states: list[torch.Tensor], tokens: int) -> None:
     for spec, t in zip(layout.state_tensors, states):
         idx = int(spec.name[-1])
         if spec.name.startswith("conv"):
@@ -198,3 +198,7 @@ def _set_states(layer: Any, layout: Any, states: list[torch.Tensor]) -> None:
             layer.recurrent_states[idx] = t
             layer.is_recurrent_states_initialized[idx] = True
         layer.has_previous_state[idx] = True
+    if hasattr(layer, "cumulative_length_linear"):
+        # transformers 5.25+: the tokens a linear-attention layer has seen, which its
+        # get_seq_length reports (and a model whose first layer is one takes positions from)
+        layer.cumulative_length_linear = torch.tensor(tokens, dtype=torch.long, device=layer.device)
