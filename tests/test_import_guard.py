@@ -47,10 +47,20 @@ def test_from_the_root_the_installed_kernels_package_wins(tmp_path):
     assert probe(ROOT, fake_site(tmp_path, with_metadata=True)) == ["True", "installed"]
 
 
-def test_without_an_installed_kernels_package_nothing_is_imported(tmp_path):
-    loaded, where = probe(ROOT, fake_site(tmp_path, with_metadata=False))
-    # Nothing imported; a bare import then finds the checkout's folder, as before.
-    assert loaded == "False" and Path(where).parent == ROOT / "kernels"
+def test_without_an_installed_kernels_package_nothing_is_imported(monkeypatch):
+    # In this process, so that no kernels distribution of the environment counts.
+    import importlib.metadata
+
+    from hicache.integrations import import_guard
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    monkeypatch.delitem(sys.modules, "kernels", raising=False)
+    assert import_guard.prefer_installed_kernels() is False
+    assert "kernels" not in sys.modules
 
 
 def test_away_from_the_root_nothing_changes(tmp_path):
