@@ -29,9 +29,9 @@ def fake_site(tmp_path: Path, with_metadata: bool) -> Path:
     return site
 
 
-def probe(cwd: Path, site: Path) -> list[str]:
+def probe(cwd: Path, site: Path, before: str = "") -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE],
+        [sys.executable, "-c", before + PROBE],
         cwd=cwd,
         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -45,6 +45,11 @@ def probe(cwd: Path, site: Path) -> list[str]:
 def test_from_the_root_the_installed_kernels_package_wins(tmp_path):
     assert (ROOT / "kernels" / "__init__.py").exists()
     assert probe(ROOT, fake_site(tmp_path, with_metadata=True)) == ["True", "installed"]
+
+
+def test_the_checkouts_folder_imported_before_is_replaced(tmp_path):
+    site = fake_site(tmp_path, with_metadata=True)
+    assert probe(ROOT, site, before="import kernels; ") == ["True", "installed"]
 
 
 def test_without_an_installed_kernels_package_nothing_is_imported(monkeypatch):

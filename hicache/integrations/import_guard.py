@@ -20,10 +20,10 @@ import sys
 
 
 def _shadowing_root() -> str | None:
-    """The directory whose ``kernels/`` is hicache's own and comes first on ``sys.path``
-    under the bare name ``kernels``; None when there is none."""
+    """The directory whose ``kernels/`` is hicache's own and answers the bare name
+    ``kernels`` (imported already, or first on ``sys.path``); None when there is none."""
     try:
-        bare = importlib.util.find_spec("kernels")
+        bare = importlib.util.find_spec("kernels")  # a module in sys.modules: its spec
         ours = importlib.util.find_spec("hicache.kernels")
     except (ImportError, ValueError):
         return None
@@ -39,18 +39,7 @@ def prefer_installed_kernels() -> bool:
     """Import the installed ``kernels`` package where hicache's folder would shadow it.
     Returns whether it did. Nothing changes where no ``kernels`` distribution is
     installed, or where the bare name is not hicache's."""
-    current = sys.modules.get("kernels")
-    root = _shadowing_root() if current is None else None
-    if current is not None:
-        origin = os.path.realpath(getattr(current, "__file__", None) or "")
-        ours = importlib.util.find_spec("hicache.kernels")
-        if (
-            ours is None
-            or ours.origin is None
-            or os.path.dirname(origin) != os.path.dirname(os.path.realpath(ours.origin))
-        ):
-            return False  # already the installed one (or something else of that name)
-        root = os.path.dirname(os.path.dirname(origin))
+    root = _shadowing_root()
     if root is None:
         return False
     try:
