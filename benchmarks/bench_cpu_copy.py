@@ -30,7 +30,7 @@ import torch
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import MIB, ControllerConfig
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import PageRef
 from hicache.kernels import (
     kv_pages_to_device,

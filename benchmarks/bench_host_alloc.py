@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hicache.controller import host_pool
 from hicache.controller.config import HostPinning
+from hicache.controller.store import host_pool
 
 
 def timed(make) -> float:

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from types import SimpleNamespace
 
-from hicache.controller.page_index import PageIndex
+from hicache.controller.store.page_index import PageIndex
 from hicache.types import ComponentType
 
 ROOT = b"\0" * 16
@@ -54,7 +54,7 @@ def main() -> None:
         for i in range(n)
     ]
     index = PageIndex()
-    gc.disable()  # as a start does (controller/page_store.py)
+    gc.disable()  # as a start does (controller/store/page_store.py)
     t0 = time.perf_counter()
     index.restore_disk(records)
     build_s = time.perf_counter() - t0

@@ -35,9 +35,9 @@ import torch
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import MIB, ControllerConfig
-from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
-from hicache.controller.local import LocalController
-from hicache.controller.page_codec import HEADER_BYTES
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.tiers.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller_api import PageRef
 from hicache.kernels import kv_pages_to_device, kv_pages_to_host
 from hicache.keys import namespace_hash, page_hashes

@@ -38,11 +38,11 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import MIB, ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.page_codec import encode_value
-from hicache.controller.remote_cluster import parse_remote_url
-from hicache.controller.remote_config import RemoteWritePolicy
-from hicache.controller.remote_store import FIELD_BODY, FIELD_HEAD, remote_key, split_value
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import encode_value
+from hicache.controller.tiers.remote_cluster import parse_remote_url
+from hicache.controller.tiers.remote_config import RemoteWritePolicy
+from hicache.controller.tiers.remote_store import FIELD_BODY, FIELD_HEAD, remote_key, split_value
 from hicache.controller_api import P_REMOTE, PageKey, PageRef
 
 HEAD_DIM = 128

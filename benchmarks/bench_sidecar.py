@@ -37,10 +37,10 @@ import torch
 import zmq
 
 from hicache import CacheConfig, DevicePools, ModelLayout
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import Verb, encode_request
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.protocol import Verb, encode_request
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -172,7 +172,7 @@ def main() -> int:
     ready = work / "ready.json"
     sidecar = subprocess.Popen(
         [
-            sys.executable, "-m", "hicache.controller.sidecar_process",
+            sys.executable, "-m", "hicache.controller.sidecar.process",
             "--socket", str(work / "s.sock"),
             "--no-disk",
             "--metrics-port", "0",

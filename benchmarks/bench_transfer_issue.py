@@ -32,8 +32,8 @@ import torch
 import hicache.kernels as kernels
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import ControllerConfig
-from hicache.controller.host_pool import HostPool
-from hicache.controller.transfer import EngineBuffers, TransferEngine
+from hicache.controller.store.host_pool import HostPool
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 

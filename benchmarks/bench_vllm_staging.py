@@ -33,8 +33,8 @@ WARM_ROUNDS = 4
 
 def sidecar_report(socket: Path) -> str:
     """The sidecar's failure counters and tiers, for a run that went wrong."""
-    from hicache.controller.admin_cli import AdminClient
-    from hicache.controller.protocol import Verb
+    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
     try:
@@ -50,8 +50,8 @@ def sidecar_report(socket: Path) -> str:
 def empty_host_pool(socket: Path, pool_bytes: int, timeout_s: float = 120.0) -> None:
     """Once the LMDB writer has committed everything queued, evict the whole host tier
     (the pages stay on disk): the next store finds free pages that were written before."""
-    from hicache.controller.admin_cli import AdminClient
-    from hicache.controller.protocol import Verb
+    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
     end = time.monotonic() + timeout_s

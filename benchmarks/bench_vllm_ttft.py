@@ -30,8 +30,8 @@ from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
 
 
 def stored_pages(socket: Path) -> int:
-    from hicache.controller.admin_cli import AdminClient
-    from hicache.controller.protocol import Verb
+    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
     try:

@@ -42,7 +42,7 @@ def import_hicache() -> None:
     """Make ``hicache``, ``hicache.controller`` and ``hicache.kernels`` importable from the
     repository when the package is not installed."""
     try:
-        import hicache.controller.sidecar_process
+        import hicache.controller.sidecar.process
 
         return
     except ModuleNotFoundError:
@@ -150,7 +150,7 @@ def same_bytes(pools, a: dict, b: dict) -> dict[str, bool]:
 
 def role_sidecar(argv: list[str]) -> int:
     import_hicache()
-    from hicache.controller.sidecar_process import main
+    from hicache.controller.sidecar.process import main
 
     return main(argv)
 
@@ -160,8 +160,8 @@ def role_engine(args: argparse.Namespace) -> int:
     import_hicache()
     import torch
 
-    from hicache.controller.client import SidecarClientConfig, SidecarController
-    from hicache.controller.device_share import export_pools
+    from hicache.controller.client.device_share import export_pools
+    from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 
     torch.cuda.set_device(args.device)
     pools = make_pools(args.device, args.pages)
@@ -185,7 +185,7 @@ def role_engine(args: argparse.Namespace) -> int:
     result["load"] = bool(pin is not None and client.load(dst_refs, pin, 60))
     torch.cuda.synchronize()
     result["equal"] = same_bytes(pools, src, dst)
-    # copied here, from the sidecar's shared host pages (controller/host_share.py)
+    # copied here, from the sidecar's shared host pages (controller/client/host_share.py)
     result["engine_copied"] = client.counters["load_engine_copied"]
     # the same pages copied by the sidecar, for a client that maps nothing
     plain = SidecarController(
@@ -292,8 +292,8 @@ class Sidecar:
 
 def register_raw(endpoint: str, desc: dict) -> str | None:
     """Handshake and register ``desc`` on a fresh connection; the refusal, or None."""
-    from hicache.controller.channel import Channel, RemoteError, SidecarClientConfig
-    from hicache.controller.protocol import Role, Verb
+    from hicache.controller.client.channel import Channel, RemoteError, SidecarClientConfig
+    from hicache.controller.wire.protocol import Role, Verb
 
     lay = layout()
     ch = Channel(endpoint, SidecarClientConfig())
@@ -325,7 +325,7 @@ def run_checks(pages: int = 64, repeat: int = 5) -> list[dict[str, Any]]:
     import_hicache()
     import torch
 
-    from hicache.controller.device_share import export_pools
+    from hicache.controller.client.device_share import export_pools
 
     rows: list[dict[str, Any]] = []
     work = pathlib.Path(tempfile.mkdtemp(prefix="hcgpu", dir="/tmp"))
@@ -426,7 +426,7 @@ def _bench_row(res: dict, pages: int, repeat: int) -> dict[str, Any]:
     import torch
 
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.local import LocalController
+    from hicache.controller.store.local import LocalController
 
     pools = make_pools("cuda:0", pages)
     ctl = LocalController(ControllerConfig(host_pool_bytes=512 << 20, disk_path=None))

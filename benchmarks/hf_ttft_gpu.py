@@ -153,7 +153,7 @@ def client(endpoint: str, name: str, reply_spin_s: float = SPIN_S, **options):
     """A sidecar client with long timeouts that spins for its replies (``reply_spin_s``:
     every call of the engine here blocks its only thread); ``options``: other
     SidecarClientConfig fields."""
-    from hicache.controller.client import SidecarClientConfig, SidecarController
+    from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 
     options["reply_spin_s"] = reply_spin_s
     cfg = SidecarClientConfig(
@@ -199,9 +199,9 @@ def loadback_table(
 
     from hicache import CacheConfig, DevicePools, ModelLayout
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.host_pool import HostPool
-    from hicache.controller.local import LocalController
-    from hicache.controller.transfer import EngineBuffers, TransferEngine
+    from hicache.controller.store.host_pool import HostPool
+    from hicache.controller.store.local import LocalController
+    from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
     from hicache.controller_api import PageRef
     from hicache.keys import namespace_hash, page_hashes
     from hicache.types import ComponentType
@@ -241,7 +241,7 @@ def loadback_table(
 
         profiler = cProfile.Profile()
     # The default client: it copies load-backs of host pages itself from the sidecar's
-    # shared host pages (controller/host_share.py).
+    # shared host pages (controller/client/host_share.py).
     remote = client(side.endpoint, "loadback")
     # The same sidecar copying them itself (engine_copies=False), the client spinning for
     # the reply, and one that sleeps while it waits (reply_spin_s = 0).
@@ -375,7 +375,7 @@ def profiled_sidecar(argv: list[str], path: str) -> int:
     from gpu_sidecar_check import role_sidecar
 
     import_hicache()
-    from hicache.controller.server import SidecarServer
+    from hicache.controller.sidecar.server import SidecarServer
 
     profiler = cProfile.Profile()
     run_job = SidecarServer._run_job

@@ -47,8 +47,8 @@ def _wrap(owner: Any, name: str, before: str, after: str | None = None) -> None:
 
 def install_controller() -> None:
     """Trace the controller's load and its copy (in a sidecar, or in-process)."""
-    from hicache.controller.local import LocalController
-    from hicache.controller.transfer import TransferEngine
+    from hicache.controller.store.local import LocalController
+    from hicache.controller.store.transfer_engine import TransferEngine
     from hicache.kernels.prepared import PreparedTransfer
 
     _wrap(LocalController, "_load", "ctl_load", "ctl_load_end")
@@ -58,8 +58,8 @@ def install_controller() -> None:
 
 def install_server(path: str) -> None:
     """Trace this process's sidecar; the events go to ``path`` when it exits."""
-    from hicache.controller import server, sidecar_verbs
-    from hicache.controller.lmdb_writer import LmdbWriter
+    from hicache.controller.sidecar import server, sidecar_verbs
+    from hicache.controller.tiers.lmdb_writer import LmdbWriter
 
     install_controller()
     _wrap(LmdbWriter, "_store", "lmdb_store", "lmdb_store_end")  # the disk writer's work
@@ -76,8 +76,8 @@ def install_server(path: str) -> None:
 def install_client(path: str | None = None) -> None:
     """Trace this process's sidecar client (the engine side); dumped to ``path`` at exit
     when given."""
-    from hicache.controller.channel import Channel
-    from hicache.controller.client import SidecarController
+    from hicache.controller.client.channel import Channel
+    from hicache.controller.client.sidecar_client import SidecarController
 
     _wrap(SidecarController, "load", "client_load", "client_load_end")
     _wrap(SidecarController, "pin", "client_pin", "client_pin_end")

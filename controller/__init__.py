@@ -10,14 +10,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LocalController": "hicache.controller.local",
-    "ControllerLayoutMismatch": "hicache.controller.local",
-    "EngineSession": "hicache.controller.session",
+    "LocalController": "hicache.controller.store.local",
+    "ControllerLayoutMismatch": "hicache.controller.store.local",
+    "EngineSession": "hicache.controller.store.session",
     "ControllerConfig": "hicache.controller.config",
     "DiskWritePolicy": "hicache.controller.config",
     "HostPinning": "hicache.controller.config",
-    "FaultPlan": "hicache.controller.faults",
-    "SidecarController": "hicache.controller.client",
+    "FaultPlan": "hicache.controller.store.faults",
+    "SidecarController": "hicache.controller.client.sidecar_client",
 }
 
 __all__ = sorted(_EXPORTS)

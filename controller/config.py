@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from hicache.config import parse_enum
-from hicache.controller.remote_config import RemoteWritePolicy, validate_remote
 from hicache.controller.settings import config_from_dict, config_to_dict
+from hicache.controller.tiers.remote_config import RemoteWritePolicy, validate_remote
 from hicache.types import ComponentType, ConfigError
 
 MIB = 1 << 20
@@ -83,11 +83,11 @@ class ControllerConfig:
     host_weight_mamba: float = 0.25
     host_pinning: HostPinning = HostPinning.AUTO
     # Host pages in memory the sidecar's engines map read-only, so that an engine copies
-    # a load-back of pages on host itself (controller/host_share.py). The sidecar turns
+    # a load-back of pages on host itself (controller/client/host_share.py). The sidecar turns
     # it on; an in-process controller has no one to share with.
     host_shared: bool = False
     # A host page that served a load-back is evicted as if it had been used this many
-    # host-tier lifetimes later (0: plain LRU). See controller/page_index.py.
+    # host-tier lifetimes later (0: plain LRU). See controller/store/page_index.py.
     host_hit_retention_turnovers: float = 1.0
 
     # Disk tier: None runs without one. The budget counts stored values (header + page).
@@ -121,7 +121,7 @@ class ControllerConfig:
     # Remote tier (a Valkey/Redis Cluster shared by every node): None runs without one.
     # ``redis://host:port[,host:port…]`` (seed nodes), ``rediss://`` for TLS; a user may
     # precede the hosts (``redis://cache@host:port``), the password comes from a file.
-    # See controller/remote_tier.py and docs/operations.md.
+    # See controller/tiers/remote_tier.py and docs/operations.md.
     remote_url: str | None = None
     remote_password_file: str | None = None
     remote_tls_ca_file: str | None = None

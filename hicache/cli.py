@@ -26,7 +26,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "serve",
         "run the sidecar: host and disk tiers for the engines of this node",
-        "hicache.controller.sidecar_process",
+        "hicache.controller.sidecar.process",
         "add_serve_arguments",
         "run_serve",
     ),

@@ -1,7 +1,7 @@
 """The CacheController protocol: what the engine-side cache asks of the host and disk tiers.
 
 The same protocol is implemented in-process (``hicache.controller.LocalController``) and
-over ZeroMQ (``hicache.controller.client.SidecarController``). Pages are addressed by
+over ZeroMQ (``hicache.controller.client.sidecar_client.SidecarController``). Pages are addressed by
 their chained page hash (see :mod:`hicache.keys`) and component; device memory is
 addressed by page id in a KV pool, or state slot in the Mamba pool.
 """
@@ -81,7 +81,7 @@ class PinReceipt:
     the sidecar session it was made on (a sidecar client's: a pin of a session that is
     gone is released already, and is neither loaded from nor unpinned); ``host_pages``:
     the host page of each key (-1: not on host), when the client maps the sidecar's host
-    pages and copies from them itself (controller/host_share.py).
+    pages and copies from them itself (controller/client/host_share.py).
     """
 
     pin_id: int

@@ -119,7 +119,7 @@ class Sidecar:
         return [
             PYTHON,
             "-m",
-            "hicache.controller.sidecar_process",
+            "hicache.controller.sidecar.process",
             "--socket",
             str(self.socket),
             "--disk-path",
@@ -186,7 +186,7 @@ class Sidecar:
             self.proc.wait(30)
 
     def admin(self):
-        from hicache.controller.admin_cli import AdminClient
+        from hicache.controller.admin.cli import AdminClient
 
         return AdminClient(self.endpoint, timeout_s=30.0)
 
@@ -290,7 +290,7 @@ def _serve_engine(endpoint: str, engine_id: str, mix: str, client_config: dict) 
     from cache_support import MarkerEngine, make_layout
 
     from hicache import CacheConfig, DevicePools, UnifiedRadixCache
-    from hicache.controller.client import SidecarClientConfig, SidecarController
+    from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 
     layout = make_layout(mix)
     cfg = CacheConfig(

@@ -21,12 +21,12 @@ from test_controller_support import (
     registered_controller,
 )
 
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import Request, Verb
-from hicache.controller.sidecar_config import BackupAck
-from hicache.controller.sidecar_verbs import Call, VerbHandlers
-from hicache.controller.verb_specs import SPECS
-from hicache.controller.wire_fields import encode_refs
+from hicache.controller.sidecar.config import BackupAck
+from hicache.controller.sidecar.handlers import Call, VerbHandlers
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.fields import encode_refs
+from hicache.controller.wire.protocol import Request, Verb
+from hicache.controller.wire.verbs import SPECS
 from hicache.types import Tier
 
 

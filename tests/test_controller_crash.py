@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_controller_support import FULL, PAGE, SWA, Engine, controller_config, hybrid_layout
 
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.keys import namespace_hash, page_hashes
 
 TESTS = Path(__file__).parent
@@ -32,7 +32,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from test_controller_crash import fill_by_hash, chain_tokens
     from test_controller_support import FULL, SWA, PAGE, Engine, controller_config, hybrid_layout
-    from hicache.controller.local import LocalController
+    from hicache.controller.store.local import LocalController
     from hicache.keys import namespace_hash, page_hashes
 
     layout = hybrid_layout()

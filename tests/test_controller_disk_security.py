@@ -11,9 +11,9 @@ import stat
 import pytest
 from test_controller_support import FULL, PAGE, controller_config, registered_controller
 
-from hicache.controller.admin_ops import fsck
-from hicache.controller.local import LocalController
-from hicache.controller.page_codec import HEADER_BYTES
+from hicache.controller.admin.ops import fsck
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
 from hicache.types import ConfigError
 
 

@@ -25,8 +25,8 @@ from test_controller_support import (
     load_into,
 )
 
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, LoadResult, Presence
 from hicache.types import Tier
 

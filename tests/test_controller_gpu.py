@@ -17,7 +17,7 @@ from test_controller_support import (
 )
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import Presence
 from hicache.keys import namespace_hash, page_hashes
 

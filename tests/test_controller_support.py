@@ -9,7 +9,7 @@ import torch
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import PageKey, PageRef
 from hicache.keys import namespace_hash, page_hashes
 

@@ -22,7 +22,7 @@ from test_controller_support import (
     hybrid_layout,
 )
 
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.keys import namespace_hash, page_hashes
 
 

@@ -42,12 +42,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_support import Sidecar, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, ComponentType, DevicePools, Request, UnifiedRadixCache
-from hicache.controller.admin_cli import AdminClient
+from hicache.controller.admin.cli import AdminClient
 from hicache.controller.config import ControllerConfig
-from hicache.controller.counters import Failure
-from hicache.controller.protocol import ErrorCode, Verb
-from hicache.controller.sidecar_config import SidecarConfig
-from hicache.controller.sidecar_process import load_settings, parse_size
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.process import load_settings, parse_size
+from hicache.controller.store.counters import Failure
+from hicache.controller.wire.protocol import ErrorCode, Verb
 from hicache.layout import ModelLayout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def _serve_request(cache: UnifiedRadixCache, rid: str, tokens: np.ndarray) -> No
 def registry() -> Registry:
     """A sidecar with a disk tier; an engine stores a prefix, loses it from its device,
     loads it back from host, then (after a host eviction) from disk; then a scrape."""
-    from hicache.controller.client import SidecarController
+    from hicache.controller.client.sidecar_client import SidecarController
 
     work = short_tmpdir("hcdeploy")
     layout_path = layout_file(work, MIX, PAGE)

@@ -26,9 +26,9 @@ from hicache.apps.engine.scheduler import (
 )
 from hicache.apps.engine.workload import ChatTurn, ChatWorkload, ChatWorkloadConfig
 from hicache.config import PrefetchPolicy
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 
 KINDS = {
     "full": ("full", "full"),

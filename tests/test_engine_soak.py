@@ -23,7 +23,7 @@ from test_engine_exact import KINDS, Engine, Reference
 from hicache.apps.engine.scheduler import GenerationRequest, SchedulerConfig
 from hicache.config import PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 
 EXAMPLES = int(os.environ.get("HICACHE_ENGINE_SOAK_EXAMPLES", "60"))
 _REFERENCES: dict[tuple[str, int], Reference] = {}

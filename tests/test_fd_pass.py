@@ -1,4 +1,4 @@
-"""The descriptor socket (controller/fd_pass.py) and memfd registration (device_share):
+"""The descriptor socket (controller/client/fd_pass.py) and memfd registration (device_share):
 a pool in anonymous shared memory reaches the sidecar by SCM_RIGHTS, under a ticket only
 its sender can redeem, and is mapped only when its size and owner agree."""
 
@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from hicache.controller import fd_pass
-from hicache.controller.device_share import RegistrationRefused, map_pools
-from hicache.controller.fd_pass import FdInbox, send_fds
-from hicache.controller.security import PeerCredentials
+from hicache.controller.client import fd_pass
+from hicache.controller.client.device_share import RegistrationRefused, map_pools
+from hicache.controller.client.fd_pass import FdInbox, send_fds
+from hicache.controller.wire.security import PeerCredentials
 from hicache.layout import LayerKind, ModelLayout
 
 PAGE = 4
@@ -79,7 +79,7 @@ def test_a_ticket_is_redeemed_once_and_only_by_its_sender(inbox):
 
 def test_a_ticket_sent_by_another_process_is_foreign(inbox):
     fd = _memfd()
-    code = ("import os, sys; from hicache.controller.fd_pass import send_fds; "
+    code = ("import os, sys; from hicache.controller.client.fd_pass import send_fds; "
             f"sys.stdout.write(send_fds({str(inbox.path)!r}, [{fd}])[0].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          pass_fds=[fd], check=True).stdout

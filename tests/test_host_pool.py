@@ -11,7 +11,7 @@ import torch
 from test_controller_support import PAGE, Engine, hybrid_layout
 
 from hicache.controller.config import ControllerConfig, HostPinning
-from hicache.controller.host_pool import FRAME_BYTES, HostPool, host_page_counts
+from hicache.controller.store.host_pool import FRAME_BYTES, HostPool, host_page_counts
 from hicache.kernels import reference
 from hicache.types import ComponentType, ConfigError, SlotStateError
 
@@ -128,7 +128,7 @@ def test_pinned_policy_without_cuda_is_a_clear_error():
 
 
 def test_shared_pages_are_memfd_memory_that_populate_faults_in_whole():
-    from hicache.controller.host_pool import SharedPages, populate
+    from hicache.controller.store.host_pool import SharedPages, populate
 
     pages, row = 96, 1 << 20  # 96 MiB: several populate chunks
     shared = SharedPages("test", pages, row, HostPinning.PAGEABLE)

@@ -10,7 +10,7 @@ import torch
 from test_controller_support import FULL, PAGE, Engine, controller_config, hybrid_layout
 
 import hicache.kernels as kernels
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef
 from hicache.kernels import PreparedTransfer, reference
 

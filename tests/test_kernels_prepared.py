@@ -18,8 +18,8 @@ from test_controller_support import PAGE, Engine, hybrid_layout
 from test_kernels_transfer import MambaHostPages, host_pages_view
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.host_pool import HostPool
-from hicache.controller.transfer import EngineBuffers, TransferEngine
+from hicache.controller.store.host_pool import HostPool
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
 from hicache.kernels import PreparedTransfer, TransferTuning, reference
 from hicache.types import ComponentType
 

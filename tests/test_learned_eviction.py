@@ -281,7 +281,7 @@ def test_invariants_hold_after_every_mutation(mix):
 
 def test_a_load_back_from_the_host_tier_counts_as_a_use():
     from hicache.controller.config import ControllerConfig, HostPinning
-    from hicache.controller.local import LocalController
+    from hicache.controller.store.local import LocalController
 
     ctl = LocalController(
         ControllerConfig(host_pool_bytes=1 << 20, host_pinning=HostPinning.PAGEABLE)

@@ -14,10 +14,10 @@ from test_controller_support import (
     registered_controller,
 )
 
-from hicache.controller.admin_ops import clear
+from hicache.controller.admin.ops import clear
 from hicache.controller.config import ControllerConfig
-from hicache.controller.lmdb_tier import LmdbTier, ReadStatus, WriteJob
-from hicache.controller.page_codec import HEADER_BYTES, decode_header, encode_value
+from hicache.controller.store.page_codec import HEADER_BYTES, decode_header, encode_value
+from hicache.controller.tiers.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType, Tier
 

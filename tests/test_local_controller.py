@@ -23,8 +23,8 @@ from test_controller_support import (
 )
 
 from hicache.controller.config import DiskWritePolicy
-from hicache.controller.local import ControllerLayoutMismatch, LocalController
-from hicache.controller.page_codec import HEADER_BYTES
+from hicache.controller.store.local import ControllerLayoutMismatch, LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
 from hicache.controller_api import CacheController, ControllerError, LoadResult, PageKey, Presence
 from hicache.types import LayoutMismatchError, Tier
 
@@ -114,7 +114,7 @@ def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_pa
 def test_backup_time_counts_overlapping_parts_once(tmp_path):
     """Parts in flight at once (or backups of two engines) count their union as transfer
     time, so bytes / seconds is the throughput, not a fraction of it."""
-    from hicache.controller.fills import QueuedBackup
+    from hicache.controller.store.fills import QueuedBackup
 
     _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE))
@@ -141,7 +141,7 @@ def test_backup_time_counts_overlapping_parts_once(tmp_path):
 
 
 def test_transfer_seconds_are_the_union_of_overlapping_transfers():
-    from hicache.controller.counters import Counters
+    from hicache.controller.store.counters import Counters
 
     c = Counters()
     c.transfer("disk_to_host", 1, 100, 1.0)  # two reads of a second, at once
@@ -287,7 +287,7 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
     after it (``hicachectl fsck`` twice in a row) must not find the value again. A slow
     writer batch interval makes the old behaviour (return with the delete still queued)
     fail every time."""
-    from hicache.controller.admin_ops import fsck
+    from hicache.controller.admin.ops import fsck
 
     _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
     chain, bad, _ = _corrupt_a_stored_page(ctl, engine)
@@ -308,7 +308,7 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
 def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
     """What ``clear`` and ``evict`` report dropped from disk is gone from LMDB when they
     return (a crash right after them must not bring it back), however slow the writer."""
-    from hicache.controller.admin_ops import clear, evict
+    from hicache.controller.admin.ops import clear, evict
 
     _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
     a = engine.write_chain(range(3 * PAGE))
@@ -600,7 +600,7 @@ def test_fsck_repair_leaves_a_value_stored_again_since_its_scan(tmp_path):
     """The scan runs outside the lock; a corrupt value may be dropped and stored again
     (a good copy, from a new backup) before the repair: the repair re-reads each value
     under the lock and deletes only what is still corrupt (it deleted the good copy)."""
-    from hicache.controller.admin_ops import fsck
+    from hicache.controller.admin.ops import fsck
 
     _, engine, ctl = registered_controller(tmp_path)
     _, bad, good = _corrupt_a_stored_page(ctl, engine)

@@ -27,15 +27,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_controller_support import PAGE, Chain, Engine, controller_config, load_into
 
-import hicache.controller.counters as counters_mod
-from hicache.controller import admin_ops
-from hicache.controller.counters import BusyTime, Counters, Failure
-from hicache.controller.faults import FaultPlan
-from hicache.controller.lmdb_tier import ReadStatus
-from hicache.controller.local import LocalController
-from hicache.controller.metrics import SidecarMetrics
-from hicache.controller.page_copies import DeviceLoad, PageCopies
-from hicache.controller.page_store import _READ_FAILURES, PageStore
+import hicache.controller.store.counters as counters_mod
+from hicache.controller.admin import ops as admin_ops
+from hicache.controller.sidecar.metrics import SidecarMetrics
+from hicache.controller.store.counters import BusyTime, Counters, Failure
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_copies import DeviceLoad, PageCopies
+from hicache.controller.store.page_store import _READ_FAILURES, PageStore
+from hicache.controller.tiers.lmdb_tier import ReadStatus
 from hicache.controller_api import LoadResult, PageRef, PinReceipt
 from hicache.types import Tier
 

@@ -75,7 +75,7 @@ def test_wheel_in_a_fresh_venv_imports_the_mapped_packages(tmp_path):
     # hicache itself only from the fresh venv (no .pth files are read from PYTHONPATH).
     env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
     probe = (
-        "import hicache, hicache.controller.local, hicache.kernels;"
+        "import hicache, hicache.controller.store.local, hicache.kernels;"
         "print(hicache.controller.__file__); print(hicache.kernels.__file__)"
     )
     out = subprocess.run(

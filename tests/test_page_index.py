@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache.controller.page_index import DiskState, PageEntry, PageIndex, _remove_at
-from hicache.controller.pins import PinTable
+from hicache.controller.store.page_index import DiskState, PageEntry, PageIndex, _remove_at
+from hicache.controller.store.pins import PinTable
 from hicache.types import ComponentType, Tier
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA

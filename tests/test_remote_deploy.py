@@ -22,11 +22,11 @@ from remote_support import SLOTS, _free_port, require_redis_server
 from test_deploy import REMOTE_ROW, REPO, dashboard_exprs, promtool, run_tool
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.metrics import SidecarMetrics
-from hicache.controller.page_codec import encode_value
-from hicache.controller.remote_cluster import ClusterSettings, ClusterStore
-from hicache.controller.remote_store import KeyStatus, MemoryStore, remote_key, split_value
+from hicache.controller.sidecar.metrics import SidecarMetrics
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import encode_value
+from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStore
+from hicache.controller.tiers.remote_store import KeyStatus, MemoryStore, remote_key, split_value
 from hicache.types import ComponentType
 
 VALKEY = REPO / "deploy" / "valkey"

@@ -21,10 +21,10 @@ from remote_support import LocalCluster
 from hicache import Request
 from hicache.config import PrefetchPolicy
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.page_codec import encode_value
-from hicache.controller.remote_cluster import ClusterSettings, ClusterStore, parse_remote_url
-from hicache.controller.remote_store import KeyStatus, remote_key, split_value
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import encode_value
+from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStore, parse_remote_url
+from hicache.controller.tiers.remote_store import KeyStatus, remote_key, split_value
 from hicache.keys import chain_page_hashes, namespace_hash
 from hicache.types import ComponentType
 

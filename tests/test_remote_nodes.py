@@ -20,7 +20,7 @@ from hicache.apps.engine import HybridModel, generate, tiny_hybrid
 from hicache.apps.engine.cluster import SidecarProcess
 from hicache.apps.engine.scheduler import GenerationRequest, Scheduler, SchedulerConfig
 from hicache.config import PrefetchPolicy
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 
 KINDS = ("full", "swa", "mamba", "full")
 PAGE = 16
@@ -114,7 +114,7 @@ def test_node_b_hits_what_node_a_computed_with_identical_logits(cluster, tmp_pat
         assert stats["remote"]["fills"]["ok"] > 0
         assert stats["transfer"]["remote_to_host"]["pages"] > 0
         # hicachectl shows the tier and the cluster's health.
-        ctl = [sys.executable, "-m", "hicache.controller.admin_cli", "--socket",
+        ctl = [sys.executable, "-m", "hicache.controller.admin.cli", "--socket",
                str(b.sidecar.socket_path)]  # fmt: skip
         shown = subprocess.run([*ctl, "status"], capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr

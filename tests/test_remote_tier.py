@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from hicache import Request
 from hicache.config import PrefetchPolicy
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.remote_config import RemoteWritePolicy
-from hicache.controller.remote_health import BreakerState, CircuitBreaker, PresenceHints
-from hicache.controller.remote_store import KeyStatus, MemoryStore
+from hicache.controller.store.local import LocalController
+from hicache.controller.tiers.remote_config import RemoteWritePolicy
+from hicache.controller.tiers.remote_health import BreakerState, CircuitBreaker, PresenceHints
+from hicache.controller.tiers.remote_store import KeyStatus, MemoryStore
 from hicache.controller_api import P_ABSENT, P_REMOTE
 from hicache.keys import chain_page_hashes, namespace_hash
 from hicache.types import ComponentType
@@ -157,7 +157,7 @@ def test_probe_stops_at_the_first_hole_and_reports_nothing_after_it():
     tokens = seq(10 * PS)
     a.compute(tokens)
     hashes = a.hashes(tokens)
-    from hicache.controller.remote_store import remote_key
+    from hicache.controller.tiers.remote_store import remote_key
 
     store.delete([remote_key("hicache", hashes[5], ComponentType.FULL)], 1.0)
     b = Node(MemoryStore(), remote_probe_chunk_pages=2)

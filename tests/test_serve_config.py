@@ -13,8 +13,8 @@ import pytest
 from sidecar_support import PYTHON, REPO, START_TIMEOUT_S
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.sidecar_config import BackupAck, SidecarConfig
-from hicache.controller.sidecar_process import EXIT_BAD_CONFIG, OTHER_VARIABLES, load_settings
+from hicache.controller.sidecar.config import BackupAck, SidecarConfig
+from hicache.controller.sidecar.process import EXIT_BAD_CONFIG, OTHER_VARIABLES, load_settings
 from hicache.types import ConfigError
 
 
@@ -139,7 +139,7 @@ def test_serve_exits_2_with_one_line_naming_the_bad_setting(tmp_path, config, en
     (tmp_path / "xdg").mkdir(mode=0o700)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
     proc = subprocess.run(
-        [PYTHON, "-m", "hicache.controller.sidecar_process", "--config", str(cfg), "--no-disk"],
+        [PYTHON, "-m", "hicache.controller.sidecar.process", "--config", str(cfg), "--no-disk"],
         cwd=tmp_path,
         env={**clean, "XDG_RUNTIME_DIR": str(tmp_path / "xdg"), "HICACHE_METRICS_PORT": "0", **env},
         capture_output=True,

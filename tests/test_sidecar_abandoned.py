@@ -20,12 +20,12 @@ from sidecar_support import short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools, Request
 from hicache.config import WritePolicy
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import Verb
-from hicache.controller.server import SidecarServer
-from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.server import SidecarServer
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, unsettled_load
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType

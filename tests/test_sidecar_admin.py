@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_support import Sidecar, free_port, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller import admin_cli
-from hicache.controller.client import SidecarClientConfig, SidecarController
-from hicache.controller.page_codec import HEADER_BYTES
-from hicache.controller.protocol import Verb
+from hicache.controller.admin import cli as admin_cli
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
+from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType

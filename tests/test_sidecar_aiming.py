@@ -27,9 +27,9 @@ from sidecar_support import Sidecar, short_tmpdir, token_tcp_args
 from test_sidecar_badinput import Raw
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.device_share import RegistrationRefused, export_pools, map_pools
-from hicache.controller.protocol import Verb, pack
-from hicache.controller.security import PeerCredentials
+from hicache.controller.client.device_share import RegistrationRefused, export_pools, map_pools
+from hicache.controller.wire.protocol import Verb, pack
+from hicache.controller.wire.security import PeerCredentials
 
 MIX = "full+swa+mamba"
 PAGE = 4

@@ -15,10 +15,10 @@ from cache_support import make_layout
 from sidecar_support import Sidecar, short_tmpdir, token_tcp_args, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client import SidecarController
-from hicache.controller.device_share import export_pools
-from hicache.controller.protocol import pack
-from hicache.controller.wire_fields import encode_refs
+from hicache.controller.client.device_share import export_pools
+from hicache.controller.client.sidecar_client import SidecarController
+from hicache.controller.wire.fields import encode_refs
+from hicache.controller.wire.protocol import pack
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -104,7 +104,7 @@ def sidecar():
 
 
 def _verb(name: str):
-    from hicache.controller.protocol import Verb
+    from hicache.controller.wire.protocol import Verb
 
     return Verb(name)
 

@@ -16,17 +16,17 @@ from cache_support import make_layout
 from sidecar_support import short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client import (
+from hicache.controller.client.sidecar_client import (
     RemoteError,
     RemoteLayoutMismatch,
     SidecarClientConfig,
     SidecarController,
 )
 from hicache.controller.config import ControllerConfig
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
-from hicache.controller.server import SidecarServer
-from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.server import SidecarServer
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -298,7 +298,7 @@ def test_tcp_with_curve_keys_serves_only_authorized_clients(workdir):
 
 
 def test_an_unpin_does_not_wait_for_the_sidecar_and_is_applied_in_order(workdir):
-    from hicache.controller.protocol import Verb
+    from hicache.controller.wire.protocol import Verb
 
     side = InProcessSidecar(workdir).start()
     engine = Engine(side.endpoint)

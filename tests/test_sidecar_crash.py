@@ -19,8 +19,8 @@ from cache_support import make_layout
 from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client import SidecarClientConfig, SidecarController
-from hicache.controller.protocol import Verb
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
+from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType

@@ -1,5 +1,5 @@
 """Load-backs the engine copies itself from the sidecar's shared host pages
-(controller/host_share.py): the right bytes with no load request, the sidecar told of
+(controller/client/host_share.py): the right bytes with no load request, the sidecar told of
 them at the unpin, every case the engine cannot copy (a page on disk only, a pin about
 to lapse, a sidecar that shares nothing) loaded by the sidecar as before, and a restarted
 sidecar's new pages mapped again."""
@@ -16,13 +16,13 @@ from cache_support import make_layout
 from sidecar_support import FullPages, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller import host_share
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client import host_share
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import Verb
-from hicache.controller.server import SidecarServer
-from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.server import SidecarServer
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.protocol import Verb
 from hicache.types import ComponentType, Tier
 
 PAGE = 4

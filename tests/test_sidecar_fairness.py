@@ -21,8 +21,8 @@ from cache_support import make_layout
 from sidecar_support import Sidecar, layout_file, short_tmpdir
 from test_sidecar_badinput import Raw
 
-from hicache.controller.protocol import pack
-from hicache.controller.wire_fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
+from hicache.controller.wire.fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
+from hicache.controller.wire.protocol import pack
 
 MIX = "full"
 PAGE = 4
@@ -32,7 +32,7 @@ ADDED_P99_S = 0.010
 
 _FLOOD = r"""
 import sys, msgpack, zmq
-from hicache.controller.wire_fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
+from hicache.controller.wire.fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
 endpoint, hello = sys.argv[1], msgpack.unpackb(bytes.fromhex(sys.stdin.readline()))
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 0)

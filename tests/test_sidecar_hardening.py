@@ -28,11 +28,14 @@ from cache_support import make_layout
 from sidecar_support import START_TIMEOUT_S, Sidecar, layout_file, short_tmpdir, wait_for
 from test_sidecar_badinput import Raw
 
-from hicache.controller.admin_cli import AdminClient
-from hicache.controller.channel import RemoteError
+from hicache.controller.admin.cli import AdminClient
+from hicache.controller.client.channel import RemoteError
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import (
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.server import SidecarError, SidecarServer
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.fields import encode_refs
+from hicache.controller.wire.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ErrorCode,
     ProtocolError,
@@ -40,9 +43,6 @@ from hicache.controller.protocol import (
     decode_request,
     encode_request,
 )
-from hicache.controller.server import SidecarError, SidecarServer
-from hicache.controller.sidecar_config import SidecarConfig
-from hicache.controller.wire_fields import encode_refs
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 

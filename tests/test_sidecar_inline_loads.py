@@ -1,4 +1,4 @@
-"""Loads begun on the sidecar's I/O thread (controller/inline_loads.py): a small load of
+"""Loads begun on the sidecar's I/O thread (controller/sidecar/inline_loads.py): a small load of
 pages on host is answered there without a worker, the I/O thread keeps answering while
 its copy is in flight, a load that must read from disk still runs on a worker, and every
 one of them loads the right bytes."""
@@ -13,12 +13,12 @@ from cache_support import make_layout
 from sidecar_support import FullPages, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import Verb
-from hicache.controller.server import SidecarServer
-from hicache.controller.sidecar_config import SidecarConfig
+from hicache.controller.sidecar.config import SidecarConfig
+from hicache.controller.sidecar.server import SidecarServer
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType
 
@@ -203,9 +203,9 @@ def test_a_load_that_pins_its_own_pages_fails_when_one_is_gone_and_pins_nothing(
 
 @pytest.mark.parametrize("pin_args", [{}, {"pin_id": 1, "pin_ttl_s": 5.0}])
 def test_a_load_names_exactly_one_pin(setup, pin_args):
-    from hicache.controller.channel import RemoteError
-    from hicache.controller.verb_specs import SPECS
-    from hicache.controller.wire_fields import encode_refs
+    from hicache.controller.client.channel import RemoteError
+    from hicache.controller.wire.fields import encode_refs
+    from hicache.controller.wire.verbs import SPECS
 
     src = setup.chain()
     assert setup.client.backup(src).wait(10)

@@ -22,12 +22,10 @@ from sidecar_support import PYTHON, START_TIMEOUT_S, free_port, short_tmpdir, wa
 from test_controller_support import PAGE, Engine, controller_config, hybrid_layout
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import DiskWritePolicy
-from hicache.controller.local import LocalController
-from hicache.controller.protocol import default_runtime_dir
-from hicache.controller.sidecar_config import BackupAck
-from hicache.controller.sidecar_process import (
+from hicache.controller.sidecar.config import BackupAck
+from hicache.controller.sidecar.process import (
     EXIT_STOPPED,
     EXIT_WRITES_LOST,
     add_serve_arguments,
@@ -35,6 +33,8 @@ from hicache.controller.sidecar_process import (
     parse_size,
     run_serve,
 )
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.protocol import default_runtime_dir
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
@@ -117,7 +117,7 @@ def _backup_then_sigterm(extra_env: dict[str, str]) -> _Drain:
     (work / "xdg").mkdir(mode=0o700)
     socket = work / "xdg" / "hicache" / "hicache.sock"
     proc = subprocess.Popen(
-        [PYTHON, "-m", "hicache.controller.sidecar_process"],  # no flags, no config file
+        [PYTHON, "-m", "hicache.controller.sidecar.process"],  # no flags, no config file
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,
@@ -235,11 +235,11 @@ class _CollectorStub:
 def test_the_sidecar_freezes_its_index_once_built_and_again_when_it_has_grown(
     monkeypatch, tmp_path, own_process
 ):
-    from hicache.controller import server as server_mod
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.page_index import DiskState
-    from hicache.controller.server import SidecarServer
-    from hicache.controller.sidecar_config import SidecarConfig
+    from hicache.controller.sidecar import server as server_mod
+    from hicache.controller.sidecar.config import SidecarConfig
+    from hicache.controller.sidecar.server import SidecarServer
+    from hicache.controller.store.page_index import DiskState
 
     stub = _CollectorStub()
     monkeypatch.setattr(server_mod, "gc", stub)

@@ -1,4 +1,4 @@
-"""Each wire verb is defined once (controller/verb_specs.py), and docs/protocol.md says
+"""Each wire verb is defined once (controller/wire/verbs.py), and docs/protocol.md says
 what the table says: roles, where each verb runs, its arguments and its result fields."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache.controller.protocol import ProtocolError, Role, Verb
-from hicache.controller.verb_specs import SPECS, HelloArgs, NoArgs, PinArgs, Runs
-from hicache.controller.wire_fields import decode_record, encode_record, field_names
+from hicache.controller.wire.fields import decode_record, encode_record, field_names
+from hicache.controller.wire.protocol import ProtocolError, Role, Verb
+from hicache.controller.wire.verbs import SPECS, HelloArgs, NoArgs, PinArgs, Runs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 _ROLES = {"engine": {Role.ENGINE}, "admin": {Role.ADMIN}, "both": {Role.ENGINE, Role.ADMIN}}

@@ -10,10 +10,10 @@ from cache_support import MIXES, MarkerEngine, make_cache
 
 from hicache import Request
 from hicache.config import PrefetchPolicy, WritePolicy
-from hicache.controller import admin_ops
+from hicache.controller.admin import ops as admin_ops
 from hicache.controller.config import ControllerConfig
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
 from hicache.types import Tier
 
 PS = 4

@@ -12,7 +12,7 @@ from cache_support import MIXES, MarkerEngine, make_cache
 from hicache import Request
 from hicache.config import PrefetchPolicy
 from hicache.controller.config import ControllerConfig
-from hicache.controller.local import LocalController
+from hicache.controller.store.local import LocalController
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,8 +23,8 @@ from test_tree_stateful import PREFIXES, Model, TreeMachine
 from hicache import ComponentType, MatchResult, Request
 from hicache.config import EvictionPolicyKind, PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
-from hicache.controller.faults import FaultPlan
-from hicache.controller.local import LocalController
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
 from hicache.learned_eviction import LearnedPolicyParams
 from hicache.node import TreeNode
 from hicache.types import PoolExhaustedError

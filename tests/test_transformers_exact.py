@@ -23,11 +23,11 @@ transformers = pytest.importorskip("transformers")
 from sidecar_support import short_tmpdir  # noqa: E402
 
 from hicache.config import PrefetchPolicy  # noqa: E402
-from hicache.controller.client import SidecarClientConfig, SidecarController  # noqa: E402
+from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController  # noqa: E402
 from hicache.controller.config import ControllerConfig  # noqa: E402
-from hicache.controller.local import LocalController  # noqa: E402
-from hicache.controller.server import SidecarServer  # noqa: E402
-from hicache.controller.sidecar_config import SidecarConfig  # noqa: E402
+from hicache.controller.sidecar.config import SidecarConfig  # noqa: E402
+from hicache.controller.sidecar.server import SidecarServer  # noqa: E402
+from hicache.controller.store.local import LocalController  # noqa: E402
 from hicache.integrations.transformers import PrefixCachedLM  # noqa: E402
 from hicache.integrations.transformers_layout import layout_from_hf_config  # noqa: E402
 from hicache.integrations.transformers_models import FAMILIES, tiny_config  # noqa: E402
@@ -94,7 +94,7 @@ class ThreadSidecar:
 
     def start(self) -> ThreadSidecar:
         # Shared host pages, as `hicache serve` has them: host hits are copied by the
-        # engine, disk hits by the sidecar (controller/host_share.py).
+        # engine, disk hits by the sidecar (controller/client/host_share.py).
         self.controller = LocalController(ctl_config(self.workdir / "lmdb", host_shared=True))
         cfg = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0)
         self.server = SidecarServer(self.controller, cfg)

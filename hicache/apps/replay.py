@@ -328,7 +328,7 @@ class TraceReplayer:
         self.controller = None
         if settings.host_blocks:
             from hicache.controller.config import ControllerConfig, HostPinning
-            from hicache.controller.local import LocalController
+            from hicache.controller.store.local import LocalController
 
             page_bytes = REPLAY_LAYOUT.page_bytes(ComponentType.FULL, pt)
             ccfg = ControllerConfig(

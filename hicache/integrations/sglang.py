@@ -38,8 +38,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.controller.channel import SidecarClientConfig
-from hicache.controller.client import SidecarController
+from hicache.controller.client.channel import SidecarClientConfig
+from hicache.controller.client.sidecar_client import SidecarController
 from hicache.integrations.sglang_pages import (
     POOL_COMPONENTS,
     PageHasher,
@@ -375,8 +375,8 @@ class HiCacheSidecarStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Drop this namespace's pages from the sidecar's host and disk tiers (through an
         admin connection: needs the sidecar's admin token, readable by its user only)."""
-        from hicache.controller.admin_cli import AdminClient
-        from hicache.controller.protocol import Verb
+        from hicache.controller.admin.cli import AdminClient
+        from hicache.controller.wire.protocol import Verb
 
         try:
             admin = AdminClient(self.options["hicache_endpoint"], timeout_s=10.0)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hicache.controller.client import SidecarController
+from hicache.controller.client.sidecar_client import SidecarController
 from hicache.controller_api import PageKey, PageRef, Presence
 from hicache.integrations.sglang_pages import PageHasher
 from hicache.integrations.sglang_staging import Staging

@@ -3,7 +3,7 @@
 With ``"allocator": "shm"`` SGLang allocates each host pool in an anonymous memfd. A
 ``layer_first`` MHA pool's buffer ``[2, layers, tokens, heads, head_dim]`` is then exactly
 a sidecar FULL buffer (in 2-byte units), so the backend hands the memfd to the sidecar on
-its descriptor socket (``SCM_RIGHTS``, controller/fd_pass.py) and registers it as the
+its descriptor socket (``SCM_RIGHTS``, controller/client/fd_pass.py) and registers it as the
 engine's FULL buffer: backups read SGLang's host pages and loads write them with no copy
 on the backend's side. The extra pools (SWA, Mamba) keep the staging path.
 """
@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hicache.controller.channel import SidecarUnavailable
-from hicache.controller.device_share import export_pools
-from hicache.controller.fd_pass import fd_socket_path, send_fds
+from hicache.controller.client.channel import SidecarUnavailable
+from hicache.controller.client.device_share import export_pools
+from hicache.controller.client.fd_pass import fd_socket_path, send_fds
 from hicache.integrations.sglang_pages import UNIT_BYTES
 from hicache.layout import LayerKind, ModelLayout, dtype_name
 from hicache.pools import DevicePools

@@ -49,7 +49,7 @@ def run_run_hf(args: argparse.Namespace) -> int:
     import transformers
 
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.local import LocalController
+    from hicache.controller.store.local import LocalController
     from hicache.integrations.transformers import PrefixCachedLM
 
     if args.device == "cpu":

@@ -38,8 +38,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.config import CacheConfig
-from hicache.controller.channel import SidecarClientConfig
-from hicache.controller.client import SidecarController
+from hicache.controller.client.channel import SidecarClientConfig
+from hicache.controller.client.sidecar_client import SidecarController
 from hicache.controller_api import PageKey, PageRef, TransferHandle, unsettled_load
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec

@@ -1,6 +1,6 @@
 """A node in miniature: one sidecar process and engine worker processes around it.
 
-:class:`SidecarProcess` runs ``python -m hicache.controller.sidecar_process`` (what
+:class:`SidecarProcess` runs ``python -m hicache.controller.sidecar.process`` (what
 ``hicache serve`` runs) on a Unix socket in a work folder, with its LMDB tier there;
 :class:`EngineCluster` starts engine workers (:mod:`hicache.apps.engine.worker`) that
 reach it through ``SidecarController``, hands each its share of a batch of requests, and
@@ -73,7 +73,7 @@ class SidecarProcess:
         command = [
             sys.executable,
             "-m",
-            "hicache.controller.sidecar_process",
+            "hicache.controller.sidecar.process",
             "--socket",
             str(self.socket_path),
             "--disk-path",

@@ -144,11 +144,11 @@ class WorkerEngine:
         self.pools = DevicePools.allocate(spec.layout, shared)
         self.controller = None
         if settings.socket:
-            from hicache.controller.client import SidecarController
+            from hicache.controller.client.sidecar_client import SidecarController
 
             if settings.sidecar_ready_file:
                 _wait_for_file(Path(settings.sidecar_ready_file), settings.sidecar_wait_s)
-            from hicache.controller.client import SidecarClientConfig
+            from hicache.controller.client.sidecar_client import SidecarClientConfig
 
             client = SidecarClientConfig(
                 lookup_timeout_s=settings.sidecar_lookup_timeout_s,

@@ -20,9 +20,9 @@ from sglang_support import (
 )
 from sidecar_support import wait_for
 
-from hicache.controller.channel import RemoteLayoutMismatch
-from hicache.controller.lmdb_tier import HEADER_BYTES
-from hicache.controller.protocol import Verb
+from hicache.controller.client.channel import RemoteLayoutMismatch
+from hicache.controller.tiers.lmdb_tier import HEADER_BYTES
+from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType
 

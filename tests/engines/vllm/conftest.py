@@ -54,7 +54,7 @@ def flat_stats(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def sidecar_stats(sidecar: Sidecar) -> dict[str, Any]:
-    from hicache.controller.protocol import Verb
+    from hicache.controller.wire.protocol import Verb
 
     admin = sidecar.admin()
     try:

@@ -21,7 +21,7 @@ import pytest
 from conftest import Instance, sidecar_stats
 from sidecar_support import Sidecar, wait_for
 
-from hicache.controller.page_codec import HEADER_BYTES
+from hicache.controller.store.page_codec import HEADER_BYTES
 
 PROMPT_TOKENS = 100  # three whole blocks of 32 tokens, and a tail
 BLOCK_TOKENS = 32
@@ -87,7 +87,7 @@ def test_instances_share_the_host_tier_then_the_disk_tier(tiny_model, sidecar_di
         stats = sidecar_stats(sidecar)
         assert stats["lookup.host.full"] >= pages_per_prompt
         # B's load of P's host pages: copied by its worker from the shared host pages
-        # (controller/host_share.py), or by the sidecar
+        # (controller/client/host_share.py), or by the sidecar
         assert stats.get("load.engine_copied", 0) + stats.get("load.ok", 0) >= 1
         sidecar.kill()  # B is running: its next lookups and loads meet a dead sidecar
         b.resume(1)

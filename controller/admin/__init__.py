@@ -1,0 +1,1 @@
+"""Admin operations, in the store's process, and ``hicachectl``, a client process."""

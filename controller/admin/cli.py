@@ -1,0 +1,376 @@
+"""``hicachectl``: inspect and drive a running sidecar.
+
+Commands: ``status``, ``stats``, ``engines``, ``health``, ``clear``, ``evict``, ``pin``,
+``unpin``, ``fsck``. Every command takes ``--json`` (one JSON document on stdout).
+
+The admin connection authenticates with the admin token the sidecar writes beside its
+socket (``admin.token``, mode 0600): only the sidecar's user can read it.
+
+Exit codes (for scripts):
+
+* 0 — done, and healthy / clean;
+* 1 — done, but the answer is bad news: ``health`` unhealthy, ``fsck`` found corrupt
+  values, ``pin`` found no cached page of the prefix;
+* 2 — bad usage (arguments);
+* 3 — the sidecar is unreachable or did not answer in time;
+* 4 — refused: the admin token is missing or wrong;
+* 5 — the sidecar refused the request (the message says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hicache.controller.client.channel import (
+    Channel,
+    RemoteError,
+    SidecarClientConfig,
+    SidecarUnavailable,
+)
+from hicache.controller.sidecar.remote_status import print_remote_status
+from hicache.controller.wire.protocol import (
+    ADMIN_TOKEN_NAME,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    Verb,
+    default_endpoint,
+    normalize_endpoint,
+    socket_dir,
+)
+from hicache.controller.wire.verbs import SPECS, HelloArgs, NoArgs
+from hicache.types import ConfigError
+
+EXIT_OK, EXIT_BAD_NEWS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_ERROR = range(6)
+
+
+class AdminClient:
+    """An admin connection to a sidecar (handshake with the admin token)."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        token: bytes | None = None,
+        token_file: str | os.PathLike | None = None,
+        timeout_s: float = 10.0,
+        config: SidecarClientConfig | None = None,
+    ) -> None:
+        self.endpoint = normalize_endpoint(endpoint) if endpoint else default_endpoint()
+        self.timeout_s = timeout_s
+        sock_dir = socket_dir(self.endpoint)
+        if sock_dir is not None and not Path(self.endpoint[len("ipc://") :]).exists():
+            raise SidecarUnavailable(
+                f"the sidecar is not reachable: no socket at {self.endpoint[len('ipc://') :]} "
+                "(is it running? is --socket right?)"
+            )
+        if token is None:
+            path = Path(token_file) if token_file else None
+            if path is None and sock_dir is not None:
+                path = sock_dir / ADMIN_TOKEN_NAME
+            if path is None:
+                raise ConfigError("a TCP admin connection needs --token-file")
+            try:
+                token = path.read_bytes().strip()
+            except OSError as exc:
+                raise PermissionError(
+                    f"cannot read the admin token {path} ({exc.strerror}); run as the "
+                    "sidecar's user or pass --token-file"
+                ) from None
+        self._token = token
+        self._channel = Channel(self.endpoint, config or SidecarClientConfig())
+        self._handshake()
+
+    def _handshake(self) -> None:
+        self._channel.reset()
+        hello = HelloArgs(
+            role=Role.ADMIN.value, engine_id=f"hicachectl:{os.getpid()}", token=self._token
+        )
+        self._channel.call(Verb.HELLO, hello, self.timeout_s, connect_wait_s=self.timeout_s)
+
+    def call(self, verb: Verb, args: dict[str, Any] | None = None, progress: Any = None) -> dict:
+        """One request, its arguments checked and its reply decoded against the verb's
+        spec (a bad argument is refused here, as the sidecar would); the reply as a map.
+        A session the sidecar forgot (idle past its lease, or a restart) is renewed once."""
+        spec = SPECS[verb]
+        try:
+            record = spec.decode_args(args or {})
+        except ProtocolError as exc:
+            raise RemoteError(exc.code.value, exc.message) from None
+        try:
+            reply = self._channel.call(verb, record, self.timeout_s, progress)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.NO_SESSION.value:
+                raise
+            self._handshake()
+            reply = self._channel.call(verb, record, self.timeout_s, progress)
+        return spec.encode_reply(reply)
+
+    def close(self) -> None:
+        with contextlib.suppress(RemoteError, SidecarUnavailable):
+            self._channel.call(Verb.BYE, NoArgs(), 1.0)
+        self._channel.close()
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_status(r: dict) -> None:
+    layout = r.get("layout") or {}
+    print(f"sidecar {r['version']} (protocol {r['protocol']}), pid {r['pid']}")
+    print(f"  endpoints: {', '.join(r['endpoints'])}")
+    print(f"  uptime:    {r['uptime_s']:.0f}s, engines {r['engines']}, in flight {r['inflight']}")
+    if layout:
+        print(
+            f"  layout:    {layout['model_id']} page_size={layout['page_size']} "
+            f"[{', '.join(layout['components'])}] {layout['fingerprint']}"
+        )
+    else:
+        print("  layout:    none yet (no engine has connected)")
+    host, disk = r.get("host", {}), r.get("disk", {})
+    if host:
+        print(
+            f"  host:      {_human_bytes(host['used_bytes'])} used of "
+            f"{_human_bytes(host['resident_bytes'])}"
+        )
+    if disk.get("enabled"):
+        print(
+            f"  disk:      {_human_bytes(disk['live_bytes'])} live, file "
+            f"{_human_bytes(disk['file_bytes'])}, budget {_human_bytes(disk['budget_bytes'])}"
+        )
+    print(f"  pages:     {r['entries']} indexed, {r['pins_active']} pins")
+    print_remote_status(r.get("remote", {}))
+
+
+def _print_engines(r: dict) -> None:
+    rows = r["engines"]
+    if not rows:
+        print("no connections")
+        return
+    print(f"{'ROLE':6} {'ENGINE':40} {'PID':>7} {'DEVICE':6} {'IDLE':>6} {'REQS':>8}")
+    for e in rows:
+        print(
+            f"{e['role']:6} {e['engine_id'][:40]:40} {e['pid']:>7} {e['device'] or '-':6} "
+            f"{e['idle_s']:>5.1f}s {e['requests']:>8}"
+        )
+
+
+def _print_flat(d: Any, prefix: str = "") -> None:
+    if isinstance(d, dict):
+        for k, v in d.items():
+            _print_flat(v, f"{prefix}{k}.")
+    else:
+        print(f"{prefix[:-1]} {d}")
+
+
+class _Progress:
+    """A progress bar on stderr (only when asked, or when stderr is a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * width)
+        sys.stderr.write(f"\rfsck [{bar:<{width}}] {frac:6.1%} {done}/{total}")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def end(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def _tokens(args: argparse.Namespace) -> list[int]:
+    text = args.tokens
+    if args.tokens_file:
+        text = Path(args.tokens_file).read_text()
+    if not text:
+        raise ConfigError("give the prefix with --tokens 1,2,3 or --tokens-file FILE")
+    text = text.strip()
+    if text.startswith("["):
+        return [int(t) for t in json.loads(text)]
+    return [int(t) for t in text.replace(",", " ").split()]
+
+
+def run(client: AdminClient, args: argparse.Namespace) -> tuple[dict, int]:
+    """Run one command; returns (result, exit code)."""
+    cmd = args.command
+    if cmd in ("status", "stats", "engines", "health"):
+        verb = {"status": Verb.STATUS, "stats": Verb.STATS, "engines": Verb.ENGINES}.get(
+            cmd, Verb.HEALTH
+        )
+        r = client.call(verb)
+        code = EXIT_BAD_NEWS if cmd == "health" and r.get("status") != "ok" else EXIT_OK
+        return r, code
+    if cmd == "clear":
+        tiers = ["host", "disk"] if args.tier == "all" else [args.tier]
+        ns_given = args.namespace is not None or args.default_namespace
+        a: dict[str, Any] = {"tiers": tiers, "all_namespaces": not ns_given}
+        if args.namespace is not None:
+            a["namespace"] = args.namespace
+        return client.call(Verb.CLEAR, a), EXIT_OK
+    if cmd == "evict":
+        from hicache.controller.sidecar.process import parse_size
+
+        a = {"tier": args.tier, "bytes": parse_size(args.bytes, "--bytes")}
+        if args.component:
+            a["component"] = args.component
+        return client.call(Verb.EVICT, a), EXIT_OK
+    if cmd == "pin":
+        a = {"tokens": _tokens(args), "ttl_s": args.ttl}
+        if args.namespace is not None:
+            a["namespace"] = args.namespace
+        r = client.call(Verb.PIN_PREFIX, a)
+        return r, EXIT_OK if r.get("pin_id") is not None else EXIT_BAD_NEWS
+    if cmd == "unpin":
+        return client.call(Verb.UNPIN_PREFIX, {"pin_id": args.pin_id}), EXIT_OK
+    if cmd == "fsck":
+        bar = _Progress(args.progress if args.progress is not None else sys.stderr.isatty())
+        try:
+            r = client.call(Verb.FSCK, {"repair": args.repair}, progress=bar)
+        finally:
+            bar.end()
+        return r, EXIT_BAD_NEWS if r.get("corrupt") else EXIT_OK
+    raise AssertionError(cmd)
+
+
+def _show(cmd: str, r: dict) -> None:
+    if cmd == "status":
+        _print_status(r)
+    elif cmd == "engines":
+        _print_engines(r)
+    elif cmd == "health":
+        checks = ", ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in r["checks"].items())
+        print(f"{r['status']}: {checks}")
+    elif cmd == "pin":
+        if r.get("pin_id") is None:
+            print("nothing pinned: no page of that prefix is cached")
+        else:
+            print(
+                f"pin {r['pin_id']}: {r['tokens']} tokens ({r['pages']} pages) "
+                f"for {r['ttl_s']:.0f}s"
+            )
+    elif cmd == "fsck":
+        print(
+            f"fsck: {r['checked']} values, {r['ok']} ok, {r['corrupt']} corrupt, "
+            f"{r['foreign']} of another layout, {r['repaired']} repaired"
+            + (
+                f" (layout unchecked for {r['layout_unchecked']}: no engine has registered)"
+                if r.get("layout_unchecked")
+                else ""
+            )
+        )
+    else:
+        _print_flat(r)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hicachectl",
+        description="Inspect and drive a hicache sidecar.",
+        epilog="exit codes: 0 ok, 1 bad news (unhealthy, corrupt, nothing pinned), 2 usage, "
+        "3 unreachable, 4 refused (admin token), 5 request refused",
+    )
+    p.add_argument("--socket", help="the sidecar's Unix socket (default: the serve default)")
+    p.add_argument("--endpoint", help="ipc://… or tcp://… (instead of --socket)")
+    p.add_argument("--token-file", help="the admin token (default: admin.token by the socket)")
+    p.add_argument("--tcp-token-file", help="TCP token (when the sidecar uses tcp_auth=token)")
+    p.add_argument("--curve-server-key", help="the sidecar's public CURVE certificate")
+    p.add_argument("--curve-client-cert", help="this client's secret CURVE certificate")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("status", "version, endpoints, layout, tiers"),
+        ("stats", "every counter and residency"),
+        ("engines", "connected engines and admin tools"),
+        ("health", "exit 0 when healthy, 1 when not"),
+    ):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    c = sub.add_parser("clear", help="drop unpinned pages (tail first; pins are kept)")
+    c.add_argument("--tier", choices=["host", "disk", "all"], default="all")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--namespace", help="only this namespace (extra_key)")
+    g.add_argument("--default-namespace", action="store_true", help="only the unnamed one")
+    e = sub.add_parser("evict", help="evict least recently used pages")
+    e.add_argument("--tier", choices=["host", "disk"], required=True)
+    e.add_argument("--bytes", required=True, help="how much to free, e.g. 1GiB")
+    e.add_argument("--component", choices=["full", "swa", "mamba"])
+    pn = sub.add_parser("pin", help="pin a cached prefix against eviction for a TTL")
+    pn.add_argument("--tokens", help="token ids, comma or space separated")
+    pn.add_argument("--tokens-file", help="a file of token ids (JSON list or separated)")
+    pn.add_argument("--namespace", help="the prefix's namespace (extra_key)")
+    pn.add_argument("--ttl", type=float, default=600.0, help="seconds (capped by pin_ttl_max_s)")
+    u = sub.add_parser("unpin", help="release a pin made by 'pin'")
+    u.add_argument("pin_id", type=int)
+    f = sub.add_parser("fsck", help="check every LMDB value's checksum")
+    f.add_argument("--repair", action="store_true", help="drop corrupt values")
+    f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    for s in (c, e, pn, u, f):
+        s.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    endpoint = args.endpoint or (normalize_endpoint(args.socket) if args.socket else None)
+    config = SidecarClientConfig(
+        tcp_token_file=args.tcp_token_file,
+        curve_server_public_key_file=args.curve_server_key,
+        curve_client_cert_file=args.curve_client_cert,
+    )
+    try:
+        try:
+            client = AdminClient(
+                endpoint, token_file=args.token_file, timeout_s=args.timeout, config=config
+            )
+        except SidecarUnavailable as exc:
+            print(f"hicachectl: {exc}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        except (PermissionError, ConfigError) as exc:
+            print(f"hicachectl: {exc}", file=sys.stderr)
+            return EXIT_REFUSED if isinstance(exc, PermissionError) else EXIT_USAGE
+        try:
+            result, code = run(client, args)
+        finally:
+            client.close()
+    except SidecarUnavailable as exc:
+        print(f"hicachectl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RemoteError as exc:
+        print(f"hicachectl: {exc.message}", file=sys.stderr)
+        return EXIT_REFUSED if exc.code == ErrorCode.FORBIDDEN.value else EXIT_ERROR
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"hicachectl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        _show(args.command, result)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The sidecar connection: one DEALER socket with request ids, its credentials, its
+config, and the errors a call can end in. Used by the engine's client
+(:mod:`hicache.controller.client.sidecar_client`) and by ``hicachectl``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from hicache.controller.wire.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    SETTLE_POLL_S,
+    ErrorCode,
+    ProtocolError,
+    Verb,
+    encode_request,
+    unpack,
+)
+from hicache.controller.wire.verbs import SPECS
+from hicache.controller_api import ControllerError
+from hicache.types import ConfigError, LayoutMismatchError
+
+log = logging.getLogger("hicache.sidecar.client")
+
+POLL_SLICE_S = SETTLE_POLL_S  # a waiting thread releases the socket this often
+
+
+class SidecarUnavailable(ControllerError):
+    """The sidecar did not answer in time, or cannot be reached, or the breaker is open."""
+
+
+class RemoteError(ControllerError):
+    """The sidecar answered with an error; ``code`` is its :class:`ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RemoteLayoutMismatch(RemoteError, LayoutMismatchError):
+    """The sidecar serves another layout."""
+
+
+# Errors that no retry can fix: the engine's configuration is wrong.
+FATAL_CODES = {
+    ErrorCode.LAYOUT_MISMATCH.value,
+    ErrorCode.VERSION_MISMATCH.value,
+    ErrorCode.REGISTRATION_REFUSED.value,
+    ErrorCode.FORBIDDEN.value,
+    ErrorCode.BAD_ARGS.value,
+}
+
+
+@dataclass
+class SidecarClientConfig:
+    """Timeouts, breaker and credentials of a sidecar client (seconds, files)."""
+
+    request_timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.25
+    backup_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    # A registration may wait for the sidecar to build its tiers at the first one (its host
+    # pool allocated and page-locked: about 1.4 s per 4 GiB on an H200 host), so it is
+    # given at least this long.
+    register_timeout_s: float = 120.0
+    load_timeout_margin_s: float = 1.0  # added to a load's own timeout for the round trip
+    breaker_failures: int = 3
+    reconnect_interval_s: float = 1.0
+    heartbeat_interval_s: float | None = None  # None: as the sidecar asks in its handshake
+    # The engine's critical-path calls (lookup, pin, load) poll for their reply without
+    # sleeping for up to this long (docs/protocol.md): for an engine whose thread waits on
+    # them with nothing else of the process running; 0 (the default) sleeps.
+    reply_spin_s: float = 0.0
+    # pin() sends nothing and the load pins its own pages on arrival, sparing a round trip
+    # (docs/protocol.md, "A load that pins its own pages"): for a client whose pins are
+    # always followed by a load of those pages from this same client.
+    pin_at_load: bool = False
+    # Map the sidecar's shared host pages (an ipc:// sidecar whose host_shared is on) and
+    # copy load-backs of pages on host here (controller/client/host_share.py).
+    engine_copies: bool = True
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tcp_token_file: str | Path | None = None
+    curve_server_public_key_file: str | Path | None = None
+    curve_client_cert_file: str | Path | None = None  # the client's secret cert
+
+    def __post_init__(self) -> None:
+        for name in (
+            "request_timeout_s",
+            "lookup_timeout_s",
+            "backup_timeout_s",
+            "connect_timeout_s",
+            "register_timeout_s",
+            "reconnect_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.reply_spin_s >= 0:
+            raise ConfigError(f"reply_spin_s must be >= 0 seconds, got {self.reply_spin_s}")
+        if self.breaker_failures < 1:
+            raise ConfigError("breaker_failures must be >= 1")
+
+
+def configure_auth(sock: zmq.Socket, endpoint: str, config: SidecarClientConfig) -> None:
+    """Set a DEALER's TCP credentials from ``config`` (Unix sockets need none)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    if config.curve_server_public_key_file and config.curve_client_cert_file:
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(str(config.curve_server_public_key_file))
+        public, secret = zmq.auth.load_certificate(str(config.curve_client_cert_file))
+        if secret is None:
+            raise ConfigError(f"{config.curve_client_cert_file} holds no secret key")
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    elif config.tcp_token_file:
+        sock.plain_username = b"hicache"
+        sock.plain_password = Path(config.tcp_token_file).read_text().strip().encode()
+    else:
+        raise ConfigError(
+            f"{endpoint} is TCP: give tcp_token_file or the CURVE key files; the sidecar "
+            "answers nothing to a TCP connection without credentials"
+        )
+
+
+class Channel:
+    """One DEALER socket with request ids: several requests may be in flight.
+
+    Thread-safe: the socket is only touched under a lock, and a thread waiting for its
+    reply polls in short slices, filing whatever replies arrive by request id.
+    """
+
+    def __init__(self, endpoint: str, config: SidecarClientConfig) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict] = {}
+        self._expected: dict[int, Verb] = {}  # requests sent, not yet answered
+        self._progress: dict[int, Callable[[int, int], None]] = {}
+        self._sock: zmq.Socket | None = None
+        self.generation = 0
+        self.last_reply = 0.0
+
+    def reset(self) -> None:
+        """A fresh socket; requests in flight on the old one will never be answered."""
+        with self._lock:
+            self.close()
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer that is not connected
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            configure_auth(s, self.endpoint, self.config)
+            s.connect(self.endpoint)
+            self._sock = s
+            self.generation += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+            self._replies.clear()
+            self._expected.clear()
+            self._progress.clear()
+
+    def send(
+        self,
+        verb: Verb,
+        args: Any,
+        ttl_s: float,
+        progress: Callable[[int, int], None] | None = None,
+        connect_wait_s: float = 0.0,
+        reply_wanted: bool = True,
+    ) -> int:
+        """Send a request (``args``: the verb's argument record); returns its id. Raises
+        SidecarUnavailable when it cannot go (no connection to the sidecar within
+        ``connect_wait_s``). Without ``reply_wanted`` its reply is dropped on arrival,
+        unread (a request whose outcome changes nothing for the sender)."""
+        req_id = next(self._ids)
+        data = encode_request(req_id, verb, SPECS[verb].encode_args(args), ttl_s)
+        with self._lock:
+            if self._sock is None:
+                self.reset()
+            try:
+                try:
+                    self._sock.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    # With IMMEDIATE, POLLOUT means a connection is up (a fresh socket
+                    # connects asynchronously).
+                    if not self._sock.poll(int(connect_wait_s * 1000), zmq.POLLOUT):
+                        raise
+                    self._sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise SidecarUnavailable(
+                    f"the sidecar at {self.endpoint} is not reachable (is it running?)"
+                ) from None
+            if reply_wanted:
+                self._expected[req_id] = verb
+            if progress is not None:
+                self._progress[req_id] = progress
+        return req_id
+
+    def _drain(self, timeout_s: float) -> None:
+        """Read every reply that is there (waiting up to ``timeout_s`` for the first)."""
+        if self._sock is None:
+            return
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = unpack(data, self.config.max_message_bytes)
+                req_id = msg.get("id")
+            except Exception:
+                log.warning("undecodable reply from the sidecar dropped")
+                continue
+            self.last_reply = time.monotonic()
+            if "progress" in msg:
+                cb = self._progress.get(req_id)
+                p = msg["progress"]
+                if cb is not None and isinstance(p, dict):
+                    cb(int(p.get("done", 0)), int(p.get("total", 0)))
+            elif req_id in self._expected:
+                msg["verb"] = self._expected.pop(req_id)
+                self._progress.pop(req_id, None)
+                self._replies[req_id] = msg
+            # else: the reply to a request given up on; dropped
+
+    def poll(self, req_id: int) -> dict | None:
+        """The reply to ``req_id`` if it has come (never blocks)."""
+        with self._lock:
+            if req_id not in self._replies:
+                self._drain(0)
+            return self._replies.pop(req_id, None)
+
+    def forget(self, req_id: int) -> None:
+        with self._lock:
+            self._expected.pop(req_id, None)
+            self._progress.pop(req_id, None)
+            self._replies.pop(req_id, None)
+
+    def wait(self, req_id: int, timeout_s: float, forget: bool = True, spin_s: float = 0.0) -> Any:
+        """The result record of ``req_id``; raises RemoteError for an error reply and
+        SidecarUnavailable when none came within ``timeout_s`` (after which a late reply
+        is still filed for :meth:`poll` unless ``forget``). For the first ``spin_s`` the
+        socket is polled without sleeping: a caller that blocks on the reply anyway
+        spares itself the wake-up of a sleeping thread, which on an idle host costs tens
+        of microseconds per call."""
+        now = time.monotonic()
+        end, spin_end = now + timeout_s, now + spin_s
+        while True:
+            with self._lock:
+                msg = self._replies.pop(req_id, None)
+                if msg is None:
+                    left = end - time.monotonic()
+                    if left <= 0 or (req_id not in self._expected):
+                        if forget or req_id not in self._expected:
+                            self.forget(req_id)
+                        raise SidecarUnavailable(
+                            f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
+                        )
+                    spinning = time.monotonic() < spin_end
+                    self._drain(0.0 if spinning else min(left, POLL_SLICE_S))
+                    msg = self._replies.pop(req_id, None)
+            if msg is not None:
+                return result_of(msg)
+
+    def call(
+        self,
+        verb: Verb,
+        args: Any,
+        timeout_s: float,
+        progress: Callable[[int, int], None] | None = None,
+        connect_wait_s: float = 0.0,
+        spin_s: float = 0.0,
+    ) -> Any:
+        """Send and wait (``timeout_s`` counts from the send; ``spin_s`` as in :meth:`wait`)."""
+        rid = self.send(verb, args, timeout_s, progress, connect_wait_s)
+        return self.wait(rid, timeout_s, spin_s=spin_s)
+
+
+def result_of(msg: dict) -> Any:
+    """A reply's result, as the record of the verb it answers (a map for an open
+    document); raises RemoteError for an error reply or one that is not what the verb
+    answers."""
+    if msg.get("ok") is True:
+        try:
+            return SPECS[msg["verb"]].decode_reply(msg.get("result"))
+        except ProtocolError as exc:
+            raise RemoteError(exc.code.value, exc.message) from None
+    err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+    code, message = str(err.get("code", "internal")), str(err.get("message", "no message"))
+    if code == ErrorCode.LAYOUT_MISMATCH.value:
+        raise RemoteLayoutMismatch(code, message)
+    raise RemoteError(code, message)

@@ -1,0 +1,269 @@
+"""Load-backs an engine copies itself, from the sidecar's host pages mapped read-only.
+
+Through the sidecar, a load-back of pages held on host is a request, a copy the sidecar
+issues into the engine's memory (CUDA IPC), and a reply: on a GPU host about a
+millisecond more than the same copy in-process, most of it thread hand-offs and two
+processes' Python around a copy of a few hundred microseconds (docs/performance.md).
+A sidecar whose host pool lives in ``memfd`` memory (``ControllerConfig.host_shared``,
+on by default in ``hicache serve``) hands its descriptors to its engines over the
+descriptor socket (controller/client/fd_pass.py). An engine maps them read-only, registers them
+with CUDA (page-locked, as the sidecar's are), and then:
+
+* its **pin** asks for the host page of each key; the sidecar answers them for pages
+  ready on host (``-1`` for a page only on disk, or still being filled);
+* its **load** of pages that all have one copies them with the same kernels as an
+  in-process controller (:class:`TransferEngine`), on its own load stream, and waits
+  for the copy;
+* its **unpin** (sent after the copy has ended) says the pages were loaded, so the
+  sidecar counts the transfer and keeps those pages as it keeps any page that served a
+  load-back.
+
+A pinned page is never freed or rewritten, so the copy reads what the pin promised. A
+pin within ``TTL_MARGIN_S`` of its deadline, a page not on host, a sidecar of another
+session: the load goes through the sidecar as before. The engine never writes the
+mapping (it is ``PROT_READ``).
+
+The sidecar's side is :func:`describe`: the description and descriptors it sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import msgpack
+import numpy as np
+import torch
+
+from hicache.controller.client.fd_pass import fd_socket_path, receive_fds
+from hicache.controller.store.host_pool import HostPool, row_bytes
+from hicache.controller.store.page_copies import check_refs
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+from hicache.controller_api import ControllerError
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.controller.store.local import LocalController
+    from hicache.controller_api import PageRef, PinReceipt
+    from hicache.layout import ModelLayout
+    from hicache.pools import DevicePools
+
+log = logging.getLogger("hicache.sidecar.host_share")
+
+TTL_MARGIN_S = 1.0  # a pin with less left than this is loaded by the sidecar
+SHARE_VERSION = 1
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+def describe(ctl: LocalController) -> tuple[bytes, list[int]] | None:
+    """The sidecar's host pages for an engine to map: a msgpack description and one
+    descriptor per component (the sender keeps its own); None when they are not shared
+    or not built yet."""
+    store = ctl.store
+    host = store.host
+    if host is None or any(p.shared is None for p in host.components.values()):
+        return None
+    comps = list(host.components.items())
+    header = {
+        "version": SHARE_VERSION,
+        "fingerprint": host.layout.fingerprint(host.page_size),
+        "components": [
+            {"component": c.name.lower(), "pages": p.num_pages, "row_bytes": p.row_bytes}
+            for c, p in comps
+        ],
+    }
+    return msgpack.packb(header), [p.shared.fd for _, p in comps]
+
+
+class HostShare:
+    """The sidecar's host pages mapped into this engine, and the copies out of them."""
+
+    def __init__(
+        self, pool: HostPool, registered: list[int], generation: int, buffers: EngineBuffers
+    ) -> None:
+        self.pool = pool
+        self.generation = generation  # the client's session these pages belong to
+        self.buffers = buffers
+        self._engine = TransferEngine(pool)
+        self._registered = registered
+        self._loaded: dict[int, float] = {}  # pin id -> seconds its copy here took
+        self.open_s = 0.0  # how long mapping (and page-locking) the pages took
+
+    @classmethod
+    def open(
+        cls,
+        fd_path: str | os.PathLike,
+        layout: ModelLayout,
+        page_size: int,
+        buffers: EngineBuffers,
+        generation: int,
+    ) -> HostShare | None:
+        """Map the host pages of the sidecar at ``fd_path``; None (logged) when it shares
+        none, they are not this layout's, or they cannot be page-locked here."""
+        t0 = time.perf_counter()
+        try:
+            header, fds = receive_fds(fd_path)
+        except OSError as exc:
+            log.info("no shared host pages from the sidecar (%s): loads go through it", exc)
+            return None
+        try:
+            if not header:
+                return None
+            mapped = _map(header, fds, layout, page_size)
+        except (ValueError, OSError) as exc:
+            log.warning("the sidecar's shared host pages are unusable: %s", exc)
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        registered: list[int] = []
+        if buffers.device.type == "cuda":
+            for buf in mapped.values():
+                ptr, n = buf.data_ptr(), buf.numel()
+                if not n:
+                    continue
+                rc = torch.cuda.cudart().cudaHostRegister(ptr, n, _CUDA_HOST_REGISTER_READ_ONLY)
+                if int(rc) != 0:
+                    log.warning("cudaHostRegister of the shared host pages failed (%s)", rc)
+                    _unregister(registered)
+                    return None
+                registered.append(ptr)
+        pool = HostPool(layout, page_size, None, mapped=mapped)
+        share = cls(pool, registered, generation, buffers)
+        share.open_s = time.perf_counter() - t0
+        log.info(
+            "mapped the sidecar's host pages (%.1f GiB, %.2f s): load-backs of host pages "
+            "copy here", pool.resident_bytes / (1 << 30), share.open_s,
+        )  # fmt: skip
+        return share
+
+    @classmethod
+    def for_session(
+        cls,
+        endpoint: str,
+        layout: ModelLayout,
+        page_size: int,
+        pools: DevicePools | None,
+        generation: int,
+    ) -> HostShare | None:
+        """:meth:`open` for a client of ``endpoint`` whose ``pools`` are registered; None
+        for a TCP endpoint or a client without pools."""
+        if pools is None or not endpoint.startswith("ipc://"):
+            return None
+        path = fd_socket_path(endpoint[len("ipc://") :])
+        return cls.open(path, layout, page_size, EngineBuffers.from_pools(pools), generation)
+
+    def try_load(self, refs: Sequence[PageRef], pin: PinReceipt) -> bool | None:
+        """Copy ``refs`` here when every page has a host page under ``pin``: whether the
+        bytes arrived (recorded for the unpin, :meth:`loaded_s`); None when the sidecar
+        must load them."""
+        pages = self.host_pages(pin, refs)
+        if pages is None:
+            return None
+        t0 = time.perf_counter()
+        if self.buffers.device.type == "cuda":  # the slots' earlier work ends first
+            torch.cuda.current_stream(self.buffers.device).synchronize()
+        try:
+            ok = self.load(refs, pages)
+        except ControllerError as exc:  # refs outside this engine's pools: as the sidecar
+            log.warning("load-back refused: %s", exc)  # would answer, a failed load
+            return False
+        if ok:
+            self._loaded[pin.pin_id] = time.perf_counter() - t0
+        return ok
+
+    def loaded_s(self, pin: PinReceipt) -> float | None:
+        """How long the copy of ``pin``'s pages took here; None if they were not copied
+        here (forgotten once asked)."""
+        return self._loaded.pop(pin.pin_id, None)
+
+    def host_pages(self, pin: PinReceipt, refs: Sequence[PageRef]) -> list[int] | None:
+        """The host page of each ref, or None when the sidecar must load them (a page
+        not on host, a pin close to its deadline or of another session)."""
+        pages = pin.host_pages
+        if pages is None or pin.deadline - time.monotonic() < TTL_MARGIN_S:
+            return None
+        by_key = dict(zip(pin.keys, pages))
+        out = []
+        for ref in refs:
+            page = by_key.get(ref.key, -1)
+            if page < 0:
+                return None
+            out.append(page)
+        return out
+
+    def load(self, refs: Sequence[PageRef], host_pages: list[int]) -> bool:
+        """Copy ``host_pages`` into the slots of ``refs``; True once the bytes are there.
+        Raises ControllerError for refs that name no slot of this engine (or one twice)."""
+        check_refs(refs, self.buffers, self.pool.layout)
+        groups: dict[ComponentType, tuple[list[int], list[int]]] = {}
+        for ref, page in zip(refs, host_pages):
+            if not 0 <= page < self.pool[ref.component].num_pages:
+                return False  # not a page of this pool: a sidecar answer to distrust
+            src, dst = groups.setdefault(ref.component, ([], []))
+            src.append(page)
+            dst.append(ref.device_index)
+        try:
+            events = [
+                self._engine.start_to_device(c, self.buffers, src, dst)
+                for c, (src, dst) in groups.items()
+            ]
+            for e in events:
+                if e is not None:
+                    e.synchronize()
+        except Exception as exc:  # a device error: the slots are undefined, a miss
+            log.error("load-back from the shared host pages failed: %s", exc)
+            return False
+        return True
+
+    def __del__(self) -> None:
+        _unregister(self._registered)
+
+
+def _map(
+    header: bytes, fds: list[int], layout: ModelLayout, page_size: int
+) -> dict[ComponentType, torch.Tensor]:
+    """The pages the description names, one read-only ``[pages, row_bytes]`` buffer per
+    component; ValueError for a description that does not fit this layout."""
+    try:
+        desc = msgpack.unpackb(header, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData) as exc:
+        raise ValueError(f"the description does not decode ({exc})") from None
+    if not isinstance(desc, dict) or desc.get("version") != SHARE_VERSION:
+        raise ValueError("a description of another version")
+    if desc.get("fingerprint") != layout.fingerprint(page_size):
+        raise ValueError("they hold another layout's pages")
+    comps = desc.get("components")
+    if not isinstance(comps, list) or len(comps) != len(fds):
+        raise ValueError("the components and the descriptors do not match")
+    names = {c.name.lower(): c for c in layout.components}
+    out: dict[ComponentType, torch.Tensor] = {}
+    for item, fd in zip(comps, fds):
+        comp = names.get(item.get("component")) if isinstance(item, dict) else None
+        pages, rb = (item.get("pages"), item.get("row_bytes")) if comp is not None else (0, 0)
+        if comp is None or type(pages) is not int or pages < 0 or comp in out:
+            raise ValueError(f"a component description {item!r} of no use here")
+        if rb != row_bytes(layout.page_bytes(comp, page_size)):
+            raise ValueError(f"{comp.name} pages of {rb} bytes, not this layout's")
+        nbytes = pages * rb
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"{comp.name}: the memory is smaller than {nbytes} bytes")
+        mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        raw = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+        with warnings.catch_warnings():  # read-only on purpose: nothing here writes it
+            warnings.simplefilter("ignore", UserWarning)
+            out[comp] = torch.from_numpy(raw).view(pages, rb)
+    return out
+
+
+def _unregister(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    ptrs.clear()

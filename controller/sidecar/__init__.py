@@ -1,0 +1,1 @@
+"""The ``hicache serve`` process: server loop, sessions, lanes, metrics, sharing's sidecar half."""

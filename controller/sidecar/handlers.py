@@ -1,0 +1,466 @@
+"""What the sidecar does for each verb: the controller call behind it.
+
+Every handler receives the verb's argument record, already decoded and checked against
+the verb's spec (:mod:`hicache.controller.wire.verbs`) before it runs, and returns the
+verb's result record. Handlers see the sessions and the controller, never the server:
+those that run on a worker or the lane (the spec says which) receive the request's
+deadline in their :class:`Call` and never wait past it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache import __version__
+from hicache.controller.admin.ops import ADMIN_ENGINE
+from hicache.controller.client.device_share import RegistrationRefused, map_pools, open_ready_event
+from hicache.controller.sidecar.fair_lane import yield_to_io
+from hicache.controller.sidecar.remote_status import remote_status, verbs_on_workers
+from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
+from hicache.controller.wire.fields import WORK_CHUNK_PAGES, bad_args, split_hashes
+from hicache.controller.wire.protocol import (
+    PROTOCOL_VERSION,
+    SETTLE_POLL_S,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    Verb,
+)
+from hicache.controller.wire.verbs import (
+    BackupArgs,
+    ClearArgs,
+    ClearReply,
+    Empty,
+    EvictArgs,
+    EvictReply,
+    FsckArgs,
+    FsckReply,
+    HeartbeatReply,
+    HelloArgs,
+    HelloReply,
+    KeysArgs,
+    LoadArgs,
+    LookupArgs,
+    LookupReply,
+    NoArgs,
+    OkReply,
+    PinArgs,
+    PinIdArgs,
+    PinPrefixArgs,
+    PinPrefixReply,
+    PinReply,
+    RegisterArgs,
+    RegisterReply,
+    UnpinArgs,
+)
+from hicache.controller_api import PinReceipt
+from hicache.keys import HASH_BYTES
+from hicache.types import ComponentType, Tier
+
+if TYPE_CHECKING:
+    from hicache.controller.client.fd_pass import FdInbox
+    from hicache.controller.sidecar.config import SidecarConfig
+    from hicache.controller.sidecar.metrics import SidecarMetrics
+    from hicache.controller.store.local import LocalController
+    from hicache.controller.wire.protocol import Request
+    from hicache.controller.wire.security import PeerCredentials
+
+log = logging.getLogger("hicache.sidecar")
+
+ENGINE_ID_CHARS = 200
+_TIERS = {"host": Tier.HOST, "disk": Tier.DISK}
+_COMPONENTS = {c.name.lower(): c for c in ComponentType}
+_SETTLE_REPORT_S = 60.0  # a device copy still running is reported this often
+
+
+@dataclass
+class Call:
+    """One request being handled: its connection, its deadline, and how to report the
+    progress of a long one."""
+
+    conn: Connection
+    request: Request
+    deadline: float
+    progress: Callable[[int, int], None]
+
+    def remaining(self) -> float:
+        """Seconds left to the deadline; raises DEADLINE_EXCEEDED once it has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return left
+
+
+class VerbHandlers:
+    """The verbs of one sidecar, over its sessions and its controller."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        controller: LocalController,
+        config: SidecarConfig,
+        metrics: SidecarMetrics,
+        endpoints: list[str],
+        on_tiers_opened: Callable[[], None],
+    ) -> None:
+        """``endpoints``: the addresses served (filled in when the server binds);
+        ``on_tiers_opened``: called once the first registration has built the tiers."""
+        self.sessions = sessions
+        self.ctl = controller
+        self.config = config
+        self.metrics = metrics
+        self.endpoints = endpoints
+        self.on_tiers_opened = on_tiers_opened
+        self.admin_token = b""  # set by the server once it has loaded or written it
+        self.fd_inbox: FdInbox | None = None  # memory descriptors (controller/client/fd_pass.py)
+        self.handlers: dict[Verb, Callable[[Call, Any], Any]] = {
+            Verb.REGISTER: self.register,
+            Verb.HEARTBEAT: self.heartbeat,
+            Verb.LOOKUP: self.lookup,
+            Verb.BACKUP: self.backup,
+            Verb.PIN: self.pin,
+            Verb.LOAD: self.load,
+            Verb.UNPIN: self.unpin,
+            Verb.PREFETCH: self.prefetch,
+            Verb.STATS: self.stats,
+            Verb.BYE: self.bye,
+            Verb.HEALTH: self.health,
+            Verb.STATUS: self.status,
+            Verb.ENGINES: self.engines,
+            Verb.CLEAR: self.clear,
+            Verb.EVICT: self.evict,
+            Verb.PIN_PREFIX: self.pin_prefix,
+            Verb.UNPIN_PREFIX: self.unpin_prefix,
+            Verb.FSCK: self.fsck,
+        }
+        self.on_workers: set[Verb] = set()  # run on a worker whatever their spec says
+        if self.ctl.config.remote_enabled:
+            verbs_on_workers(self)
+
+    # -- handshake -----------------------------------------------------------------------
+
+    def hello(
+        self,
+        key: tuple[int, bytes],
+        transport: str,
+        peer: PeerCredentials | None,
+        a: HelloArgs,
+        now: float,
+    ) -> HelloReply:
+        """Open a session for the connection ``key`` (a ROUTER index and routing id)."""
+        role = Role(a.role)
+        if not 0 < len(a.engine_id) <= ENGINE_ID_CHARS or a.engine_id == ADMIN_ENGINE:
+            raise bad_args(
+                f"engine_id must be 1..{ENGINE_ID_CHARS} characters and not {ADMIN_ENGINE!r}"
+            )
+        layout, page_size = None, 0
+        if role is Role.ADMIN:
+            if not self.admin_token or not hmac.compare_digest(a.token or b"", self.admin_token):
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    f"admin connections need the admin token (in {self.config.admin_token_path},"
+                    " readable by the sidecar's user); hicachectl reads it from there",
+                )
+        else:
+            for name in ("fingerprint", "layout", "page_size"):
+                if getattr(a, name) is None:
+                    raise bad_args(f"hello: missing argument {name!r}")
+            layout, page_size, fingerprint = a.layout, a.page_size, a.fingerprint
+            if layout.fingerprint(page_size) != fingerprint:
+                raise bad_args(
+                    "hello: the fingerprint does not match the layout and page size sent"
+                )
+            served = self.sessions.served
+            if served is not None and fingerprint != served.fingerprint:
+                raise ProtocolError(
+                    ErrorCode.LAYOUT_MISMATCH,
+                    f"this sidecar serves layout {served.layout.model_id!r} (page_size "
+                    f"{served.page_size}, fingerprint {served.fingerprint.hex()}); the "
+                    f"engine's is {layout.model_id!r} (page_size {page_size}, fingerprint "
+                    f"{fingerprint.hex()}): run one sidecar per layout",
+                )
+            if served is None:
+                self.sessions.served = ServedLayout(layout, page_size, fingerprint)
+        conn = Connection(
+            key[0], key[1], role, a.engine_id, a.pid or 0, transport, now, now, layout, page_size
+        )
+        conn.peer = peer
+        self.sessions.add(conn)
+        if role is Role.ENGINE:
+            log.info(f"engine {a.engine_id} (pid {conn.pid}) connected over {transport}")
+        return HelloReply(
+            protocol=PROTOCOL_VERSION,
+            server_version=__version__,
+            pid=os.getpid(),
+            lease_s=self.config.lease_s,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+
+    # -- engine verbs --------------------------------------------------------------------
+
+    def heartbeat(self, call: Call, a: NoArgs) -> HeartbeatReply:
+        return HeartbeatReply(self.config.lease_s)
+
+    def lookup(self, call: Call, a: LookupArgs) -> LookupReply:
+        rows: dict[ComponentType, list[np.ndarray]] = {c: [] for c in a.components}
+        step = WORK_CHUNK_PAGES * HASH_BYTES
+        for start in range(0, max(len(a.hashes), 1), step):
+            if start:
+                yield_to_io()
+            res = self.ctl.lookup(
+                split_hashes(a.hashes[start : start + step]),
+                a.components,
+                engine_id=call.conn.engine_id,
+            )
+            for c in a.components:
+                rows[c].append(res.presence[c])
+        return LookupReply(
+            [np.concatenate(rows[c]).astype(np.int8).tobytes() for c in a.components]
+        )
+
+    def pin(self, call: Call, a: PinArgs) -> PinReply:
+        receipt = self.ctl.pin(a.keys, a.ttl_s, engine_id=call.conn.engine_id)
+        if receipt is None:
+            return PinReply(None)
+        ttl = receipt.deadline - time.monotonic()
+        pages = self.ctl.pinned_host_pages(receipt, a.keys) if a.host_pages else None
+        return PinReply(receipt.pin_id, ttl, None if pages is None else pages.tobytes())
+
+    def unpin(self, call: Call, a: UnpinArgs) -> Empty:
+        pin = PinReceipt(a.pin_id, [], 0.0)
+        self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s)
+        return Empty()
+
+    def stats(self, call: Call, a: NoArgs) -> dict[str, Any]:
+        out = self.ctl.stats(engine_id=call.conn.engine_id)
+        out["residency"] = self.ctl.residency()
+        out["sidecar"] = self.sessions.summary()
+        return out
+
+    def bye(self, call: Call, a: NoArgs) -> Empty:
+        self.sessions.drop(call.conn, "said bye")
+        return Empty()
+
+    def register(self, call: Call, a: RegisterArgs) -> RegisterReply:
+        conn, sessions = call.conn, self.sessions
+        if conn.layout is None or a.page_size != conn.page_size:
+            raise bad_args(
+                f"register: page_size {a.page_size} differs from the handshake's {conn.page_size}"
+            )
+        # Copies of an earlier session may still run on the engine's memory; the engine
+        # keeps the pages they touch until this reply says they have ended.
+        sessions.fence(conn, call.deadline)
+        if conn.dropped:  # a newer connection of the engine came meanwhile: it registers
+            raise ProtocolError(ErrorCode.NO_SESSION, "the session ended before register")
+        desc = {"device": a.device, "buffers": a.buffers}
+        try:
+            mapped = map_pools(
+                conn.layout, a.page_size, desc, self.config.gpu_uuids, conn.peer, self.fd_inbox
+            )
+        except RegistrationRefused as exc:
+            self.metrics.registrations.labels("refused").inc()
+            raise ProtocolError(ErrorCode.REGISTRATION_REFUSED, str(exc)) from None
+        first = not self.ctl.opened
+        try:
+            self.ctl.register_buffers(conn.layout, a.page_size, mapped.buffers, conn.engine_id)
+            if first:  # the tiers were built just now, the index rebuilt from disk
+                self.on_tiers_opened()
+        except BaseException:
+            self.metrics.registrations.labels("refused").inc()
+            sessions.unmap_later(mapped)
+            raise
+        old, conn.mapped = conn.mapped, mapped
+        if old is not None:
+            sessions.unmap_later(old)
+        if sessions.engines.get(conn.engine_id) is not conn:
+            # The session ended (lease, or a new connection) while this ran: undo.
+            if sessions.engines.get(conn.engine_id) is None:
+                self.ctl.unregister(conn.engine_id)
+            sessions.unmap_later(mapped)
+            conn.mapped = None
+            raise ProtocolError(ErrorCode.NO_SESSION, "the session ended during register")
+        self.metrics.registrations.labels("ok").inc()
+        buffers = mapped.buffers
+        log.info(f"engine {conn.engine_id} registered {mapped.device} pools")
+        capacity = {c.name.lower(): buffers.capacity(c) for c in conn.layout.components}
+        return RegisterReply(capacity, fenced=True)
+
+    def backup(self, call: Call, a: BackupArgs) -> OkReply:
+        conn = call.conn
+        event = None
+        if a.ready_event is not None:
+            if conn.mapped.device != "cuda":
+                raise bad_args("ready_event is for CUDA pools only")
+            try:
+                event = open_ready_event(a.ready_event, conn.mapped.buffers.device)
+            except RegistrationRefused as exc:
+                raise bad_args(str(exc)) from None
+        handle = self.ctl.backup(a.refs, event, engine_id=conn.engine_id)
+        # Past the deadline too, no reply (not even an error) before the copy has ended.
+        ok = bool(handle.wait(max(0.0, call.deadline - time.monotonic())))
+        if not handle.done():
+            # The reply tells the engine its pages are free again: not while a copy
+            # still reads them (a GPU copy behind a busy stream ends on its own).
+            ok = False
+            waited_from = time.monotonic()
+            next_report = waited_from + _SETTLE_REPORT_S
+            while not handle.done():
+                handle.wait(SETTLE_POLL_S)
+                if time.monotonic() > next_report:  # a device that stopped: say so, wait on
+                    log.error(
+                        "a backup copy of engine %s has not ended after %.0fs",
+                        conn.engine_id,
+                        time.monotonic() - waited_from,
+                    )
+                    next_report += _SETTLE_REPORT_S
+        if ok:
+            ok = self.ctl.acknowledged(a.refs, self.config.backup_ack, call.remaining())
+        return OkReply(ok)
+
+    def load(self, call: Call, a: LoadArgs) -> OkReply:
+        timeout = min(a.timeout_s, call.remaining())
+        engine_id = call.conn.engine_id
+        pin = self.load_pin(a, engine_id)
+        if pin is None:
+            return OkReply(False)
+        try:
+            return OkReply(self.ctl.load(a.refs, pin, timeout, engine_id=engine_id).ok)
+        finally:
+            if a.pin_id is None:
+                self.ctl.unpin(pin, engine_id=engine_id)
+
+    def load_pin(self, a: LoadArgs, engine_id: str) -> PinReceipt | None:
+        """The pin a load runs under: the one it names, or (``pin_ttl_s``) one taken now
+        over its own pages, which the caller releases when the load ends; None when a
+        page is absent (nothing pinned)."""
+        if (a.pin_id is None) == (a.pin_ttl_s is None):
+            raise bad_args("load: give exactly one of pin_id and pin_ttl_s")
+        if a.pin_id is not None:
+            return PinReceipt(a.pin_id, [], 0.0)
+        keys = list(dict.fromkeys(r.key for r in a.refs))
+        return self.ctl.pin(keys, a.pin_ttl_s, engine_id=engine_id)
+
+    def prefetch(self, call: Call, a: KeysArgs) -> OkReply:
+        handle = self.ctl.prefetch(a.keys, engine_id=call.conn.engine_id)
+        return OkReply(bool(handle.wait(call.remaining())))
+
+    # -- queries -------------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        out = self.ctl.stats()
+        out["residency"] = self.ctl.residency()
+        served = self.sessions.served
+        out["page_size"] = served.page_size if served is not None else 0
+        return out
+
+    def health(self, call: Call, a: NoArgs) -> dict[str, Any]:
+        checks = {"serving": not self.sessions.stopping}
+        if self.ctl.store.disk is not None:
+            # The writer thread is the disk tier's only way in: without it nothing lands.
+            checks["disk_writer"] = any(
+                t.name == "hicache-lmdb-writer" and t.is_alive() for t in threading.enumerate()
+            )
+        status = "ok" if all(checks.values()) else "unhealthy"
+        return {"status": status, "checks": checks, **self.sessions.summary()}
+
+    def status(self, call: Call, a: NoArgs) -> dict[str, Any]:
+        stats = self.ctl.stats()
+        served = self.sessions.served
+        layout = None
+        if served is not None:
+            layout = {
+                "model_id": served.layout.model_id,
+                "page_size": served.page_size,
+                "fingerprint": served.fingerprint.hex(),
+                "components": [c.name.lower() for c in served.layout.components],
+            }
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "endpoints": self.endpoints,
+            "layout": layout,
+            "entries": stats.get("entries", 0),
+            "pins_active": stats.get("pins_active", 0),
+            "host": stats.get("host", {}),
+            "disk": stats.get("disk", {}),
+            "remote": remote_status(self.ctl),
+            "config": {
+                "controller": self.ctl.config.to_dict(),
+                "sidecar": self.config.to_dict(),
+            },
+            **self.sessions.summary(),
+        }
+
+    def engines(self, call: Call, a: NoArgs) -> dict[str, Any]:
+        now = time.monotonic()
+        rows = [
+            {
+                "engine_id": c.engine_id,
+                "role": c.role.value,
+                "pid": c.pid,
+                "transport": c.transport,
+                "registered": c.mapped is not None,
+                "device": c.mapped.device if c.mapped is not None else None,
+                "connected_s": now - c.since,
+                "idle_s": now - c.last_seen,
+                "inflight": c.inflight,
+                "requests": c.requests,
+            }
+            for c in self.sessions.conns.values()
+        ]
+        return {"engines": sorted(rows, key=lambda r: (r["role"], r["engine_id"]))}
+
+    # -- admin verbs ---------------------------------------------------------------------
+
+    def _fingerprint(self) -> bytes | None:
+        served = self.sessions.served
+        return served.fingerprint if served is not None else None
+
+    def clear(self, call: Call, a: ClearArgs) -> ClearReply:
+        res = self.ctl.clear(
+            self._fingerprint(), [_TIERS[t] for t in a.tiers], a.namespace, a.all_namespaces
+        )
+        scope = "*" if a.all_namespaces else repr(a.namespace)
+        log.info(f"admin clear {a.tiers} namespace={scope}: {res}")
+        return ClearReply(res.host_pages, res.disk_pages, res.kept_pages)
+
+    def evict(self, call: Call, a: EvictArgs) -> EvictReply:
+        comp = _COMPONENTS[a.component] if a.component else None
+        freed = self.ctl.evict(_TIERS[a.tier], a.bytes, comp)
+        return EvictReply(freed["pages"], freed["bytes"])
+
+    def pin_prefix(self, call: Call, a: PinPrefixArgs) -> PinPrefixReply:
+        served = self.sessions.served
+        if served is None:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                "no layout yet: a prefix can be named once an engine has connected (or with "
+                "[layout] in the sidecar's config)",
+            )
+        keys = self.ctl.prefix_keys(served.fingerprint, served.page_size, a.tokens, a.namespace)
+        receipt = self.ctl.pin_prefix(keys, a.ttl_s)
+        if receipt is None:
+            return PinPrefixReply(None, 0, 0)
+        pages = sum(1 for k in keys if k.component is ComponentType.FULL)
+        ttl = receipt.deadline - time.monotonic()
+        return PinPrefixReply(receipt.pin_id, pages, pages * served.page_size, ttl)
+
+    def unpin_prefix(self, call: Call, a: PinIdArgs) -> Empty:
+        self.ctl.unpin_prefix(a.pin_id)
+        return Empty()
+
+    def fsck(self, call: Call, a: FsckArgs) -> FsckReply:
+        res = self.ctl.fsck(repair=a.repair, progress=call.progress)
+        log.info(f"admin fsck: {res.to_dict()}")
+        return FsckReply(**res.to_dict())

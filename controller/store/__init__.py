@@ -1,0 +1,1 @@
+"""The page store, in the sidecar or in-process: index, pins, fills, host pool, copies."""

@@ -1,0 +1,496 @@
+"""The page index: where each cached page lives, its chain, its pins, and eviction order.
+
+An entry is one page of one component (a :class:`PageKey`). Per tier it is absent,
+in flight (a host page being filled; a disk write queued) or ready. The index is the
+single source of truth for presence; the host pool and LMDB only hold bytes.
+
+Prefix-aware eviction, per tier: a FULL page is evictable there only while none of its
+FULL children (pages whose parent hash is its hash) is present in that tier, so a chain
+is always cut from its tail. SWA and Mamba pages hang off the FULL page of the same
+hash: they are leaves, evictable on their own, and evicting the FULL page evicts them
+(so the FULL page is held while one of them is pinned or busy). Pinned or busy entries
+(being filled, written, read or copied) are never evictable.
+
+Eviction order is least recently used, kept in lazy min-heaps keyed by a logical clock:
+one heap per host component (host pages are pooled per component) and one for the disk
+tier (one byte budget for all components). An entry is pushed when it becomes evictable
+or is touched; a popped item that no longer matches the entry's latest push is stale and
+skipped. Every operation is O(log n). Once a heap holds over 1.5 items per entry, each
+push also removes the stale ones among the next few items of a cursor that cycles through
+it, so the heap stays bounded without ever being compacted whole (a pause of a second at
+a million pages); the whole compaction remains only as a backstop.
+
+Host pages that served a load-back are kept longer (``host_hit_retention``): most pages
+a device evicts to the host are never asked for again, and plain LRU keeps them exactly
+as long as the ones that are. A page that served a load is queued at its last access
+plus ``host_hit_retention`` times the host tier's *turnover* (the running mean of the
+clock ticks a host victim had gone unused), so it outlives an unused page of the same
+age by about that many host lifetimes; 0 is plain LRU. The order stays tail-first: only
+leaves of the host tier are candidates, whatever their key.
+
+Every method here is called with the controller's lock held. An entry's own fields are
+:class:`hicache.controller.store.page_entry.PageEntry`'s.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+from hicache.controller.store.page_entry import DiskState, HostState, PageEntry
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
+from hicache.types import ComponentType, Tier
+
+__all__ = ["DiskState", "HostState", "PageEntry", "PageIndex"]
+
+_FULL_TAG = bytes((int(ComponentType.FULL),))
+_AUX = (ComponentType.SWA, ComponentType.MAMBA)
+_TIERS = (Tier.HOST, Tier.DISK)
+_TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
+_SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
+
+
+class DiskRecordLike(Protocol):
+    """What :meth:`PageIndex.restore_disk` reads of a page found on disk."""
+
+    skey: bytes
+    component: ComponentType
+    page_hash: bytes
+    parent_hash: bytes
+    nbytes: int
+
+
+_HOST_READY = HostState.READY
+_DISK_NONE = DiskState.NONE
+
+
+class PageIndex:
+    """Entries by storage key, FULL chains, and per-tier prefix-aware LRU heaps
+    (``host_hit_retention``: see the module docstring)."""
+
+    def __init__(self, host_hit_retention: float = 0.0) -> None:
+        if not host_hit_retention >= 0:
+            raise ValueError(f"host_hit_retention must be >= 0, got {host_hit_retention}")
+        self.host_hit_retention = host_hit_retention
+        self.host_turnover = 0.0  # running mean of a host victim's ticks since its use
+        self._host_victims = 0
+        self._entries: dict[bytes, PageEntry] = {}
+        # FULL entries by their parent hash: lets a parent created after its children
+        # (a restart, a re-backup of a dropped page) count them.
+        self._children_of: dict[bytes, set[PageEntry]] = {}
+        self._host_heaps: dict[ComponentType, list] = {c: [] for c in ComponentType}
+        self._disk_heap: list = []
+        self._seq = itertools.count(1)
+        self._sweep_at: dict[int, int] = {}  # per heap (by id): where the stale sweep is
+        self._clock = 0
+        self.disk_live_bytes = 0
+        self.disk_pages = dict.fromkeys(ComponentType, 0)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[PageEntry]:
+        return iter(list(self._entries.values()))
+
+    def get(self, skey: bytes) -> PageEntry | None:
+        return self._entries.get(skey)
+
+    def presence(self, page_hashes: Sequence[bytes], component: ComponentType) -> list[int]:
+        """Per page of ``component``: ``Presence`` as a plain int (host when ready there,
+        else disk when stored or queued, else absent). One pass, no per-page calls: a
+        lookup asks this for every page of a chain."""
+        get = self._entries.get
+        tag = bytes((int(component),))
+        row = []
+        for h in page_hashes:
+            e = get(h + tag)
+            if e is None:
+                row.append(P_ABSENT)
+            elif e.host_state is _HOST_READY:
+                row.append(P_HOST)
+            elif e.disk_state is not _DISK_NONE:
+                row.append(P_DISK)
+            else:
+                row.append(P_ABSENT)
+        return row
+
+    def full_of(self, entry: PageEntry) -> PageEntry | None:
+        """The FULL entry of the same hash (the one an SWA/Mamba page hangs off)."""
+        return self._entries.get(entry.page_hash + _FULL_TAG)
+
+    def aux_in(self, entry: PageEntry, tier: Tier) -> list[PageEntry]:
+        """SWA/Mamba entries of a FULL entry's hash that are present in ``tier``."""
+        out = []
+        for c in _AUX:
+            aux = self._entries.get(entry.page_hash + bytes((int(c),)))
+            if aux is not None and aux.present(tier):
+                out.append(aux)
+        return out
+
+    def evictable(self, entry: PageEntry, tier: Tier) -> bool:
+        """Whether ``entry`` may lose its copy in ``tier`` now (see the module docstring)."""
+        if entry.pins or entry.busy or entry.children[tier]:
+            return False
+        if tier is Tier.HOST:
+            if entry.host_state is not HostState.READY:
+                return False
+        elif entry.disk_state is not DiskState.READY:
+            return False
+        if entry.component is ComponentType.FULL:
+            return not any(a.pins or a.busy for a in self.aux_in(entry, tier))
+        return True
+
+    # -- the logical clock ---------------------------------------------------------------
+
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def served(self, entry: PageEntry) -> None:
+        """``entry`` was loaded from the host tier into a device: most recently used, and
+        kept ``host_hit_retention`` host turnovers longer than an unused page."""
+        entry.retain = int(self.host_hit_retention * self.host_turnover)
+        self.touch(entry)
+
+    def touch(self, entry: PageEntry) -> None:
+        """Mark ``entry`` most recently used."""
+        entry.last_access = self.tick()
+        if entry.pins or entry.busy:
+            return  # not evictable now; pushed when released
+        for tier in _TIERS:
+            self._maybe_push(entry, tier)
+
+    # -- entries -------------------------------------------------------------------------
+
+    def create(
+        self, component: ComponentType, page_hash: bytes, parent_hash: bytes, last_access: int = 0
+    ) -> PageEntry:
+        """A new, absent entry (the caller then gives it a tier)."""
+        entry = PageEntry(component, page_hash, parent_hash)
+        assert entry.skey not in self._entries, f"{entry} exists already"
+        entry.attached = True
+        entry.last_access = last_access or self.tick()
+        self._entries[entry.skey] = entry
+        if component is ComponentType.FULL:
+            self._children_of.setdefault(parent_hash, set()).add(entry)
+            kids = self._children_of.get(page_hash)
+            if kids:  # children indexed before their parent (a restart, a re-backup)
+                for tier in _TIERS:
+                    entry.children[tier] = sum(1 for k in kids if k.present(tier))
+        return entry
+
+    def restore_disk(self, records: Iterable[DiskRecordLike]) -> None:
+        """Index the pages found on disk at start, oldest first, into an empty index.
+
+        The same entries, counts and eviction order as ``create`` + ``set_disk`` per
+        page, built in one pass with one heapify: a rebuild of a million pages is bound by
+        this loop, and the per-page calls doubled it.
+        """
+        assert not self._entries, "restore_disk fills an empty index"
+        entries = self._entries
+        children_of = self._children_of
+        pages = self.disk_pages
+        live = 0
+        for r in records:  # one per LMDB key: keys are unique
+            e = PageEntry(r.component, r.page_hash, r.parent_hash)
+            e.attached = True
+            self._clock += 1
+            e.last_access = self._clock
+            entries[e.skey] = e
+            if e.component is ComponentType.FULL:
+                children_of.setdefault(e.parent_hash, set()).add(e)
+            e.disk_state = DiskState.READY
+            e.disk_nbytes = r.nbytes
+            live += r.nbytes
+            pages[e.component] += 1
+        self.disk_live_bytes += live
+        for parent_hash, kids in children_of.items():
+            parent = entries.get(parent_hash + _FULL_TAG)
+            if parent is not None:
+                parent.children[Tier.DISK] = len(kids)  # every entry is on disk now
+        heap = self._disk_heap
+        for e in entries.values():
+            if self.evictable(e, Tier.DISK):
+                seq = next(self._seq)
+                e.heap_key[Tier.DISK] = (e.last_access, seq)
+                heap.append((e.last_access, seq, e))
+        heapq.heapify(heap)
+
+    def set_parent(self, entry: PageEntry, parent_hash: bytes) -> None:
+        """Move ``entry`` to the chain of ``parent_hash``: for a page created before its
+        parent was known (a remote fill of a chain's first page learns it from the value)."""
+        if entry.component is ComponentType.FULL and parent_hash != entry.parent_hash:
+            present = [t for t in _TIERS if entry.present(t)]
+            for t in present:
+                self._presence_changed(entry, t, -1)
+            siblings = self._children_of[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children_of[entry.parent_hash]
+            entry.parent_hash = parent_hash
+            self._children_of.setdefault(parent_hash, set()).add(entry)
+            for t in present:
+                self._presence_changed(entry, t, +1)
+        entry.parent_hash = parent_hash
+
+    def discard_if_unused(self, entry: PageEntry) -> bool:
+        """Drop ``entry`` when it is in no tier and nothing is in flight on it."""
+        if not entry.attached or entry.held or entry.busy:
+            return False
+        del self._entries[entry.skey]
+        entry.attached = False
+        if entry.component is ComponentType.FULL:
+            siblings = self._children_of[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children_of[entry.parent_hash]
+        return True
+
+    # -- tier transitions ----------------------------------------------------------------
+
+    def set_host(self, entry: PageEntry, page: int, ready: bool) -> None:
+        """Give ``entry`` host page ``page``, filled (ready) or being filled."""
+        assert entry.host_state is HostState.NONE, f"{entry} already has a host page"
+        entry.host_page = page
+        entry.host_state = HostState.READY if ready else HostState.FILLING
+        self._presence_changed(entry, Tier.HOST, +1)
+        if ready:  # a filling page is never evictable; mark_host_ready queues it
+            self._maybe_push(entry, Tier.HOST)
+
+    def mark_host_ready(self, entry: PageEntry) -> None:
+        assert entry.host_state is HostState.FILLING, f"{entry} is not being filled"
+        entry.host_state = HostState.READY
+        self._maybe_push(entry, Tier.HOST)
+
+    def clear_host(self, entry: PageEntry) -> int:
+        """Take the host page away from ``entry``; returns the page id to free."""
+        assert entry.host_state is not HostState.NONE, f"{entry} has no host page"
+        page = entry.host_page
+        entry.host_page = -1
+        entry.host_state = HostState.NONE
+        self._presence_changed(entry, Tier.HOST, -1)
+        return page
+
+    def set_disk(self, entry: PageEntry, state: DiskState, nbytes: int = 0) -> None:
+        """Queue (PENDING) or commit (READY, ``nbytes`` stored) ``entry`` on disk."""
+        assert state is not DiskState.NONE
+        before = entry.disk_state
+        assert before is not DiskState.READY, f"{entry} is on disk already"
+        entry.disk_state = state
+        if state is DiskState.READY:
+            entry.disk_nbytes = nbytes
+            self.disk_live_bytes += nbytes
+            self.disk_pages[entry.component] += 1
+        if before is DiskState.NONE:
+            self._presence_changed(entry, Tier.DISK, +1)
+        self._maybe_push(entry, Tier.DISK)
+
+    def clear_disk(self, entry: PageEntry) -> int:
+        """Forget ``entry``'s disk copy (queued or committed); returns the bytes it held."""
+        assert entry.disk_state is not DiskState.NONE, f"{entry} is not on disk"
+        nbytes = 0
+        if entry.disk_state is DiskState.READY:
+            nbytes = entry.disk_nbytes
+            self.disk_live_bytes -= nbytes
+            self.disk_pages[entry.component] -= 1
+        entry.disk_state = DiskState.NONE
+        entry.disk_nbytes = 0
+        entry.pending_payload = None
+        self._presence_changed(entry, Tier.DISK, -1)
+        return nbytes
+
+    def _presence_changed(self, entry: PageEntry, tier: Tier, delta: int) -> None:
+        if entry.component is ComponentType.FULL:
+            parent = self._entries.get(entry.parent_hash + _FULL_TAG)
+            if parent is not None:
+                parent.children[tier] += delta
+                if parent.children[tier] == 0:
+                    self._maybe_push(parent, tier)
+        else:
+            full = self.full_of(entry)
+            if full is not None:
+                self._maybe_push(full, tier)
+
+    # -- pins and in-flight holds --------------------------------------------------------
+
+    def pin(self, entry: PageEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: PageEntry) -> None:
+        assert entry.pins > 0, f"unpin of {entry} that is not pinned"
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._released(entry)
+
+    def acquire(self, entry: PageEntry) -> None:
+        """Hold ``entry`` against eviction while an operation is in flight on it."""
+        entry.busy += 1
+
+    def release(self, entry: PageEntry) -> None:
+        assert entry.busy > 0, f"release of {entry} that is not held"
+        entry.busy -= 1
+        if entry.busy == 0:
+            self._released(entry)
+
+    def _released(self, entry: PageEntry) -> None:
+        if not entry.attached or entry.pins or entry.busy:
+            return  # still held: nothing became evictable
+        for tier in _TIERS:
+            self._maybe_push(entry, tier)
+        if entry.component is not ComponentType.FULL:
+            full = self.full_of(entry)
+            if full is not None:
+                for tier in _TIERS:
+                    self._maybe_push(full, tier)
+
+    # -- LRU heaps -----------------------------------------------------------------------
+
+    def _heap(self, entry: PageEntry, tier: Tier) -> list:
+        return self._host_heaps[entry.component] if tier is Tier.HOST else self._disk_heap
+
+    def _maybe_push(self, entry: PageEntry, tier: Tier) -> None:
+        if not entry.attached or not self.evictable(entry, tier):
+            return
+        current = entry.heap_key[tier]
+        key = self._order_key(entry, tier)
+        if current is not None and current[0] == key:
+            return  # its newest heap item is still valid
+        seq = next(self._seq)
+        entry.heap_key[tier] = (key, seq)
+        heap = self._heap(entry, tier)
+        heapq.heappush(heap, (key, seq, entry))
+        if 2 * len(heap) > 3 * len(self._entries) + 2048:
+            self._sweep(heap, tier)
+            if len(heap) > 2 * len(self._entries) + 1024:
+                self._compact(heap, tier)
+
+    def _sweep(self, heap: list, tier: Tier) -> None:
+        """Look at the next ``_SWEEP_ITEMS`` items of ``heap`` (a cursor cycles through it)
+        and remove the stale ones. A push makes at most one item stale, so a heap that has
+        grown past 1.5 items per entry shrinks a little with every push and never reaches
+        the whole compaction below, which stalled the controller for a second at a
+        million pages."""
+        pos = self._sweep_at.get(id(heap), 0)
+        for _ in range(_SWEEP_ITEMS):
+            if pos >= len(heap):
+                pos = 0
+            _, seq, e = heap[pos]
+            key = e.heap_key[tier]
+            if e.attached and key is not None and key[1] == seq:
+                pos += 1
+            else:
+                _remove_at(heap, pos)  # the item moved into ``pos`` is looked at next
+        self._sweep_at[id(heap)] = pos
+
+    @staticmethod
+    def _order_key(entry: PageEntry, tier: Tier) -> int:
+        """Where ``entry`` stands in ``tier``'s eviction order (lowest goes first)."""
+        return entry.last_access + entry.retain if tier is Tier.HOST else entry.last_access
+
+    @staticmethod
+    def _compact(heap: list, tier: Tier) -> None:
+        live = [it for it in heap if it[2].attached and it[2].heap_key[tier] == it[:2]]
+        heap[:] = live
+        heapq.heapify(heap)
+
+    def pop_victim(self, tier: Tier, component: ComponentType | None = None) -> PageEntry | None:
+        """The least recently used evictable entry of ``tier`` (host: of ``component``).
+
+        The entry leaves the heap; the caller evicts it (if it does not, the next change
+        that makes it evictable pushes it again).
+        """
+        if tier is Tier.HOST:
+            assert component is not None, "host victims are chosen per component"
+            heap = self._host_heaps[component]
+        else:
+            heap = self._disk_heap
+        while heap:
+            _, seq, entry = heapq.heappop(heap)
+            key = entry.heap_key[tier]
+            if not entry.attached or key is None or key[1] != seq:
+                continue  # stale: a newer item (or none) stands for this entry
+            entry.heap_key[tier] = None
+            if self.evictable(entry, tier):
+                if tier is Tier.HOST:
+                    self._host_victims += 1
+                    age = self._clock - entry.last_access
+                    weight = 1.0 / min(self._host_victims, _TURNOVER_WINDOW)
+                    self.host_turnover += weight * (age - self.host_turnover)
+                return entry
+        return None
+
+    # -- checks --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recompute every derived number and compare; raises AssertionError on a mismatch."""
+        live = 0
+        pages = dict.fromkeys(ComponentType, 0)
+        heap_seqs = {
+            Tier.HOST: {it[1] for h in self._host_heaps.values() for it in h},
+            Tier.DISK: {it[1] for it in self._disk_heap},
+        }
+        for heap in (*self._host_heaps.values(), self._disk_heap):
+            for i in range(1, len(heap)):
+                assert heap[(i - 1) // 2][:2] <= heap[i][:2], f"heap order broken at {i}"
+        for skey, e in self._entries.items():
+            assert e.attached and e.skey == skey, f"{e} filed under the wrong key"
+            assert e.held or e.busy, f"{e} is in no tier yet still indexed"
+            assert e.pins >= 0 and e.busy >= 0, f"{e} has a negative count"
+            assert (e.host_page >= 0) == (e.host_state is not HostState.NONE), f"{e} host page"
+            if e.disk_state is DiskState.READY:
+                live += e.disk_nbytes
+                pages[e.component] += 1
+            if e.component is ComponentType.FULL:
+                assert e in self._children_of.get(e.parent_hash, ()), f"{e} not in its chain"
+                kids = self._children_of.get(e.page_hash, ())
+                for tier in _TIERS:
+                    want = sum(1 for k in kids if k.present(tier))
+                    assert e.children[tier] == want, (
+                        f"{e}: {tier.name} children {e.children[tier]} != {want}"
+                    )
+            else:
+                assert e.children == [0, 0, 0], f"{e}: an SWA/Mamba page has children"
+            for tier in _TIERS:
+                if self.evictable(e, tier):
+                    key = e.heap_key[tier]
+                    assert key is not None and key[0] == self._order_key(e, tier), (
+                        f"{e} is evictable from {tier.name} but not queued at its order key"
+                    )
+                    assert key[1] in heap_seqs[tier], f"{e}: its {tier.name} heap item is gone"
+        for parent, kids in self._children_of.items():
+            for k in kids:
+                assert k.attached and k.parent_hash == parent, f"{k} in a wrong chain set"
+        assert live == self.disk_live_bytes, f"disk live bytes {self.disk_live_bytes} != {live}"
+        assert pages == self.disk_pages, f"disk pages {self.disk_pages} != {pages}"
+
+
+def _remove_at(heap: list, i: int) -> None:
+    """Remove ``heap[i]`` and restore the heap property (the last item takes its place and
+    moves down, or up, to where it belongs)."""
+    last = heap.pop()
+    n = len(heap)
+    if i == n:
+        return
+    pos = i
+    while True:
+        child = 2 * pos + 1
+        if child >= n:
+            break
+        if child + 1 < n and heap[child + 1] < heap[child]:
+            child += 1
+        if not heap[child] < last:
+            break
+        heap[pos] = heap[child]
+        pos = child
+    if pos == i:
+        while pos > 0:
+            parent = (pos - 1) // 2
+            if not last < heap[parent]:
+                break
+            heap[pos] = heap[parent]
+            pos = parent
+    heap[pos] = last

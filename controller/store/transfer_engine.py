@@ -1,0 +1,193 @@
+"""Device ↔ host page copies: the engine's pools on one side, the host pool on the other.
+
+Copies go through :class:`hicache.kernels.PreparedTransfer` (one launch per component per
+request, all layers at once): one per engine's buffers, component and direction, made on
+the first copy and kept while the engine's :class:`EngineBuffers` live, so a copy's host
+time is its index checks and its launch, not the tensors' shape checks.
+
+On CUDA, backups run on a backup stream that first waits for the engine's
+``ready_event`` (or, without one, for the engine's current stream), and return an event
+the caller polls; loads run on a separate load stream and are waited for before
+:meth:`TransferEngine.to_device` returns, so the engine's next kernel sees the bytes.
+On CPU every copy is synchronous in the caller's thread.
+
+Host ↔ disk copies are not here: they run on the LMDB tier's writer thread and reader
+pool (:mod:`hicache.controller.tiers.lmdb_tier`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache.controller.store.host_pool import HostPool
+from hicache.controller_api import ControllerError
+from hicache.kernels import PreparedTransfer
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.pools import DevicePools
+
+
+@dataclass(eq=False)
+class EngineBuffers:
+    """The device tensors of one engine that the controller copies to and from.
+
+    Built from a :class:`DevicePools` in-process, or from mapped IPC / shared-memory
+    tensors by the sidecar. ``full_kv`` and ``swa_kv`` are ``[2, layers, slots, heads,
+    head_dim]``; ``mamba_conv`` / ``mamba_ssm`` are ``[layers, slots, ...]``. Compared
+    and hashed by identity: the transfer engine keys its prepared copies on the object.
+    """
+
+    page_size: int
+    full_kv: torch.Tensor
+    swa_kv: torch.Tensor | None = None
+    mamba_conv: torch.Tensor | None = None
+    mamba_ssm: torch.Tensor | None = None
+
+    @classmethod
+    def from_pools(cls, pools: DevicePools) -> EngineBuffers:
+        return cls(
+            page_size=pools.config.page_size,
+            full_kv=pools.full.buffer,
+            swa_kv=None if pools.swa is None else pools.swa.buffer,
+            mamba_conv=None if pools.mamba is None else pools.mamba.conv,
+            mamba_ssm=None if pools.mamba is None else pools.mamba.ssm,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.full_kv.device
+
+    def capacity(self, component: ComponentType) -> int:
+        """Device pages (FULL, SWA) or state slots (MAMBA) this engine has."""
+        if component is ComponentType.FULL:
+            return self.full_kv.shape[2] // self.page_size
+        if component is ComponentType.SWA:
+            return 0 if self.swa_kv is None else self.swa_kv.shape[2] // self.page_size
+        return 0 if self.mamba_conv is None else self.mamba_conv.shape[1]
+
+
+_Plans = dict[tuple[ComponentType, bool], PreparedTransfer]
+
+
+class TransferEngine:
+    """Runs page copies between engines' device buffers and the host pool."""
+
+    #: Where the copies come from, as reported by the controller's stats.
+    source = "hicache.kernels"
+
+    def __init__(self, host_pool: HostPool) -> None:
+        self.host_pool = host_pool
+        self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        # Dropped with the engine's buffers (so a gone engine's tensors are not held).
+        self._plans: weakref.WeakKeyDictionary[EngineBuffers, _Plans] = weakref.WeakKeyDictionary()
+
+    def _streams_for(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """(load stream, backup stream) of a CUDA device, created on first use."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = (torch.cuda.Stream(idx), torch.cuda.Stream(idx))
+        return self._streams[idx]
+
+    def _plan(
+        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+    ) -> PreparedTransfer:
+        plans = self._plans.get(buffers)
+        if plans is None:
+            plans = self._plans.setdefault(buffers, {})
+        plan = plans.get((component, to_host))
+        if plan is None:
+            plan = plans[(component, to_host)] = self._prepare(component, buffers, to_host)
+        return plan
+
+    def _prepare(
+        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+    ) -> PreparedTransfer:
+        if component is ComponentType.MAMBA:
+            if buffers.mamba_conv is None or buffers.mamba_ssm is None:
+                raise ControllerError("this engine registered no Mamba pool")
+            return PreparedTransfer.states(
+                buffers.mamba_conv,
+                buffers.mamba_ssm,
+                self.host_pool.conv(),
+                self.host_pool.ssm(),
+                to_host=to_host,
+            )
+        dev = buffers.full_kv if component is ComponentType.FULL else buffers.swa_kv
+        if dev is None:
+            raise ControllerError("this engine registered no sliding-window pool")
+        host = self.host_pool.kv(component)
+        return PreparedTransfer.kv(dev, host, buffers.page_size, to_host=to_host)
+
+    def to_host(
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        device_index: Sequence[int],
+        host_pages: Sequence[int],
+        ready_event: Any = None,
+    ) -> Any:
+        """Copy device pages/slots into host pages.
+
+        CPU: done on return, returns None. CUDA: queued on the backup stream after
+        ``ready_event``; returns a CUDA event recorded after the copy.
+        """
+        copy = self._plan(component, buffers, to_host=True)
+        if buffers.device.type != "cuda":
+            if ready_event is not None and hasattr(ready_event, "synchronize"):
+                ready_event.synchronize()
+            copy(device_index, host_pages)
+            return None
+        _, backup = self._streams_for(buffers.device)
+        if ready_event is not None:
+            backup.wait_event(ready_event)
+        else:
+            backup.wait_stream(torch.cuda.current_stream(buffers.device))
+        with torch.cuda.stream(backup):
+            copy(device_index, host_pages)
+            done = torch.cuda.Event()
+            done.record(backup)
+        return done
+
+    def to_device(
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        host_pages: Sequence[int],
+        device_index: Sequence[int],
+    ) -> None:
+        """Copy host pages into device pages/slots; the bytes are there on return."""
+        done = self.start_to_device(component, buffers, host_pages, device_index)
+        if done is not None:
+            done.synchronize()
+
+    def start_to_device(
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        host_pages: Sequence[int],
+        device_index: Sequence[int],
+    ) -> Any:
+        """Issue the copy of host pages into device pages/slots without waiting for it.
+
+        CPU: done on return, returns None. CUDA: queued on the load stream; returns a CUDA
+        event recorded after the copy (the bytes are there once it has completed).
+        """
+        copy = self._plan(component, buffers, to_host=False)
+        if buffers.device.type != "cuda":
+            copy(device_index, host_pages)
+            return None
+        load, _ = self._streams_for(buffers.device)
+        # The slots were just handed out by the engine; work it queued earlier on them
+        # (by their previous owner) must finish before they are overwritten.
+        load.wait_stream(torch.cuda.current_stream(buffers.device))
+        with torch.cuda.stream(load):
+            copy(device_index, host_pages)
+            done = torch.cuda.Event()
+            done.record(load)
+        return done
