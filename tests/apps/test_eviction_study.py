@@ -11,7 +11,7 @@ import pytest
 
 from hicache.apps.replay_bounds import infinite_hits, optimal_hits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import eviction_study as study
 
 
