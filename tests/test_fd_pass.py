@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from hicache.controller.client import fd_pass
-from hicache.controller.client.device_share import RegistrationRefused, map_pools
-from hicache.controller.client.fd_pass import FdInbox, send_fds
+from hicache.controller.sidecar import fd_inbox
+from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools
+from hicache.controller.client.fd_pass import send_fds
+from hicache.controller.sidecar.fd_inbox import FdInbox
 from hicache.controller.wire.security import PeerCredentials
 from hicache.layout import LayerKind, ModelLayout
 
@@ -105,7 +106,7 @@ def test_an_unredeemed_ticket_expires_and_its_descriptor_is_closed(inbox, monkey
     fd = _memfd()
     (ticket,) = send_fds(inbox.path, [fd])
     held_fd = inbox._held[ticket][0]
-    monkeypatch.setattr(fd_pass, "TICKET_TTL_S", 0.0)
+    monkeypatch.setattr(fd_inbox, "TICKET_TTL_S", 0.0)
     inbox._expire(float("inf"))
     assert inbox.take(ticket, ME) is None
     with pytest.raises(OSError):

@@ -27,7 +27,8 @@ from sidecar_support import Sidecar, short_tmpdir, token_tcp_args
 from test_sidecar_badinput import Raw
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client.device_share import RegistrationRefused, export_pools, map_pools
+from hicache.controller.client.device_share import export_pools
+from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools
 from hicache.controller.wire.protocol import Verb, pack
 from hicache.controller.wire.security import PeerCredentials
 

@@ -10,7 +10,8 @@ import torch
 from cache_support import make_layout
 
 from hicache import CacheConfig, DevicePools
-from hicache.controller.client.device_share import RegistrationRefused, export_pools, map_pools
+from hicache.controller.client.device_share import export_pools
+from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools
 from hicache.controller.wire.fields import decode_keys, decode_refs, encode_keys, encode_refs
 from hicache.controller.wire.protocol import (
     ErrorCode,
@@ -195,7 +196,7 @@ def test_private_cpu_pools_cannot_be_exported():
 def test_a_cuda_registration_whose_strides_overlap_is_refused(shape, stride, ok):
     """Checked before the IPC handle is opened (no GPU needed): a zero or overlapping
     stride would make every copy into one K/V half, layer or slot land in another."""
-    from hicache.controller.client.device_share import _map_cuda
+    from hicache.controller.sidecar.device_map import _map_cuda
 
     desc = {
         "kind": "cuda_ipc",

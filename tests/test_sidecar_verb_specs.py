@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from hicache.controller.wire.fields import decode_record, encode_record, field_names
+from hicache.controller.wire.fields import (
+    INLINE_MAX_PAGES,
+    decode_record,
+    encode_record,
+    field_names,
+)
 from hicache.controller.wire.protocol import ProtocolError, Role, Verb
-from hicache.controller.wire.verbs import SPECS, HelloArgs, NoArgs, PinArgs, Runs
+from hicache.controller.wire.verbs import SPECS, HelloArgs, NoArgs, PinArgs, Place, Runs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 _ROLES = {"engine": {Role.ENGINE}, "admin": {Role.ADMIN}, "both": {Role.ENGINE, Role.ADMIN}}
@@ -72,3 +77,19 @@ def test_a_record_round_trips_and_a_bad_field_is_named():
         decode_record(PinArgs, {"ttl_s": 1.0}, "pin")
     with pytest.raises(ProtocolError, match="unknown argument"):
         decode_record(NoArgs, {"x": 1}, "stats")
+
+
+def test_the_verb_table_alone_places_each_request():
+    """Small lookups run on the I/O thread, large ones on the lane, and with a remote tier
+    (the cluster may stall) on a worker; a small load begins on the I/O thread, a large one
+    on a worker; admin verbs that touch the disk on a worker."""
+    lookup, load = SPECS[Verb.LOOKUP], SPECS[Verb.LOAD]
+    small, large = {"hashes": b"h" * 16}, {"hashes": b"h" * 16 * (INLINE_MAX_PAGES + 1)}
+    assert lookup.place(small, remote_tier=False) is Place.IO
+    assert lookup.place(large, remote_tier=False) is Place.LANE
+    assert lookup.place(small, remote_tier=True) is Place.WORKER
+    assert load.place({"refs": []}, remote_tier=False) is Place.INLINE_COPY
+    assert SPECS[Verb.STATUS].place({}, remote_tier=False) is Place.IO
+    assert SPECS[Verb.STATUS].place({}, remote_tier=True) is Place.WORKER
+    assert SPECS[Verb.FSCK].place({}, remote_tier=False) is Place.WORKER
+    assert SPECS[Verb.PIN].place({}, remote_tier=True) is Place.IO

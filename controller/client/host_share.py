@@ -23,7 +23,8 @@ pin within ``TTL_MARGIN_S`` of its deadline, a page not on host, a sidecar of an
 session: the load goes through the sidecar as before. The engine never writes the
 mapping (it is ``PROT_READ``).
 
-The sidecar's side is :func:`describe`: the description and descriptors it sends.
+The sidecar's side is :func:`hicache.controller.sidecar.host_share.describe`: the
+description and descriptors it sends.
 """
 
 from __future__ import annotations
@@ -43,13 +44,11 @@ import torch
 
 from hicache.controller.client.fd_pass import fd_socket_path, receive_fds
 from hicache.controller.store.host_pool import HostPool, row_bytes
-from hicache.controller.store.page_copies import check_refs
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.controller.store.local import LocalController
     from hicache.controller_api import PageRef, PinReceipt
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
@@ -59,26 +58,6 @@ log = logging.getLogger("hicache.sidecar.host_share")
 TTL_MARGIN_S = 1.0  # a pin with less left than this is loaded by the sidecar
 SHARE_VERSION = 1
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
-
-
-def describe(ctl: LocalController) -> tuple[bytes, list[int]] | None:
-    """The sidecar's host pages for an engine to map: a msgpack description and one
-    descriptor per component (the sender keeps its own); None when they are not shared
-    or not built yet."""
-    store = ctl.store
-    host = store.host
-    if host is None or any(p.shared is None for p in host.components.values()):
-        return None
-    comps = list(host.components.items())
-    header = {
-        "version": SHARE_VERSION,
-        "fingerprint": host.layout.fingerprint(host.page_size),
-        "components": [
-            {"component": c.name.lower(), "pages": p.num_pages, "row_bytes": p.row_bytes}
-            for c, p in comps
-        ],
-    }
-    return msgpack.packb(header), [p.shared.fd for _, p in comps]
 
 
 class HostShare:

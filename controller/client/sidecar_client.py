@@ -40,7 +40,6 @@ from hicache.controller.client.channel import (
     SidecarUnavailable,
     result_of,
 )
-from hicache.controller.client.host_share import HostShare
 from hicache.controller.client.inflight import (
     LOAD_PINS,
     RemoteTransfer,
@@ -80,6 +79,7 @@ from hicache.controller_api import (
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
+    from hicache.controller.client.host_share import HostShare
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
@@ -212,6 +212,10 @@ class SidecarController:
                 self._fenced_generation = ch.generation
         self._share = None  # the pages of an earlier session's sidecar are not this one's
         if desc is not None and self.config.engine_copies:
+            # Loaded here, not at import: an engine that registers no pools, or copies
+            # nothing itself, never maps host pages (nor loads the page geometry).
+            from hicache.controller.client.host_share import HostShare
+
             self._share = HostShare.for_session(
                 self.endpoint, layout, page_size, self._pools, ch.generation
             )

@@ -6,24 +6,18 @@ thread, which answers every engine's small lookups; on the shared worker pool a 
 them would take every worker from the copies. Here they run one at a time, one request
 of each owner (engine) in turn, so one engine flooding the lane delays another's large
 request by at most one request of its own, and never the I/O thread by more than a chunk
-of one (the handlers yield between chunks: :func:`yield_to_io`).
+of one (the handlers yield between chunks:
+:func:`hicache.controller.wire.fields.yield_to_io`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
 log = logging.getLogger("hicache.sidecar")
-
-
-def yield_to_io() -> None:
-    """Let the I/O thread run now (it may be waiting for the GIL or the store lock this
-    thread just released), instead of at the interpreter's next forced switch."""
-    time.sleep(0)
 
 
 class FairLane:

@@ -22,11 +22,10 @@ import numpy as np
 
 from hicache import __version__
 from hicache.controller.admin.ops import ADMIN_ENGINE
-from hicache.controller.client.device_share import RegistrationRefused, map_pools, open_ready_event
-from hicache.controller.sidecar.fair_lane import yield_to_io
-from hicache.controller.sidecar.remote_status import remote_status, verbs_on_workers
+from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools, open_ready_event
+from hicache.controller.sidecar.remote_status import remote_status
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
-from hicache.controller.wire.fields import WORK_CHUNK_PAGES, bad_args, split_hashes
+from hicache.controller.wire.fields import WORK_CHUNK_PAGES, bad_args, split_hashes, yield_to_io
 from hicache.controller.wire.protocol import (
     PROTOCOL_VERSION,
     SETTLE_POLL_S,
@@ -67,8 +66,8 @@ from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
-    from hicache.controller.client.fd_pass import FdInbox
     from hicache.controller.sidecar.config import SidecarConfig
+    from hicache.controller.sidecar.fd_inbox import FdInbox
     from hicache.controller.sidecar.metrics import SidecarMetrics
     from hicache.controller.store.local import LocalController
     from hicache.controller.wire.protocol import Request
@@ -142,9 +141,7 @@ class VerbHandlers:
             Verb.UNPIN_PREFIX: self.unpin_prefix,
             Verb.FSCK: self.fsck,
         }
-        self.on_workers: set[Verb] = set()  # run on a worker whatever their spec says
-        if self.ctl.config.remote_enabled:
-            verbs_on_workers(self)
+        self.remote_tier = self.ctl.config.remote_enabled  # see VerbSpec.place
 
     # -- handshake -----------------------------------------------------------------------
 

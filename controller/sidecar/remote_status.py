@@ -14,7 +14,6 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hicache.controller.tiers.remote_health import BreakerState
-from hicache.controller.wire.protocol import Verb
 
 
 def remote_families(s: dict[str, Any]) -> Iterator[Any]:
@@ -110,9 +109,3 @@ def print_remote_status(remote: dict[str, Any]) -> None:
         elif n.get("maxmemory_policy") not in ("allkeys-lru", "allkeys-lfu"):
             print(f"    {n['addr']}: maxmemory-policy {n.get('maxmemory_policy')!r}: "
                   "full means refused writes (see docs/operations.md)")  # fmt: skip
-
-
-def verbs_on_workers(verbs: Any) -> None:
-    """Move the verbs that wait on the cluster off the I/O thread of ``verbs`` (a
-    ``VerbHandlers``), which serves every engine, onto its worker threads."""
-    verbs.on_workers |= {Verb.LOOKUP, Verb.STATUS}

@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from hicache.controller.client import host_share
-from hicache.controller.client.fd_pass import FdInbox, fd_socket_path
+from hicache.controller.client.fd_pass import fd_socket_path
+from hicache.controller.sidecar import host_share
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.fair_lane import FairLane
+from hicache.controller.sidecar.fd_inbox import FdInbox
 from hicache.controller.sidecar.handlers import Call, VerbHandlers
 from hicache.controller.sidecar.inline_loads import InlineLoads
 from hicache.controller.sidecar.metrics import SidecarMetrics
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
-from hicache.controller.wire.fields import INLINE_MAX_PAGES, page_count
 from hicache.controller.wire.protocol import (
     ErrorCode,
     ProtocolError,
@@ -65,7 +65,7 @@ from hicache.controller.wire.security import (
     private_dir,
     secure_tcp,
 )
-from hicache.controller.wire.verbs import ADMIN, SPECS, Runs, VerbSpec
+from hicache.controller.wire.verbs import ADMIN, SPECS, Place, VerbSpec
 
 if TYPE_CHECKING:
     from hicache.controller.store.local import LocalController
@@ -336,17 +336,17 @@ class SidecarServer:
             if req.verb is Verb.HELLO:
                 args = spec.decode_args(req.args)
                 reply = self.verbs.hello((i, rid), self._transports[i], peer, args, t0)
-            elif req.verb not in self.verbs.on_workers and (
-                spec.runs is Runs.IO or (spec.runs is Runs.IO_OR_LANE and not _large(spec, req))
-            ):
-                args = spec.decode_args(req.args)
-                call = Call(conn, req, deadline, _no_progress)
-                reply = self.verbs.handlers[req.verb](call, args)
-            elif spec.runs is Runs.IO_OR_WORKER and self._start_inline(conn, spec, req, t0):
-                return  # answered once its copy has ended (inline_loads.py)
             else:
-                self._dispatch(conn, spec, req, deadline, t0)
-                return
+                place = spec.place(req.args, self.verbs.remote_tier)
+                if place is Place.IO:
+                    args = spec.decode_args(req.args)
+                    call = Call(conn, req, deadline, _no_progress)
+                    reply = self.verbs.handlers[req.verb](call, args)
+                elif place is Place.INLINE_COPY and self._start_inline(conn, spec, req, t0):
+                    return  # answered once its copy has ended (inline_loads.py)
+                else:
+                    self._dispatch(conn, spec, req, deadline, t0, place)
+                    return
             result = spec.encode_reply(reply)
         except ProtocolError as exc:
             self._reject(i, rid, req.id, verb, exc)
@@ -396,19 +396,23 @@ class SidecarServer:
     def _start_inline(self, conn: Connection, spec: VerbSpec, req: Request, t0: float) -> bool:
         """Begin a small load on this thread when its pages are all on host; False: it
         goes to a worker."""
-        if req.verb in self.verbs.on_workers or _large(spec, req):
-            return False
         self._check_capacity()
         return self._inline.start(conn, spec, req, spec.decode_args(req.args), t0)
 
     def _dispatch(
-        self, conn: Connection, spec: VerbSpec, req: Request, deadline: float, t0: float
+        self,
+        conn: Connection,
+        spec: VerbSpec,
+        req: Request,
+        deadline: float,
+        t0: float,
+        place: Place,
     ) -> None:
         sessions = self.sessions
         self._check_capacity()
         sessions.inflight += 1
         conn.inflight += 1
-        if spec.runs is Runs.IO_OR_LANE and req.verb not in self.verbs.on_workers:
+        if place is Place.LANE:
             # A large lookup or pin: on the lane, one engine's request after another's.
             self._lane.submit(conn.engine_id, lambda: self._run_job(conn, spec, req, deadline, t0))
         else:
@@ -488,9 +492,3 @@ class SidecarServer:
 
 def _no_progress(done: int, total: int) -> None:
     """Verbs answered on the I/O thread report no progress: they are short."""
-
-
-def _large(spec: VerbSpec, req: Request) -> bool:
-    """A lookup or pin too large for the I/O thread (it runs on the fair lane), or a load
-    (it runs on a worker)."""
-    return page_count(req.args, spec.pages_column) > INLINE_MAX_PAGES

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from hicache.controller.wire.protocol import ErrorCode, ProtocolError, Role
 
 if TYPE_CHECKING:
-    from hicache.controller.client.device_share import MappedPools
+    from hicache.controller.sidecar.device_map import MappedPools
     from hicache.controller.sidecar.metrics import SidecarMetrics
     from hicache.controller.store.local import LocalController
     from hicache.controller.wire.security import PeerCredentials

@@ -46,11 +46,11 @@ from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.store.counters import Counters, Failure, component_label
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.fills import FillTracker
-from hicache.controller.store.page_copies import DeviceLoad, PageCopies, check_refs
+from hicache.controller.store.page_copies import DeviceLoad, PageCopies
 from hicache.controller.store.page_index import DiskState, HostState
 from hicache.controller.store.page_store import PageStore
 from hicache.controller.store.session import EngineSession
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
 from hicache.controller.tiers.remote_store import RemoteStore
 from hicache.controller.tiers.remote_tier import open_remote
 from hicache.controller.wire.security import check_private_dir

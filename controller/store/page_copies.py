@@ -22,7 +22,7 @@ from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.fills import FillTracker, QueuedBackup
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.page_store import PageStore
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
 from hicache.controller_api import (
     CompletedTransfer,
     ControllerError,
@@ -30,7 +30,6 @@ from hicache.controller_api import (
     PageRef,
     TransferHandle,
 )
-from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
@@ -356,33 +355,3 @@ def _by_component(
     for item in plan:
         out.setdefault(item[1].component, []).append(item)
     return out
-
-
-def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLayout | None) -> None:
-    """Raise ControllerError unless every ref names a component of ``layout``, a page or
-    slot inside the engine's ``buffers``, well-formed hashes, and no device page twice."""
-    comps = layout.components if layout else ()
-    caps = {c: buffers.capacity(c) for c in comps}
-    for ref in refs:
-        cap = caps.get(ref.component)
-        if cap is None:
-            raise ControllerError(f"the layout has no {ref.component.name} component")
-        if not 0 <= ref.device_index < cap:
-            raise ControllerError(
-                f"{ref.component.name} device index {ref.device_index} is outside the "
-                f"engine's {cap} pages/slots"
-            )
-        if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
-            raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
-    # One device page holds one page of one prefix: two pages copied into it would
-    # leave a blend of both, two hashes read from it would store one prefix's bytes
-    # under another's hash. (The same ref twice is one page.)
-    named: dict[tuple[ComponentType, int], bytes] = {}
-    for ref in refs:
-        slot = (ref.component, ref.device_index)
-        seen = named.setdefault(slot, ref.page_hash)
-        if seen != ref.page_hash:
-            raise ControllerError(
-                f"{ref.component.name} device page/slot {ref.device_index} is named by "
-                "two different pages in one request"
-            )

@@ -27,9 +27,12 @@ import torch
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller_api import ControllerError
 from hicache.kernels import PreparedTransfer
+from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
+    from hicache.controller_api import PageRef
+    from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
 
@@ -191,3 +194,33 @@ class TransferEngine:
             done = torch.cuda.Event()
             done.record(load)
         return done
+
+
+def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLayout | None) -> None:
+    """Raise ControllerError unless every ref names a component of ``layout``, a page or
+    slot inside the engine's ``buffers``, well-formed hashes, and no device page twice."""
+    comps = layout.components if layout else ()
+    caps = {c: buffers.capacity(c) for c in comps}
+    for ref in refs:
+        cap = caps.get(ref.component)
+        if cap is None:
+            raise ControllerError(f"the layout has no {ref.component.name} component")
+        if not 0 <= ref.device_index < cap:
+            raise ControllerError(
+                f"{ref.component.name} device index {ref.device_index} is outside the "
+                f"engine's {cap} pages/slots"
+            )
+        if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
+            raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
+    # One device page holds one page of one prefix: two pages copied into it would
+    # leave a blend of both, two hashes read from it would store one prefix's bytes
+    # under another's hash. (The same ref twice is one page.)
+    named: dict[tuple[ComponentType, int], bytes] = {}
+    for ref in refs:
+        slot = (ref.component, ref.device_index)
+        seen = named.setdefault(slot, ref.page_hash)
+        if seen != ref.page_hash:
+            raise ControllerError(
+                f"{ref.component.name} device page/slot {ref.device_index} is named by "
+                "two different pages in one request"
+            )

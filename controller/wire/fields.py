@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +43,12 @@ MAX_LOOKUP_HASHES = 1 << 18
 MAX_PIN_KEYS = 1 << 18
 INLINE_MAX_PAGES = 1024
 WORK_CHUNK_PAGES = 1024
+
+
+def yield_to_io() -> None:
+    """Let the I/O thread run now (it may be waiting for the GIL or the store lock this
+    thread just released), instead of at the interpreter's next forced switch."""
+    time.sleep(0)
 
 
 def bad_args(message: str) -> ProtocolError:
@@ -336,7 +343,6 @@ def encode_hashes(hashes: Sequence[bytes]) -> bytes:
     if hashes and set(map(len, hashes)) != {HASH_BYTES}:
         raise ValueError(f"page hashes must be {HASH_BYTES} bytes")
     return b"".join(hashes)
-
 
 
 def hash_column(v: Any, limit: int = MAX_PAGES) -> bytes:

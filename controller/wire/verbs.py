@@ -14,8 +14,8 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hicache.controller.sidecar.fair_lane import yield_to_io
 from hicache.controller.wire.fields import (
+    INLINE_MAX_PAGES,
     MAX_LOOKUP_HASHES,
     MAX_PIN_KEYS,
     Bin,
@@ -35,7 +35,9 @@ from hicache.controller.wire.fields import (
     Tokens,
     decode_record,
     encode_record,
+    page_count,
     wire,
+    yield_to_io,
 )
 from hicache.controller.wire.protocol import ErrorCode, ProtocolError, Role, Verb
 
@@ -63,6 +65,15 @@ class Runs(enum.Enum):
     IO_OR_WORKER = "I/O or worker"
 
 
+class Place(enum.Enum):
+    """Where one request runs, as :meth:`VerbSpec.place` decides it."""
+
+    IO = "I/O thread"
+    INLINE_COPY = "a copy begun on the I/O thread (a worker when its pages are not on host)"
+    LANE = "the fair lane"
+    WORKER = "a worker"
+
+
 # -- argument records ---------------------------------------------------------------------
 
 
@@ -86,7 +97,7 @@ class HelloArgs:
 class RegisterArgs:
     page_size: int = wire(PAGE_SIZE)
     device: str = wire(Str(("cpu", "cuda")))
-    buffers: dict = wire(Map())  # checked by device_share.map_pools
+    buffers: dict = wire(Map())  # checked by sidecar.device_map.map_pools
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,23 @@ class VerbSpec:
     roles: frozenset[Role]
     needs_registration: bool = False  # it addresses the engine's device memory
     pages_column: str | None = None  # IO_OR_LANE/IO_OR_WORKER: the argument whose size decides
+    # It waits on the remote cluster when a remote tier is configured: never on the I/O
+    # thread, which serves every engine.
+    waits_on_remote: bool = False
+
+    def place(self, args: Any, remote_tier: bool) -> Place:
+        """Where a request of this verb with (undecoded) ``args`` runs; the one answer the
+        server acts on."""
+        if self.waits_on_remote and remote_tier:
+            return Place.WORKER
+        if self.runs is Runs.IO:
+            return Place.IO
+        if self.runs is Runs.WORKER:
+            return Place.WORKER
+        large = page_count(args, self.pages_column) > INLINE_MAX_PAGES
+        if self.runs is Runs.IO_OR_LANE:
+            return Place.LANE if large else Place.IO
+        return Place.WORKER if large else Place.INLINE_COPY
 
     def decode_args(self, args: Any) -> Any:
         """The request's arguments as this verb's record; BAD_ARGS naming what is wrong."""
@@ -299,7 +327,15 @@ SPECS: dict[Verb, VerbSpec] = {
         _spec(Verb.HELLO, HelloArgs, HelloReply, Runs.IO, BOTH),
         _spec(Verb.REGISTER, RegisterArgs, RegisterReply, Runs.WORKER, ENGINE),
         _spec(Verb.HEARTBEAT, NoArgs, HeartbeatReply, Runs.IO, BOTH),
-        _spec(Verb.LOOKUP, LookupArgs, LookupReply, Runs.IO_OR_LANE, ENGINE, pages_column="hashes"),
+        _spec(
+            Verb.LOOKUP,
+            LookupArgs,
+            LookupReply,
+            Runs.IO_OR_LANE,
+            ENGINE,
+            pages_column="hashes",
+            waits_on_remote=True,
+        ),
         _spec(Verb.BACKUP, BackupArgs, OkReply, Runs.WORKER, ENGINE, needs_registration=True),
         _spec(Verb.PIN, PinArgs, PinReply, Runs.IO_OR_LANE, ENGINE, pages_column="keys"),
         _spec(
@@ -316,7 +352,7 @@ SPECS: dict[Verb, VerbSpec] = {
         _spec(Verb.STATS, NoArgs, OPEN, Runs.IO, BOTH),
         _spec(Verb.BYE, NoArgs, Empty, Runs.IO, BOTH),
         _spec(Verb.HEALTH, NoArgs, OPEN, Runs.IO, BOTH),
-        _spec(Verb.STATUS, NoArgs, OPEN, Runs.IO, ADMIN),
+        _spec(Verb.STATUS, NoArgs, OPEN, Runs.IO, ADMIN, waits_on_remote=True),
         _spec(Verb.ENGINES, NoArgs, OPEN, Runs.IO, ADMIN),
         _spec(Verb.CLEAR, ClearArgs, ClearReply, Runs.WORKER, ADMIN),
         _spec(Verb.EVICT, EvictArgs, EvictReply, Runs.WORKER, ADMIN),

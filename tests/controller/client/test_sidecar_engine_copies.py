@@ -19,6 +19,7 @@ from hicache import CacheConfig, DevicePools
 from hicache.controller.client import host_share
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
+from hicache.controller.sidecar import host_share as sidecar_host_share
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
@@ -213,7 +214,7 @@ def test_a_restarted_sidecars_pages_are_mapped_again(workdir):
 
 def test_a_description_that_does_not_fit_the_layout_is_refused(pair):
     side, engine = pair
-    header, fds = host_share.describe(side.controller)  # the sidecar's own descriptors
+    header, fds = sidecar_host_share.describe(side.controller)  # the sidecar's own fds
     layout = engine.layout
     assert set(host_share._map(header, fds, layout, PAGE)) == {FULL}
     desc = msgpack.unpackb(header)
