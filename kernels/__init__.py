@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from hicache.kernels import reference
+from hicache.kernels.cpu_rows import merge_runs, move_runs
 from hicache.kernels.geometry import (
     RowCopy,
     RowSide,
@@ -51,6 +52,8 @@ __all__ = [
     "kv_transfer_backend",
     "mamba_states_to_device",
     "mamba_states_to_host",
+    "merge_runs",
+    "move_runs",
 ]
 
 BackendArg = Backend | str | None

@@ -1,9 +1,39 @@
 """The engine process's side of the sidecar (no store, no LMDB, no Redis).
 
-The client, its channel, the engine halves of host/device/fd sharing, the staging area and
-its quarantine that the vLLM and SGLang integrations share.
+What an engine or an integration needs: the client (a :class:`hicache.CacheController`)
+and its configuration and errors, the admin client, and the engine halves of sharing
+memory with the sidecar (``export_pools`` describes an engine's pools; ``send_fds`` hands
+memory descriptors over the descriptor socket at ``fd_socket_path``). The names load their
+modules on first use, so that an engine pays only for what it uses.
 """
 
-from hicache.controller.client.sidecar_client import SidecarController
+from __future__ import annotations
 
-__all__ = ["SidecarController"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SidecarController": "hicache.controller.client.sidecar_client",
+    "SidecarClientConfig": "hicache.controller.client.channel",
+    "SidecarUnavailable": "hicache.controller.client.channel",
+    "RemoteError": "hicache.controller.client.channel",
+    "AdminClient": "hicache.controller.client.admin",
+    "export_pools": "hicache.controller.client.device_share",
+    "fd_socket_path": "hicache.controller.client.fd_pass",
+    "send_fds": "hicache.controller.client.fd_pass",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache.controller.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

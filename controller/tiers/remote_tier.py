@@ -45,7 +45,7 @@ from hicache.controller.store.page_codec import (
     write_header,
 )
 from hicache.controller.store.page_index import HostState, PageEntry
-from hicache.controller.tiers.remote_config import RemoteWritePolicy
+from hicache.controller.config import RemoteWritePolicy
 from hicache.controller.tiers.remote_health import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller.tiers.remote_store import (
     Fetched,
@@ -57,7 +57,7 @@ from hicache.controller.tiers.remote_store import (
 )
 from hicache.controller_api import P_ABSENT, P_REMOTE, PageKey
 from hicache.keys import HASH_BYTES
-from hicache.types import ComponentType
+from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
     from hicache.controller.config import ControllerConfig
@@ -236,6 +236,7 @@ class RemoteTier:
             if s in _INVALID:
                 self.counters.inc("remote", "invalid", _INVALID[s])
                 self.hints.discard(keys[n])
+        self._announce([e for (e, _, _), s in zip(batch, statuses) if s in _INVALID], True)
         if invalid:  # never served, and never again to anyone: remove them
             log.warning("remote tier: %d invalid values removed", len(invalid))
             timeout = self.config.remote_write_timeout_s
@@ -363,16 +364,20 @@ class RemoteTier:
             return reuse
         timeout = self.config.remote_write_timeout_s
         keys = [it[0] for it in items]
+        entry_of = {it[0]: e for it, (e, _) in zip(items, frames, strict=True)}
         known = self._call("exists", len(keys), lambda: self.store.exists(keys, timeout, bulk=True))
         if known is None:
             self.counters.add(len(items), "remote", "write_dropped", "breaker_open")
             return reuse
         todo = [it for it, s in zip(items, known, strict=True) if s is not KeyStatus.OK]
         self.counters.add(len(items) - len(todo), "remote", "write_skipped_present")
+        present = []
         for it, s in zip(items, known, strict=True):
             if s is KeyStatus.OK:
                 self.hints.add(it[0], None)
+                present.append(entry_of[it[0]])
         if not todo:
+            self._announce(present)
             return reuse
         res = self._call("put", len(todo), lambda: self.store.put(todo, timeout))
         if res is None:
@@ -388,11 +393,24 @@ class RemoteTier:
                 done += 1
                 nbytes += len(head) + len(body)
                 self.hints.add(key, None)
+                present.append(entry_of[key])
             else:
                 reason = "full" if s is KeyStatus.FULL else "error"
                 self.counters.inc("remote", "write_dropped", reason)
         self.counters.transfer("host_to_remote", done, nbytes, time.perf_counter() - t0)
+        self._announce(present)
         return reuse
+
+    def _announce(self, entries: list[PageEntry], removed: bool = False) -> None:
+        """Tell the store's listener (the KV event publisher) which pages this node found
+        on or wrote to the remote tier, or removed from it."""
+        events = self._pages.index.events
+        if events is not None and entries:
+            with self._pages.lock:
+                if removed:
+                    events.removed(Tier.REMOTE, entries)
+                else:
+                    events.stored(Tier.REMOTE, entries)
 
     # -- state ---------------------------------------------------------------------------
 

@@ -375,7 +375,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Drop this namespace's pages from the sidecar's host and disk tiers (through an
         admin connection: needs the sidecar's admin token, readable by its user only)."""
-        from hicache.controller.admin.cli import AdminClient
+        from hicache.controller.client import AdminClient
         from hicache.controller.wire.protocol import Verb
 
         try:

@@ -1,6 +1,7 @@
 """The reference engine: a tiny hybrid model and a scheduler that uses the cache."""
 
 from hicache.apps.engine.config import DEFAULT_KINDS, ModelConfig, mamba_dims, tiny_hybrid_layout
+from hicache.apps.engine.demo_report import PhaseReport, phase_table
 from hicache.apps.engine.model import (
     ChunkOutput,
     HybridModel,
@@ -27,6 +28,7 @@ __all__ = [
     "HybridModel",
     "MambaSnapshot",
     "ModelConfig",
+    "PhaseReport",
     "RequestResult",
     "Scheduler",
     "SchedulerConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "generate",
     "mamba_dims",
     "page_boundaries",
+    "phase_table",
     "tiny_hybrid",
     "tiny_hybrid_layout",
 ]
