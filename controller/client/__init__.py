@@ -18,6 +18,7 @@ _EXPORTS = {
     "SidecarUnavailable": "hicache.controller.client.channel",
     "RemoteError": "hicache.controller.client.channel",
     "AdminClient": "hicache.controller.client.admin",
+    "StagingArea": "hicache.controller.client.staging",
     "export_pools": "hicache.controller.client.device_share",
     "fd_socket_path": "hicache.controller.client.fd_pass",
     "send_fds": "hicache.controller.client.fd_pass",
