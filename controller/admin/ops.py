@@ -172,6 +172,8 @@ def clear(
                     out.kept_pages += 1
         if deletes:
             store.disk.submit_delete(deletes)
+        if all_namespaces and not out.kept_pages and store.index.events is not None:
+            store.index.events.cleared(frozenset(tiers))
     if deletes:
         _wait_for_deletes(store, len(deletes))
     return out

@@ -61,6 +61,19 @@ class SidecarConfig:
     metrics_port: int = 9464  # 0: no metrics endpoint
     metrics_addr: str = "127.0.0.1"
     log_level: str = "info"
+    # KV events (kv_events.py): the PUB endpoint (None: off), e.g. "tcp://*:5557" or
+    # "ipc:///run/hicache/events.sock", and a ROUTER endpoint answering replays.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_batch_interval_s: float = 0.01
+    kv_events_batch_max_events: int = 4096
+    kv_events_queue_events: int = 100_000  # past it an event is dropped (and counted)
+    kv_events_buffer_batches: int = 10_000  # kept for replays
+    kv_events_hwm: int = 100_000  # ZeroMQ send high-water mark, per subscriber
+    # The model's sliding window in tokens, sent with SWA pages' events (the layout does
+    # not carry it); None: left out.
+    kv_events_sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         self.tcp_auth = parse_enum(TcpAuth, self.tcp_auth, "tcp_auth")
@@ -129,6 +142,22 @@ class SidecarConfig:
             raise ConfigError(
                 f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}"
             )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name}={v!r}: write tcp://HOST:PORT or ipc://PATH")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if not self.kv_events_batch_interval_s > 0:
+            raise ConfigError("kv_events_batch_interval_s must be > 0 seconds")
+        for name in (
+            "kv_events_batch_max_events",
+            "kv_events_queue_events",
+            "kv_events_buffer_batches",
+            "kv_events_hwm",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level={self.log_level!r}: use debug, info, warning or error")
 

@@ -228,6 +228,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", help="Prometheus port (0: off; default 9464)")
     p.add_argument("--metrics-addr", help="Prometheus address (default 127.0.0.1)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV events in vLLM's format on this PUB endpoint, e.g. tcp://*:5557",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        help="answer KV event replays for late subscribers here (ROUTER), e.g. tcp://*:5558",
+    )
     p.add_argument("--layout-file", help="the served layout (JSON or TOML, with page_size)")
     p.add_argument(
         "--set",
@@ -253,6 +261,8 @@ _FLAG_FIELDS = (
     "metrics_port",
     "metrics_addr",
     "log_level",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
 )
 
 
@@ -302,6 +312,29 @@ def _faults_from_env() -> Any:
     return FaultPlan(**json.loads(raw))
 
 
+def _start_kv_events(server: Any, config: SidecarConfig) -> Any:
+    """Start the KV event publisher, tell it what the tiers hold now (the disk rebuilt at
+    start), and make it the store's listener and a source of metrics."""
+    from hicache.controller.sidecar.kv_events import KvEventPublisher
+    from hicache.controller.store.page_index import DiskState, HostState
+    from hicache.types import Tier
+
+    def page_size() -> int:
+        served = server.sessions.served
+        return served.page_size if served is not None else 0
+
+    publisher = KvEventPublisher(config, page_size)
+    store = server.controller.store
+    with store.lock:
+        entries = list(store.index)
+        publisher.stored(Tier.DISK, [e for e in entries if e.disk_state is DiskState.READY])
+        publisher.stored(Tier.HOST, [e for e in entries if e.host_state is HostState.READY])
+        store.index.events = publisher
+    server.metrics.registry.register(publisher.collector())
+    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+    return publisher
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the sidecar until SIGTERM/SIGINT; returns one of the ``EXIT_*`` codes."""
     import zmq
@@ -332,8 +365,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if controller.opened:
         server.freeze_long_lived()
     metrics_port = 0
+    publisher = None
     try:
         endpoints = server.bind()
+        if settings.sidecar.kv_events_endpoint:
+            publisher = _start_kv_events(server, settings.sidecar)
         if settings.sidecar.metrics_port:
             metrics_port = server.metrics.serve_http(
                 settings.sidecar.metrics_port, settings.sidecar.metrics_addr
@@ -360,6 +396,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 "endpoints": endpoints,
                 "metrics_port": metrics_port,
                 "admin_token_file": str(settings.sidecar.admin_token_path),
+                "kv_events": publisher.endpoint if publisher else None,
+                "kv_events_replay": publisher.replay_endpoint if publisher else None,
             },
         )
     try:
@@ -368,6 +406,8 @@ def run_serve(args: argparse.Namespace) -> int:
         pending = controller.stats().get("disk", {}).get("pending_writes", 0)
         log.info("draining: %s disk writes queued", pending)
         lost = controller.close()
+        if publisher is not None:
+            publisher.close()
         server.metrics.close()
         if lost:
             log.error(

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from hicache.controller.store.page_entry import DiskState, HostState, PageEntry
+from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
 from hicache.types import ComponentType, Tier
 
@@ -87,6 +88,7 @@ class PageIndex:
         self._clock = 0
         self.disk_live_bytes = 0
         self.disk_pages = dict.fromkeys(ComponentType, 0)
+        self.events: TierEvents | None = None  # told where a tier becomes present or absent
 
     # -- queries -------------------------------------------------------------------------
 
@@ -260,19 +262,26 @@ class PageIndex:
         self._presence_changed(entry, Tier.HOST, +1)
         if ready:  # a filling page is never evictable; mark_host_ready queues it
             self._maybe_push(entry, Tier.HOST)
+            if self.events is not None:
+                self.events.stored(Tier.HOST, (entry,))
 
     def mark_host_ready(self, entry: PageEntry) -> None:
         assert entry.host_state is HostState.FILLING, f"{entry} is not being filled"
         entry.host_state = HostState.READY
         self._maybe_push(entry, Tier.HOST)
+        if self.events is not None:
+            self.events.stored(Tier.HOST, (entry,))
 
     def clear_host(self, entry: PageEntry) -> int:
         """Take the host page away from ``entry``; returns the page id to free."""
         assert entry.host_state is not HostState.NONE, f"{entry} has no host page"
         page = entry.host_page
+        was_ready = entry.host_state is HostState.READY
         entry.host_page = -1
         entry.host_state = HostState.NONE
         self._presence_changed(entry, Tier.HOST, -1)
+        if was_ready and self.events is not None:
+            self.events.removed(Tier.HOST, (entry,))
         return page
 
     def set_disk(self, entry: PageEntry, state: DiskState, nbytes: int = 0) -> None:
@@ -288,12 +297,15 @@ class PageIndex:
         if before is DiskState.NONE:
             self._presence_changed(entry, Tier.DISK, +1)
         self._maybe_push(entry, Tier.DISK)
+        if state is DiskState.READY and self.events is not None:
+            self.events.stored(Tier.DISK, (entry,))
 
     def clear_disk(self, entry: PageEntry) -> int:
         """Forget ``entry``'s disk copy (queued or committed); returns the bytes it held."""
         assert entry.disk_state is not DiskState.NONE, f"{entry} is not on disk"
         nbytes = 0
-        if entry.disk_state is DiskState.READY:
+        was_ready = entry.disk_state is DiskState.READY
+        if was_ready:
             nbytes = entry.disk_nbytes
             self.disk_live_bytes -= nbytes
             self.disk_pages[entry.component] -= 1
@@ -301,6 +313,8 @@ class PageIndex:
         entry.disk_nbytes = 0
         entry.pending_payload = None
         self._presence_changed(entry, Tier.DISK, -1)
+        if was_ready and self.events is not None:
+            self.events.removed(Tier.DISK, (entry,))
         return nbytes
 
     def _presence_changed(self, entry: PageEntry, tier: Tier, delta: int) -> None:
