@@ -170,6 +170,17 @@ def run(client: AdminClient, args: argparse.Namespace) -> tuple[dict, int]:
         return r, EXIT_OK if r.get("pin_id") is not None else EXIT_BAD_NEWS
     if cmd == "unpin":
         return client.call(Verb.UNPIN_PREFIX, {"pin_id": args.pin_id}), EXIT_OK
+    if cmd == "score":
+        if args.hashes:
+            hexes = args.hashes.replace(",", " ").split()
+            a = {"hashes": b"".join(bytes.fromhex(h) for h in hexes)}
+        else:
+            a = {"tokens": _tokens(args)}
+            if args.namespace is not None:
+                a["namespace"] = args.namespace
+        if args.sliding_window is not None:
+            a["sliding_window"] = args.sliding_window
+        return client.call(Verb.SCORE, a), EXIT_OK
     if cmd == "fsck":
         bar = _Progress(args.progress if args.progress is not None else sys.stderr.isatty())
         try:
@@ -196,6 +207,12 @@ def _show(cmd: str, r: dict) -> None:
                 f"pin {r['pin_id']}: {r['tokens']} tokens ({r['pages']} pages) "
                 f"for {r['ttl_s']:.0f}s"
             )
+    elif cmd == "score":
+        page = r["page_size"]
+        print(f"prompt: {r['pages']} pages of {page} tokens")
+        for tier in ("host", "disk", "remote"):
+            n, kv = r["resumable"][tier], r["kv_pages"][tier]
+            print(f"  up to {tier:6}: resumes {n * page} tokens ({n} pages; KV pages {kv})")
     elif cmd == "fsck":
         print(
             f"fsck: {r['checked']} values, {r['ok']} ok, {r['corrupt']} corrupt, "
@@ -248,12 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--tokens-file", help="a file of token ids (JSON list or separated)")
     pn.add_argument("--namespace", help="the prefix's namespace (extra_key)")
     pn.add_argument("--ttl", type=float, default=600.0, help="seconds (capped by pin_ttl_max_s)")
+    sc = sub.add_parser("score", help="how much of a prompt each tier can resume")
+    sc.add_argument("--hashes", help="the prompt's page hashes, hex, comma or space separated")
+    sc.add_argument("--tokens", help="or its token ids, comma or space separated")
+    sc.add_argument("--tokens-file", help="a file of token ids (JSON list or separated)")
+    sc.add_argument("--namespace", help="the prompt's namespace (extra_key), with --tokens")
+    sc.add_argument("--sliding-window", type=int, help="the model's SWA window in tokens")
     u = sub.add_parser("unpin", help="release a pin made by 'pin'")
     u.add_argument("pin_id", type=int)
     f = sub.add_parser("fsck", help="check every LMDB value's checksum")
     f.add_argument("--repair", action="store_true", help="drop corrupt values")
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    for s in (c, e, pn, u, f):
+    for s in (c, e, pn, sc, u, f):
         s.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     return p
 

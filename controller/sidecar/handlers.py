@@ -59,10 +59,13 @@ from hicache.controller.wire.verbs import (
     PinReply,
     RegisterArgs,
     RegisterReply,
+    ScoreArgs,
+    ScoreReply,
     UnpinArgs,
 )
 from hicache.controller_api import PinReceipt
-from hicache.keys import HASH_BYTES
+from hicache.keys import HASH_BYTES, page_hashes
+from hicache.resume import resumable_pages, window_pages
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
@@ -140,6 +143,7 @@ class VerbHandlers:
             Verb.PIN_PREFIX: self.pin_prefix,
             Verb.UNPIN_PREFIX: self.unpin_prefix,
             Verb.FSCK: self.fsck,
+            Verb.SCORE: self.score,
         }
         self.remote_tier = self.ctl.config.remote_enabled  # see VerbSpec.place
 
@@ -452,6 +456,39 @@ class VerbHandlers:
         pages = sum(1 for k in keys if k.component is ComponentType.FULL)
         ttl = receipt.deadline - time.monotonic()
         return PinPrefixReply(receipt.pin_id, pages, pages * served.page_size, ttl)
+
+    def score(self, call: Call, a: ScoreArgs) -> ScoreReply:
+        """Per tier (counting the faster ones too), the longest prefix of the prompt that
+        can be resumed, every component's rule applied (hicache/resume.py)."""
+        served = self.sessions.served
+        if served is None:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                "no layout yet: a prompt can be scored once an engine has connected (or with "
+                "[layout] in the sidecar's config)",
+            )
+        if (a.hashes is None) == (a.tokens is None):
+            raise bad_args("score takes 'hashes' or 'tokens', exactly one of the two")
+        components = served.layout.components
+        if ComponentType.SWA in components and a.sliding_window is None:
+            raise bad_args("this layout has SWA layers: give 'sliding_window' (tokens)")
+        if a.tokens is not None:
+            hashes = page_hashes(a.tokens, served.fingerprint, served.page_size, a.namespace)
+        else:
+            hashes = split_hashes(a.hashes)
+        rows = self.ctl.presence(hashes, components)
+        window = window_pages(a.sliding_window, served.page_size)
+        resumable, kv_pages = {}, {}
+        for tier in (Tier.HOST, Tier.DISK, Tier.REMOTE):
+            rank = int(tier)
+
+            def held(v: int, rank: int = rank) -> bool:
+                return 0 < v <= rank
+
+            name = tier.name.lower()
+            resumable[name] = resumable_pages(rows, held, window)
+            kv_pages[name] = resumable_pages({ComponentType.FULL: rows[ComponentType.FULL]}, held)
+        return ScoreReply(served.page_size, len(hashes), resumable, kv_pages)
 
     def unpin_prefix(self, call: Call, a: PinIdArgs) -> Empty:
         self.ctl.unpin_prefix(a.pin_id)

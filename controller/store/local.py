@@ -253,6 +253,18 @@ class LocalController:
         refs: Sequence[PageRef],
         ready_event: Any = None,
         engine_id: str = DEFAULT_ENGINE,
+    def presence(
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+    ) -> dict[ComponentType, list[int]]:
+        """What :meth:`lookup` answers, without counting it as a lookup (a router's
+        ``score`` is not an engine's lookup)."""
+        self._check_open()
+        with self._store.lock:
+            rows = {c: self._store.index.presence(page_hashes, c) for c in components}
+        if self._store.remote is not None:  # outside the lock: it waits on the network
+            self._store.remote.probe(page_hashes, rows)
+        return rows
+
     ) -> TransferHandle:
         """Copy device pages into host pages (queued to disk by policy).
 

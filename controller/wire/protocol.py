@@ -124,6 +124,7 @@ class Verb(enum.Enum):
     PIN_PREFIX = "pin_prefix"
     UNPIN_PREFIX = "unpin_prefix"
     FSCK = "fsck"
+    SCORE = "score"
 
 
 _VERBS = {v.value: v for v in Verb}

@@ -174,6 +174,17 @@ class FsckArgs:
     repair: bool = wire(Bool())
 
 
+@dataclass(frozen=True)
+class ScoreArgs:
+    """A prompt's pages: its page hashes, or its tokens (and namespace) hashed by the
+    sidecar with the served layout; exactly one of the two."""
+
+    hashes: bytes | None = wire(Hashes(MAX_LOOKUP_HASHES), optional=True)
+    tokens: list[int] | None = wire(Tokens(), optional=True)
+    namespace: str | None = wire(Str(), optional=True)
+    sliding_window: int | None = wire(Int(1), optional=True)  # tokens; needed with SWA
+
+
 # -- result records -----------------------------------------------------------------------
 
 
@@ -250,6 +261,14 @@ class FsckReply:
     foreign: int = wire(Int())
     repaired: int = wire(Int())
     layout_unchecked: int = wire(Int())
+
+
+@dataclass(frozen=True)
+class ScoreReply:
+    page_size: int = wire(Int())
+    pages: int = wire(Int())  # of the prompt
+    resumable: dict = wire(Map())  # pages per tier name, counting the faster tiers too
+    kv_pages: dict = wire(Map())  # the leading run of FULL pages alone, the same way
 
 
 # A document whose shape is the controller's (stats, status, health, the engine table):
@@ -359,6 +378,7 @@ SPECS: dict[Verb, VerbSpec] = {
         _spec(Verb.PIN_PREFIX, PinPrefixArgs, PinPrefixReply, Runs.WORKER, ADMIN),
         _spec(Verb.UNPIN_PREFIX, PinIdArgs, Empty, Runs.IO, ADMIN),
         _spec(Verb.FSCK, FsckArgs, FsckReply, Runs.WORKER, ADMIN),
+        _spec(Verb.SCORE, ScoreArgs, ScoreReply, Runs.WORKER, BOTH),
     )
 }
 assert set(SPECS) == set(Verb), "every verb has a spec"
