@@ -31,6 +31,7 @@ from hicache.kernels.geometry import (
     state_row_copy,
 )
 from hicache.kernels.prepared import PreparedTransfer
+from hicache.kernels.segments import Segment, SegmentCopy
 from hicache.kernels.spec_buffers import (
     ConvWindowBuffer,
     ConvWindowLayout,
@@ -43,6 +44,8 @@ __all__ = [
     "ConvWindowBuffer",
     "ConvWindowLayout",
     "PreparedTransfer",
+    "Segment",
+    "SegmentCopy",
     "TransferTuning",
     "choose_conv_window_layout",
     "fused_conv_window_scatter_with_mask",

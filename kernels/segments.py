@@ -1,0 +1,259 @@
+"""Copies between an engine's own block tensors and host pages, in one pass.
+
+An engine that keeps its KV cache in tensors of its own (vLLM: one tensor of byte rows
+per layer, a row per block) stores a block as one host page that holds every layer's
+part of it, and loads it back the same way. A :class:`SegmentCopy` describes that
+mapping once: *segments*, each a run of ``nbytes`` bytes of a block row of one tensor
+(at ``src_offset`` in the row) that lands at ``dst_offset`` in the page's payload. A
+copy then moves ``blocks[i] <-> pages[i]`` for every segment:
+
+* on a GPU, one launch of a Triton kernel that reads the engine's tensors and writes the
+  host pages through their device-mapped address (or the reverse): no staging buffer;
+* on a CPU, one ``memmove`` per run of bytes contiguous on both sides
+  (:func:`hicache.kernels.cpu_rows.move_runs`);
+* :meth:`SegmentCopy.reference`, plain tensor indexing, for tests.
+
+The segments' tensors may be separate allocations: the kernel addresses each from the
+first one's pointer plus an element offset, so one launch covers them all. Indices are
+trusted (the caller checks them, as for the other kernels); a block or page outside its
+tensor is skipped by the kernel, never written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from hicache.kernels.cpu_rows import merge_runs, move_runs
+from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
+from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[src_offset, +nbytes)`` of row ``block`` of ``tensor`` are bytes
+    ``[dst_offset, +nbytes)`` of a page's payload."""
+
+    tensor: torch.Tensor  # [blocks, row bytes], rows of bytes
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+@triton.jit
+def _copy_segments_kernel(
+    dev_ptr,
+    host_ptr,
+    block_ptr,
+    page_ptr,
+    seg_base_ptr,
+    seg_stride_ptr,
+    seg_dst_ptr,
+    seg_len_ptr,
+    num_rows,
+    num_segs,
+    page_stride,
+    block_limit,
+    page_limit,
+    num_tiles,
+    col_tiles,
+    TO_HOST: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for tile in tl.range(pid, num_tiles, nprog):
+        row_tile = tile // col_tiles
+        col_tile = tile % col_tiles
+        rows = row_tile * ROWS + tl.arange(0, ROWS)
+        cols = col_tile * COLS + tl.arange(0, COLS)
+        in_rows = rows < num_rows
+        item = rows // num_segs
+        seg = rows % num_segs
+        block = tl.load(block_ptr + item, mask=in_rows, other=-1).to(tl.int64)
+        page = tl.load(page_ptr + item, mask=in_rows, other=-1).to(tl.int64)
+        ok = in_rows & (block >= 0) & (block < block_limit) & (page >= 0) & (page < page_limit)
+        base = tl.load(seg_base_ptr + seg, mask=in_rows, other=0)
+        stride = tl.load(seg_stride_ptr + seg, mask=in_rows, other=0)
+        dst = tl.load(seg_dst_ptr + seg, mask=in_rows, other=0)
+        length = tl.load(seg_len_ptr + seg, mask=in_rows, other=0)
+        dev_row = base + block * stride
+        host_row = page * page_stride + dst
+        mask = ok[:, None] & (cols[None, :] < length[:, None])
+        if TO_HOST:
+            values = tl.load(dev_ptr + dev_row[:, None] + cols[None, :], mask=mask)
+            tl.store(host_ptr + host_row[:, None] + cols[None, :], values, mask=mask)
+        else:
+            values = tl.load(host_ptr + host_row[:, None] + cols[None, :], mask=mask)
+            tl.store(dev_ptr + dev_row[:, None] + cols[None, :], values, mask=mask)
+
+
+def _word_dtype(values: Sequence[int]) -> torch.dtype:
+    """The widest integer type whose size divides every address, offset and length."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if all(v % size == 0 for v in values):
+            return dtype
+    return torch.uint8
+
+
+class SegmentCopy:
+    """Block rows of an engine's tensors ↔ host pages, through fixed segments.
+
+    ``pages`` is the host side: ``[num_pages, row_bytes]`` uint8 rows whose payload starts
+    at ``payload_offset`` (pinned or registered memory for a GPU copy).
+    """
+
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        pages: torch.Tensor,
+        payload_offset: int = 0,
+        tuning: TransferTuning = DEFAULT_TUNING,
+        use_kernel: bool | None = None,
+    ) -> None:
+        """``use_kernel``: the Triton kernel (default on a GPU; on CPU tensors it runs
+        interpreted, for tests), else the CPU ``memmove`` runs."""
+        if not segments:
+            raise ValueError("a segment copy needs at least one segment")
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
+            raise ValueError("host pages must be contiguous [pages, row_bytes] uint8 rows")
+        device = segments[0].tensor.device
+        for s in segments:
+            t = s.tensor
+            if t.device != device or t.dim() != 2 or t.stride(1) != 1 or t.element_size() != 1:
+                raise ValueError("every segment's tensor must be byte rows on one device")
+            if not 0 <= s.src_offset <= s.src_offset + s.nbytes <= t.shape[1]:
+                raise ValueError(f"segment {s} is outside its tensor's rows")
+            if not 0 <= payload_offset + s.dst_offset + s.nbytes <= pages.shape[1]:
+                raise ValueError(f"segment {s} is outside the host page")
+        self.segments = tuple(segments)
+        self.pages = pages
+        self.payload_offset = payload_offset
+        self.device = device
+        self.blocks = min(s.tensor.shape[0] for s in segments)
+        self.page_bytes = sum(s.nbytes for s in segments)
+        self._tuning = tuning
+        self._gpu = None
+        if use_kernel if use_kernel is not None else device.type == "cuda":
+            require_device_mapped("host pages", pages, device)
+            self._gpu = self._prepare_gpu()
+
+    def _prepare_gpu(self) -> dict:
+        segs, pages = self.segments, self.pages
+        first = segs[0].tensor
+        addrs = [s.tensor.data_ptr() + s.src_offset for s in segs]
+        strides = [s.tensor.stride(0) for s in segs]
+        dsts = [self.payload_offset + s.dst_offset for s in segs]
+        word = _word_dtype(
+            [*addrs, first.data_ptr(), *strides, *dsts, *(s.nbytes for s in segs),
+             pages.data_ptr(), pages.shape[1]]
+        )  # fmt: skip
+        size = word.itemsize
+        dev_base = first.view(-1)[: first.numel() - first.numel() % size]
+        dev_words = dev_base.view(word)
+        host_words = pages.view(-1).view(word)
+        table = np.array(
+            [
+                [(a - first.data_ptr()) // size for a in addrs],
+                [s // size for s in strides],
+                [d // size for d in dsts],
+                [s.nbytes // size for s in segs],
+            ],
+            dtype=np.int64,
+        )
+        on = torch.from_numpy(table).to(self.device)
+        longest = max(s.nbytes for s in segs) // size
+        cols = min(next_pow2(longest), 2048)
+        return {
+            "dev": dev_words,
+            "host": host_words,
+            "table": on,
+            "page_stride": pages.shape[1] // size,
+            "cols": cols,
+            "col_tiles": math.ceil(longest / cols),
+            "rows": 4,
+        }
+
+    def _check(self, blocks: np.ndarray, pages: np.ndarray) -> None:
+        if blocks.shape != pages.shape:
+            raise ValueError("give one page per block")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.blocks):
+            raise ValueError(f"a block outside the engine's {self.blocks} blocks")
+        if pages.size and (pages.min() < 0 or pages.max() >= self.pages.shape[0]):
+            raise ValueError(f"a page outside the {self.pages.shape[0]} host pages")
+
+    def to_host(self, blocks: Sequence[int], pages: Sequence[int]) -> None:
+        """Copy each block's segments into its host page (waits for the copy)."""
+        self._copy(np.asarray(blocks, dtype=np.int64), np.asarray(pages, dtype=np.int64), True)
+
+    def to_device(self, pages: Sequence[int], blocks: Sequence[int]) -> None:
+        """Copy each host page's segments into its block (waits for the copy)."""
+        self._copy(np.asarray(blocks, dtype=np.int64), np.asarray(pages, dtype=np.int64), False)
+
+    def _copy(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
+        self._check(blocks, pages)
+        if not blocks.size:
+            return
+        if self._gpu is None:
+            self._copy_cpu(blocks, pages, to_host)
+            return
+        g = self._gpu
+        idx = torch.from_numpy(np.stack([blocks, pages])).to(self.device, non_blocking=True)
+        n_rows = blocks.size * len(self.segments)
+        num_tiles = math.ceil(n_rows / g["rows"]) * g["col_tiles"]
+        grid = (min(num_tiles, max_programs(self.device, self._tuning)),)
+        table = g["table"]
+        kernel_for(_copy_segments_kernel, self.device)[grid](
+            g["dev"],
+            g["host"],
+            idx[0],
+            idx[1],
+            table[0],
+            table[1],
+            table[2],
+            table[3],
+            n_rows,
+            len(self.segments),
+            g["page_stride"],
+            self.blocks,
+            self.pages.shape[0],
+            num_tiles,
+            g["col_tiles"],
+            TO_HOST=to_host,
+            ROWS=g["rows"],
+            COLS=g["cols"],
+        )
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
+        host = self.pages.data_ptr() + pages * self.pages.stride(0) + self.payload_offset
+        dev_addr, host_addr, nbytes = [], [], []
+        for s in self.segments:
+            t = s.tensor
+            dev_addr.append(t.data_ptr() + blocks * t.stride(0) + s.src_offset)
+            host_addr.append(host + s.dst_offset)
+            nbytes.append(np.full(blocks.size, s.nbytes, dtype=np.int64))
+        dev, hst = np.concatenate(dev_addr), np.concatenate(host_addr)
+        dst, src = (hst, dev) if to_host else (dev, hst)
+        move_runs(*merge_runs(dst, src, np.concatenate(nbytes)))
+
+    def reference(self, blocks: Sequence[int], pages: Sequence[int], to_host: bool) -> None:
+        """The same copy by tensor indexing (tests compare the others with it)."""
+        p = self.payload_offset
+        for b, page in zip(blocks, pages):
+            for s in self.segments:
+                host = self.pages[page, p + s.dst_offset : p + s.dst_offset + s.nbytes]
+                dev = s.tensor[b, s.src_offset : s.src_offset + s.nbytes]
+                if to_host:
+                    host.copy_(dev.to(host.device))
+                else:
+                    dev.copy_(host.to(dev.device))

@@ -1,0 +1,83 @@
+"""Block rows of an engine's own tensors to host pages and back (kernels/segments.py): the
+Triton kernel (interpreted on CPU tensors) and the CPU memmove runs against the torch
+reference, across separate allocations, aligned and unaligned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.kernels.segments import Segment, SegmentCopy, _word_dtype
+
+PAYLOAD = 128
+
+
+def _engine(seed: int, row: int = 96, blocks: int = 10) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (blocks, row), dtype=torch.uint8, generator=g) for _ in range(3)]
+
+
+def _segments(tensors: list[torch.Tensor], unaligned: bool) -> list[Segment]:
+    a, b, c = tensors
+    if unaligned:  # a layer's page cut at an odd byte, as a K/V boundary may cut it
+        return [
+            Segment(a, 0, 96, 0),
+            Segment(b, 0, 37, 96),
+            Segment(b, 37, 59, 133),
+            Segment(c, 5, 91, 192),
+        ]
+    return [
+        Segment(a, 0, 96, 0),
+        Segment(b, 0, 40, 96),
+        Segment(b, 40, 56, 136),
+        Segment(c, 8, 88, 192),
+    ]
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "cpu-runs"])
+@pytest.mark.parametrize("unaligned", [False, True], ids=["words", "bytes"])
+def test_a_store_and_a_load_move_exactly_the_segments(use_kernel, unaligned):
+    tensors = _engine(1)
+    segs = _segments(tensors, unaligned)
+    pages = torch.full((6, 512), 0xAB, dtype=torch.uint8)
+    expected = pages.clone()
+    copy = SegmentCopy(segs, pages, payload_offset=PAYLOAD, use_kernel=use_kernel)
+    SegmentCopy(segs, expected, payload_offset=PAYLOAD).reference([3, 7, 1], [5, 0, 2], True)
+
+    copy.to_host([3, 7, 1], [5, 0, 2])
+
+    assert torch.equal(pages, expected)  # the frames and the untouched pages stay as they were
+    before = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    copy.to_device([5, 0, 2], [3, 7, 1])
+    for seg in segs:
+        src = slice(seg.src_offset, seg.src_offset + seg.nbytes)
+        i = next(n for n, t in enumerate(tensors) if t is seg.tensor)
+        assert torch.equal(seg.tensor[[3, 7, 1], src], before[i][[3, 7, 1], src])
+    assert not any(t[[0, 2, 4, 5, 6, 8, 9]].any() for t in tensors)  # other blocks untouched
+
+
+def test_the_widest_word_that_divides_everything_is_used():
+    assert _word_dtype([0, 16, 4096]) is torch.int64
+    assert _word_dtype([0, 12, 4096]) is torch.int32
+    assert _word_dtype([0, 37]) is torch.uint8
+
+
+def test_indices_outside_the_blocks_or_pages_are_refused():
+    tensors = _engine(2)
+    copy = SegmentCopy(_segments(tensors, False), torch.zeros(4, 512, dtype=torch.uint8), PAYLOAD)
+    with pytest.raises(ValueError, match="block outside"):
+        copy.to_host([10], [0])
+    with pytest.raises(ValueError, match="page outside"):
+        copy.to_host([0], [4])
+    with pytest.raises(ValueError, match="one page per block"):
+        copy.to_host([0, 1], [0])
+
+
+def test_a_segment_that_does_not_fit_is_refused():
+    a = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside its tensor"):
+        SegmentCopy([Segment(a, 32, 64, 0)], torch.zeros(2, 256, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="outside the host page"):
+        SegmentCopy([Segment(a, 0, 64, 200)], torch.zeros(2, 256, dtype=torch.uint8))
