@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from hicache.controller.client.fd_pass import fd_socket_path, receive_fds
-from hicache.controller.store.host_pool import HostPool, row_bytes
+from hicache.controller.store.host_pool import FRAME_BYTES, HostPool, row_bytes
 from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType
@@ -206,10 +206,10 @@ class HostShare:
 
 
 def _map(
-    header: bytes, fds: list[int], layout: ModelLayout, page_size: int
+    header: bytes, fds: list[int], layout: ModelLayout, page_size: int, writable: bool = False
 ) -> dict[ComponentType, torch.Tensor]:
-    """The pages the description names, one read-only ``[pages, row_bytes]`` buffer per
-    component; ValueError for a description that does not fit this layout."""
+    """The pages the description names, one ``[pages, row_bytes]`` buffer per component
+    (read-only unless ``writable``); ValueError for a description that does not fit."""
     try:
         desc = msgpack.unpackb(header, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData) as exc:
@@ -233,12 +233,69 @@ def _map(
         nbytes = pages * rb
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"{comp.name}: the memory is smaller than {nbytes} bytes")
-        mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
         raw = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-        with warnings.catch_warnings():  # read-only on purpose: nothing here writes it
+        with warnings.catch_warnings():  # read-only on purpose for loads: nothing writes it
             warnings.simplefilter("ignore", UserWarning)
             out[comp] = torch.from_numpy(raw).view(pages, rb)
     return out
+
+
+class WritableHostPages:
+    """The sidecar's host pages mapped read-write into an engine that copies its own
+    stores into the pages the sidecar hands it (``store_begin``) and its loads out of the
+    pages a pin names: ``pages[component]`` is ``[num_pages, row_bytes]`` uint8, a page's
+    payload at ``payload_offset``. On a GPU they are page-locked here, so a kernel reads
+    and writes them through their device-mapped address."""
+
+    payload_offset = FRAME_BYTES
+
+    def __init__(self, pages: dict[ComponentType, torch.Tensor], registered: list[int]) -> None:
+        self.pages = pages
+        self._registered = registered
+
+    @classmethod
+    def open(
+        cls, endpoint: str, layout: ModelLayout, page_size: int, device: torch.device
+    ) -> WritableHostPages | None:
+        """Map the host pages of the sidecar at ``endpoint`` (a Unix socket); None (logged)
+        when it shares none or they do not fit ``layout``."""
+        if not endpoint.startswith("ipc://"):
+            return None
+        try:
+            header, fds = receive_fds(fd_socket_path(endpoint[len("ipc://") :]))
+        except OSError as exc:
+            log.info("no shared host pages from the sidecar (%s)", exc)
+            return None
+        try:
+            if not header:
+                return None
+            pages = _map(header, fds, layout, page_size, writable=True)
+        except (ValueError, OSError) as exc:
+            log.warning("the sidecar's shared host pages are unusable: %s", exc)
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        registered: list[int] = []
+        if device.type == "cuda":
+            for buf in pages.values():
+                if not buf.numel():
+                    continue
+                rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+                if int(rc) != 0:
+                    log.warning("cudaHostRegister of the shared host pages failed (%s)", rc)
+                    _unregister(registered)
+                    return None
+                registered.append(buf.data_ptr())
+        return cls(pages, registered)
+
+    def close(self) -> None:
+        _unregister(self._registered)
+
+    def __del__(self) -> None:
+        _unregister(self._registered)
 
 
 def _unregister(ptrs: list[int]) -> None:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +64,8 @@ from hicache.controller.wire.verbs import (
     NoArgs,
     PinArgs,
     RegisterArgs,
+    StoreBeginArgs,
+    StoreCommitArgs,
     UnpinArgs,
 )
 from hicache.controller_api import (
@@ -79,7 +82,7 @@ from hicache.controller_api import (
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
-    from hicache.controller.client.host_share import HostShare
+    from hicache.controller.client.host_share import HostShare, WritableHostPages
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
@@ -92,6 +95,18 @@ __all__ = [
 ]
 
 log = logging.getLogger("hicache.sidecar.client")
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    """Host pages handed to this engine for one store: ``pages[i]`` is the page to write
+    for ``refs[i]`` of :meth:`SidecarController.begin_store` (-1: held already, -2: no
+    room), in ``host`` (the mapping of the session ``generation``)."""
+
+    store_id: int
+    pages: np.ndarray
+    generation: int
+    host: WritableHostPages
 
 
 class SidecarController:
@@ -119,6 +134,10 @@ class SidecarController:
         self._device: Any = None
         self._pools: DevicePools | None = None
         self._share: HostShare | None = None  # the sidecar's host pages, mapped here
+        # The same pages mapped read-write, for an engine that copies its own stores and
+        # loads (map_host_pages), and the session generation they belong to.
+        self._pages: WritableHostPages | None = None
+        self._pages_generation = -1
         self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
@@ -401,7 +420,8 @@ class SidecarController:
             deadline = time.monotonic() + ttl_s
             return PinReceipt(LOAD_PINS, list(keys), deadline, generation=self._channel.generation)
         try:
-            args = PinArgs(list(keys), float(ttl_s), True if self._share else None)
+            wants_pages = self._share is not None or self._pages is not None
+            args = PinArgs(list(keys), float(ttl_s), True if wants_pages else None)
             res = self._call(Verb.PIN, args, self.config.request_timeout_s, True)
         except ControllerError as exc:
             log.debug("pin failed: %s", exc)
@@ -435,18 +455,74 @@ class SidecarController:
             return LoadResult.LOADED if copied else LoadResult.FAILED
         return sidecar_load(self, refs, pin, timeout_s)
 
-    def unpin(self, pin: PinReceipt) -> None:
+    def unpin(self, pin: PinReceipt, loaded_s: float | None = None) -> None:
         """Release ``pin``, not waiting for the answer (docs/protocol.md: a lost unpin
-        only lets the pin lapse at its deadline; later requests see it released)."""
+        only lets the pin lapse at its deadline; later requests see it released).
+        ``loaded_s``: the caller copied the pinned pages itself, in that long."""
         if pin.generation != self._channel.generation or self._open or pin.pin_id == LOAD_PINS:
             return  # released with its session, or a load's own pin (released by the load)
         share = self._share
-        loaded_s = None if share is None else share.loaded_s(pin)
+        if loaded_s is None and share is not None:
+            loaded_s = share.loaded_s(pin)
         args, timeout = UnpinArgs(pin.pin_id, loaded_s), self.config.request_timeout_s
         try:
             self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
         except SidecarUnavailable as exc:
             log.debug("unpin not sent (the pin expires on its own): %s", exc)
+
+    # -- stores and loads the engine copies itself -----------------------------------------
+
+    def map_host_pages(self, device: Any) -> WritableHostPages | None:
+        """The sidecar's host pages mapped read-write here (page-locked for a GPU
+        ``device``), for an engine that copies its stores into the pages
+        :meth:`begin_store` hands it and its loads out of the pages a pin names; mapped
+        again after a reconnect. None: not shared (a TCP endpoint, or a sidecar without
+        shared pages), or no session."""
+        from hicache.controller.client.host_share import WritableHostPages
+
+        gen = self._channel.generation
+        if self._open or self._registration is None:
+            return None
+        if self._pages is None or self._pages_generation != gen:
+            layout, page_size, _ = self._registration
+            old, self._pages = self._pages, None
+            if old is not None:
+                old.close()
+            self._pages = WritableHostPages.open(self.endpoint, layout, page_size, device)
+            self._pages_generation = gen
+        return self._pages
+
+    def begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> StoreReservation | None:
+        """Host pages for ``refs`` that the engine writes itself, then commits
+        (:meth:`commit_store`); None when the sidecar is unavailable or its pages are not
+        mapped here (:meth:`map_host_pages`)."""
+        pages = self._pages
+        if pages is None or self._pages_generation != self._channel.generation or not refs:
+            return None
+        try:
+            args = StoreBeginArgs(list(refs), float(ttl_s))
+            res = self._call(Verb.STORE_BEGIN, args, self.config.request_timeout_s, True)
+        except ControllerError as exc:
+            log.debug("store_begin failed: %s", exc)
+            return None
+        return StoreReservation(
+            res.store_id,
+            np.frombuffer(res.host_pages, dtype="<i4").astype(np.int64),
+            self._pages_generation,
+            pages,
+        )
+
+    def commit_store(self, store: StoreReservation, written: bool) -> int:
+        """Publish (``written``) or give back the pages of ``store``; the pages published
+        (0 when its session, or its deadline, is gone)."""
+        if store.generation != self._channel.generation or self._open:
+            return 0
+        try:
+            args = StoreCommitArgs(store.store_id, written)
+            return self._call(Verb.STORE_COMMIT, args, self.config.request_timeout_s, True).pages
+        except ControllerError as exc:
+            log.debug("store_commit failed: %s", exc)
+            return 0
 
     def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
         if self._open or not keys:

@@ -61,6 +61,10 @@ from hicache.controller.wire.verbs import (
     RegisterReply,
     ScoreArgs,
     ScoreReply,
+    StoreBeginArgs,
+    StoreBeginReply,
+    StoreCommitArgs,
+    StoreCommitReply,
     UnpinArgs,
 )
 from hicache.controller_api import PinReceipt
@@ -133,6 +137,8 @@ class VerbHandlers:
             Verb.LOAD: self.load,
             Verb.UNPIN: self.unpin,
             Verb.PREFETCH: self.prefetch,
+            Verb.STORE_BEGIN: self.store_begin,
+            Verb.STORE_COMMIT: self.store_commit,
             Verb.STATS: self.stats,
             Verb.BYE: self.bye,
             Verb.HEALTH: self.health,
@@ -241,6 +247,14 @@ class VerbHandlers:
         pin = PinReceipt(a.pin_id, [], 0.0)
         self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s)
         return Empty()
+
+    def store_begin(self, call: Call, a: StoreBeginArgs) -> StoreBeginReply:
+        store_id, pages = self.ctl.begin_store(a.refs, a.ttl_s, engine_id=call.conn.engine_id)
+        return StoreBeginReply(store_id, np.asarray(pages, dtype="<i4").tobytes())
+
+    def store_commit(self, call: Call, a: StoreCommitArgs) -> StoreCommitReply:
+        n = self.ctl.commit_store(a.store_id, a.written, engine_id=call.conn.engine_id)
+        return StoreCommitReply(n)
 
     def stats(self, call: Call, a: NoArgs) -> dict[str, Any]:
         out = self.ctl.stats(engine_id=call.conn.engine_id)

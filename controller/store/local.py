@@ -44,6 +44,7 @@ import numpy as np
 from hicache.controller.admin import ops as admin_ops
 from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.store.counters import Counters, Failure, component_label
+from hicache.controller.store.engine_stores import EngineStores
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.fills import FillTracker
 from hicache.controller.store.page_copies import DeviceLoad, PageCopies
@@ -108,6 +109,7 @@ class LocalController:
         self._layout: ModelLayout | None = None
         self._fingerprint: bytes | None = None
         self._copies: PageCopies | None = None
+        self._engine_stores: EngineStores | None = None
         self._closed = False
         # Held while the tiers are opened, and by an fsck of the disk tier before they are
         # (LMDB allows one environment per file per process).
@@ -141,6 +143,7 @@ class LocalController:
             self._copies = PageCopies(
                 self._store, self._fills, transfer, self.counters, self.config
             )
+            self._engine_stores = EngineStores(self._store, self._fills, self.counters)
             self._layout, self._fingerprint = layout, fp
 
     @property
@@ -188,6 +191,8 @@ class LocalController:
         with self._store.lock:
             self._engines.pop(engine_id, None)
             n = self._store.pins.release_engine(engine_id)
+            if self._engine_stores is not None:
+                self._engine_stores.abort_engine_locked(engine_id)
         if n:
             self.counters.add(n, "pins", "released_with_engine")
 
@@ -248,11 +253,6 @@ class LocalController:
             self.counters.add(row.count(P_ABSENT), "lookup", "miss", label)
         return LookupResult({c: np.array(row, dtype=np.int8) for c, row in rows.items()})
 
-    def backup(
-        self,
-        refs: Sequence[PageRef],
-        ready_event: Any = None,
-        engine_id: str = DEFAULT_ENGINE,
     def presence(
         self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
     ) -> dict[ComponentType, list[int]]:
@@ -265,6 +265,11 @@ class LocalController:
             self._store.remote.probe(page_hashes, rows)
         return rows
 
+    def backup(
+        self,
+        refs: Sequence[PageRef],
+        ready_event: Any = None,
+        engine_id: str = DEFAULT_ENGINE,
     ) -> TransferHandle:
         """Copy device pages into host pages (queued to disk by policy).
 
@@ -276,6 +281,28 @@ class LocalController:
         buffers = self._buffers(engine_id)
         check_refs(refs, buffers, self._layout)
         return self._copies.backup(refs, buffers, ready_event)
+
+    def begin_store(
+        self, refs: Sequence[PageRef], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
+    ) -> tuple[int, list[int]]:
+        """Host pages for a store the engine copies itself (``refs``' device indices are
+        not used): the reservation's id and, per ref, the host page to write, -1 (held
+        already: nothing to write) or -2 (no room: not stored). The pages stay invisible
+        until :meth:`commit_store`; ``ttl_s`` (default ``pin_ttl_default_s``, at most
+        ``pin_ttl_max_s``) bounds how long they are the engine's."""
+        self._check_open()
+        if self._engine_stores is None:
+            raise ControllerError("register a layout before storing")
+        ttl = min(ttl_s or self.config.pin_ttl_default_s, self.config.pin_ttl_max_s)
+        self._fills.reap(block=False)
+        return self._engine_stores.begin(refs, engine_id, ttl)
+
+    def commit_store(self, store_id: int, written: bool, engine_id: str = DEFAULT_ENGINE) -> int:
+        """Publish the pages of store ``store_id`` (the engine wrote them: ``written``) or
+        give them back; the pages published (0 for a store past its deadline)."""
+        if self._engine_stores is None:
+            return 0
+        return self._engine_stores.commit(store_id, engine_id, written)
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
@@ -479,6 +506,8 @@ class LocalController:
         self._store.check_invariants(deep)
         with self._store.lock:
             self._fills.check_invariants_locked()
+            if self._engine_stores is not None:
+                self._engine_stores.check_invariants_locked()
 
     def close(self) -> int:
         """Finish queued copies, drain the writer, close LMDB. Idempotent.

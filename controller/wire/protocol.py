@@ -113,6 +113,8 @@ class Verb(enum.Enum):
     PIN = "pin"
     LOAD = "load"
     UNPIN = "unpin"
+    STORE_BEGIN = "store_begin"
+    STORE_COMMIT = "store_commit"
     PREFETCH = "prefetch"
     STATS = "stats"
     BYE = "bye"

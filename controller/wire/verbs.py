@@ -5,7 +5,7 @@ The server decodes a request's ``args`` into the verb's argument record before i
 handler runs (a bad request changes nothing), and the engine's client and ``hicachectl``
 encode their requests from the same records and decode the replies into the result
 records. docs/protocol.md's verb table is checked against this one
-(tests/test_sidecar_verb_specs.py).
+(tests/controller/wire/test_sidecar_verb_specs.py).
 """
 
 from __future__ import annotations
@@ -110,6 +110,20 @@ class LookupArgs:
 class BackupArgs:
     refs: list[PageRef] = wire(Refs())
     ready_event: bytes | None = wire(Bin(), optional=True)
+
+
+@dataclass(frozen=True)
+class StoreBeginArgs:
+    """Host pages for a store the engine copies itself (its device indices are not used)."""
+
+    refs: list[PageRef] = wire(Refs())
+    ttl_s: float = wire(Float(0.001, MAX_PIN_TTL_S))
+
+
+@dataclass(frozen=True)
+class StoreCommitArgs:
+    store_id: int = wire(Int())
+    written: bool = wire(Bool())  # False: the engine could not write them; give them back
 
 
 @dataclass(frozen=True)
@@ -222,6 +236,18 @@ class LookupReply:
 @dataclass(frozen=True)
 class OkReply:
     ok: bool = wire(Bool())
+
+
+@dataclass(frozen=True)
+class StoreBeginReply:
+    store_id: int = wire(Int())
+    # int32 per ref: the host page to write, -1 held already (nothing to write), -2 no room.
+    host_pages: bytes = wire(Bin())
+
+
+@dataclass(frozen=True)
+class StoreCommitReply:
+    pages: int = wire(Int())  # published; 0 for a store past its deadline or aborted
 
 
 @dataclass(frozen=True)
@@ -367,6 +393,8 @@ SPECS: dict[Verb, VerbSpec] = {
             pages_column="refs",
         ),
         _spec(Verb.UNPIN, UnpinArgs, Empty, Runs.IO, ENGINE),
+        _spec(Verb.STORE_BEGIN, StoreBeginArgs, StoreBeginReply, Runs.IO, ENGINE),
+        _spec(Verb.STORE_COMMIT, StoreCommitArgs, StoreCommitReply, Runs.IO, ENGINE),
         _spec(Verb.PREFETCH, KeysArgs, OkReply, Runs.WORKER, ENGINE),
         _spec(Verb.STATS, NoArgs, OPEN, Runs.IO, BOTH),
         _spec(Verb.BYE, NoArgs, Empty, Runs.IO, BOTH),
