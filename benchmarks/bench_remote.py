@@ -37,11 +37,10 @@ import torch
 from redis.cluster import ClusterNode, RedisCluster
 
 from hicache import CacheConfig, ComponentType, DevicePools, ModelLayout
-from hicache.controller.config import MIB, ControllerConfig
+from hicache.controller.config import MIB, ControllerConfig, RemoteWritePolicy
 from hicache.controller.store.local import LocalController
 from hicache.controller.store.page_codec import encode_value
 from hicache.controller.tiers.remote_cluster import parse_remote_url
-from hicache.controller.tiers.remote_config import RemoteWritePolicy
 from hicache.controller.tiers.remote_store import FIELD_BODY, FIELD_HEAD, remote_key, split_value
 from hicache.controller_api import P_REMOTE, PageKey, PageRef
 
@@ -219,8 +218,8 @@ def main() -> int:
     cluster = None
     url = args.url
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from remote_support import LocalCluster
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
+        from tests.support.cluster import LocalCluster
 
         cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="hicache-bench-remote-"))).start()
         url = cluster.url

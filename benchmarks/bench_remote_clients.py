@@ -26,7 +26,7 @@ from pathlib import Path
 
 from redis.cluster import ClusterNode, RedisCluster
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 
 def main() -> int:
@@ -45,7 +45,7 @@ def main() -> int:
     except ImportError:
         print("valkey-glide is not installed here: nothing to compare")
         return 1
-    from remote_support import LocalCluster
+    from tests.support.cluster import LocalCluster
 
     cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="hicache-bench-clients-"))).start()
     value = os.urandom(args.page_kib * 1024)

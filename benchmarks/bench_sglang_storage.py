@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # tests.support
 sys.path.insert(0, str(ROOT / "tests" / "engines" / "sglang"))
 
 import sglang_support as sgl  # noqa: E402
-from sidecar_support import Sidecar, short_tmpdir  # noqa: E402
+
+from tests.support.sidecar import Sidecar, short_tmpdir  # noqa: E402
 
 
 def _timed(fn) -> float:

@@ -9,7 +9,7 @@ what a controller holds), moves the two index lists to the GPU in one copy, pick
 backend by the same rule as the functions, and launches with launchers built once.
 
 The bytes moved are those of the functions: the same kernels, copy-engine plan, staged
-path and torch reference run behind it (``tests/test_kernels_prepared.py`` compares them).
+path and torch reference run behind it (``tests/kernels/test_kernels_prepared.py`` compares them).
 """
 
 from __future__ import annotations

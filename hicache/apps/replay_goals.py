@@ -6,7 +6,7 @@ total hits with a 5 % device and a 20 % host tier (write-back), loses no more th
 ``COLD_SLACK_POINTS`` on any quarter of the trace replayed from an empty cache, and runs
 at least ``MIN_RATE_OF_LRU`` of LRU's requests per second through the cache (docs/
 performance.md, "Which policy to pick"). ``benchmarks/replay_families.py`` prints these
-misses for every family; ``tests/test_adaptive_eviction.py`` asserts them on three.
+misses for every family; ``tests/core/test_adaptive_eviction.py`` asserts them on three.
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ CHAT = ChatWorkloadConfig(
     new_tokens=NEW_TOKENS,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def cache_config(mix: str, page_size: int, **overrides) -> CacheConfig:
     fields = {
@@ -158,16 +160,6 @@ def totals(results: list[RequestResult]) -> dict[str, int]:
         "disk": sum(r.disk_hit_tokens for r in results),
         "failed_loads": sum(r.load_back_failures for r in results),
     }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's matmuls are too small to gain from threads; on a loaded machine
-    a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +286,7 @@ def test_a_second_engine_hits_what_the_first_backed_up(tmp_path):
 def test_hits_through_the_sidecar_give_the_cache_less_logits(tmp_path):
     """Engines in this process, the sidecar in another (``hicache serve``): A's own hits
     on the device, B's on the host tier (pages A backed up), over shared-memory pools;
-    every logit exact. (Disk hits through a restarted sidecar: tests/test_demo.py.)"""
+    every logit exact. (Disk hits through a restarted sidecar: tests/apps/test_demo.py.)"""
     mix, page_size = "full+swa+mamba", 16
     reference = Reference(mix, page_size)
     sidecar = SidecarProcess(tmp_path).start()

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine_exact import KINDS, Engine, Reference
 
 from hicache.apps.engine.scheduler import GenerationRequest, SchedulerConfig
 from hicache.config import PrefetchPolicy, WritePolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.local import LocalController
+from tests.apps.test_engine_exact import KINDS, Engine, Reference
 
 EXAMPLES = int(os.environ.get("HICACHE_ENGINE_SOAK_EXAMPLES", "60"))
 _REFERENCES: dict[tuple[str, int], Reference] = {}

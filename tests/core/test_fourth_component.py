@@ -1,4 +1,4 @@
-"""A fourth component that only the tests define (tests/indexer_support.py) runs through the
+"""A fourth component that only the tests define (tests/support/indexer.py) runs through the
 tree scenarios and the tiered state machine unchanged: the tree, the cache, the eviction
 and the tiering reach it only through the component hooks."""
 
@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_tree_scenarios as scenarios
-from cache_support import MIXES
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from indexer_support import (
-    INDEXER,
-    IndexerController,
-    IndexerEngine,
-    make_indexer_cache,
-)
-from test_tiers_stateful import STATEFUL_SETTINGS, LateTransferMachine
-from test_tree_scenarios import (  # noqa: F401 - collected here with this module's `case`
+
+from hicache import ComponentType, Request
+from hicache.config import WritePolicy
+from tests.core import test_tree_scenarios as scenarios
+from tests.core.test_tiers_stateful import STATEFUL_SETTINGS, LateTransferMachine
+from tests.core.test_tree_scenarios import (  # noqa: F401 - collected here with this module's `case`
     test_chunked_prefill_caches_progress,
     test_eviction_is_lru_across_chains_and_tail_first,
     test_extra_key_namespaces_are_separate,
@@ -30,9 +26,13 @@ from test_tree_scenarios import (  # noqa: F401 - collected here with this modul
     test_unaligned_and_empty_inputs,
     test_unfinished_then_finished_with_generated_tail,
 )
-
-from hicache import ComponentType, Request
-from hicache.config import WritePolicy
+from tests.support.cache import MIXES
+from tests.support.indexer import (
+    INDEXER,
+    IndexerController,
+    IndexerEngine,
+    make_indexer_cache,
+)
 
 CASES = [(m, ps, w) for m, ps, w in scenarios.CASES if ps in (1, 4, 16)]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cache_support import MarkerEngine, make_cache
 
 from hicache import CacheConfig, DevicePools, ModelLayout, Request, UnifiedRadixCache
 from hicache.apps.replay import BlockShape, ReplaySettings, load_trace, replay, unique_blocks
 from hicache.config import EvictionPolicyKind
 from hicache.learned_eviction import LearnedLeafPolicy, LearnedPolicyParams
+from tests.support.cache import MarkerEngine, make_cache
 
 SHARED_TRACE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
 PS = 4

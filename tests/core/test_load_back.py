@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cache_support import MIXES, MarkerEngine, make_cache
-from fake_controller import FAULTS, FakeController
 
 from hicache import ComponentType, Request
 from hicache.config import PrefetchPolicy, WritePolicy
+from tests.support.cache import MIXES, MarkerEngine, make_cache
+from tests.support.fake_controller import FAULTS, FakeController
 
 
 def seq(n: int, base: int = 0) -> np.ndarray:

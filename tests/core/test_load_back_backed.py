@@ -6,12 +6,12 @@ says aux data on a tier implies FULL data on that tier. (It marked it backed any
 from __future__ import annotations
 
 import numpy as np
-from cache_support import MarkerEngine, make_cache
-from fake_controller import FakeController
 
 from hicache import ComponentType, Request
 from hicache.config import WritePolicy
 from hicache.controller_api import CompletedTransfer
+from tests.support.cache import MarkerEngine, make_cache
+from tests.support.fake_controller import FakeController
 
 PS = 4
 

@@ -13,8 +13,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-from test_tiers_stateful import TieredMachine
-from test_tree_stateful import TreeMachine
+
+from tests.core.test_tiers_stateful import TieredMachine
+from tests.core.test_tree_stateful import TreeMachine
 
 EXAMPLES = int(os.environ.get("HICACHE_SOAK_EXAMPLES", "1000"))
 STEPS = int(os.environ.get("HICACHE_SOAK_STEPS", "50"))

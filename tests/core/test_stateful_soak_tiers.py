@@ -6,8 +6,9 @@ and as long as test_stateful_soak.py's knobs say (``HICACHE_SOAK_EXAMPLES``,
 from __future__ import annotations
 
 import pytest
-from test_stateful_soak import test_state_machine_soak as soak
-from test_tiers_stateful import LateTransferMachine, SWAPressureMachine
+
+from tests.core.test_stateful_soak import test_state_machine_soak as soak
+from tests.core.test_tiers_stateful import LateTransferMachine, SWAPressureMachine
 
 
 @pytest.mark.slow

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_support import MarkerEngine, make_cache
-from fake_controller import FakeController
 
 from hicache import ComponentType, Request
+from tests.support.cache import MarkerEngine, make_cache
+from tests.support.fake_controller import FakeController
 
 PS, WINDOW = 4, 12
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import lmdb
 import numpy as np
 import pytest
-from cache_support import MIXES, MarkerEngine, make_cache
 
 from hicache import Request
 from hicache.config import PrefetchPolicy, WritePolicy
@@ -15,6 +14,7 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.local import LocalController
 from hicache.types import Tier
+from tests.support.cache import MIXES, MarkerEngine, make_cache
 
 PS = 4
 

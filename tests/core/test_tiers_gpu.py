@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cache_support import MIXES, MarkerEngine, make_cache
 
 from hicache import Request
 from hicache.config import PrefetchPolicy
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.local import LocalController
+from tests.support.cache import MIXES, MarkerEngine, make_cache
 
 pytestmark = [
     pytest.mark.gpu,

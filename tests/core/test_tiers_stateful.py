@@ -12,13 +12,9 @@ import shutil
 import tempfile
 
 import numpy as np
-from cache_support import MIXES, MarkerEngine, make_cache
-from fake_controller import FAULTS as FAKE_FAULTS
-from fake_controller import FakeController
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
-from test_tree_stateful import PREFIXES, Model, TreeMachine
 
 from hicache import ComponentType, MatchResult, Request
 from hicache.config import EvictionPolicyKind, PrefetchPolicy, WritePolicy
@@ -28,6 +24,10 @@ from hicache.controller.store.local import LocalController
 from hicache.learned_eviction import LearnedPolicyParams
 from hicache.node import TreeNode
 from hicache.types import PoolExhaustedError
+from tests.core.test_tree_stateful import PREFIXES, Model, TreeMachine
+from tests.support.cache import MIXES, MarkerEngine, make_cache
+from tests.support.fake_controller import FAULTS as FAKE_FAULTS
+from tests.support.fake_controller import FakeController
 
 FAULTS = ["pin", "copy_to_device", "copy_to_host", "evict_before_load", "disk_read"]
 ALL = 10**9

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_support import MIXES, MarkerEngine, make_cache
 
 from hicache import ComponentType, Request
+from tests.support.cache import MIXES, MarkerEngine, make_cache
 
 PAGE_SIZES = [1, 4, 16, 64]
 

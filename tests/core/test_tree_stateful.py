@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from cache_support import MIXES, MarkerEngine, make_cache
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,6 +20,7 @@ from hypothesis.stateful import (
 )
 
 from hicache.types import PoolExhaustedError
+from tests.support.cache import MIXES, MarkerEngine, make_cache
 
 # A few long "conversations": requests take a page-aligned prefix of one and may branch off
 # it with a short suffix, so prefixes are shared often and at every depth.

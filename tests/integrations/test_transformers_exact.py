@@ -20,8 +20,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from sidecar_support import short_tmpdir  # noqa: E402
-
 from hicache.config import PrefetchPolicy  # noqa: E402
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController  # noqa: E402
 from hicache.controller.config import ControllerConfig  # noqa: E402
@@ -32,6 +30,7 @@ from hicache.integrations.transformers import PrefixCachedLM  # noqa: E402
 from hicache.integrations.transformers_layout import layout_from_hf_config  # noqa: E402
 from hicache.integrations.transformers_models import FAMILIES, tiny_config  # noqa: E402
 from hicache.layout import ModelLayout  # noqa: E402
+from tests.support.sidecar import short_tmpdir  # noqa: E402
 
 PS = 4
 CHUNK = 8

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bit_support import bits, randomize
-from test_kernels_transfer import MambaHostPages, host_pages_view
 
 from hicache import kernels
 from hicache.kernels import Backend, PreparedTransfer, TransferTuning, reference
 from hicache.kernels.cpu_rows import copy_rows_cpu, row_runs
 from hicache.kernels.geometry import kv_row_copy
+from tests.kernels.test_kernels_transfer import MambaHostPages, host_pages_view
+from tests.support.bits import bits, randomize
 
 LAYERS, HEADS, DIM = 3, 2, 8
 # Every transfer split across two threads, however small: the threaded path under test.

@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
 
 
 def _gpu_kernels_script():

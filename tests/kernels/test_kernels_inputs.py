@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_controller_support import FULL, PAGE, Engine, controller_config, hybrid_layout
 
 import hicache.kernels as kernels
 from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef
 from hicache.kernels import PreparedTransfer, reference
+from tests.support.controller import FULL, PAGE, Engine, controller_config, hybrid_layout
 
 
 def test_kv_pages_to_host_reads_a_column_of_an_index_table_as_its_values():

@@ -13,15 +13,15 @@ import gc
 import numpy as np
 import pytest
 import torch
-from bit_support import bits, randomize
-from test_controller_support import PAGE, Engine, hybrid_layout
-from test_kernels_transfer import MambaHostPages, host_pages_view
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
 from hicache.kernels import PreparedTransfer, TransferTuning, reference
 from hicache.types import ComponentType
+from tests.kernels.test_kernels_transfer import MambaHostPages, host_pages_view
+from tests.support.bits import bits, randomize
+from tests.support.controller import PAGE, Engine, hybrid_layout
 
 LAYERS, HEADS, DIM = 3, 2, 8
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA

@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 import torch
-from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache.kernels import ConvWindowBuffer, ConvWindowLayout, reference
+from tests.support.bits import bits, randomize
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache.kernels import Backend, TransferTuning, reference
 from hicache.kernels.staged import host_dma_count, plan_dmas
+from tests.support.bits import bits, randomize
 
 
 def test_plan_merges_neighbouring_host_pages_within_a_chunk() -> None:

@@ -12,13 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from bit_support import bits, randomize
 
 import hicache.kernels as kernels
 from hicache import CacheConfig, DevicePools, ModelLayout
 from hicache.kernels import Backend, reference
 from hicache.kernels.copy_engine import plan_2d_copies
 from hicache.kernels.geometry import kv_row_copy
+from tests.support.bits import bits, randomize
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -39,18 +39,18 @@ import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_support import Sidecar, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, ComponentType, DevicePools, Request, UnifiedRadixCache
-from hicache.controller.admin.cli import AdminClient
+from hicache.controller.client import AdminClient
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.process import load_settings, parse_size
 from hicache.controller.store.counters import Failure
 from hicache.controller.wire.protocol import ErrorCode, Verb
 from hicache.layout import ModelLayout
+from tests.support.sidecar import Sidecar, layout_file, short_tmpdir, wait_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PROM = DEPLOY / "prometheus"
 K8S = DEPLOY / "kubernetes"

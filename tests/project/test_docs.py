@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from sidecar_support import free_port, short_tmpdir
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.sidecar import free_port, short_tmpdir
+
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 COMMAND_DOCS = ("operations.md", "integration.md")
 COMMAND_LANGS = {"bash", "sh", "shell", "console", "python"}

@@ -18,8 +18,6 @@ import redis
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from remote_support import SLOTS, _free_port, require_redis_server
-from test_deploy import REMOTE_ROW, REPO, dashboard_exprs, promtool, run_tool
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar.metrics import SidecarMetrics
@@ -28,6 +26,8 @@ from hicache.controller.store.page_codec import encode_value
 from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStore
 from hicache.controller.tiers.remote_store import KeyStatus, MemoryStore, remote_key, split_value
 from hicache.types import ComponentType
+from tests.project.test_deploy import REMOTE_ROW, REPO, dashboard_exprs, promtool, run_tool
+from tests.support.cluster import SLOTS, _free_port, require_redis_server
 
 VALKEY = REPO / "deploy" / "valkey"
 PROM = REPO / "deploy" / "prometheus"
@@ -141,10 +141,9 @@ def test_promtool_checks_and_unit_tests_the_remote_rules():
 def _exported_remote_series() -> dict[str, set[str]]:
     """Sample name → label names, from a controller whose remote tier saw writes, fills,
     drops, invalid values and a breaker."""
-    from cache_support import MarkerEngine, make_cache
-
     from hicache import Request
     from hicache.config import PrefetchPolicy
+    from tests.support.cache import MarkerEngine, make_cache
 
     store = MemoryStore(capacity_bytes=4096, eviction="noeviction")
     ctrl = LocalController(

@@ -10,7 +10,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Where each package of the graph lives (controller/ and kernels/ are mapped into hicache.).
 PACKAGES = {
     "hicache": ROOT / "hicache",

@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from cache_support import make_layout
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_support import Sidecar, free_port, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.admin import cli as admin_cli
@@ -31,6 +29,8 @@ from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.sidecar import Sidecar, free_port, layout_file, short_tmpdir, wait_for
 
 MIX = "full"
 PAGE = 4

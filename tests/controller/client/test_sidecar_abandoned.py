@@ -8,15 +8,12 @@ order of events is fixed, and fails on a client that frees the pages at its dead
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from cache_support import MarkerEngine, make_cache, make_layout
-from sidecar_support import short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools, Request
 from hicache.config import WritePolicy
@@ -29,6 +26,8 @@ from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, unsettled_load
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import MarkerEngine, make_cache, make_layout
+from tests.support.sidecar import wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -110,12 +109,10 @@ class _GatedLoad:
 
 
 @pytest.fixture
-def side():
-    d = short_tmpdir()
-    s = GatedSidecar(d)
+def side(workdir):
+    s = GatedSidecar(workdir)
     yield s
     s.stop()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _engine(endpoint: str):
@@ -214,12 +211,10 @@ def test_requests_of_a_dropped_session_that_had_not_started_are_refused(one_work
 
 
 @pytest.fixture
-def one_worker_side():
-    d = short_tmpdir()
-    s = GatedSidecar(d, worker_threads=1)
+def one_worker_side(workdir):
+    s = GatedSidecar(workdir, worker_threads=1)
     yield s
     s.stop()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _sidecar_cache(side):

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from cache_support import make_layout
-from sidecar_support import short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import (
@@ -30,6 +28,8 @@ from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.sidecar import wait_for
 
 MIX = "full"
 PAGE = 4
@@ -74,13 +74,6 @@ class InProcessSidecar:
         self.server.request_stop()
         self.thread.join(60)
         self.controller.close()
-
-
-@pytest.fixture
-def workdir():
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Engine:

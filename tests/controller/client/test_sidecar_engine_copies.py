@@ -7,13 +7,10 @@ sidecar's new pages mapped again."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import threading
 
 import msgpack
 import pytest
-from cache_support import make_layout
-from sidecar_support import FullPages, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client import host_share
@@ -25,6 +22,8 @@ from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.types import ComponentType, Tier
+from tests.support.cache import make_layout
+from tests.support.sidecar import FullPages, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -92,13 +91,6 @@ class Engine:
     def close(self) -> None:
         self.client.close()
         self.pools.close()
-
-
-@pytest.fixture
-def workdir():
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

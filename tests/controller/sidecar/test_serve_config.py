@@ -10,12 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sidecar_support import PYTHON, REPO, START_TIMEOUT_S
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar.config import BackupAck, SidecarConfig
 from hicache.controller.sidecar.process import EXIT_BAD_CONFIG, OTHER_VARIABLES, load_settings
 from hicache.types import ConfigError
+from tests.support.sidecar import PYTHON, REPO, START_TIMEOUT_S
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from cache_support import make_layout
-from sidecar_support import Sidecar, short_tmpdir, token_tcp_args, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.device_share import export_pools
@@ -22,6 +20,8 @@ from hicache.controller.wire.protocol import pack
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.sidecar import Sidecar, short_tmpdir, token_tcp_args, wait_for
 
 MIX = "full+swa+mamba"
 PAGE = 4

@@ -15,8 +15,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from cache_support import make_layout
-from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
@@ -24,6 +22,8 @@ from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.sidecar import EngineProc, Sidecar, layout_file, short_tmpdir, wait_for
 
 MIX = "full"
 PAGE = 4

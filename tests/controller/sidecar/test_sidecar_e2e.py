@@ -9,23 +9,14 @@ and hit the prefix on disk.
 from __future__ import annotations
 
 import re
-import shutil
 
-import pytest
-from sidecar_support import EngineProc, Sidecar, layout_file, short_tmpdir, wait_for
+from tests.support.sidecar import EngineProc, Sidecar, layout_file, wait_for
 
 PAGE = 4
 PREFIX_PAGES = 10
 TOKENS = list(range(1000, 1000 + PREFIX_PAGES * PAGE + 3))  # ten pages and a tail
 PREFIX = PREFIX_PAGES * PAGE
 FAST_CLIENT = {"reconnect_interval_s": 0.2, "request_timeout_s": 2.0}
-
-
-@pytest.fixture
-def workdir():
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _engines(sidecar: Sidecar, *ids: str) -> list[EngineProc]:

@@ -10,19 +10,18 @@ best of three rounds).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from cache_support import make_layout
-from sidecar_support import Sidecar, layout_file, short_tmpdir
-from test_sidecar_badinput import Raw
 
 from hicache.controller.wire.fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
 from hicache.controller.wire.protocol import pack
+from tests.controller.sidecar.test_sidecar_badinput import Raw
+from tests.support.cache import make_layout
+from tests.support.sidecar import Sidecar, layout_file
 
 MIX = "full"
 PAGE = 4
@@ -94,13 +93,11 @@ def _lookup_p99(raw: Raw) -> float:
 
 
 @pytest.fixture
-def sidecar():
-    work = short_tmpdir()
-    sc = Sidecar(work, args=["--layout-file", str(layout_file(work, MIX, PAGE))])
+def sidecar(workdir):
+    sc = Sidecar(workdir, args=["--layout-file", str(layout_file(workdir, MIX, PAGE))])
     sc.start()
     yield sc
     sc.stop()
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def test_an_engine_flooding_maximal_lookups_and_pins_does_not_starve_another(sidecar):

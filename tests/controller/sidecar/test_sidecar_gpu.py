@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_sidecar_check.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_sidecar_check.py"
 
 
 def _script():

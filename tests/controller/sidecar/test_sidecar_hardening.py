@@ -24,11 +24,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from cache_support import make_layout
-from sidecar_support import START_TIMEOUT_S, Sidecar, layout_file, short_tmpdir, wait_for
-from test_sidecar_badinput import Raw
 
-from hicache.controller.admin.cli import AdminClient
+from hicache.controller.client import AdminClient
 from hicache.controller.client.channel import RemoteError
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar.config import SidecarConfig
@@ -45,6 +42,9 @@ from hicache.controller.wire.protocol import (
 )
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType
+from tests.controller.sidecar.test_sidecar_badinput import Raw
+from tests.support.cache import make_layout
+from tests.support.sidecar import START_TIMEOUT_S, Sidecar, layout_file, short_tmpdir, wait_for
 
 NOBODY = 65534  # the uid another local user has in these tests
 MIX = "full"
@@ -74,20 +74,13 @@ def _server(socket_path: Path) -> Iterator[SidecarServer]:
         ctl.close()
 
 
-@pytest.fixture
-def work() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 # -- the socket directory -------------------------------------------------------------------
 
 
-def _run_dir_of_another_user(work: Path) -> Path:
+def _run_dir_of_another_user(workdir: Path) -> Path:
     """A socket directory that another user created first, as they would leave it."""
     if os.getuid() == 0:
-        d = work / "run"
+        d = workdir / "run"
         d.mkdir()
         os.chmod(d, 0o777)
         os.chown(d, NOBODY, NOBODY)
@@ -98,10 +91,10 @@ def _run_dir_of_another_user(work: Path) -> Path:
     return tmp
 
 
-def test_a_sidecar_refuses_to_serve_from_a_directory_of_another_user(work):
-    run = _run_dir_of_another_user(work)
-    sc = Sidecar(work, args=["--no-disk"])
-    sc.socket = run / f"hc-{work.name}.sock"
+def test_a_sidecar_refuses_to_serve_from_a_directory_of_another_user(workdir):
+    run = _run_dir_of_another_user(workdir)
+    sc = Sidecar(workdir, args=["--no-disk"])
+    sc.socket = run / f"hc-{workdir.name}.sock"
     sc.launch()
     try:
         wait_for(
@@ -118,16 +111,16 @@ def test_a_sidecar_refuses_to_serve_from_a_directory_of_another_user(work):
         sc.kill()
 
 
-def test_a_loose_directory_of_its_own_is_made_private_and_a_planted_token_replaced(work):
-    run = work / "run"
+def test_a_loose_directory_of_its_own_is_made_private_and_a_planted_token_replaced(workdir):
+    run = workdir / "run"
     run.mkdir()
     os.chmod(run, 0o777)
     planted = b"another-user-knows-this-token-0123456789"
     (run / "admin.token").write_bytes(planted)
     os.chmod(run / "admin.token", 0o644)
     _give_to_another_user(run / "admin.token")
-    args = ["--no-disk", "--layout-file", str(layout_file(work, MIX, PAGE))]
-    with Sidecar(work, args=args) as sc:
+    args = ["--no-disk", "--layout-file", str(layout_file(workdir, MIX, PAGE))]
+    with Sidecar(workdir, args=args) as sc:
         assert _mode(run) == 0o700
         token_stat = os.lstat(run / "admin.token")
         assert token_stat.st_uid == os.getuid() and _mode(run / "admin.token") == 0o600
@@ -143,10 +136,10 @@ def test_a_loose_directory_of_its_own_is_made_private_and_a_planted_token_replac
 
 
 @pytest.mark.parametrize("kind", ["symbolic link", "file"])
-def test_a_socket_directory_that_is_not_a_real_directory_is_refused(work, kind):
-    real = work / "elsewhere"
+def test_a_socket_directory_that_is_not_a_real_directory_is_refused(workdir, kind):
+    real = workdir / "elsewhere"
     real.mkdir(mode=0o700)
-    run = work / "run"
+    run = workdir / "run"
     if kind == "symbolic link":
         run.symlink_to(real)
         words = "is a symbolic link"
@@ -159,8 +152,8 @@ def test_a_socket_directory_that_is_not_a_real_directory_is_refused(work, kind):
     assert not (real / "hicache.sock").exists() and not (real / "admin.token").exists()
 
 
-def test_a_private_directory_and_its_token_are_kept_as_they_are(work, caplog):
-    run = work / "run"
+def test_a_private_directory_and_its_token_are_kept_as_they_are(workdir, caplog):
+    run = workdir / "run"
     with _server(run / "hicache.sock") as srv:
         srv.bind()
         first = srv.admin_token
@@ -173,12 +166,12 @@ def test_a_private_directory_and_its_token_are_kept_as_they_are(work, caplog):
 
 @pytest.mark.timeout(60)  # a FIFO read the old way blocks the start for good
 @pytest.mark.parametrize("kind", ["readable by others", "symbolic link", "fifo"])
-def test_an_admin_token_that_is_not_the_sidecars_alone_is_replaced(work, kind, caplog):
-    run = work / "run"
+def test_an_admin_token_that_is_not_the_sidecars_alone_is_replaced(workdir, kind, caplog):
+    run = workdir / "run"
     run.mkdir(mode=0o700)
     token = run / "admin.token"
     known = b"somebody-else-has-read-this-token-0123"
-    target = work / "target.token"
+    target = workdir / "target.token"
     if kind == "readable by others":
         token.write_bytes(known)
         os.chmod(token, 0o644)

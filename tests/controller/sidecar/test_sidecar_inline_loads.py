@@ -5,12 +5,9 @@ one of them loads the right bytes."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
-from cache_support import make_layout
-from sidecar_support import FullPages, short_tmpdir, wait_for
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
@@ -21,6 +18,8 @@ from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.sidecar import FullPages, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -68,12 +67,10 @@ class Setup:
 
 
 @pytest.fixture
-def setup():
-    d = short_tmpdir()
-    s = Setup(d)
+def setup(workdir):
+    s = Setup(workdir)
     yield s
     s.close()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_small_load_on_host_is_answered_by_the_io_thread_with_the_right_bytes(setup):

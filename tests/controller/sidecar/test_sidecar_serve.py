@@ -17,9 +17,6 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from cache_support import make_layout
-from sidecar_support import PYTHON, START_TIMEOUT_S, free_port, short_tmpdir, wait_for
-from test_controller_support import PAGE, Engine, controller_config, hybrid_layout
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
@@ -38,6 +35,9 @@ from hicache.controller.wire.protocol import default_runtime_dir
 from hicache.controller_api import PageRef
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
+from tests.support.cache import make_layout
+from tests.support.controller import PAGE, Engine, controller_config, hybrid_layout
+from tests.support.sidecar import PYTHON, START_TIMEOUT_S, free_port, short_tmpdir, wait_for
 
 LOG_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: \S"

@@ -10,7 +10,14 @@ import threading
 import time
 from types import SimpleNamespace
 
-from test_controller_support import (
+from hicache.controller.sidecar.config import BackupAck
+from hicache.controller.sidecar.handlers import Call, VerbHandlers
+from hicache.controller.store.local import LocalController
+from hicache.controller.wire.fields import encode_refs
+from hicache.controller.wire.protocol import Request, Verb
+from hicache.controller.wire.verbs import SPECS
+from hicache.types import Tier
+from tests.support.controller import (
     FULL,
     PAGE,
     Engine,
@@ -20,14 +27,6 @@ from test_controller_support import (
     load_into,
     registered_controller,
 )
-
-from hicache.controller.sidecar.config import BackupAck
-from hicache.controller.sidecar.handlers import Call, VerbHandlers
-from hicache.controller.store.local import LocalController
-from hicache.controller.wire.fields import encode_refs
-from hicache.controller.wire.protocol import Request, Verb
-from hicache.controller.wire.verbs import SPECS
-from hicache.types import Tier
 
 
 def test_a_lapsed_pin_stops_protecting_its_pages_without_another_pin_or_load(tmp_path):

@@ -18,20 +18,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_controller_support import FULL, PAGE, SWA, Engine, controller_config, hybrid_layout
 
 from hicache.controller.store.local import LocalController
 from hicache.keys import namespace_hash, page_hashes
+from tests.support.controller import FULL, PAGE, SWA, Engine, controller_config, hybrid_layout
 
-TESTS = Path(__file__).parent
+REPO = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {repo!r})
     from pathlib import Path
-    from test_controller_crash import fill_by_hash, chain_tokens
-    from test_controller_support import FULL, SWA, PAGE, Engine, controller_config, hybrid_layout
+    from tests.controller.store.test_controller_crash import fill_by_hash, chain_tokens
+    from tests.support.controller import FULL, SWA, PAGE, Engine, controller_config, hybrid_layout
     from hicache.controller.store.local import LocalController
     from hicache.keys import namespace_hash, page_hashes
 
@@ -72,7 +72,7 @@ def fill_by_hash(engine: Engine, chain) -> None:
 @pytest.mark.slow
 def test_sigkill_keeps_every_flushed_page(tmp_path):
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(tests=str(TESTS), tmp=str(tmp_path))],
+        [sys.executable, "-c", CHILD.format(repo=str(REPO), tmp=str(tmp_path))],
         stdout=subprocess.PIPE,
         text=True,
     )

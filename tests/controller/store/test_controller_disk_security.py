@@ -9,12 +9,12 @@ import os
 import stat
 
 import pytest
-from test_controller_support import FULL, PAGE, controller_config, registered_controller
 
 from hicache.controller.admin.ops import fsck
 from hicache.controller.store.local import LocalController
 from hicache.controller.store.page_codec import HEADER_BYTES
 from hicache.types import ConfigError
+from tests.support.controller import FULL, PAGE, controller_config, registered_controller
 
 
 def _mode(path) -> int:

@@ -13,7 +13,12 @@ import time
 import weakref
 
 import pytest
-from test_controller_support import (
+
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
+from hicache.controller_api import ControllerError, LoadResult, Presence
+from hicache.types import Tier
+from tests.support.controller import (
     ALL,
     FULL,
     PAGE,
@@ -24,11 +29,6 @@ from test_controller_support import (
     hybrid_layout,
     load_into,
 )
-
-from hicache.controller.store.faults import FaultPlan
-from hicache.controller.store.local import LocalController
-from hicache.controller_api import ControllerError, LoadResult, Presence
-from hicache.types import Tier
 
 
 def _disk_only(tmp_path, pages: int = 4, **overrides):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_controller_support import (
+
+from hicache import CacheConfig, DevicePools
+from hicache.controller.store.local import LocalController
+from hicache.controller_api import Presence
+from hicache.keys import namespace_hash, page_hashes
+from tests.support.controller import (
     ALL,
     FULL,
     PAGE,
@@ -15,11 +20,6 @@ from test_controller_support import (
     hybrid_layout,
     load_into,
 )
-
-from hicache import CacheConfig, DevicePools
-from hicache.controller.store.local import LocalController
-from hicache.controller_api import Presence
-from hicache.keys import namespace_hash, page_hashes
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,10 @@ import threading
 
 import numpy as np
 import torch
-from test_controller_support import (
+
+from hicache.controller.store.local import LocalController
+from hicache.keys import namespace_hash, page_hashes
+from tests.support.controller import (
     FULL,
     PAGE,
     SWA,
@@ -21,9 +24,6 @@ from test_controller_support import (
     controller_config,
     hybrid_layout,
 )
-
-from hicache.controller.store.local import LocalController
-from hicache.keys import namespace_hash, page_hashes
 
 
 def _bytes_of(page_hash: bytes, view: torch.Tensor) -> torch.Tensor:

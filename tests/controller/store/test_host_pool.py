@@ -8,12 +8,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_controller_support import PAGE, Engine, hybrid_layout
 
 from hicache.controller.config import ControllerConfig, HostPinning
 from hicache.controller.store.host_pool import FRAME_BYTES, HostPool, host_page_counts
 from hicache.kernels import reference
 from hicache.types import ComponentType, ConfigError, SlotStateError
+from tests.support.controller import PAGE, Engine, hybrid_layout
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 

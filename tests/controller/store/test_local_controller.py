@@ -8,7 +8,13 @@ from concurrent.futures import Future
 import lmdb
 import numpy as np
 import pytest
-from test_controller_support import (
+
+from hicache.controller.config import DiskWritePolicy
+from hicache.controller.store.local import ControllerLayoutMismatch, LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller_api import CacheController, ControllerError, LoadResult, PageKey, Presence
+from hicache.types import LayoutMismatchError, Tier
+from tests.support.controller import (
     ALL,
     FULL,
     MAMBA,
@@ -21,12 +27,6 @@ from test_controller_support import (
     load_into,
     registered_controller,
 )
-
-from hicache.controller.config import DiskWritePolicy
-from hicache.controller.store.local import ControllerLayoutMismatch, LocalController
-from hicache.controller.store.page_codec import HEADER_BYTES
-from hicache.controller_api import CacheController, ControllerError, LoadResult, PageKey, Presence
-from hicache.types import LayoutMismatchError, Tier
 
 
 def _store(ctl, chain) -> None:

@@ -8,7 +8,7 @@
   every way ``load`` can return False must leave it unmoved.
 
 The alert rules themselves are tested by promtool (deploy/prometheus/hicache-alerts.test.yml,
-run by tests/test_deploy.py).
+run by tests/project/test_deploy.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from cache_support import make_layout
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_controller_support import PAGE, Chain, Engine, controller_config, load_into
 
 import hicache.controller.store.counters as counters_mod
 from hicache.controller.admin import ops as admin_ops
@@ -38,6 +36,8 @@ from hicache.controller.store.page_store import _READ_FAILURES, PageStore
 from hicache.controller.tiers.lmdb_tier import ReadStatus
 from hicache.controller_api import LoadResult, PageRef, PinReceipt
 from hicache.types import Tier
+from tests.support.cache import make_layout
+from tests.support.controller import PAGE, Chain, Engine, controller_config, load_into
 
 # -- transfer seconds -----------------------------------------------------------------------
 

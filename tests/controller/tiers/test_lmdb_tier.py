@@ -9,10 +9,6 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from test_controller_support import (
-    PAGE,
-    registered_controller,
-)
 
 from hicache.controller.admin.ops import clear
 from hicache.controller.config import ControllerConfig
@@ -20,6 +16,10 @@ from hicache.controller.store.page_codec import HEADER_BYTES, decode_header, enc
 from hicache.controller.tiers.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType, Tier
+from tests.support.controller import (
+    PAGE,
+    registered_controller,
+)
 
 FULL = ComponentType.FULL
 DIGEST = b"L" * 16

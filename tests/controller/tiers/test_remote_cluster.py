@@ -15,8 +15,6 @@ import time
 import numpy as np
 import pytest
 import redis
-from cache_support import MarkerEngine, make_cache
-from remote_support import LocalCluster
 
 from hicache import ModelLayout, Request
 from hicache.config import PrefetchPolicy
@@ -26,16 +24,11 @@ from hicache.controller.store.page_codec import encode_value
 from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStore, parse_remote_url
 from hicache.controller.tiers.remote_store import FIELD_BODY, FIELD_HEAD, KeyStatus, split_value
 from hicache.types import ComponentType, Tier
+from tests.support.cache import MarkerEngine, make_cache
+from tests.support.cluster import LocalCluster
 
 PS = 4
 MIX = "full+swa+mamba"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture

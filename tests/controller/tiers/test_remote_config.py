@@ -8,10 +8,9 @@ import argparse
 
 import pytest
 
-from hicache.controller.config import ControllerConfig
+from hicache.controller.config import ControllerConfig, RemoteWritePolicy
 from hicache.controller.sidecar.process import _overrides, add_serve_arguments, load_settings
 from hicache.controller.tiers.remote_cluster import parse_remote_url, read_password_file
-from hicache.controller.tiers.remote_config import RemoteWritePolicy
 from hicache.types import ConfigError
 
 URL = "redis://10.0.0.5:6379,10.0.0.6:6380"

@@ -15,8 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from cache_support import MarkerEngine, make_cache
-from remote_support import LocalCluster
 
 from hicache import Request
 from hicache.config import PrefetchPolicy
@@ -27,6 +25,8 @@ from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStor
 from hicache.controller.tiers.remote_store import KeyStatus, remote_key, split_value
 from hicache.keys import chain_page_hashes, namespace_hash
 from hicache.types import ComponentType
+from tests.support.cache import MarkerEngine, make_cache
+from tests.support.cluster import LocalCluster
 
 PS = 4
 MIX = "full"

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from remote_support import LocalCluster
 
 from hicache import CacheConfig, DevicePools, UnifiedRadixCache
 from hicache.apps.engine import HybridModel, generate, tiny_hybrid
@@ -27,20 +26,7 @@ PAGE = 16
 WINDOW = 24
 SYSTEM = [(7 * i + 3) % 256 for i in range(4 * PAGE)]  # a shared system prompt of four pages
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3).start()
-    yield c
-    c.stop()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Node:

@@ -14,20 +14,19 @@ import time
 
 import numpy as np
 import pytest
-from cache_support import MarkerEngine, make_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache import Request
 from hicache.config import PrefetchPolicy
-from hicache.controller.config import ControllerConfig
+from hicache.controller.config import ControllerConfig, RemoteWritePolicy
 from hicache.controller.store.local import LocalController
-from hicache.controller.tiers.remote_config import RemoteWritePolicy
 from hicache.controller.tiers.remote_health import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller.tiers.remote_store import KeyStatus, MemoryStore
 from hicache.controller_api import P_ABSENT, P_REMOTE
 from hicache.keys import chain_page_hashes, namespace_hash
 from hicache.types import ComponentType
+from tests.support.cache import MarkerEngine, make_cache
 
 PS = 4
 MIX = "full+swa+mamba"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(TESTS))
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))  # tests.support
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sidecar_support import Sidecar, short_tmpdir  # noqa: E402
+from tests.support.sidecar import Sidecar, short_tmpdir  # noqa: E402
 
 
 @pytest.fixture

@@ -18,13 +18,13 @@ from sglang_support import (
     mha_host_pool,
     page_keys,
 )
-from sidecar_support import wait_for
 
 from hicache.controller.client.channel import RemoteLayoutMismatch
 from hicache.controller.tiers.lmdb_tier import HEADER_BYTES
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType
+from tests.support.sidecar import wait_for
 
 PAGES = 6
 TOKENS = list(range(PAGES * PAGE_SIZE))

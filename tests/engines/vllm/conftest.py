@@ -1,7 +1,7 @@
 """Fixtures of the vLLM suite: the tiny model, a sidecar, vLLM instances as processes.
 
 Runs in ``.venv-vllm`` (``make test-vllm``). The sidecar helpers of the default suite
-(``tests/sidecar_support.py``) are reused as they are.
+(``tests/support/sidecar.py``) are reused as they are.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 
 ENGINE_TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(ENGINE_TESTS.parents[1]))  # tests/: sidecar_support, bit_support
+sys.path.insert(0, str(ENGINE_TESTS.parents[2]))  # the repository: tests.support
 
-from sidecar_support import Sidecar, short_tmpdir, wait_for  # noqa: E402
 from vllm_instance import make_tiny_llama  # noqa: E402
+
+from tests.support.sidecar import Sidecar, short_tmpdir, wait_for  # noqa: E402
 
 INSTANCE = ENGINE_TESTS / "vllm_instance.py"
 INSTANCE_TIMEOUT_S = 900.0  # a vLLM start takes 1-2 minutes on a busy 2-core machine

@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 from conftest import sidecar_stats
-from sidecar_support import Sidecar, wait_for
 from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
@@ -57,6 +56,7 @@ from hicache.integrations.vllm import (
     building_with_groups,
     describe_groups,
 )
+from tests.support.sidecar import Sidecar, wait_for
 
 BLOCK = 32
 NUM_BLOCKS = 64

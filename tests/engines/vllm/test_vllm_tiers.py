@@ -19,9 +19,9 @@ import random
 import lmdb
 import pytest
 from conftest import Instance, sidecar_stats
-from sidecar_support import Sidecar, wait_for
 
 from hicache.controller.store.page_codec import HEADER_BYTES
+from tests.support.sidecar import Sidecar, wait_for
 
 PROMPT_TOKENS = 100  # three whole blocks of 32 tokens, and a tail
 BLOCK_TOKENS = 32

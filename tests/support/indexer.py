@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from cache_support import MarkerEngine, kv_marker, make_cache
-from fake_controller import FakeController
 
 from hicache import DevicePools, UnifiedRadixCache
 from hicache.components.base import MatchCheck, PagedComponent
@@ -26,6 +24,8 @@ from hicache.controller_api import PageRef
 from hicache.node import TreeNode
 from hicache.pools import PageAllocator
 from hicache.records import Request
+from tests.support.cache import MarkerEngine, kv_marker, make_cache
+from tests.support.fake_controller import FakeController
 
 
 class IndexerType(enum.IntEnum):
@@ -163,7 +163,7 @@ class IndexerComponent(PagedComponent):
 def make_indexer_cache(
     mix: str, *args: Any, indexer_slots: int | None = None, **kwargs: Any
 ) -> UnifiedRadixCache:
-    """As cache_support.make_cache, with the indexer as a fourth component (its pool of
+    """As tests.support.cache.make_cache, with the indexer as a fourth component (its pool of
     ``indexer_slots`` tokens, default as many as the FULL pool)."""
     pools = type("SizedIndexerPools", (IndexerPools,), {"indexer_slots": indexer_slots})
     return make_cache(mix, *args, pools_class=pools, extra_components=(IndexerComponent,), **kwargs)

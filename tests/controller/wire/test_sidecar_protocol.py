@@ -7,7 +7,6 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 import torch
-from cache_support import make_layout
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.device_share import export_pools
@@ -25,6 +24,7 @@ from hicache.controller.wire.protocol import (
 from hicache.controller.wire.verbs import SPECS
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType, HicacheError
+from tests.support.cache import make_layout
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
+from hicache.controller.client.fd_pass import send_fds
 from hicache.controller.sidecar import fd_inbox
 from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools
-from hicache.controller.client.fd_pass import send_fds
 from hicache.controller.sidecar.fd_inbox import FdInbox
 from hicache.controller.wire.security import PeerCredentials
 from hicache.layout import LayerKind, ModelLayout

@@ -22,15 +22,15 @@ import sys
 
 import pytest
 import torch
-from cache_support import make_layout
-from sidecar_support import Sidecar, short_tmpdir, token_tcp_args
-from test_sidecar_badinput import Raw
 
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.device_share import export_pools
 from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools
 from hicache.controller.wire.protocol import Verb, pack
 from hicache.controller.wire.security import PeerCredentials
+from tests.controller.sidecar.test_sidecar_badinput import Raw
+from tests.support.cache import make_layout
+from tests.support.sidecar import Sidecar, short_tmpdir, token_tcp_args
 
 MIX = "full+swa+mamba"
 PAGE = 4

@@ -17,7 +17,7 @@ from hicache.controller.wire.fields import (
 from hicache.controller.wire.protocol import ProtocolError, Role, Verb
 from hicache.controller.wire.verbs import SPECS, HelloArgs, NoArgs, PinArgs, Place, Runs
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
 _ROLES = {"engine": {Role.ENGINE}, "admin": {Role.ADMIN}, "both": {Role.ENGINE, Role.ADMIN}}
 
 

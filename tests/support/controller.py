@@ -1,5 +1,5 @@
 """Shared setup of the controller tests: a hybrid layout, engines with marked device
-pages, and the page references that address them. (No tests here.)"""
+pages, and the page references that address them."""
 
 from __future__ import annotations
 

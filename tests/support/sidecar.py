@@ -1,13 +1,6 @@
 """Helpers for the sidecar tests: a real sidecar subprocess, engine subprocesses driven
-over JSON lines, and waits on conditions (never fixed sleeps). (No tests here.)
-
-Run as a script, this file is an engine worker::
-
-    python tests/sidecar_support.py engine --endpoint ipc:///… --engine-id A
-
-It builds a ``UnifiedRadixCache`` over shared-memory device pools with a
-``SidecarController`` and answers one JSON command per line on stdin (see ``_serve_engine``).
-"""
+over JSON lines (tests/support/engine_worker.py is their other end), and waits on
+conditions (never fixed sleeps)."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 START_TIMEOUT_S = 90.0  # a cold start imports torch; a shared 2-core machine is slow
 
@@ -57,8 +49,7 @@ def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: floa
 
 def layout_file(dirpath: Path, mix: str = "full+swa+mamba", page_size: int = 4) -> Path:
     """The test layout of ``mix`` as a JSON layout file for ``hicache serve``."""
-    sys.path.insert(0, str(TESTS))
-    from cache_support import make_layout
+    from tests.support.cache import make_layout
 
     d = make_layout(mix).to_dict()
     d["page_size"] = page_size
@@ -186,7 +177,7 @@ class Sidecar:
             self.proc.wait(30)
 
     def admin(self):
-        from hicache.controller.admin.cli import AdminClient
+        from hicache.controller.client import AdminClient
 
         return AdminClient(self.endpoint, timeout_s=30.0)
 
@@ -201,13 +192,13 @@ class Sidecar:
 
 
 class EngineProc:
-    """An engine worker subprocess (this file run as ``engine``), one command at a time."""
+    """An engine worker subprocess (tests/support/engine_worker.py), one command at a time."""
 
     def __init__(self, endpoint: str, engine_id: str, mix: str = "full+swa+mamba", **kw: Any):
         cmd = [
             PYTHON,
-            str(Path(__file__).resolve()),
-            "engine",
+            "-m",
+            "tests.support.engine_worker",
             "--endpoint",
             endpoint,
             "--engine-id",
@@ -224,6 +215,7 @@ class EngineProc:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=REPO,  # where `tests` is a package
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self._lines: queue.Queue = queue.Queue()
@@ -279,96 +271,6 @@ class EngineProc:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-
-# -- the engine worker --------------------------------------------------------------------
-
-
-def _serve_engine(endpoint: str, engine_id: str, mix: str, client_config: dict) -> None:
-    sys.path.insert(0, str(TESTS))
-    import numpy as np
-    from cache_support import MarkerEngine, make_layout
-
-    from hicache import CacheConfig, DevicePools, UnifiedRadixCache
-    from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
-
-    layout = make_layout(mix)
-    cfg = CacheConfig(
-        page_size=4,
-        sliding_window=8 if layout.has_swa else None,
-        full_slots=1024,
-        mamba_slots=32,
-        shared_memory=True,
-        prefetch_policy="wait_complete",  # a disk hit is loaded in the same request
-    )
-    pools = DevicePools.allocate(layout, cfg)
-    ctl = SidecarController(endpoint, engine_id, SidecarClientConfig(**client_config))
-    cache = UnifiedRadixCache(layout, cfg, pools, controller=ctl)
-    engine = MarkerEngine(cache)
-
-    def answer(obj: dict) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    answer({"ready": True, "available": ctl.available})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        try:
-            if op == "exit":
-                ctl.close()
-                pools.close()
-                answer({"bye": True})
-                return
-            tokens = np.asarray(cmd.get("tokens", []), dtype=np.int64)
-            ns = cmd.get("namespace")
-            if op == "run":  # compute and cache a whole request, wait for its backup
-                engine.run(tokens, ns)
-                cache.flush_backups(30.0)
-                answer({"backup_done": cache.counters["backup_done"]})
-            elif op == "evict_all":  # drop every cached prefix from the device tier
-                r = cache.evict(full_tokens=cfg.full_slots)
-                answer({"full_tokens": r.full_tokens})
-            elif op == "match":
-                m = cache.match_prefix(tokens, ns)
-                answer(
-                    {
-                        "prefix_len": m.prefix_len,
-                        "host_hit_len": m.host_hit_len,
-                        "disk_hit_len": m.disk_hit_len,
-                    }
-                )
-            elif op == "start":  # match + load back; verify_prefix checks every byte
-                req = engine.start(tokens, ns)
-                n = req.prefix_len
-                cache.cache_finished_req(req)
-                answer({"prefix_len": n, "loaded": cache.counters["loaded_tokens"]})
-            elif op == "wait_available":
-                end = time.monotonic() + cmd.get("timeout_s", 60.0)
-                while not ctl.available and time.monotonic() < end:
-                    time.sleep(0.02)
-                answer({"available": ctl.available})
-            elif op == "status":
-                answer({"available": ctl.available, "counters": dict(ctl.counters)})
-            else:
-                answer({"error": f"unknown op {op}"})
-        except Exception as exc:  # reported to the test, which fails with it
-            import traceback
-
-            answer({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["engine"])
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--engine-id", required=True)
-    p.add_argument("--mix", default="full+swa+mamba")
-    p.add_argument("--client-config", default="{}")
-    a = p.parse_args()
-    _serve_engine(a.endpoint, a.engine_id, a.mix, json.loads(a.client_config))
 
 
 class FullPages:

@@ -28,7 +28,7 @@ from hicache.types import ComponentType
 FAULTS = ("return_false", "raise", "timeout", "quota", "pin_refused", "evicted_meanwhile")
 
 # What a late load's copy leaves in the device slots it was given: no marker of
-# cache_support (K >= 4096, V <= -4096, states >= 0) has this value.
+# tests/support/cache.py (K >= 4096, V <= -4096, states >= 0) has this value.
 GARBAGE = -1.5
 
 

@@ -1,0 +1,1 @@
+"""Tests of the applications (hicache/apps/): demo, replay, workloads, the reference engine."""

@@ -1,0 +1,1 @@
+"""Tests of the node side (controller/), one folder per layer."""

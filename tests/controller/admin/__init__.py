@@ -1,0 +1,1 @@
+"""Tests of the admin operations and hicachectl."""

@@ -1,0 +1,1 @@
+"""Tests of the hicache serve process: server, sessions, security, execution lanes, metrics."""

@@ -1,0 +1,1 @@
+"""Tests of the page store: LocalController, page index, pins, host pool, copies, counters."""

@@ -1,0 +1,1 @@
+"""Tests of the lower tiers: LMDB and the remote (Valkey/Redis Cluster) tier."""

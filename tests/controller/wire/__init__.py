@@ -1,0 +1,1 @@
+"""Tests of the wire protocol: the verb table and field codecs."""

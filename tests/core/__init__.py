@@ -1,0 +1,1 @@
+"""Tests of the core library (hicache/): tree, cache, components, pools, eviction, tiering."""

@@ -1,0 +1,1 @@
+"""Tests of the engine integrations that need no engine installed (hicache/integrations/)."""

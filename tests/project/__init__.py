@@ -1,0 +1,1 @@
+"""Tests of the project as a whole: structure, packaging, docs, deployment files."""
