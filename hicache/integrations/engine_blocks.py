@@ -1,0 +1,170 @@
+"""An engine's own KV blocks to and from the sidecar's host pages, one copy each way.
+
+For an engine whose KV cache lives in tensors of its own (vLLM's blocks), the sidecar's
+host pool is mapped read-write into the worker (``SidecarController.map_host_pages``) and
+the worker moves the bytes itself, once:
+
+* a **store** asks the sidecar for host pages (``store_begin``: a page per block not held
+  yet), copies each block's segments (every layer's part of it) straight into its page
+  (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, ``memmove``
+  runs on a CPU), and commits them (``store_commit``): only then can a lookup find them.
+  A store that fails is given back, and nothing of it was visible;
+* a **load** pins the pages with their host page numbers, has the sidecar read the ones
+  that are only on disk (or the remote tier) into host pages first, copies each page's
+  segments into its block, and unpins, telling the sidecar the copy was served.
+
+No staging buffer sits between the engine's memory and the host pool. The engine writes
+only pages the sidecar handed it for a store in flight; a page becomes visible only at
+its commit; an engine that dies mid-store leaves pages that the sidecar takes back when
+its lease lapses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache import PageKey, PageRef
+from hicache.controller.client import SidecarController
+from hicache.kernels import Segment, SegmentCopy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockSegment:
+    """Bytes ``[src_offset, +nbytes)`` of a block row of ``tensor`` are bytes
+    ``[dst_offset, +nbytes)`` of the block's page payload."""
+
+    tensor: torch.Tensor
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+class EngineBlocks:
+    """One copy per byte between an engine's block tensors and the sidecar's host pages.
+
+    ``groups[g]`` are the segments of a block of group ``g`` (a page holds one block of
+    one group). Every page is a page of ``component`` in the sidecar's layout.
+    """
+
+    def __init__(
+        self,
+        client: SidecarController,
+        groups: Sequence[Sequence[BlockSegment]],
+        device: torch.device,
+        component,
+    ) -> None:
+        self.client = client
+        self.groups = [list(g) for g in groups]
+        self.device = device
+        self.component = component
+        self._host = None
+        self._copies: list[SegmentCopy | None] = []
+
+    def _copies_now(self) -> list[SegmentCopy | None] | None:
+        """The group copies over the current session's host pages (built again after a
+        reconnect); None when the sidecar's pages are not mapped here."""
+        host = self.client.map_host_pages(self.device)
+        if host is None:
+            return None
+        if host is not self._host:
+            rows = host.pages[self.component]
+            self._copies = [
+                SegmentCopy(
+                    [Segment(s.tensor, s.src_offset, s.nbytes, s.dst_offset) for s in g],
+                    rows,
+                    payload_offset=host.payload_offset,
+                )
+                if g
+                else None
+                for g in self.groups
+            ]
+            self._host = host
+        return self._copies
+
+    @property
+    def available(self) -> bool:
+        """Whether the host pages are mapped here (else the caller takes another path)."""
+        return self._copies_now() is not None
+
+    def store(
+        self, refs: Sequence[PageRef], groups: Sequence[int], blocks: Sequence[int], ttl_s: float
+    ) -> tuple[int, int]:
+        """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
+        written, pages not stored for want of room). Raises on a copy error (nothing of
+        the store becomes visible)."""
+        copies = self._copies_now()
+        if copies is None:
+            return 0, len(refs)
+        store = self.client.begin_store(refs, ttl_s)
+        if store is None:
+            return 0, len(refs)
+        pages = store.pages
+        written = False
+        try:
+            g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+            for g in np.unique(g_arr).tolist():
+                mine = (g_arr == g) & (pages >= 0)
+                if mine.any():
+                    copies[g].to_host(b_arr[mine], pages[mine])
+            written = True
+        finally:
+            committed = self.client.commit_store(store, written)
+        return committed, int((pages == -2).sum())
+
+    def load(
+        self, hashes: Sequence[bytes], groups: Sequence[int], blocks: Sequence[int],
+        pin_ttl_s: float, timeout_s: float,
+    ) -> bool:  # fmt: skip
+        """Copy the pages ``hashes`` into block ``blocks[i]`` of group ``groups[i]``;
+        True when every byte arrived (else the blocks are undefined: recompute them)."""
+        copies = self._copies_now()
+        if copies is None:
+            return False
+        keys = [PageKey(self.component, h) for h in hashes]
+        pin = self._pin_on_host(keys, pin_ttl_s, timeout_s)
+        if pin is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            pages = np.asarray(pin.host_pages, dtype=np.int64)
+            g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+            for g in np.unique(g_arr).tolist():
+                mine = g_arr == g
+                copies[g].to_device(pages[mine], b_arr[mine])
+        except Exception as exc:
+            log.error("load from the shared host pages failed: %s", exc)
+            self.client.unpin(pin)
+            return False
+        self.client.unpin(pin, loaded_s=time.perf_counter() - t0)
+        return True
+
+    def _pin_on_host(self, keys: list[PageKey], ttl_s: float, timeout_s: float):
+        """A pin of ``keys`` whose pages are all on host, reading the ones that are not
+        first (disk, remote); None when a page is gone or cannot be brought to host."""
+        pin = self.client.pin(keys, ttl_s)
+        if pin is None or pin.host_pages is None:
+            return None if pin is None else self._give_back(pin)
+        missing = [k for k, p in zip(keys, pin.host_pages) if p < 0]
+        if not missing:
+            return pin
+        # Pinned pages stay put while the sidecar reads the missing ones to host.
+        ok = self.client.prefetch(missing).wait(timeout_s)
+        self.client.unpin(pin)
+        if not ok:
+            return None
+        pin = self.client.pin(keys, ttl_s)
+        if pin is None or pin.host_pages is None or min(pin.host_pages) < 0:
+            return None if pin is None else self._give_back(pin)
+        return pin
+
+    def _give_back(self, pin) -> None:
+        self.client.unpin(pin)
+        return None

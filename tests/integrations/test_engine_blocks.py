@@ -1,0 +1,128 @@
+"""An engine's own block tensors through a real ``hicache serve`` with one copy each way
+(hicache/integrations/engine_blocks.py): stores land in host pages the worker writes
+itself, loads come back bit for bit, from host and from disk, and a page that is gone is
+a miss that touches no block."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from hicache import ModelLayout, PageRef
+from hicache.controller.client import SidecarController
+from hicache.controller.wire.protocol import Verb
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
+from hicache.types import ComponentType
+from tests.support.sidecar import Sidecar, short_tmpdir, wait_for
+
+FULL = ComponentType.FULL
+HALF = 4096  # bytes of K (and of V) in one block of one layer group
+BLOCKS = 64
+
+
+def _layout() -> ModelLayout:
+    # One block per page, its two layers' K and V as the page's two halves.
+    return ModelLayout(("full",), num_kv_heads=1, head_dim=HALF // 2, dtype="float32",
+                       model_id="engine-blocks-test")  # fmt: skip
+
+
+def _layout_file(work) -> str:
+    import json
+
+    d = _layout().to_dict()
+    d["page_size"] = 1
+    path = work / "layout.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def _hash(i: int) -> bytes:
+    return hashlib.blake2b(f"block-{i}".encode(), digest_size=16).digest()
+
+
+@pytest.fixture
+def sidecar():
+    work = short_tmpdir()
+    with Sidecar(work, ["--layout-file", _layout_file(work)]) as s:
+        yield s
+
+
+def _engine(sidecar: Sidecar, seed: int) -> tuple[EngineBlocks, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    # Two layers, each its own allocation of byte rows (as vLLM's per-layer tensors are);
+    # a layer's block row holds its K then V part.
+    layers = [
+        torch.randint(0, 256, (BLOCKS, HALF), dtype=torch.uint8, generator=g) for _ in range(2)
+    ]
+    half = HALF // 2
+    segments = [
+        BlockSegment(layers[0], 0, half, 0),  # layer 0 K -> page K half
+        BlockSegment(layers[1], 0, half, half),
+        BlockSegment(layers[0], half, half, HALF),  # layer 0 V -> page V half
+        BlockSegment(layers[1], half, half, HALF + half),
+    ]
+    client = SidecarController(sidecar.endpoint, engine_id=f"blocks-{seed}")
+    client.attach(_layout(), 1)
+    return EngineBlocks(client, [segments], torch.device("cpu"), FULL), layers
+
+
+def sidecar_flushed(admin) -> bool:
+    """Wait until the disk writer has committed every queued page."""
+    wait_for(lambda: admin.call(Verb.STATS)["disk"]["pending_writes"] == 0, 30.0, "disk writes")
+    return True
+
+
+def _refs(ids: list[int]) -> list[PageRef]:
+    return [PageRef(FULL, _hash(i), _hash(i - 1) if i else b"\0" * 16, 0) for i in ids]
+
+
+def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar):
+    writer, src = _engine(sidecar, 1)
+    reader, dst = _engine(sidecar, 2)
+    try:
+        assert writer.available and reader.available
+        ids = list(range(10))
+        stored, dropped = writer.store(_refs(ids), [0] * 10, ids, ttl_s=30.0)
+        assert (stored, dropped) == (10, 0)
+        again, _ = writer.store(_refs(ids), [0] * 10, ids, ttl_s=30.0)
+        assert again == 0  # held already: nothing written twice
+
+        targets = [50, 40, 30, 20, 10, 11, 12, 13, 14, 15]
+        assert reader.load([_hash(i) for i in ids], [0] * 10, targets, 30.0, 30.0)
+        for s, d in zip(src, dst):
+            assert torch.equal(d[targets], s[ids])
+    finally:
+        writer.client.close()
+        reader.client.close()
+
+
+def test_a_load_of_pages_only_on_disk_reads_them_to_host_first(sidecar):
+    writer, src = _engine(sidecar, 3)
+    reader, dst = _engine(sidecar, 4)
+    admin = sidecar.admin()
+    try:
+        ids = list(range(100, 108))
+        assert writer.store(_refs(ids), [0] * 8, [i - 100 for i in ids], 30.0)[0] == 8
+        sidecar_flushed(admin)
+        admin.call(Verb.EVICT, {"tier": "host", "bytes": 1 << 30})  # disk copies stay
+        assert admin.call(Verb.STATS)["host"]["used_pages"]["full"] == 0
+
+        assert reader.load([_hash(i) for i in ids], [0] * 8, list(range(8)), 30.0, 30.0)
+        for s, d in zip(src, dst):
+            assert torch.equal(d[:8], s[:8])
+    finally:
+        admin.close()
+        writer.client.close()
+        reader.client.close()
+
+
+def test_a_load_of_a_page_nobody_stored_is_a_miss_that_touches_no_block(sidecar):
+    reader, dst = _engine(sidecar, 5)
+    before = [t.clone() for t in dst]
+    try:
+        assert not reader.load([_hash(900), _hash(901)], [0, 0], [0, 1], 5.0, 5.0)
+        assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    finally:
+        reader.client.close()
