@@ -40,6 +40,8 @@ _EXPORTS = {
     "LockReceipt": "hicache.records",
     "MatchResult": "hicache.records",
     "Request": "hicache.records",
+    "resumable_pages": "hicache.resume",
+    "window_pages": "hicache.resume",
     "ComponentType": "hicache.types",
     "ConfigError": "hicache.types",
     "PoolExhaustedError": "hicache.types",
