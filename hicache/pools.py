@@ -357,6 +357,32 @@ class DevicePools:
         memory so that a sidecar process can map them (see :meth:`shared_tensors`).
         """
         config.validate(layout)
+        return cls._build(layout, config)
+
+    @classmethod
+    def allocate_pages(
+        cls,
+        layout: ModelLayout,
+        page_size: int,
+        pages: int,
+        device: str = "cpu",
+        shared_memory: bool = False,
+    ) -> DevicePools:
+        """Pages addressed by number, not a cache's pools (a staging area's): ``pages``
+        pages of ``page_size`` slots in each KV pool the layout has, and ``pages`` state
+        slots where it has Mamba layers. No rule of a cache applies (a window, a request's
+        Mamba state); ``shared_memory`` as in :meth:`allocate`."""
+        config = CacheConfig(
+            page_size=page_size,
+            full_slots=pages * page_size,
+            mamba_slots=pages if layout.has_mamba else 0,
+            device=device,
+            shared_memory=shared_memory,
+        )
+        return cls._build(layout, config)
+
+    @classmethod
+    def _build(cls, layout: ModelLayout, config: CacheConfig) -> DevicePools:
         factory = _TensorFactory(config.device, config.shared_memory)
         ps = config.page_size
         full = KVPool(LayerKind.FULL, layout, config.full_slots, ps, factory)

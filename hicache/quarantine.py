@@ -1,10 +1,14 @@
-"""The quarantine: device slots that a copy the cache stopped waiting for may still touch.
+"""The quarantine: slots that a copy its caller stopped waiting for may still touch.
 
-A load-back whose copy the controller gave up on (a sidecar that did not answer in time)
-may still write into the slots it was given; a write-back whose copy is not done when its
-node is evicted may still read the node's pages. Such slots belong to neither the free
-list nor any request until the copy's handle is done; ``release_settled`` (called by every
-eviction and load-back) then frees them.
+The one class for every pool a sidecar copies into or out of. In the engine-side cache, a
+load-back whose copy the controller gave up on (a sidecar that did not answer in time)
+may still write into the slots it was given, and a write-back whose copy is not done when
+its node is evicted may still read the node's pages; in a staging area
+(:mod:`hicache.controller.client.staging`), a store's or load's pages may still be read or
+written by a transfer given up on. Such slots belong to neither the free list nor any
+user until the copy's handle is done; ``release_settled`` (called by every eviction and
+load-back, and by every staging allocation) then frees them. The quarantine takes no
+lock: its owner calls it under the lock that guards its pools.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.controller.client.channel import SidecarClientConfig
-from hicache.controller.client.sidecar_client import SidecarController
+from hicache import ComponentType
+from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
 from hicache.integrations.sglang_pages import (
     POOL_COMPONENTS,
     PageHasher,
@@ -48,10 +48,8 @@ from hicache.integrations.sglang_pages import (
     ranks_of,
     sidecar_layout,
 )
-from hicache.integrations.sglang_staging import Staging
 from hicache.integrations.sglang_transfers import SidecarPages
 from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
-from hicache.types import ComponentType
 
 log = logging.getLogger("hicache.integrations.sglang")
 
@@ -65,7 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "hicache_backup_timeout_s": 10.0,
     "hicache_connect_timeout_s": 2.0,
     "hicache_reconnect_interval_s": 1.0,
-    "hicache_staging_pages": 128,  # per direction: SGLang's STORAGE_BATCH_SIZE
+    "hicache_staging_pages": 128,  # per call (a get and a set at once): STORAGE_BATCH_SIZE
     "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
     "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
 }
@@ -91,7 +89,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
         self.controller: SidecarController | None = None
-        self.staging: Staging | None = None
+        self.staging: StagingArea | None = None
         self.hasher: PageHasher | None = None
         self.pages: SidecarPages | None = None  # the transfers, once registered
         self.page_size = 0
@@ -135,7 +133,9 @@ class HiCacheSidecarStorage(HiCacheStorage):
         )
         layout = sidecar_layout(ns, self.page_size)
         self.hasher = PageHasher(layout, self.page_size)
-        self.staging = Staging(layout, self.page_size, int(self.options["hicache_staging_pages"]))
+        # One get and one set (SGLang's prefetch and backup threads) stage at once.
+        staging_pages = 2 * int(self.options["hicache_staging_pages"])
+        self.staging = StagingArea(layout, self.page_size, staging_pages)
         o = self.options
         config = SidecarClientConfig(
             request_timeout_s=o["hicache_request_timeout_s"],

@@ -1,8 +1,13 @@
 """The backend's page transfers through the sidecar, on either path.
 
-* **Staging** (the copy path): ``store`` copies SGLang's flat data pages into the set half
-  of the staging pages and backs those up; ``fetch`` loads into the get half and hands
-  each page's bytes to the caller.
+* **Staging** (the copy path): ``store`` copies SGLang's flat data pages into staging
+  pages (a :class:`~hicache.controller.client.staging.StagingArea` shaped by the sidecar
+  layout) and backs those up; ``fetch`` loads into staging pages and hands each page's
+  bytes to the caller. Each call takes its pages, at most ``hicache_staging_pages`` at a
+  time, under the area's lock and gives them back when its transfer is over: SGLang's
+  prefetch and backup threads share the area (twice that many pages) without waiting on
+  each other's transfers. Pages a transfer given up on may still touch stay in the area's
+  quarantine until it ends, so a late copy never mixes with a newer call's pages.
 * **Direct** (the zero-copy path, KV only): the registered FULL buffer is SGLang's own
   host pool, so ``store_direct`` / ``fetch_direct`` name SGLang's host pages.
 
@@ -15,18 +20,49 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from hicache.controller.client.sidecar_client import SidecarController
-from hicache.controller_api import PageKey, PageRef, Presence
-from hicache.integrations.sglang_pages import PageHasher
-from hicache.integrations.sglang_staging import Staging
-from hicache.types import ComponentType
+from hicache import ComponentType, PageKey, PageRef, Presence, TransferHandle
+from hicache.controller.client import SidecarController, StagingArea
+from hicache.integrations.sglang_pages import UNIT_DTYPE, PageHasher
 
 log = logging.getLogger("hicache.integrations.sglang")
+
+
+def _kv_page(staging: StagingArea, component: ComponentType, page: int) -> torch.Tensor:
+    pool = staging.pools.full if component is ComponentType.FULL else staging.pools.swa
+    ps = staging.page_size
+    return pool.buffer[:, :, page * ps : (page + 1) * ps]
+
+
+def write_page(
+    staging: StagingArea, component: ComponentType, page: int, data_page: torch.Tensor
+) -> None:
+    """Copy one SGLang flat data page into staging page (or Mamba slot) ``page``."""
+    units = data_page.contiguous().view(torch.uint8).view(UNIT_DTYPE)
+    if component is ComponentType.MAMBA:
+        mamba = staging.pools.mamba
+        conv, ssm = mamba.conv[:, page], mamba.ssm[:, page]
+        n = conv.numel()
+        conv.copy_(units[:n].view(conv.shape))
+        ssm.copy_(units[n:].view(ssm.shape))
+        return
+    view = _kv_page(staging, component, page)
+    view.copy_(units.view(view.shape))
+
+
+def read_page(staging: StagingArea, component: ComponentType, page: int) -> torch.Tensor:
+    """The bytes of staging page (or Mamba slot) ``page`` as a flat uint8 tensor."""
+    if component is ComponentType.MAMBA:
+        mamba = staging.pools.mamba
+        units = torch.cat([mamba.conv[:, page].flatten(), mamba.ssm[:, page].flatten()])
+    else:
+        units = _kv_page(staging, component, page).flatten()
+    return units.view(torch.uint8)
 
 
 class SidecarPages:
@@ -36,7 +72,7 @@ class SidecarPages:
         self,
         controller: SidecarController,
         hasher: PageHasher,
-        staging: Staging,
+        staging: StagingArea,
         page_size: int,
         options: dict[str, Any],
         counters: Counter[str],
@@ -47,6 +83,7 @@ class SidecarPages:
         self.page_size = page_size
         self.options = options
         self.counters = counters
+        self.batch_pages = int(options["hicache_staging_pages"])  # staging pages per call
 
     def present(self, keys: Sequence[str], components: Sequence[ComponentType]) -> dict:
         """Per component, a bool per key: held on host or disk (all False when unavailable)."""
@@ -64,28 +101,24 @@ class SidecarPages:
         prefix: list[str] | None,
     ) -> list[bool]:
         """Back ``pages`` up under ``keys``: all True once the sidecar holds them."""
-        half = self.staging.set_half
         hashes, parents = self.hasher.chain(keys, prefix)
         ok = [False] * len(keys)
-        for start in range(0, len(keys), half.count):
-            end = min(start + half.count, len(keys))
-            with half.lock:
-                if not half.usable() or not self.controller.available:
-                    self.counters["set_unavailable"] += end - start
-                    return ok
+        for run, staged in self._staged_runs(component, len(keys), "set_unavailable"):
+            handle: TransferHandle | None = None
+            try:
                 refs = []
-                for j, i in enumerate(range(start, end)):
-                    self.staging.write(component, half.first + j, pages[i])
-                    refs.append(PageRef(component, hashes[i], parents[i], half.first + j))
+                for i, page in zip(run, staged.tolist()):
+                    write_page(self.staging, component, page, pages[i])
+                    refs.append(PageRef(component, hashes[i], parents[i], page))
                 handle = self.controller.backup(refs)
                 done = handle.wait()
-                if not handle.done():
-                    half.unsettled.append(handle)
+            finally:
+                self.staging.free(component, staged, handle)
             if not done:
-                self.counters["set_failed"] += end - start
+                self.counters["set_failed"] += len(run)
                 return ok
-            ok[start:end] = [True] * (end - start)
-            self.counters["set_pages"] += end - start
+            ok[run.start : run.stop] = [True] * len(run)
+            self.counters["set_pages"] += len(run)
         return ok
 
     def fetch(
@@ -95,34 +128,55 @@ class SidecarPages:
         deliver: Callable[[int, torch.Tensor], None],
     ) -> list[bool]:
         """Load every held page of ``keys`` and hand it to ``deliver(i, bytes)``."""
-        half = self.staging.get_half
         ok = [False] * len(keys)
-        for start in range(0, len(keys), half.count):
-            chunk = list(range(start, min(start + half.count, len(keys))))
-            with half.lock:
-                if not half.usable() or not self.controller.available:
-                    self.counters["get_unavailable"] += len(chunk)
-                    return ok
+        covered = 0
+        for run, staged in self._staged_runs(component, len(keys), "get_unavailable"):
+            abandoned: list[TransferHandle] = []
+            try:
                 loaded = self._load_chunk(
-                    component, [keys[i] for i in chunk], lambda j: half.first + j,
-                    half.unsettled.append,
+                    component, [keys[i] for i in run], staged.tolist(), abandoned.append
                 )
                 for j in loaded:
-                    deliver(chunk[j], self.staging.read(component, half.first + j))
-                    ok[chunk[j]] = True
+                    deliver(run[j], read_page(self.staging, component, int(staged[j])))
+                    ok[run[j]] = True
+            finally:
+                self.staging.free(component, staged, abandoned[0] if abandoned else None)
+            covered = run.stop
+            if abandoned and covered < len(keys):  # the sidecar is late: the rest is a miss
+                self.counters["get_unavailable"] += len(keys) - covered
+                return ok
+        if covered < len(keys):  # cut short, counted as unavailable
+            return ok
         self.counters["get_pages"] += sum(ok)
         self.counters["get_misses"] += len(keys) - sum(ok)
         return ok
+
+    def _staged_runs(
+        self, component: ComponentType, count: int, unavailable: str
+    ) -> Iterator[tuple[range, np.ndarray]]:
+        """Positions ``0 .. count`` in runs of at most ``batch_pages``, each with as many
+        staging pages of ``component`` (the caller frees them). Stops, the positions left
+        counted under ``unavailable``, when the sidecar is unavailable or no page is free."""
+        start = 0
+        while start < count:
+            staged = None
+            if self.controller.available:
+                staged = self.staging.alloc(component, min(count - start, self.batch_pages))
+            if staged is None or staged.size == 0:
+                self.counters[unavailable] += count - start
+                return
+            yield range(start, start + staged.size), staged
+            start += staged.size
 
     def _load_chunk(
         self,
         component: ComponentType,
         keys: list[str],
-        device_index: Callable[[int], int],
+        targets: Sequence[int],
         abandoned: Callable[[Any], None],
     ) -> list[int]:
         """Positions of ``keys`` loaded, the page of position j into registered page or
-        slot ``device_index(j)``; a load given up on goes to ``abandoned``. A load that
+        slot ``targets[j]``; a load given up on goes to ``abandoned``. A load that
         fails (a page found corrupt and dropped, one evicted meanwhile) is retried once
         with what the sidecar still holds, so one bad page costs only itself."""
         for attempt in range(2):
@@ -134,7 +188,7 @@ class SidecarPages:
             pin = self.controller.pin(page_keys, float(self.options["hicache_load_timeout_s"]) * 2)
             if pin is None:
                 continue
-            refs = [PageRef(component, k.page_hash, k.page_hash, device_index(j))
+            refs = [PageRef(component, k.page_hash, k.page_hash, targets[j])
                     for k, j in zip(page_keys, held)]
             try:
                 outcome = self.controller.load(
@@ -179,8 +233,8 @@ class SidecarPages:
         if not self.controller.available:
             self.counters["get_unavailable"] += len(keys)
             return ok
-        for j in self._load_chunk(ComponentType.FULL, keys,
-                                  lambda j: offsets[j] // self.page_size, self._settle):
+        targets = [o // self.page_size for o in offsets]
+        for j in self._load_chunk(ComponentType.FULL, keys, targets, self._settle):
             ok[j] = True
         self.counters["get_pages"] += sum(ok)
         self.counters["get_misses"] += len(keys) - sum(ok)

@@ -37,16 +37,12 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from hicache.config import CacheConfig
-from hicache.controller.client.channel import SidecarClientConfig
-from hicache.controller.client.sidecar_client import SidecarController
-from hicache.controller_api import PageKey, PageRef, TransferHandle, unsettled_load
+from hicache import ComponentType, ConfigError, PageKey, PageRef, TransferHandle, unsettled_load
+from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
-from hicache.kernels.cpu_rows import merge_runs, move_runs
-from hicache.pools import DevicePools
-from hicache.types import ComponentType, ConfigError
+from hicache.kernels import merge_runs, move_runs
 
 log = logging.getLogger(__name__)
 
@@ -63,57 +59,6 @@ class _Segment:
     nbytes: int
     half: int
     dst_offset: int
-
-
-class StagingArea:
-    """Pages in the sidecar's layout that both this worker and the sidecar can address."""
-
-    def __init__(self, namespace: PageNamespace, staging_bytes: int, device: torch.device) -> None:
-        pages = max(1, staging_bytes // namespace.page_bytes)
-        self.layout = namespace.layout()
-        self.pools = DevicePools.allocate(
-            self.layout,
-            CacheConfig(
-                page_size=1,
-                full_slots=pages,
-                mamba_slots=0,
-                device=str(device),
-                shared_memory=device.type == "cpu",
-            ),
-        )
-        buf = self.pools.full.buffer  # [2, 1, pages, 1, half / 4] float32
-        self.half_bytes = namespace.page_bytes // 2
-        self.halves = (buf[0, 0, :, 0].view(torch.uint8), buf[1, 0, :, 0].view(torch.uint8))
-        self._lock = threading.Lock()
-        self._quarantined: list[tuple[TransferHandle, np.ndarray]] = []
-
-    def alloc(self, n: int) -> np.ndarray:
-        """Up to ``n`` free pages (fewer, possibly none, when the area is short)."""
-        with self._lock:
-            self._release_settled_locked()
-            n = min(n, self.pools.full.available())
-            return self.pools.alloc_kv_pages(n) if n > 0 else np.empty(0, np.int64)
-
-    def free(self, pages: np.ndarray, unsettled: TransferHandle | None = None) -> None:
-        """Give pages back; with ``unsettled`` (a transfer the sidecar may still be running
-        on them), only once it has ended."""
-        with self._lock:
-            if unsettled is not None and not unsettled.done():
-                self._quarantined.append((unsettled, pages))
-            elif pages.size:
-                self.pools.free_kv_pages(pages)
-
-    def _release_settled_locked(self) -> None:
-        still = []
-        for handle, pages in self._quarantined:
-            if handle.done():
-                self.pools.free_kv_pages(pages)
-            else:
-                still.append((handle, pages))
-        self._quarantined = still
-
-    def close(self) -> None:
-        self.pools.close()
 
 
 class HiCacheOffloadingWorker(OffloadingWorker):
@@ -134,7 +79,11 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self._group_pos = {g.group_id: i for i, g in enumerate(namespace.groups)}
         device = kv_caches.tensors[0].tensor.device
         self._on_cpu = device.type == "cpu"
-        self.staging = StagingArea(namespace, config.staging_bytes, device)
+        pages = max(1, config.staging_bytes // namespace.page_bytes)
+        self.staging = StagingArea(namespace.layout(), page_size=1, pages=pages, device=device)
+        buf = self.staging.pools.full.buffer  # [2, 1, pages, 1, half / 4] float32
+        # A staging page's K and V halves as byte rows, one row a page.
+        self.halves = (buf[0, 0, :, 0].view(torch.uint8), buf[1, 0, :, 0].view(torch.uint8))
         base = config.engine_id or f"vllm:{time.time_ns():x}"
         self.client = SidecarController(
             config.socket,
@@ -240,7 +189,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             for seg in self._segments[pos]:
                 t = seg.tensor
                 vllm_addr = t.data_ptr() + block * t.stride(0) + seg.src_offset
-                half = self.staging.halves[seg.half]
+                half = self.halves[seg.half]
                 stage_addr = half.data_ptr() + page * half.stride(0) + seg.dst_offset
                 a, b = (stage_addr, vllm_addr) if to_stage else (vllm_addr, stage_addr)
                 dst.append(a)
@@ -258,10 +207,10 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         moved = 0
         for pos in {p for _, p, _ in pairs}:
             js = [j for j, (_, p, _) in enumerate(pairs) if p == pos]
-            block = torch.tensor([pairs[j][2] for j in js], device=self.staging.halves[0].device)
+            block = torch.tensor([pairs[j][2] for j in js], device=self.halves[0].device)
             page = torch.as_tensor(pages[js], device=block.device)
             for seg in self._segments[pos]:
-                half = self.staging.halves[seg.half]
+                half = self.halves[seg.half]
                 stage = half[:, seg.dst_offset : seg.dst_offset + seg.nbytes]
                 vllm = seg.tensor[:, seg.src_offset : seg.src_offset + seg.nbytes].view(torch.uint8)
                 if to_stage:
@@ -296,7 +245,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             if pairs is None:
                 self.counters["store_mismatched"] += 1
                 return
-            pages = self.staging.alloc(len(pairs))
+            pages = self.staging.alloc(FULL, len(pairs))
             self.counters["store_pages_dropped_staging_full"] += len(pairs) - pages.size
             pairs = pairs[: pages.size]
             if not pairs:
@@ -315,7 +264,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 refs.append(PageRef(FULL, page_hash, parent_hash, page))
             handle = self.client.backup(refs)
             ok = handle.wait(self.config.store_timeout_s)
-            self.staging.free(pages, handle)
+            self.staging.free(FULL, pages, handle)
             self.counters["store_pages" if ok else "store_pages_failed"] += len(refs)
         except Exception as exc:
             log.error("hicache store %d failed: %s", job_id, exc)
@@ -340,7 +289,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 return
             ok = True
             while pairs and ok:
-                pages = self.staging.alloc(len(pairs))
+                pages = self.staging.alloc(FULL, len(pairs))
                 if pages.size == 0:
                     self.counters["load_staging_full"] += 1
                     ok = False
@@ -350,7 +299,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 if loaded:
                     moved += self._copy(part, pages, to_stage=False)
                 ok = loaded
-                self.staging.free(pages, unsettled)
+                self.staging.free(FULL, pages, unsettled)
         except Exception as exc:
             log.error("hicache load %d failed: %s", job_id, exc)
             self.counters["load_errors"] += 1

@@ -1,13 +1,15 @@
 """The shape of the library, checked from the source: no import cycle among the modules of
 hicache's core, the controller and the kernels (runtime, function-level and TYPE_CHECKING
 imports alike); no method typed on the cache from outside it; no file past 500 lines; no
-component type branch in the tree, the cache or the tiering."""
+component type branch in the tree, the cache or the tiering; one quarantine and one staging
+area."""
 
 from __future__ import annotations
 
 import ast
 import re
 import tokenize
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,3 +190,16 @@ def test_the_tree_cache_and_tiering_name_no_component_type():
         if pattern.search(code) and not (name == "node.py" and "self . base" in code)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_one_quarantine_and_one_staging_area_in_the_library():
+    """The engine-side cache and the staging area the vLLM and SGLang integrations share hold
+    slots of unsettled copies in the same class; no integration builds its own staging."""
+    classes = Counter(
+        node.name
+        for folder in PACKAGES.values()
+        for path in folder.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and node.name in ("Quarantine", "StagingArea")
+    )
+    assert classes == {"Quarantine": 1, "StagingArea": 1}, classes

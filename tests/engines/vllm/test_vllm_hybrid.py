@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from hicache import ComponentType
 from hicache.integrations.vllm import (
     HiCacheOffloadingSpec,
     building_with_groups,
@@ -58,6 +59,7 @@ from hicache.integrations.vllm import (
 )
 from tests.support.sidecar import Sidecar, wait_for
 
+FULL = ComponentType.FULL
 BLOCK = 32
 NUM_BLOCKS = 64
 WINDOW = 64  # tokens: the SWA group needs the last two blocks before a hit boundary
@@ -276,14 +278,15 @@ def test_the_indexed_copy_a_gpu_runs_moves_the_bytes_the_memmove_path_moves(hybr
     tensors both must stage the same bytes of every group, and restore them."""
     _, _, worker, caches, _ = hybrid
     pairs = [(0, FULL_G, 3), (1, SWA_G, 9), (2, MAMBA_G, 14), (3, FULL_G, 4)]
-    by_memmove, by_index = worker.staging.alloc(len(pairs)), worker.staging.alloc(len(pairs))
+    staging = worker.staging
+    by_memmove, by_index = staging.alloc(FULL, len(pairs)), staging.alloc(FULL, len(pairs))
     worker._copy(pairs, by_memmove, to_stage=True)
     worker._copy_indexed(pairs, by_index, to_stage=True)
-    for half in worker.staging.halves:
+    for half in worker.halves:
         assert torch.equal(half[torch.from_numpy(by_memmove)], half[torch.from_numpy(by_index)])
     back = [(k, group, block + 40) for k, group, block in pairs]
     worker._copy_indexed(back, by_index, to_stage=False)
     for (_, group, block), (_, _, restored) in zip(pairs, back):
         assert caches.block(group, restored) == caches.block(group, block)
-    worker.staging.free(by_memmove)
-    worker.staging.free(by_index)
+    staging.free(FULL, by_memmove)
+    staging.free(FULL, by_index)
