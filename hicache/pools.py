@@ -12,6 +12,7 @@ can be registered with a sidecar as one buffer.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from dataclasses import dataclass
@@ -79,6 +80,16 @@ class _TensorFactory:
         seg.buf[nbytes : nbytes + SEGMENT_KEY_BYTES] = key
         tensor = flat.view(dtype).view(shape)
         return tensor, SharedTensorInfo(seg.name, dtype_name(dtype), tuple(shape), key)
+
+    def close(self) -> None:
+        """Remove every segment's name from /dev/shm (its memory goes with the last
+        mapping), then unmap it where no tensor still views it."""
+        for seg in self.segments:
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+            with contextlib.suppress(BufferError):
+                seg.close()
+        self.segments.clear()
 
 
 class PageAllocator:
@@ -385,11 +396,19 @@ class DevicePools:
     def _build(cls, layout: ModelLayout, config: CacheConfig) -> DevicePools:
         factory = _TensorFactory(config.device, config.shared_memory)
         ps = config.page_size
-        full = KVPool(LayerKind.FULL, layout, config.full_slots, ps, factory)
-        swa = (
-            KVPool(LayerKind.SWA, layout, config.swa_slots, ps, factory) if layout.has_swa else None
-        )
-        mamba = MambaPool(layout, config.mamba_slots, factory, config) if layout.has_mamba else None
+        try:
+            full = KVPool(LayerKind.FULL, layout, config.full_slots, ps, factory)
+            swa = (
+                KVPool(LayerKind.SWA, layout, config.swa_slots, ps, factory)
+                if layout.has_swa
+                else None
+            )
+            mamba = (
+                MambaPool(layout, config.mamba_slots, factory, config) if layout.has_mamba else None
+            )
+        except BaseException:  # a later pool did not fit: the earlier ones' segments go
+            factory.close()
+            raise
         return cls(layout, config, full, swa, mamba, factory)
 
     # -- FULL pages and the SWA pages that go with them ---------------------------------
@@ -468,10 +487,4 @@ class DevicePools:
 
     def close(self) -> None:
         """Release shared-memory segments (the tensors must not be used afterwards)."""
-        for seg in self._factory.segments:
-            try:
-                seg.close()
-                seg.unlink()
-            except (FileNotFoundError, BufferError):
-                pass
-        self._factory.segments.clear()
+        self._factory.close()

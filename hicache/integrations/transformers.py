@@ -2,8 +2,8 @@
 
 :class:`PrefixCachedLM` serves requests with a model built by transformers 5.x over a
 :class:`~hicache.UnifiedRadixCache` (device pools on the model's device) and any
-controller (``None``, :class:`~hicache.controller.local.LocalController`,
-:class:`~hicache.controller.client.SidecarController`). Per request:
+controller (``None``, :class:`~hicache.controller.store.local.LocalController`,
+:class:`~hicache.controller.client.sidecar_client.SidecarController`). Per request:
 
 1. the longest cached prefix of the prompt but its last token is matched, and loaded back
    when it lies on the host or disk tier;
@@ -36,6 +36,7 @@ import torch
 from hicache.cache import UnifiedRadixCache
 from hicache.config import CacheConfig
 from hicache.controller_api import CacheController
+from hicache.integrations.transformers_identity import model_identity, weights_digest
 from hicache.integrations.transformers_layout import HFLayerMap, hf_layout
 from hicache.integrations.transformers_state import (
     CacheCodec,
@@ -99,10 +100,7 @@ class PrefixCachedLM:
         keep_logits: bool = True,
     ) -> None:
         ps = cache.page_size
-        if chunk_tokens < ps or chunk_tokens % ps:
-            raise ConfigError(
-                f"chunk_tokens={chunk_tokens} must be a positive multiple of the page size {ps}"
-            )
+        check_chunk_tokens(chunk_tokens, ps)
         self.model = model
         self.cache = cache
         self.map = hf_map
@@ -114,6 +112,7 @@ class PrefixCachedLM:
         self._kw = cache_keyword(model)
         self._has_mamba = bool(hf_map.mamba)
         self._rids = 0
+        self._closed = False
 
     @classmethod
     def build(
@@ -125,16 +124,23 @@ class PrefixCachedLM:
         controller: CacheController | None = None,
         chunk_tokens: int = 64,
         keep_logits: bool = True,
+        model_id: str | None = None,
         **config: Any,
     ) -> PrefixCachedLM:
         """Pools on the model's device sized as given, a cache over ``controller``.
 
         One probe forward of a single token checks the layout against the model's own
-        cache object and takes the Mamba states' dtypes from it. ``config`` goes to
+        cache object and takes the Mamba states' dtypes from it. The layout's model id is
+        the model's identity (name, revision, config and weights digests, and
+        ``model_id`` where given: see :mod:`~hicache.integrations.transformers_identity`),
+        so another model's pages are never served. ``config`` goes to
         :class:`CacheConfig` (e.g. ``shared_memory=True`` for a sidecar on the CPU).
+        When the controller refuses the layout (or anything else fails), the pools are
+        freed before the error propagates.
         """
+        check_chunk_tokens(chunk_tokens, page_size)
         device = next(model.parameters()).device
-        hf_map = probe_layout(model)
+        hf_map = probe_layout(model, model_id)
         cfg = CacheConfig(
             page_size=page_size,
             sliding_window=hf_map.cache_sliding_window,
@@ -144,8 +150,34 @@ class PrefixCachedLM:
             **config,
         )
         pools = DevicePools.allocate(hf_map.layout, cfg)
-        cache = UnifiedRadixCache(hf_map.layout, cfg, pools, controller=controller)
-        return cls(model, cache, hf_map, chunk_tokens, keep_logits)
+        try:
+            cache = UnifiedRadixCache(hf_map.layout, cfg, pools, controller=controller)
+            return cls(model, cache, hf_map, chunk_tokens, keep_logits)
+        except BaseException:
+            pools.close()
+            raise
+
+    def close(self, close_controller: bool = True) -> None:
+        """Wait for pending backups, close the controller (a sidecar client: the sidecar
+        releases this engine's pins; a LocalController: its disk writes finish) unless
+        ``close_controller`` is False (one shared with other engines), and free the
+        pools' shared memory. The object is unusable afterwards; a second call does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.cache.flush_backups()
+        finally:
+            if close_controller and self.cache.controller is not None:
+                self.cache.controller.close()
+            self.cache.pools.close()
+
+    def __enter__(self) -> PrefixCachedLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- the model -----------------------------------------------------------------------
 
@@ -203,10 +235,15 @@ class PrefixCachedLM:
         max_new_tokens: int,
         extra_key: str | None = None,
         use_cache: bool = True,
+        tenant: str | None = None,
     ) -> GenerationResult:
         """Greedy-decode ``max_new_tokens`` after ``prompt_ids`` (with ``use_cache=False``
-        nothing is matched or cached: the baseline)."""
-        return self.generate_batch([prompt_ids], max_new_tokens, extra_key, use_cache)[0]
+        nothing is matched or cached: the baseline).
+
+        ``tenant`` and ``extra_key`` (e.g. an adapter's name) name the request's namespace
+        (:func:`request_namespace`): a page cached in one namespace is never matched in
+        another, on any tier."""
+        return self.generate_batch([prompt_ids], max_new_tokens, extra_key, use_cache, tenant)[0]
 
     def generate_batch(
         self,
@@ -214,11 +251,14 @@ class PrefixCachedLM:
         max_new_tokens: int,
         extra_key: str | None = None,
         use_cache: bool = True,
+        tenant: str | None = None,
     ) -> list[GenerationResult]:
-        """:meth:`generate` for several prompts: each is admitted and prefilled in turn,
-        then requests of equal length decode together, one batch per length."""
+        """:meth:`generate` for several prompts of one namespace: each is admitted and
+        prefilled in turn, then requests of equal length decode together, one batch per
+        length."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        extra_key = request_namespace(extra_key, tenant)
         runs = [_Run(_token_list(p)) for p in prompts]
         capacity = self.cache.pools.full.capacity
         for run in runs:
@@ -364,11 +404,40 @@ def _stack_caches(caches: list[Any]) -> Any:
     return out
 
 
-def probe_layout(model: Any) -> HFLayerMap:
+TENANT_PREFIX = "tenant:"
+
+
+def request_namespace(extra_key: str | None, tenant: str | None) -> str | None:
+    """The cache's ``extra_key`` of a request of ``tenant`` with ``extra_key``: ``extra_key``
+    itself without a tenant, else ``tenant:<tenant>`` (then a NUL and ``extra_key``, where
+    given). One-to-one: an ``extra_key`` may not start with :data:`TENANT_PREFIX` nor a
+    tenant hold a NUL, so two tenants, or a tenant and none, never share a namespace."""
+    if extra_key is not None and extra_key.startswith(TENANT_PREFIX):
+        raise ValueError(f"extra_key may not start with {TENANT_PREFIX!r}: pass tenant= instead")
+    if tenant is None:
+        return extra_key
+    if "\0" in tenant:
+        raise ValueError("a tenant name may not contain a NUL character")
+    suffix = "" if extra_key is None else "\0" + extra_key
+    return TENANT_PREFIX + tenant + suffix
+
+
+def check_chunk_tokens(chunk_tokens: int, page_size: int) -> None:
+    """Raise ConfigError unless ``chunk_tokens`` is a positive multiple of ``page_size``."""
+    if chunk_tokens < page_size or chunk_tokens % page_size:
+        raise ConfigError(
+            f"chunk_tokens={chunk_tokens} must be a positive multiple of the page size {page_size}"
+        )
+
+
+def probe_layout(model: Any, model_id: str | None = None) -> HFLayerMap:
     """The model's layout from its config, checked against (and with Mamba state dtypes
-    taken from) its own cache object after a one-token forward."""
+    taken from) its own cache object after a one-token forward. Its model id is the
+    model's identity, weights included, with the user's ``model_id`` where given."""
     dtype = next(model.parameters()).dtype
-    base = hf_layout(model.config, dtype=dtype)
+    text_config = model.config.get_text_config(decoder=True)
+    identity = model_identity(model.config, text_config.model_type, weights_digest(model), model_id)
+    base = hf_layout(model.config, dtype=dtype, model_id=identity)
     from transformers import DynamicCache
 
     live = DynamicCache(config=model.config)
@@ -386,6 +455,11 @@ def probe_layout(model: Any) -> HFLayerMap:
         names = [t.name for t in base.layout.state_tensors]
         if sorted(seen) != sorted(names):
             raise ConfigError(f"the model keeps states {sorted(seen)}, the layout {names}")
-        hf_map = hf_layout(model.config, dtype=dtype, state_dtypes={n: seen[n][1] for n in seen})
+        hf_map = hf_layout(
+            model.config,
+            dtype=dtype,
+            model_id=identity,
+            state_dtypes={n: seen[n][1] for n in seen},
+        )
     check_live_cache(live, hf_map)
     return hf_map

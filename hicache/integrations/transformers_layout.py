@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hicache.integrations.transformers_identity import model_identity
 from hicache.layout import LayerKind, ModelLayout, StateTensor, parse_dtype
 from hicache.types import ConfigError
 
@@ -157,7 +158,10 @@ def hf_layout(
     """The hicache layout of the transformers model built from ``config``.
 
     ``dtype`` is the KV dtype (default: the config's ``dtype``, else float32);
-    ``state_dtypes`` the dtype of each named Mamba state tensor (default: ``dtype``).
+    ``state_dtypes`` the dtype of each named Mamba state tensor (default: ``dtype``);
+    ``model_id`` the layout's model id (default: the identity of ``config`` alone, see
+    :func:`~hicache.integrations.transformers_identity.model_identity`; a model's own
+    layout, with its weights digest, is :func:`~hicache.integrations.transformers.probe_layout`'s).
     Raises ConfigError for a layer type or family hicache does not map.
     """
     c = _text_config(config)
@@ -200,7 +204,7 @@ def hf_layout(
         num_kv_heads=int(heads),
         head_dim=int(head_dim),
         dtype=kv_dtype,
-        model_id=model_id or f"hf:{c.model_type}",
+        model_id=model_id or model_identity(config, c.model_type),
         state_tensors=tensors,
     )
     return HFLayerMap(layout, tuple(full), tuple(swa), tuple(mamba), window)
