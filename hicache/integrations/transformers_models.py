@@ -195,6 +195,10 @@ _REALISTIC: dict[str, dict[str, Any]] = {
 }
 
 
+#: The families with a realistic config (``hicache run-hf --size realistic``).
+REALISTIC_FAMILIES = tuple(_REALISTIC)
+
+
 def realistic_config(family: str) -> Any:
     """A 1–3 B parameter config of ``family`` (``bamba`` or ``llama``), SDPA attention."""
     from transformers import AutoConfig
