@@ -21,6 +21,7 @@ calls misses at once until it is back.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import Counter
@@ -78,6 +79,30 @@ def _options(storage_config: HiCacheStorageConfig, extra_config: Any) -> dict[st
     return opts
 
 
+#: Server arguments besides the model's name that change the bytes of its pages (the
+#: config overrides enter as a digest: a JSON document of any length).
+IDENTITY_ARGS = ("revision", "quantization", "dtype", "kv_cache_dtype")
+
+
+def served_model(storage_config: HiCacheStorageConfig) -> str:
+    """The model as SGLang names its storage (``model_name``) and, where this process has
+    SGLang's server arguments (a scheduler does; a backend driven alone does not), the
+    :data:`IDENTITY_ARGS` and config overrides that also decide its pages' bytes: part of
+    the namespace, so a run of another revision, quantization or dtype never shares a
+    page."""
+    name = str(storage_config.model_name or "")
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except (ImportError, ValueError):  # no server arguments published in this process
+        return name
+    overrides = str(getattr(args, "json_model_override_args", "") or "").encode()
+    digest = hashlib.blake2b(overrides, digest_size=8).hexdigest()
+    parts = [f"{a}={getattr(args, a, None)}" for a in IDENTITY_ARGS]
+    return "|".join([name, *parts, f"overrides={digest}"])
+
+
 class HiCacheSidecarStorage(HiCacheStorage):
     """A ``HiCacheStorage`` whose pages live in the node's ``hicache serve``."""
 
@@ -126,7 +151,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         pools = self._held_pools()
         self.page_size = int(self.mem_pool_host.page_size)
         ns = SGLangNamespace(
-            model_name=str(self.storage_config.model_name or ""),
+            model_name=served_model(self.storage_config),
             ranks=ranks_of(self.storage_config),
             pools={name: describe_pool(pool) for name, pool in pools.items()},
             salt=str(self.options["hicache_namespace"]),
