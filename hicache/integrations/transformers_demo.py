@@ -107,13 +107,19 @@ def longest_request_tokens(args: argparse.Namespace) -> int:
 
 
 def run_run_hf(args: argparse.Namespace) -> int:
-    import transformers
-
     from hicache.types import ConfigError
 
     problem = run_hf_problem(args)
     if problem is not None:
         print(f"hicache run-hf: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import transformers
+    except ImportError:
+        print(
+            'hicache run-hf: transformers is not installed; pip install "hicache[transformers]"',
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu":
         # oneDNN builds a convolution primitive per input shape (~50 ms each); chunks and

@@ -46,6 +46,12 @@ def test_a_bad_flag_combination_is_one_line_and_exit_status_2(flags, says, capsy
     assert says in lines[0]
 
 
+def test_without_transformers_it_says_which_extra_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # an import of it fails
+    assert main(["run-hf", "--device", "cpu"]) == 2
+    assert 'pip install "hicache[transformers]"' in capsys.readouterr().err
+
+
 def test_the_command_line_shows_no_traceback_for_a_bad_flag():
     cmd = [sys.executable, "-m", "hicache.cli", "run-hf", "--device-tokens", "128"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
