@@ -234,7 +234,10 @@ def _map(
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"{comp.name}: the memory is smaller than {nbytes} bytes")
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
+        # Populated now: a page's first touch here would otherwise fault in the middle of
+        # a copy (every page of the pool, once per engine process).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, max(nbytes, 1), flags, prot)
         raw = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
         with warnings.catch_warnings():  # read-only on purpose for loads: nothing writes it
             warnings.simplefilter("ignore", UserWarning)

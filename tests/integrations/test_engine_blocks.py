@@ -24,7 +24,7 @@ BLOCKS = 64
 
 def _layout() -> ModelLayout:
     # One block per page, its two layers' K and V as the page's two halves.
-    return ModelLayout(("full",), num_kv_heads=1, head_dim=HALF // 2, dtype="float32",
+    return ModelLayout(("full",), num_kv_heads=1, head_dim=HALF // 4, dtype="float32",
                        model_id="engine-blocks-test")  # fmt: skip
 
 

@@ -1,0 +1,308 @@
+"""The whole data plane, path by path, against a memcpy of the same bytes in the same run.
+
+    python benchmarks/bench_data_plane.py --device cpu|cuda [--sizes-mib 1,64,256,1024]
+        [--repeat 5] [--json OUT]
+
+Each path moves ``size`` bytes between an engine's memory and the host pool of a real
+``hicache serve`` (or of an in-process controller), and is printed as GB/s and as a
+ratio to a memcpy of the same bytes between the same kinds of memory (host ↔ host on a
+CPU; pinned host ↔ device on a GPU, each way):
+
+* ``vllm_store`` / ``vllm_load``: an engine's own block tensors (vLLM's shape: one byte
+  tensor per layer, a row per block, 16 layers × 64 KiB = a 1 MiB page per block) stored
+  into host pages the sidecar hands out and loaded back from host pages, one copy each
+  way (hicache/integrations/engine_blocks.py, what the vLLM worker runs);
+* ``vllm_store_and_load``: a store and a load at once (GPU: against two concurrent
+  memcpys, one each way);
+* ``backup``: the sidecar copies registered engine pools into host pages;
+* ``sidecar_load``: a load-back through the sidecar of pages on host (the engine copies
+  them from the shared host pages);
+* ``in_process_load``: the same load-back by a :class:`LocalController` in this process.
+
+The timed figure of each is the median of ``--repeat`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache import CacheConfig, DevicePools, ModelLayout, PageRef
+from hicache.controller import ControllerConfig, LocalController
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
+from hicache.keys import page_hashes
+from hicache.types import ComponentType
+
+FULL = ComponentType.FULL
+MIB = 1 << 20
+LAYERS = 16
+LAYER_BLOCK_BYTES = 64 << 10  # one layer's K and V of one 16-token block (8 heads, 128 dims, bf16)
+PAGE_BYTES = LAYERS * LAYER_BLOCK_BYTES  # 1 MiB
+TOKENS = 16
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn: Callable[[int], object], repeat: int, device: torch.device) -> float:
+    fn(-1)  # warm-up
+    times = []
+    for i in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(i)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]:
+    """A copy of ``nbytes`` between the kinds of memory the paths move between."""
+    if device.type == "cpu":
+        a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        b = torch.empty_like(a).fill_(2)
+        s = _median_s(lambda _: b.copy_(a), repeat, device)
+        return {"to_host": s, "to_device": s, "both": s}
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
+    host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+    out = {
+        "to_host": _median_s(lambda _: host.copy_(dev, non_blocking=True), repeat, device),
+        "to_device": _median_s(lambda _: dev.copy_(host, non_blocking=True), repeat, device),
+    }
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both(_: int) -> None:
+        with torch.cuda.stream(s1):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+
+    out["both"] = _median_s(both, repeat, device)
+    return out
+
+
+class Sidecar:
+    """A ``hicache serve`` without a disk tier, serving ``layout``."""
+
+    def __init__(self, work: Path, layout: ModelLayout, page_size: int, host_bytes: int) -> None:
+        self.socket = work / f"{layout.model_id}.sock"
+        layout_file = work / f"{layout.model_id}.json"
+        layout_file.write_text(json.dumps({**layout.to_dict(), "page_size": page_size}))
+        ready = work / f"{layout.model_id}.ready"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "hicache.controller.sidecar.process",
+                "--socket", str(self.socket), "--no-disk", "--metrics-port", "0",
+                "--host-pool-bytes", str(host_bytes), "--layout-file", str(layout_file),
+                "--ready-file", str(ready), "--log-level", "warning",
+            ],
+        )  # fmt: skip
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise SystemExit("the sidecar did not start")
+            time.sleep(0.05)
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.socket)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+
+
+def _client(endpoint: str, name: str) -> SidecarController:
+    cfg = SidecarClientConfig(request_timeout_s=600.0, backup_timeout_s=600.0)
+    return SidecarController(endpoint, name, cfg)
+
+
+def engine_block_paths(
+    work: Path, sizes: list[int], device: torch.device, repeat: int
+) -> dict[int, dict[str, float]]:
+    """vLLM's paths: block tensors of the engine's own ↔ host pages, one copy each way."""
+    half = PAGE_BYTES // 2
+    layout = ModelLayout(("full",), num_kv_heads=1, head_dim=half // 4, dtype="float32",
+                         model_id="bench-blocks")  # fmt: skip
+    blocks = max(sizes) // PAGE_BYTES
+    sidecar = Sidecar(work, layout, 1, (repeat + 4) * max(sizes) + 64 * MIB)
+    try:
+        layers = [
+            torch.randint(0, 256, (2 * blocks, LAYER_BLOCK_BYTES), dtype=torch.uint8).to(device)
+            for _ in range(LAYERS)
+        ]
+        k = LAYER_BLOCK_BYTES // 2
+        segments = [BlockSegment(t, 0, k, i * k) for i, t in enumerate(layers)]
+        segments += [BlockSegment(t, k, k, half + i * k) for i, t in enumerate(layers)]
+        client = _client(sidecar.endpoint, "bench-blocks")
+        client.attach(layout, 1)
+        engine = EngineBlocks(client, [segments], device, FULL)
+        assert engine.available, "the sidecar's host pages could not be mapped"
+        counter = iter(range(1 << 30))
+
+        def refs(n: int, tag: int) -> list[PageRef]:
+            hs = [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
+            return [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, 0) for i, h in enumerate(hs)]
+
+        out: dict[int, dict[str, float]] = {}
+        for size in sizes:
+            n = size // PAGE_BYTES
+            ids = list(range(n))
+
+            def store(_: int, n=n, ids=ids) -> None:
+                written, dropped = engine.store(refs(n, next(counter)), [0] * n, ids, 600.0)
+                assert written == n and not dropped, (written, dropped)
+
+            fixed = refs(n, next(counter))
+            assert engine.store(fixed, [0] * n, ids, 600.0)[0] == n
+            hashes = [r.page_hash for r in fixed]
+            targets = [blocks + i for i in ids]
+
+            def load(_: int, n=n, hashes=hashes, targets=targets) -> None:
+                assert engine.load(hashes, [0] * n, targets, 600.0, 600.0)
+
+            both_engine = EngineBlocks(client, [segments], device, FULL)
+
+            def store_and_load(_: int, n=n, ids=ids, both_engine=both_engine) -> None:
+                t = threading.Thread(target=load, args=(0,))
+                t.start()
+                both_engine.store(refs(n, next(counter)), [0] * n, ids, 600.0)
+                t.join()
+
+            out[size] = {
+                "vllm_store": _median_s(store, repeat, device),
+                "vllm_load": _median_s(load, repeat, device),
+                "vllm_store_and_load": _median_s(store_and_load, repeat, device),
+            }
+            for t in layers:  # the bytes that came back are the bytes stored
+                assert torch.equal(t[targets[0]], t[ids[0]])
+        client.close()
+    finally:
+        sidecar.stop()
+    return out
+
+
+def pool_paths(
+    work: Path, sizes: list[int], device: torch.device, repeat: int
+) -> dict[int, dict[str, float]]:
+    """Load-backs and backups of registered pools: through the sidecar and in-process."""
+    layout = ModelLayout(("full",) * LAYERS, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                         model_id="bench-pools")  # fmt: skip
+    page_bytes = layout.page_bytes(FULL, TOKENS)
+    assert page_bytes == PAGE_BYTES
+    pages = max(sizes) // page_bytes
+    host_bytes = (repeat + 4) * max(sizes) + 64 * MIB
+    cfg = CacheConfig(page_size=TOKENS, full_slots=2 * pages * TOKENS + TOKENS,
+                      device=str(device), shared_memory=device.type == "cpu")  # fmt: skip
+    pools = DevicePools.allocate(layout, cfg)
+    pools.full.buffer.copy_(torch.randn(pools.full.buffer.shape, device=device))
+    src = pools.alloc_kv_pages(pages)
+    dst = pools.alloc_kv_pages(pages)
+    fp = layout.fingerprint(TOKENS)
+    counter = iter(range(1 << 30))
+
+    def refs(slots: np.ndarray, n: int, tag: int) -> list[PageRef]:
+        hs = page_hashes(list(range(tag << 24, (tag << 24) + n * TOKENS)), fp, TOKENS)
+        return [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, int(s))
+                for i, (h, s) in enumerate(zip(hs, slots[:n]))]  # fmt: skip
+
+    out: dict[int, dict[str, float]] = {s: {} for s in sizes}
+    sidecar = Sidecar(work, layout, TOKENS, host_bytes)
+    try:
+        client = _client(sidecar.endpoint, "bench-pools")
+        client.register(layout, TOKENS, pools)
+        for ctl, where in ((client, "sidecar"), (None, "in_process")):
+            if ctl is None:
+                ctl = LocalController(ControllerConfig(host_pool_bytes=host_bytes))
+                ctl.register(layout, TOKENS, pools)
+            for size in sizes:
+                n = size // page_bytes
+                if where == "sidecar":
+                    out[size]["backup"] = _median_s(
+                        lambda _, n=n, ctl=ctl: ctl.backup(refs(src, n, next(counter))).wait(600),
+                        repeat,
+                        device,
+                    )
+                held = refs(src, n, next(counter))
+                assert ctl.backup(held).wait(600)
+                into = [PageRef(FULL, r.page_hash, r.parent_hash, int(d))
+                        for r, d in zip(held, dst[:n])]  # fmt: skip
+                pin = ctl.pin([r.key for r in into], 600.0)
+                assert pin is not None
+                out[size][f"{where}_load"] = _median_s(
+                    lambda _, into=into, pin=pin, ctl=ctl: ctl.load(into, pin, 600.0),
+                    repeat,
+                    device,
+                )
+                ctl.unpin(pin)
+            ctl.close()
+    finally:
+        sidecar.stop()
+        pools.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--sizes-mib", default=None, help="default 1,64,256 (cpu) or 1,64,256,1024")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
+    sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
+    work = Path(tempfile.mkdtemp(prefix="hcdp", dir="/tmp"))
+    try:
+        paths = engine_block_paths(work, sizes, device, args.repeat)
+        for size, figures in pool_paths(work, sizes, device, args.repeat).items():
+            paths[size].update(figures)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    floor_of = {
+        "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
+        "sidecar_load": "to_device", "in_process_load": "to_device",
+        "vllm_store_and_load": "both",
+    }  # fmt: skip
+    rows = []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"data plane on {name}: GB/s, and the ratio to a memcpy of the same bytes")
+    print(f"  {'path':22} {'MiB':>6} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}")
+    for size in sizes:
+        floor = memcpy_s(size, device, args.repeat)
+        for path, seconds in paths[size].items():
+            kind = floor_of[path]
+            # a store and a load at once move the bytes twice
+            moved = 2 * size if path == "vllm_store_and_load" else size
+            gbps, mgbps = moved / seconds / 1e9, moved / floor[kind] / 1e9
+            rows.append({"path": path, "MiB": size // MIB, "GBps": gbps,
+                         "memcpy_GBps": mgbps, "ratio": floor[kind] / seconds})  # fmt: skip
+            ratio = floor[kind] / seconds
+            print(f"  {path:22} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
