@@ -374,7 +374,10 @@ def test_alloc_evicts_when_the_pool_is_short():
     cache.check_invariants()
     req = Request("big")
     cache.match_prefix(seq(60, base=999), req=req)
+    evicted_before = cache.evicted.full_tokens
     cache.alloc_tokens(req, 60)  # needs 15 pages: cached prefixes are evicted for it
+    assert req.kv_slots.size == 60
+    assert cache.evicted.full_tokens > evicted_before
     cache.check_invariants()
     cache.cache_finished_req(req, insert=False)
     cache.check_invariants()

@@ -870,8 +870,10 @@ def test_config_names_in_deploy_files_exist_in_the_loader():
 
 
 def test_toml_files_in_deploy_parse():
-    for path in DEPLOY.rglob("*.toml"):
-        tomllib.loads(path.read_text())
+    paths = sorted(DEPLOY.rglob("*.toml"))
+    assert paths, f"no TOML file under {DEPLOY}"
+    for path in paths:
+        assert isinstance(tomllib.loads(path.read_text()), dict), path
 
 
 def test_the_metrics_reference_documents_every_exported_series(registry):

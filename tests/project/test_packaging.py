@@ -55,7 +55,7 @@ def test_wheel_in_a_fresh_venv_imports_the_mapped_packages(tmp_path):
     (wheel,) = dist.glob("hicache-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for member in (
-        "hicache/controller/local.py",
+        "hicache/controller/store/local.py",
         "hicache/kernels/reference.py",
         "hicache/tree.py",
         "hicache/apps/engine/model.py",
