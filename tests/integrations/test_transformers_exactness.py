@@ -1,4 +1,4 @@
-"""The exactness claim of docs/integrations/transformers.md, both halves, for every family
+"""The exactness claim of docs/integrations/transformers.md, both halves, for families
 with Mamba / linear-attention layers (tiny configs, random weights, fp32):
 
 * bit-identical where the restored bytes are the ones the live run computed: a request
@@ -18,17 +18,19 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hicache.integrations.transformers import PrefixCachedLM  # noqa: E402
-from hicache.integrations.transformers_models import FAMILIES, tiny_config  # noqa: E402
+from hicache.integrations.transformers_models import tiny_config  # noqa: E402
 
 PS = 4
 CHUNK = 16
 A_TOKENS = 40  # A's chunks end at 16, 32, 36, 40: Mamba states there and nowhere between
 BRANCH_AT = 30  # mid-page [28, 32), past A's state at 16: B recomputes A's pages 16..28
 BRANCH_TOL = 1e-5
-MAMBA_FAMILIES = [f for f in FAMILIES if f not in ("gemma3_text", "llama")]
-# Every family's restores, on every tier, are pinned by tests/test_transformers_exact.py;
-# here one of each state kind (Mamba2, gated delta-net, short convolution).
+# Every family's restores, on every tier, are pinned by test_transformers_exact.py; here
+# one of each state kind (Mamba2, gated delta-net, short convolution).
 RESTORE_FAMILIES = ["bamba", "qwen3_next", "lfm2"]
+# The branch: two families whose continuation moves (by 4.5e-8 and 1.2e-7 here) and two
+# that stay bit-identical; all eight were measured (docs/integrations/transformers.md).
+BRANCH_FAMILIES = ["granitemoehybrid", "qwen3_next", "bamba", "nemotron_h"]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -63,7 +65,7 @@ def test_a_restored_prefix_continues_bit_identically(family):
     lm.cache.check_invariants()
 
 
-@pytest.mark.parametrize("family", MAMBA_FAMILIES)
+@pytest.mark.parametrize("family", BRANCH_FAMILIES)
 def test_a_branch_reusing_another_requests_pages_stays_within_float_rounding(family):
     a = tokens(1, A_TOKENS)
     b_turn1 = a[:BRANCH_AT] + tokens(2, 1)
