@@ -197,6 +197,13 @@ class VerbHandlers:
                 )
             if served is None:
                 self.sessions.served = ServedLayout(layout, page_size, fingerprint)
+                if not self.ctl.opened:
+                    # An engine that only attaches (and copies its own pages) registers no
+                    # pools: the tiers are built now, off the I/O thread, so that its host
+                    # pages can be mapped; a register meanwhile waits for them.
+                    threading.Thread(
+                        target=self._open_layout, args=(layout, page_size), daemon=True
+                    ).start()
         conn = Connection(
             key[0], key[1], role, a.engine_id, a.pid or 0, transport, now, now, layout, page_size
         )
@@ -247,6 +254,12 @@ class VerbHandlers:
         pin = PinReceipt(a.pin_id, [], 0.0)
         self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s)
         return Empty()
+
+    def _open_layout(self, layout: Any, page_size: int) -> None:
+        try:
+            self.ctl.open_layout(layout, page_size)
+        except Exception as exc:  # a register meets the same error and reports it
+            log.error("building the tiers for %s failed: %s", layout.model_id, exc)
 
     def store_begin(self, call: Call, a: StoreBeginArgs) -> StoreBeginReply:
         store_id, pages = self.ctl.begin_store(a.refs, a.ttl_s, engine_id=call.conn.engine_id)

@@ -121,6 +121,11 @@ class LocalController:
 
     # -- setup ---------------------------------------------------------------------------
 
+    def open_layout(self, layout: ModelLayout, page_size: int) -> None:
+        """Build the tiers for ``layout`` (host pool, the index rebuilt from disk) unless
+        built already; refuses another layout (ControllerLayoutMismatch)."""
+        self._ensure_layout(layout, page_size)
+
     def _ensure_layout(self, layout: ModelLayout, page_size: int) -> None:
         fp = layout.fingerprint(page_size)
         # Held throughout: a second register waits until the tiers (and the index rebuilt

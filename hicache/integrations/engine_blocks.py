@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,11 +95,17 @@ class EngineBlocks:
         return self._copies_now() is not None
 
     def store(
-        self, refs: Sequence[PageRef], groups: Sequence[int], blocks: Sequence[int], ttl_s: float
+        self,
+        refs: Sequence[PageRef],
+        groups: Sequence[int],
+        blocks: Sequence[int],
+        ttl_s: float,
+        on_copied: Callable[[], object] | None = None,
     ) -> tuple[int, int]:
         """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
-        written, pages not stored for want of room). Raises on a copy error (nothing of
-        the store becomes visible)."""
+        written, pages not stored for want of room). ``on_copied`` runs once the blocks
+        are no longer read (before the commit). Raises on a copy error (nothing of the
+        store becomes visible)."""
         copies = self._copies_now()
         if copies is None:
             return 0, len(refs)
@@ -116,6 +122,8 @@ class EngineBlocks:
                     copies[g].to_host(b_arr[mine], pages[mine])
             written = True
         finally:
+            if on_copied is not None:
+                on_copied()
             committed = self.client.commit_store(store, written)
         return committed, int((pages == -2).sum())
 

@@ -1,20 +1,24 @@
 """The worker side of hicache under vLLM: vLLM's KV blocks to and from the sidecar.
 
-vLLM's KV tensors are the worker's private memory on a CPU (and on a GPU, laid out per
-layer rather than as hicache pools), so the worker registers a **staging area** with the
-sidecar once: ``staging_bytes`` of pages in the sidecar's layout (named shared memory on
-a CPU, CUDA IPC on a GPU). A store copies each block of each group (every layer's page
-of it, Mamba state pages included) into a staging page, then asks the sidecar to back
-those pages up; a load asks the sidecar to fill staging pages, then copies them into
-vLLM's blocks. On a CPU each copy is one ``memmove`` per run of bytes contiguous on both
-sides (:mod:`hicache.kernels.cpu_rows`); on a GPU, one indexed copy per layer.
+With a local sidecar (its Unix socket), the worker maps the sidecar's host pool and moves
+every byte once (:mod:`hicache.integrations.engine_blocks`): a store copies each block of
+each group (every layer's page of it, Mamba state pages included) straight into a host
+page the sidecar handed it and commits it; a load pins the pages, has the sidecar read
+the ones only on disk into host pages, and copies them straight into vLLM's blocks. On a
+GPU each direction is one kernel launch per group over vLLM's per-layer tensors
+(:class:`hicache.kernels.SegmentCopy`); on a CPU, one ``memmove`` per run of bytes
+contiguous on both sides.
+
+Where the host pool cannot be mapped (a TCP endpoint), the worker registers a **staging
+area** instead: ``staging_bytes`` of pages in the sidecar's layout that the sidecar copies
+to and from, and the worker copies vLLM's blocks into and out of it (two copies).
 
 Transfers run on two threads (loads, stores), so vLLM's step never waits for the
 sidecar. ``wait`` (vLLM is about to reuse a store's blocks) waits only until the store
 has copied them out: that never depends on the sidecar. A load that fails in any way
-(a page gone, a pin refused, a read that fails its checks, a dead sidecar) writes none
-of its staged bytes into vLLM's blocks and is reported by :meth:`take_failed_loads`, so
-the connector has vLLM recompute the request. A store that fails is dropped and counted.
+(a page gone, a pin refused, a read that fails its checks, a dead sidecar) is reported
+by :meth:`take_failed_loads`, so the connector has vLLM recompute the request. A store
+that fails is dropped and counted; nothing of it is visible to lookups.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from vllm.v1.kv_offload.base import (
 
 from hicache import ComponentType, ConfigError, PageKey, PageRef, TransferHandle, unsettled_load
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
@@ -79,11 +84,6 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self._group_pos = {g.group_id: i for i, g in enumerate(namespace.groups)}
         device = kv_caches.tensors[0].tensor.device
         self._on_cpu = device.type == "cpu"
-        pages = max(1, config.staging_bytes // namespace.page_bytes)
-        self.staging = StagingArea(namespace.layout(), page_size=1, pages=pages, device=device)
-        buf = self.staging.pools.full.buffer  # [2, 1, pages, 1, half / 4] float32
-        # A staging page's K and V halves as byte rows, one row a page.
-        self.halves = (buf[0, 0, :, 0].view(torch.uint8), buf[1, 0, :, 0].view(torch.uint8))
         base = config.engine_id or f"vllm:{time.time_ns():x}"
         self.client = SidecarController(
             config.socket,
@@ -94,7 +94,34 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 connect_timeout_s=config.request_timeout_s,
             ),
         )
-        self.client.register(self.staging.layout, 1, self.staging.pools)
+        self.layout = namespace.layout()
+        half = namespace.page_bytes // 2
+        self.client.attach(self.layout, 1)
+        groups = [
+            [
+                BlockSegment(s.tensor, s.src_offset, s.nbytes, s.half * half + s.dst_offset)
+                for s in g
+            ]
+            for g in self._segments
+        ]
+        self.blocks: EngineBlocks | None = None
+        self.staging: StagingArea | None = None
+        if self.client.endpoint.startswith("ipc://"):
+            # A local sidecar shares its host pages: mapped at each session, and while they
+            # are not (the sidecar is down), a store is dropped and a load misses.
+            self.blocks = EngineBlocks(self.client, groups, device, FULL)
+        else:
+            pages = max(1, config.staging_bytes // namespace.page_bytes)
+            self.staging = StagingArea(self.layout, page_size=1, pages=pages, device=device)
+            buf = self.staging.pools.full.buffer  # [2, 1, pages, 1, half / 4] float32
+            # A staging page's K and V halves as byte rows, one row a page.
+            self.halves = (buf[0, 0, :, 0].view(torch.uint8), buf[1, 0, :, 0].view(torch.uint8))
+            self.client.register(self.layout, 1, self.staging.pools)
+        log.info(
+            "hicache worker %d: %s", rank,
+            "one copy each way, through the sidecar's host pages" if self.blocks
+            else "through a staging area (the sidecar's host pages are not mapped here)",
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
         self._failed: set[int] = set()
@@ -245,6 +272,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             if pairs is None:
                 self.counters["store_mismatched"] += 1
                 return
+            if self.blocks is not None:
+                moved = self._store_direct(pairs, dst, released)
+                return
             pages = self.staging.alloc(FULL, len(pairs))
             self.counters["store_pages_dropped_staging_full"] += len(pairs) - pages.size
             pairs = pairs[: pages.size]
@@ -252,16 +282,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 return
             moved = self._copy(pairs, pages, to_stage=True)
             released.set()  # vLLM's blocks are no longer read
-            refs = []
-            for (k, _, _), page in zip(pairs, pages.tolist()):
-                parent = dst.parents[k]
-                parent_hash = (
-                    self.namespace.root_hash
-                    if parent is None
-                    else self.namespace.page_hash(parent, self.rank)
-                )
-                page_hash = self.namespace.page_hash(dst.keys[k], self.rank)
-                refs.append(PageRef(FULL, page_hash, parent_hash, page))
+            refs = self._store_refs(pairs, dst, pages.tolist())
             handle = self.client.backup(refs)
             ok = handle.wait(self.config.store_timeout_s)
             self.staging.free(FULL, pages, handle)
@@ -272,6 +293,35 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         finally:
             released.set()
             self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0))
+
+    def _store_refs(
+        self, pairs: list[tuple[int, int, int]], dst: HiCacheStoreSpec, slots: list[int]
+    ) -> list[PageRef]:
+        refs = []
+        for (k, _, _), slot in zip(pairs, slots):
+            parent = dst.parents[k]
+            parent_hash = (
+                self.namespace.root_hash
+                if parent is None
+                else self.namespace.page_hash(parent, self.rank)
+            )
+            page_hash = self.namespace.page_hash(dst.keys[k], self.rank)
+            refs.append(PageRef(FULL, page_hash, parent_hash, slot))
+        return refs
+
+    def _store_direct(
+        self, pairs: list[tuple[int, int, int]], dst: HiCacheStoreSpec, released: threading.Event
+    ) -> int:
+        """One copy: vLLM's blocks straight into the host pages the sidecar hands out."""
+        refs = self._store_refs(pairs, dst, [0] * len(pairs))
+        groups = [pos for _, pos, _ in pairs]
+        blocks = [b for _, _, b in pairs]
+        stored, no_room = self.blocks.store(
+            refs, groups, blocks, self.config.store_timeout_s, on_copied=released.set
+        )
+        self.counters["store_pages"] += stored
+        self.counters["store_pages_dropped_host_full"] += no_room
+        return stored * self.namespace.page_bytes
 
     # -- loads ----------------------------------------------------------------------------
 
@@ -286,6 +336,17 @@ class HiCacheOffloadingWorker(OffloadingWorker):
             pairs = self._pairs(dst, src.keys, None)
             if pairs is None:
                 self.counters["load_mismatched"] += 1
+                return
+            if self.blocks is not None:
+                hashes = [self.namespace.page_hash(src.keys[k], self.rank) for k, _, _ in pairs]
+                ok = self.blocks.load(
+                    hashes,
+                    [pos for _, pos, _ in pairs],
+                    [b for _, _, b in pairs],
+                    self.config.pin_ttl_s,
+                    self.config.load_timeout_s,
+                )
+                moved = len(pairs) * self.namespace.page_bytes if ok else 0
                 return
             ok = True
             while pairs and ok:
@@ -361,4 +422,5 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
         self.client.close()
-        self.staging.close()
+        if self.staging is not None:
+            self.staging.close()

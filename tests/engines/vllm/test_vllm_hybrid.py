@@ -57,6 +57,7 @@ from hicache.integrations.vllm import (
     building_with_groups,
     describe_groups,
 )
+from hicache.kernels import SegmentCopy
 from tests.support.sidecar import Sidecar, wait_for
 
 FULL = ComponentType.FULL
@@ -273,20 +274,22 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     assert lookup_until_answered(scheduler, again) == 0
 
 
-def test_the_indexed_copy_a_gpu_runs_moves_the_bytes_the_memmove_path_moves(hybrid) -> None:
-    """On a GPU the worker copies with indexed tensor copies instead of memmoves: on CPU
-    tensors both must stage the same bytes of every group, and restore them."""
+def test_the_kernel_a_gpu_runs_moves_the_bytes_the_memmove_path_moves(hybrid) -> None:
+    """On a GPU the worker copies each group with one Triton launch instead of memmove
+    runs: on CPU tensors (the kernel interpreted) both must write the same bytes of every
+    group into host pages, and restore them into vLLM's blocks."""
     _, _, worker, caches, _ = hybrid
-    pairs = [(0, FULL_G, 3), (1, SWA_G, 9), (2, MAMBA_G, 14), (3, FULL_G, 4)]
-    staging = worker.staging
-    by_memmove, by_index = staging.alloc(FULL, len(pairs)), staging.alloc(FULL, len(pairs))
-    worker._copy(pairs, by_memmove, to_stage=True)
-    worker._copy_indexed(pairs, by_index, to_stage=True)
-    for half in worker.halves:
-        assert torch.equal(half[torch.from_numpy(by_memmove)], half[torch.from_numpy(by_index)])
-    back = [(k, group, block + 40) for k, group, block in pairs]
-    worker._copy_indexed(back, by_index, to_stage=False)
-    for (_, group, block), (_, _, restored) in zip(pairs, back):
-        assert caches.block(group, restored) == caches.block(group, block)
-    staging.free(FULL, by_memmove)
-    staging.free(FULL, by_index)
+    assert worker.blocks is not None and worker.staging is None  # one copy, no staging
+    copies = worker.blocks._copies_now()
+    for group, block in ((FULL_G, 3), (SWA_G, 9), (MAMBA_G, 14)):
+        copy = copies[worker._group_pos[group]]
+        row = copy.pages.shape[1]
+        by_runs = torch.zeros(2, row, dtype=torch.uint8)
+        by_kernel = torch.zeros_like(by_runs)
+        runs = SegmentCopy(copy.segments, by_runs, copy.payload_offset, use_kernel=False)
+        kernel = SegmentCopy(copy.segments, by_kernel, copy.payload_offset, use_kernel=True)
+        runs.to_host([block], [1])
+        kernel.to_host([block], [1])
+        assert torch.equal(by_runs, by_kernel) and by_runs[1].any()
+        kernel.to_device([1], [block + 40])
+        assert caches.block(group, block + 40) == caches.block(group, block)
