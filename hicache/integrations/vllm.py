@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
+from hicache.integrations.transformers_identity import config_digest
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_pages import GroupPages, PageNamespace
 from hicache.types import ConfigError
@@ -64,14 +65,33 @@ _building = threading.local()
 
 
 @contextlib.contextmanager
-def building_with_groups(groups: tuple[GroupPages, ...]) -> Iterator[None]:
+def building_with_groups(
+    groups: tuple[GroupPages, ...], model: str | None = None
+) -> Iterator[None]:
     """Specs built in this thread while this is open describe their pages by ``groups``
-    (:class:`HiCacheConnector` opens it around vLLM's construction of the spec)."""
-    _building.groups = groups
+    and name their model ``model`` (:func:`describe_model`; None: the offloading config's
+    model name alone). :class:`HiCacheConnector` opens it around vLLM's construction of
+    the spec."""
+    _building.groups, _building.model = groups, model
     try:
         yield
     finally:
-        _building.groups = None
+        _building.groups = _building.model = None
+
+
+def describe_model(model_config: Any) -> str:
+    """The model as its pages' namespace names it: vLLM's model name, and what the
+    offloading config leaves out that decides the bytes of its pages: the revision, the
+    quantization, the served dtype and a digest of the HF config (overrides included)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    parts = [
+        str(model_config.model),
+        f"revision={model_config.revision}",
+        f"quantization={model_config.quantization}",
+        f"dtype={str(model_config.dtype).removeprefix('torch.')}",
+        f"config={'none' if hf_config is None else config_digest(hf_config)}",
+    ]
+    return "|".join(parts)
 
 
 def describe_groups(kv_cache_config: Any) -> tuple[GroupPages, ...]:
@@ -116,7 +136,7 @@ class HiCacheOffloadingSpec(OffloadingSpec):
             )
         self.hicache = HiCacheVllmConfig.from_extra_config(self.extra_config)
         self.namespace = PageNamespace.build(
-            model=config.model.name,
+            model=getattr(_building, "model", None) or config.model.name,
             kv_dtype=config.model.dtype,
             tokens_per_block=self.tokens_per_block,
             groups=groups,
@@ -160,7 +180,8 @@ class HiCacheConnector(OffloadingConnector):
                 "set it to 'recompute' to recompute instead",
                 transfer.kv_load_failure_policy,
             )
-        with building_with_groups(describe_groups(kv_cache_config)):
+        model = describe_model(vllm_config.model_config)
+        with building_with_groups(describe_groups(kv_cache_config), model):
             super().__init__(vllm_config, role, kv_cache_config)
 
     def update_connector_output(self, connector_output: Any) -> None:
