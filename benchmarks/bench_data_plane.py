@@ -194,7 +194,7 @@ def engine_block_paths(
                 "vllm_store_and_load": _median_s(store_and_load, repeat, device),
             }
             for t in layers:  # the bytes that came back are the bytes stored
-                assert torch.equal(t[targets[0]], t[ids[0]])
+                assert torch.equal(t[targets], t[ids]), "a load did not restore the bytes"
         client.close()
     finally:
         sidecar.stop()
@@ -261,6 +261,36 @@ def pool_paths(
     return out
 
 
+def check_segments(device: torch.device) -> None:
+    """The segment kernel on ``device`` against the torch reference, aligned and not, both
+    ways (a benchmark of wrong bytes measures nothing)."""
+    from hicache.kernels import Segment, SegmentCopy
+
+    g = torch.Generator().manual_seed(0)
+    for unaligned in (False, True):
+        layers = [torch.randint(0, 256, (32, 4096), dtype=torch.uint8, generator=g).to(device)
+                  for _ in range(3)]  # fmt: skip
+        cut = 2047 if unaligned else 2048
+        segs = [Segment(layers[0], 0, cut, 0), Segment(layers[1], cut, 4096 - cut, cut),
+                Segment(layers[2], 8, 4000, 4096)]  # fmt: skip
+        rows = torch.zeros(16, 128 + 8192, dtype=torch.uint8)
+        pages = rows.pin_memory() if device.type == "cuda" else rows
+        want = torch.zeros_like(rows)
+        blocks, dst = [3, 17, 30, 0], [9, 2, 15, 4]
+        SegmentCopy(segs, pages, 128).to_host(blocks, dst)
+        SegmentCopy(segs, want, 128).reference(blocks, dst, True)
+        assert torch.equal(pages.cpu(), want), "the segment kernel wrote other bytes"
+        before = [t.clone() for t in layers]
+        for t in layers:
+            t.zero_()
+        SegmentCopy(segs, pages, 128).to_device(dst, blocks)
+        for s in segs:
+            i = next(n for n, t in enumerate(layers) if t is s.tensor)
+            cols = slice(s.src_offset, s.src_offset + s.nbytes)
+            assert torch.equal(s.tensor[blocks, cols], before[i][blocks, cols])
+    print(f"segment kernel on {device}: the reference's bytes, aligned and not, both ways")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -271,6 +301,7 @@ def main() -> int:
     device = torch.device(args.device)
     default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
     sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
+    check_segments(device)
     work = Path(tempfile.mkdtemp(prefix="hcdp", dir="/tmp"))
     try:
         paths = engine_block_paths(work, sizes, device, args.repeat)

@@ -141,6 +141,7 @@ class SegmentCopy:
         self.blocks = min(s.tensor.shape[0] for s in segments)
         self.page_bytes = sum(s.nbytes for s in segments)
         self._tuning = tuning
+        self._streams: dict[bool, torch.cuda.Stream] = {}
         self._gpu = None
         if use_kernel if use_kernel is not None else device.type == "cuda":
             require_device_mapped("host pages", pages, device)
@@ -205,6 +206,20 @@ class SegmentCopy:
         if self._gpu is None:
             self._copy_cpu(blocks, pages, to_host)
             return
+        if self.device.type == "cuda":
+            # Each direction on a stream of its own, so that a store and a load overlap;
+            # after what the calling thread's stream has queued (the engine's writes).
+            stream = self._streams.get(to_host)
+            if stream is None:
+                stream = self._streams[to_host] = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._launch(blocks, pages, to_host)
+            stream.synchronize()
+        else:
+            self._launch(blocks, pages, to_host)
+
+    def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         g = self._gpu
         idx = torch.from_numpy(np.stack([blocks, pages])).to(self.device, non_blocking=True)
         n_rows = blocks.size * len(self.segments)
@@ -231,8 +246,6 @@ class SegmentCopy:
             ROWS=g["rows"],
             COLS=g["cols"],
         )
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
 
     def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         host = self.pages.data_ptr() + pages * self.pages.stride(0) + self.payload_offset
