@@ -116,6 +116,7 @@ class Sidecar:
                 "--host-pool-bytes", str(host_bytes), "--layout-file", str(layout_file),
                 "--ready-file", str(ready), "--log-level", "warning",
             ],
+            cwd=work,  # not a checkout's root, whose hicache/ would shadow the installed one
         )  # fmt: skip
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -188,7 +189,21 @@ def engine_block_paths(
                 both_engine.store(refs(n, next(counter)), [0] * n, ids, 600.0)
                 t.join()
 
+            copy = engine._copies_now()[0]
+            # Host pages the copy alone writes: the pool's last, which no store of this
+            # size has been handed yet (pages are handed from the front).
+            top = copy.pages.shape[0]
+            scratch = list(range(top - n, top))
+
+            def kernel_to_host(_: int, ids=ids, scratch=scratch, copy=copy) -> None:
+                copy.to_host(ids, scratch)
+
+            def kernel_to_device(_: int, ids=ids, scratch=scratch, copy=copy) -> None:
+                copy.to_device(scratch, [blocks + i for i in ids])
+
             out[size] = {
+                "copy_alone_to_host": _median_s(kernel_to_host, repeat, device),
+                "copy_alone_to_device": _median_s(kernel_to_device, repeat, device),
                 "vllm_store": _median_s(store, repeat, device),
                 "vllm_load": _median_s(load, repeat, device),
                 "vllm_store_and_load": _median_s(store_and_load, repeat, device),
@@ -278,7 +293,7 @@ def check_segments(device: torch.device) -> None:
         want = torch.zeros_like(rows)
         blocks, dst = [3, 17, 30, 0], [9, 2, 15, 4]
         SegmentCopy(segs, pages, 128).to_host(blocks, dst)
-        SegmentCopy(segs, want, 128).reference(blocks, dst, True)
+        SegmentCopy(segs, want, 128, use_kernel=False).reference(blocks, dst, True)
         assert torch.equal(pages.cpu(), want), "the segment kernel wrote other bytes"
         before = [t.clone() for t in layers]
         for t in layers:
@@ -310,6 +325,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     floor_of = {
+        "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
         "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
         "sidecar_load": "to_device", "in_process_load": "to_device",
         "vllm_store_and_load": "both",

@@ -172,7 +172,9 @@ class SegmentCopy:
         )
         on = torch.from_numpy(table).to(self.device)
         longest = max(s.nbytes for s in segs) // size
-        cols = min(next_pow2(longest), 2048)
+        # One program moves about ``tile_bytes`` per step, as the row-copy kernel does.
+        tile = max(1, self._tuning.tile_bytes // size)
+        cols = min(next_pow2(longest), next_pow2(tile))
         return {
             "dev": dev_words,
             "host": host_words,
@@ -180,7 +182,7 @@ class SegmentCopy:
             "page_stride": pages.shape[1] // size,
             "cols": cols,
             "col_tiles": math.ceil(longest / cols),
-            "rows": 4,
+            "rows": max(1, tile // cols),
         }
 
     def _check(self, blocks: np.ndarray, pages: np.ndarray) -> None:
@@ -245,6 +247,7 @@ class SegmentCopy:
             TO_HOST=to_host,
             ROWS=g["rows"],
             COLS=g["cols"],
+            num_warps=self._tuning.num_warps,
         )
 
     def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
