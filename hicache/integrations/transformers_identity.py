@@ -66,9 +66,11 @@ def _stable(value: Any) -> Any:
 
 
 def config_digest(config: Any) -> str:
-    """A digest of ``config.to_dict()`` (nested configs included) as canonical JSON, less
-    :data:`VOLATILE_CONFIG_KEYS`."""
-    text = json.dumps(_stable(config.to_dict()), sort_keys=True, default=str)
+    """A digest of ``config.to_dict()`` (nested configs included; the attributes of a
+    config object without one) as canonical JSON, less :data:`VOLATILE_CONFIG_KEYS`."""
+    to_dict = getattr(config, "to_dict", None)
+    fields = to_dict() if to_dict is not None else dict(vars(config))
+    text = json.dumps(_stable(fields), sort_keys=True, default=str)
     return _digest(text.encode())
 
 
