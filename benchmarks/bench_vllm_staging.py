@@ -33,7 +33,7 @@ WARM_ROUNDS = 4
 
 def sidecar_report(socket: Path) -> str:
     """The sidecar's failure counters and tiers, for a run that went wrong."""
-    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.client import AdminClient
     from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)
@@ -50,7 +50,7 @@ def sidecar_report(socket: Path) -> str:
 def empty_host_pool(socket: Path, pool_bytes: int, timeout_s: float = 120.0) -> None:
     """Once the LMDB writer has committed everything queued, evict the whole host tier
     (the pages stay on disk): the next store finds free pages that were written before."""
-    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.client import AdminClient
     from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)

@@ -30,7 +30,7 @@ from vllm_instance import build_llm, make_tiny_llama  # noqa: E402
 
 
 def stored_pages(socket: Path) -> int:
-    from hicache.controller.admin.cli import AdminClient
+    from hicache.controller.client import AdminClient
     from hicache.controller.wire.protocol import Verb
 
     admin = AdminClient("ipc://" + str(socket), timeout_s=30.0)

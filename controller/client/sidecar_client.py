@@ -27,7 +27,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,6 +40,7 @@ from hicache.controller.client.channel import (
     SidecarUnavailable,
     result_of,
 )
+from hicache.controller.client.engine_copies import EngineCopies
 from hicache.controller.client.inflight import (
     LOAD_PINS,
     RemoteTransfer,
@@ -64,8 +64,6 @@ from hicache.controller.wire.verbs import (
     NoArgs,
     PinArgs,
     RegisterArgs,
-    StoreBeginArgs,
-    StoreCommitArgs,
     UnpinArgs,
 )
 from hicache.controller_api import (
@@ -97,19 +95,7 @@ __all__ = [
 log = logging.getLogger("hicache.sidecar.client")
 
 
-@dataclass(frozen=True)
-class StoreReservation:
-    """Host pages handed to this engine for one store: ``pages[i]`` is the page to write
-    for ``refs[i]`` of :meth:`SidecarController.begin_store` (-1: held already, -2: no
-    room), in ``host`` (the mapping of the session ``generation``)."""
-
-    store_id: int
-    pages: np.ndarray
-    generation: int
-    host: WritableHostPages
-
-
-class SidecarController:
+class SidecarController(EngineCopies):
     """The :class:`CacheController` protocol over the sidecar (see the module docstring)."""
 
     def __init__(
@@ -469,60 +455,6 @@ class SidecarController:
             self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
         except SidecarUnavailable as exc:
             log.debug("unpin not sent (the pin expires on its own): %s", exc)
-
-    # -- stores and loads the engine copies itself -----------------------------------------
-
-    def map_host_pages(self, device: Any) -> WritableHostPages | None:
-        """The sidecar's host pages mapped read-write here (page-locked for a GPU
-        ``device``), for an engine that copies its stores into the pages
-        :meth:`begin_store` hands it and its loads out of the pages a pin names; mapped
-        again after a reconnect. None: not shared (a TCP endpoint, or a sidecar without
-        shared pages), or no session."""
-        from hicache.controller.client.host_share import WritableHostPages
-
-        gen = self._channel.generation
-        if self._open or self._registration is None:
-            return None
-        if self._pages is None or self._pages_generation != gen:
-            layout, page_size, _ = self._registration
-            old, self._pages = self._pages, None
-            if old is not None:
-                old.close()
-            self._pages = WritableHostPages.open(self.endpoint, layout, page_size, device)
-            self._pages_generation = gen
-        return self._pages
-
-    def begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> StoreReservation | None:
-        """Host pages for ``refs`` that the engine writes itself, then commits
-        (:meth:`commit_store`); None when the sidecar is unavailable or its pages are not
-        mapped here (:meth:`map_host_pages`)."""
-        pages = self._pages
-        if pages is None or self._pages_generation != self._channel.generation or not refs:
-            return None
-        try:
-            args = StoreBeginArgs(list(refs), float(ttl_s))
-            res = self._call(Verb.STORE_BEGIN, args, self.config.request_timeout_s, True)
-        except ControllerError as exc:
-            log.debug("store_begin failed: %s", exc)
-            return None
-        return StoreReservation(
-            res.store_id,
-            np.frombuffer(res.host_pages, dtype="<i4").astype(np.int64),
-            self._pages_generation,
-            pages,
-        )
-
-    def commit_store(self, store: StoreReservation, written: bool) -> int:
-        """Publish (``written``) or give back the pages of ``store``; the pages published
-        (0 when its session, or its deadline, is gone)."""
-        if store.generation != self._channel.generation or self._open:
-            return 0
-        try:
-            args = StoreCommitArgs(store.store_id, written)
-            return self._call(Verb.STORE_COMMIT, args, self.config.request_timeout_s, True).pages
-        except ControllerError as exc:
-            log.debug("store_commit failed: %s", exc)
-            return 0
 
     def prefetch(self, keys: Sequence[PageKey]) -> TransferHandle:
         if self._open or not keys:

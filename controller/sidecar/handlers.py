@@ -15,15 +15,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache import __version__
 from hicache.controller.admin.ops import ADMIN_ENGINE
+from hicache.controller.sidecar.admin_verbs import AdminVerbs, Call
 from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools, open_ready_event
-from hicache.controller.sidecar.remote_status import remote_status
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
 from hicache.controller.wire.fields import WORK_CHUNK_PAGES, bad_args, split_hashes, yield_to_io
 from hicache.controller.wire.protocol import (
@@ -36,13 +35,7 @@ from hicache.controller.wire.protocol import (
 )
 from hicache.controller.wire.verbs import (
     BackupArgs,
-    ClearArgs,
-    ClearReply,
     Empty,
-    EvictArgs,
-    EvictReply,
-    FsckArgs,
-    FsckReply,
     HeartbeatReply,
     HelloArgs,
     HelloReply,
@@ -53,14 +46,9 @@ from hicache.controller.wire.verbs import (
     NoArgs,
     OkReply,
     PinArgs,
-    PinIdArgs,
-    PinPrefixArgs,
-    PinPrefixReply,
     PinReply,
     RegisterArgs,
     RegisterReply,
-    ScoreArgs,
-    ScoreReply,
     StoreBeginArgs,
     StoreBeginReply,
     StoreCommitArgs,
@@ -68,8 +56,7 @@ from hicache.controller.wire.verbs import (
     UnpinArgs,
 )
 from hicache.controller_api import PinReceipt
-from hicache.keys import HASH_BYTES, page_hashes
-from hicache.resume import resumable_pages, window_pages
+from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
@@ -77,7 +64,6 @@ if TYPE_CHECKING:
     from hicache.controller.sidecar.fd_inbox import FdInbox
     from hicache.controller.sidecar.metrics import SidecarMetrics
     from hicache.controller.store.local import LocalController
-    from hicache.controller.wire.protocol import Request
     from hicache.controller.wire.security import PeerCredentials
 
 log = logging.getLogger("hicache.sidecar")
@@ -88,26 +74,9 @@ _COMPONENTS = {c.name.lower(): c for c in ComponentType}
 _SETTLE_REPORT_S = 60.0  # a device copy still running is reported this often
 
 
-@dataclass
-class Call:
-    """One request being handled: its connection, its deadline, and how to report the
-    progress of a long one."""
-
-    conn: Connection
-    request: Request
-    deadline: float
-    progress: Callable[[int, int], None]
-
-    def remaining(self) -> float:
-        """Seconds left to the deadline; raises DEADLINE_EXCEEDED once it has passed."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-        return left
-
-
-class VerbHandlers:
-    """The verbs of one sidecar, over its sessions and its controller."""
+class VerbHandlers(AdminVerbs):
+    """The verbs of one sidecar, over its sessions and its controller (the admin and
+    introspection verbs in :class:`~hicache.controller.sidecar.admin_verbs.AdminVerbs`)."""
 
     def __init__(
         self,
@@ -383,145 +352,3 @@ class VerbHandlers:
         return OkReply(bool(handle.wait(call.remaining())))
 
     # -- queries -------------------------------------------------------------------------
-
-    def metrics_snapshot(self) -> dict[str, Any]:
-        out = self.ctl.stats()
-        out["residency"] = self.ctl.residency()
-        served = self.sessions.served
-        out["page_size"] = served.page_size if served is not None else 0
-        return out
-
-    def health(self, call: Call, a: NoArgs) -> dict[str, Any]:
-        checks = {"serving": not self.sessions.stopping}
-        if self.ctl.store.disk is not None:
-            # The writer thread is the disk tier's only way in: without it nothing lands.
-            checks["disk_writer"] = any(
-                t.name == "hicache-lmdb-writer" and t.is_alive() for t in threading.enumerate()
-            )
-        status = "ok" if all(checks.values()) else "unhealthy"
-        return {"status": status, "checks": checks, **self.sessions.summary()}
-
-    def status(self, call: Call, a: NoArgs) -> dict[str, Any]:
-        stats = self.ctl.stats()
-        served = self.sessions.served
-        layout = None
-        if served is not None:
-            layout = {
-                "model_id": served.layout.model_id,
-                "page_size": served.page_size,
-                "fingerprint": served.fingerprint.hex(),
-                "components": [c.name.lower() for c in served.layout.components],
-            }
-        return {
-            "version": __version__,
-            "protocol": PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "endpoints": self.endpoints,
-            "layout": layout,
-            "entries": stats.get("entries", 0),
-            "pins_active": stats.get("pins_active", 0),
-            "host": stats.get("host", {}),
-            "disk": stats.get("disk", {}),
-            "remote": remote_status(self.ctl),
-            "config": {
-                "controller": self.ctl.config.to_dict(),
-                "sidecar": self.config.to_dict(),
-            },
-            **self.sessions.summary(),
-        }
-
-    def engines(self, call: Call, a: NoArgs) -> dict[str, Any]:
-        now = time.monotonic()
-        rows = [
-            {
-                "engine_id": c.engine_id,
-                "role": c.role.value,
-                "pid": c.pid,
-                "transport": c.transport,
-                "registered": c.mapped is not None,
-                "device": c.mapped.device if c.mapped is not None else None,
-                "connected_s": now - c.since,
-                "idle_s": now - c.last_seen,
-                "inflight": c.inflight,
-                "requests": c.requests,
-            }
-            for c in self.sessions.conns.values()
-        ]
-        return {"engines": sorted(rows, key=lambda r: (r["role"], r["engine_id"]))}
-
-    # -- admin verbs ---------------------------------------------------------------------
-
-    def _fingerprint(self) -> bytes | None:
-        served = self.sessions.served
-        return served.fingerprint if served is not None else None
-
-    def clear(self, call: Call, a: ClearArgs) -> ClearReply:
-        res = self.ctl.clear(
-            self._fingerprint(), [_TIERS[t] for t in a.tiers], a.namespace, a.all_namespaces
-        )
-        scope = "*" if a.all_namespaces else repr(a.namespace)
-        log.info(f"admin clear {a.tiers} namespace={scope}: {res}")
-        return ClearReply(res.host_pages, res.disk_pages, res.kept_pages)
-
-    def evict(self, call: Call, a: EvictArgs) -> EvictReply:
-        comp = _COMPONENTS[a.component] if a.component else None
-        freed = self.ctl.evict(_TIERS[a.tier], a.bytes, comp)
-        return EvictReply(freed["pages"], freed["bytes"])
-
-    def pin_prefix(self, call: Call, a: PinPrefixArgs) -> PinPrefixReply:
-        served = self.sessions.served
-        if served is None:
-            raise ProtocolError(
-                ErrorCode.OUT_OF_ORDER,
-                "no layout yet: a prefix can be named once an engine has connected (or with "
-                "[layout] in the sidecar's config)",
-            )
-        keys = self.ctl.prefix_keys(served.fingerprint, served.page_size, a.tokens, a.namespace)
-        receipt = self.ctl.pin_prefix(keys, a.ttl_s)
-        if receipt is None:
-            return PinPrefixReply(None, 0, 0)
-        pages = sum(1 for k in keys if k.component is ComponentType.FULL)
-        ttl = receipt.deadline - time.monotonic()
-        return PinPrefixReply(receipt.pin_id, pages, pages * served.page_size, ttl)
-
-    def score(self, call: Call, a: ScoreArgs) -> ScoreReply:
-        """Per tier (counting the faster ones too), the longest prefix of the prompt that
-        can be resumed, every component's rule applied (hicache/resume.py)."""
-        served = self.sessions.served
-        if served is None:
-            raise ProtocolError(
-                ErrorCode.OUT_OF_ORDER,
-                "no layout yet: a prompt can be scored once an engine has connected (or with "
-                "[layout] in the sidecar's config)",
-            )
-        if (a.hashes is None) == (a.tokens is None):
-            raise bad_args("score takes 'hashes' or 'tokens', exactly one of the two")
-        components = served.layout.components
-        if ComponentType.SWA in components and a.sliding_window is None:
-            raise bad_args("this layout has SWA layers: give 'sliding_window' (tokens)")
-        if a.tokens is not None:
-            hashes = page_hashes(a.tokens, served.fingerprint, served.page_size, a.namespace)
-        else:
-            hashes = split_hashes(a.hashes)
-        rows = self.ctl.presence(hashes, components)
-        window = window_pages(a.sliding_window, served.page_size)
-        resumable, kv_pages = {}, {}
-        for tier in (Tier.HOST, Tier.DISK, Tier.REMOTE):
-            rank = int(tier)
-
-            def held(v: int, rank: int = rank) -> bool:
-                return 0 < v <= rank
-
-            name = tier.name.lower()
-            resumable[name] = resumable_pages(rows, held, window)
-            kv_pages[name] = resumable_pages({ComponentType.FULL: rows[ComponentType.FULL]}, held)
-        return ScoreReply(served.page_size, len(hashes), resumable, kv_pages)
-
-    def unpin_prefix(self, call: Call, a: PinIdArgs) -> Empty:
-        self.ctl.unpin_prefix(a.pin_id)
-        return Empty()
-
-    def fsck(self, call: Call, a: FsckArgs) -> FsckReply:
-        res = self.ctl.fsck(repair=a.repair, progress=call.progress)
-        log.info(f"admin fsck: {res.to_dict()}")
-        return FsckReply(**res.to_dict())

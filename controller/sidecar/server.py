@@ -40,10 +40,11 @@ import zmq
 
 from hicache.controller.client.fd_pass import fd_socket_path
 from hicache.controller.sidecar import host_share
+from hicache.controller.sidecar.admin_verbs import Call
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.fair_lane import FairLane
 from hicache.controller.sidecar.fd_inbox import FdInbox
-from hicache.controller.sidecar.handlers import Call, VerbHandlers
+from hicache.controller.sidecar.handlers import VerbHandlers
 from hicache.controller.sidecar.inline_loads import InlineLoads
 from hicache.controller.sidecar.metrics import SidecarMetrics
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions

@@ -129,8 +129,10 @@ class HiCacheSidecarStorage(HiCacheStorage):
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         name = str(host_pool_name)
         if self.controller is not None:
-            log.warning("host pool %r registered after the sidecar session began: its pages "
-                        "are misses", name)
+            log.warning(
+                "host pool %r registered after the sidecar session began: its pages are misses",
+                name,
+            )
         self.registered_pools[name] = host_pool
 
     def _held_pools(self) -> dict[str, Any]:
@@ -183,8 +185,12 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.pages = SidecarPages(
             self.controller, self.hasher, self.staging, self.page_size, o, self.counters
         )
-        log.info("hicache L3 namespace %s (pools: %s; KV %s)", layout.model_id,
-                 ", ".join(pools), "zero-copy" if self.zero_copy else "through staging")
+        log.info(
+            "hicache L3 namespace %s (pools: %s; KV %s)",
+            layout.model_id,
+            ", ".join(pools),
+            "zero-copy" if self.zero_copy else "through staging",
+        )
 
     def _pool(self, name: str) -> Any:
         return self.mem_pool_host if name == "kv" else self.registered_pools.get(name)
@@ -211,9 +217,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
     ) -> PoolTransferResult:
         """The usable prefix under each extra pool's hit policy (SGLang's rule: ALL_PAGES
         needs every page up to the cut, TRAILING_PAGES only the last ``len(keys)`` ones)."""
-        result = self._guarded(
-            "exists", lambda: self._exists_v2(keys, pool_transfers or []), None
-        )
+        result = self._guarded("exists", lambda: self._exists_v2(keys, pool_transfers or []), None)
         return result if result is not None else PoolTransferResult.empty()
 
     def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
@@ -234,9 +238,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
                 pool_ok = set(range(1, boundary + 1))
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)
-                pool_ok = {
-                    n for n in range(1, kv_pages + 1) if all(row[max(0, n - trailing) : n])
-                }
+                pool_ok = {n for n in range(1, kv_pages + 1) if all(row[max(0, n - trailing) : n])}
                 boundary = max(pool_ok, default=0)
             else:
                 raise ValueError(f"hicache does not support the pool hit policy {t.hit_policy}")
@@ -277,16 +279,19 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         return {
-            t.name: self._get_pool(str(t.name), t.keys or [], t.host_indices)
-            for t in transfers
+            t.name: self._get_pool(str(t.name), t.keys or [], t.host_indices) for t in transfers
         }
 
     def _page_offsets(self, pool: Any, keys: list[str], host_indices: Any) -> list[int] | None:
         ps = int(getattr(pool, "page_size", 1) or 1)
         if host_indices is None or host_indices.numel() != len(keys) * ps:
             self.counters["bad_indices"] += 1
-            log.error("hicache: %d keys but %s host indices (page size %d)", len(keys),
-                      None if host_indices is None else host_indices.numel(), ps)
+            log.error(
+                "hicache: %d keys but %s host indices (page size %d)",
+                len(keys),
+                None if host_indices is None else host_indices.numel(),
+                ps,
+            )
             return None
         return [int(host_indices[i * ps]) for i in range(len(keys))]
 
@@ -305,7 +310,8 @@ class HiCacheSidecarStorage(HiCacheStorage):
             )
         pages = [pool.get_data_page(o, flat=True) for o in offsets]
         return self._guarded(
-            "set", lambda: self.pages.store(POOL_COMPONENTS[name], keys, pages, prefix),
+            "set",
+            lambda: self.pages.store(POOL_COMPONENTS[name], keys, pages, prefix),
             [False] * len(keys),
         )
 
@@ -317,8 +323,9 @@ class HiCacheSidecarStorage(HiCacheStorage):
         if offsets is None:
             return [False] * len(keys)
         if name == "kv" and self.zero_copy:
-            return self._guarded("get", lambda: self.pages.fetch_direct(keys, offsets),
-                                 [False] * len(keys))
+            return self._guarded(
+                "get", lambda: self.pages.fetch_direct(keys, offsets), [False] * len(keys)
+            )
         dtype = pool.get_dummy_flat_data_page().dtype
 
         def deliver(i: int, data: torch.Tensor) -> None:
@@ -366,7 +373,8 @@ class HiCacheSidecarStorage(HiCacheStorage):
             return False
         return all(
             self._guarded(
-                "set", lambda: self.pages.store(ComponentType.FULL, keys, list(values), None),
+                "set",
+                lambda: self.pages.store(ComponentType.FULL, keys, list(values), None),
                 [False],
             )
         )
@@ -384,8 +392,9 @@ class HiCacheSidecarStorage(HiCacheStorage):
             return []
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         if any(t is None for t in targets):
-            targets = [self.mem_pool_host.get_dummy_flat_data_page() if t is None else t
-                       for t in targets]
+            targets = [
+                self.mem_pool_host.get_dummy_flat_data_page() if t is None else t for t in targets
+            ]
 
         def deliver(i: int, data: torch.Tensor) -> None:
             targets[i].view(-1).view(torch.uint8).copy_(data)
@@ -401,12 +410,11 @@ class HiCacheSidecarStorage(HiCacheStorage):
         """Drop this namespace's pages from the sidecar's host and disk tiers (through an
         admin connection: needs the sidecar's admin token, readable by its user only)."""
         from hicache.controller.client import AdminClient
-        from hicache.controller.wire.protocol import Verb
 
         try:
             admin = AdminClient(self.options["hicache_endpoint"], timeout_s=10.0)
             try:
-                admin.call(Verb.CLEAR, {"tiers": ["host", "disk"], "all_namespaces": False})
+                admin.clear(("host", "disk"), all_namespaces=False)
             finally:
                 admin.close()
             return True

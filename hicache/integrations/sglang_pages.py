@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from hicache.keys import namespace_hash
-from hicache.layout import LayerKind, ModelLayout
-from hicache.types import ComponentType, ConfigError
+from hicache import ComponentType, ConfigError, LayerKind, ModelLayout, namespace_hash
 
 # Pages move through the sidecar in 2-byte units: every dtype an SGLang pool holds (fp8
 # and uint8-stored fp8 KV included) has pages of an even number of bytes.
@@ -85,8 +83,17 @@ class SGLangNamespace:
 
 def ranks_of(storage_config: Any) -> dict[str, int]:
     """The parallel ranks of a HiCacheStorageConfig that decide which shard a page holds."""
-    names = ("tp_rank", "tp_size", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size",
-             "dp_rank", "dcp_rank", "dcp_size")
+    names = (
+        "tp_rank",
+        "tp_size",
+        "pp_rank",
+        "pp_size",
+        "attn_cp_rank",
+        "attn_cp_size",
+        "dp_rank",
+        "dcp_rank",
+        "dcp_size",
+    )
     out = {n: int(getattr(storage_config, n, 0) or 0) for n in names}
     out["is_mla_model"] = int(bool(getattr(storage_config, "is_mla_model", False)))
     return out

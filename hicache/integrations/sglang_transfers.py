@@ -188,8 +188,10 @@ class SidecarPages:
             pin = self.controller.pin(page_keys, float(self.options["hicache_load_timeout_s"]) * 2)
             if pin is None:
                 continue
-            refs = [PageRef(component, k.page_hash, k.page_hash, targets[j])
-                    for k, j in zip(page_keys, held)]
+            refs = [
+                PageRef(component, k.page_hash, k.page_hash, targets[j])
+                for k, j in zip(page_keys, held)
+            ]
             try:
                 outcome = self.controller.load(
                     refs, pin, float(self.options["hicache_load_timeout_s"])
@@ -215,8 +217,10 @@ class SidecarPages:
             self.counters["set_unavailable"] += len(keys)
             return [False] * len(keys)
         hashes, parents = self.hasher.chain(keys, prefix)
-        refs = [PageRef(ComponentType.FULL, h, p, o // self.page_size)
-                for h, p, o in zip(hashes, parents, offsets)]
+        refs = [
+            PageRef(ComponentType.FULL, h, p, o // self.page_size)
+            for h, p, o in zip(hashes, parents, offsets)
+        ]
         handle = self.controller.backup(refs)
         done = handle.wait()
         if not handle.done():
@@ -249,8 +253,10 @@ class SidecarPages:
         while not transfer.done():
             if time.monotonic() > end:
                 self.counters["unsettled_transfers"] += 1
-                log.error("hicache: a zero-copy transfer given up on has not ended after "
-                          "%.1fs; its host pages may still be touched",
-                          self.options["hicache_settle_timeout_s"])
+                log.error(
+                    "hicache: a zero-copy transfer given up on has not ended after "
+                    "%.1fs; its host pages may still be touched",
+                    self.options["hicache_settle_timeout_s"],
+                )
                 return
             time.sleep(0.01)

@@ -15,12 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hicache.controller.client.channel import SidecarUnavailable
-from hicache.controller.client.device_share import export_pools
-from hicache.controller.client.fd_pass import fd_socket_path, send_fds
+from hicache import DevicePools, LayerKind, ModelLayout, dtype_name
+from hicache.controller.client import SidecarUnavailable, export_pools, fd_socket_path, send_fds
 from hicache.integrations.sglang_pages import UNIT_BYTES
-from hicache.layout import LayerKind, ModelLayout, dtype_name
-from hicache.pools import DevicePools
 
 log = logging.getLogger("hicache.integrations.sglang")
 

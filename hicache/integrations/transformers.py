@@ -33,9 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.cache import UnifiedRadixCache
-from hicache.config import CacheConfig
-from hicache.controller_api import CacheController
+from hicache import (
+    CacheConfig,
+    CacheController,
+    ConfigError,
+    DevicePools,
+    PoolExhaustedError,
+    Request,
+    UnifiedRadixCache,
+)
 from hicache.integrations.transformers_identity import model_identity, weights_digest
 from hicache.integrations.transformers_layout import HFLayerMap, hf_layout
 from hicache.integrations.transformers_state import (
@@ -43,9 +49,6 @@ from hicache.integrations.transformers_state import (
     check_live_cache,
     observed_states,
 )
-from hicache.pools import DevicePools
-from hicache.records import Request
-from hicache.types import ConfigError, PoolExhaustedError
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hicache.apps.engine.demo_report import PhaseReport, phase_table
+from hicache.apps.engine import PhaseReport, phase_table
 from hicache.integrations.transformers import GenerationResult, PrefixCachedLM
 from hicache.integrations.transformers_models import (
     FAMILIES,
@@ -107,7 +107,7 @@ def longest_request_tokens(args: argparse.Namespace) -> int:
 
 
 def run_run_hf(args: argparse.Namespace) -> int:
-    from hicache.types import ConfigError
+    from hicache import ConfigError
 
     problem = run_hf_problem(args)
     if problem is not None:
@@ -172,9 +172,8 @@ def _serve_tiered(
     """The chat with the cache (device pools of --device-tokens over a host pool and
     LMDB), then every user's last turn again after restarting the controller on the same
     LMDB folder. Returns each request's result and prompt."""
-    from hicache.config import PrefetchPolicy
-    from hicache.controller.config import ControllerConfig
-    from hicache.controller.store.local import LocalController
+    from hicache import PrefetchPolicy
+    from hicache.controller import ControllerConfig, LocalController
 
     conversations = _workload(args, vocab)
     with tempfile.TemporaryDirectory(prefix="hicache-run-hf-") as tmp:

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
+from hicache import ConfigError, LayerKind, ModelLayout, StateTensor, parse_dtype
 from hicache.integrations.transformers_identity import model_identity
-from hicache.layout import LayerKind, ModelLayout, StateTensor, parse_dtype
-from hicache.types import ConfigError
 
 _KINDS: dict[str, tuple[LayerKind, ...]] = {
     "full_attention": (LayerKind.FULL,),

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
+from hicache import ConfigError, DevicePools
 from hicache.integrations.transformers_layout import HFLayerMap
-from hicache.pools import DevicePools
-from hicache.types import ConfigError
 
 
 class CacheCodec:

@@ -52,10 +52,10 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
+from hicache import ConfigError
 from hicache.integrations.transformers_identity import config_digest
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_pages import GroupPages, PageNamespace
-from hicache.types import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.types import ConfigError
+from hicache import ConfigError
 
 _EXTRA_PREFIX = "hicache_"
 

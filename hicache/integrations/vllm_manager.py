@@ -38,12 +38,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.controller.client.channel import SidecarClientConfig
-from hicache.controller.client.sidecar_client import SidecarController
-from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, PageKey, PinReceipt
+from hicache import P_ABSENT, P_DISK, P_HOST, ComponentType, PageKey, PinReceipt
+from hicache.controller import SidecarController
+from hicache.controller.client import SidecarClientConfig
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_pages import PageNamespace
-from hicache.types import ComponentType
 
 log = logging.getLogger(__name__)
 

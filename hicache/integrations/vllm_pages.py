@@ -23,8 +23,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache.keys import HASH_BYTES
-from hicache.layout import ModelLayout
+from hicache import HASH_BYTES, ModelLayout
 
 #: Bytes of one staged page are a multiple of this: the layout's dtype (float32) times
 #: its two halves (K, V).

@@ -10,8 +10,9 @@ import threading
 import time
 from types import SimpleNamespace
 
+from hicache.controller.sidecar.admin_verbs import Call
 from hicache.controller.sidecar.config import BackupAck
-from hicache.controller.sidecar.handlers import Call, VerbHandlers
+from hicache.controller.sidecar.handlers import VerbHandlers
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.fields import encode_refs
 from hicache.controller.wire.protocol import Request, Verb

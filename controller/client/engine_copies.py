@@ -1,0 +1,103 @@
+"""Stores and loads an engine copies itself, through the sidecar's host pages mapped
+read-write into it: the host pages the sidecar hands a store (``store_begin``), the commit
+that makes them visible (``store_commit``). The loads' side is a pin that names host pages
+(:meth:`SidecarController.pin`) and an unpin that reports the copy. A part of
+:class:`~hicache.controller.client.sidecar_client.SidecarController`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.controller.wire.protocol import Verb
+from hicache.controller.wire.verbs import StoreBeginArgs, StoreCommitArgs
+from hicache.controller_api import ControllerError, PageRef
+
+if TYPE_CHECKING:
+    from hicache.controller.client.channel import Channel, SidecarClientConfig
+    from hicache.controller.client.host_share import WritableHostPages
+
+log = logging.getLogger("hicache.sidecar.client")
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    """Host pages handed to this engine for one store: ``pages[i]`` is the page to write
+    for ``refs[i]`` of :meth:`SidecarController.begin_store` (-1: held already, -2: no
+    room), in ``host`` (the mapping of the session ``generation``)."""
+
+    store_id: int
+    pages: np.ndarray
+    generation: int
+    host: WritableHostPages
+
+
+class EngineCopies:
+    """The engine-copied stores of :class:`SidecarController` (which sets the attributes
+    below and the ``_call`` they go through)."""
+
+    endpoint: str
+    config: SidecarClientConfig
+    _channel: Channel
+    _open: bool
+    _registration: Any
+    _pages: WritableHostPages | None
+    _pages_generation: int
+
+    def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
+
+    def map_host_pages(self, device: Any) -> WritableHostPages | None:
+        """The sidecar's host pages mapped read-write here (page-locked for a GPU
+        ``device``), for an engine that copies its stores into the pages
+        :meth:`begin_store` hands it and its loads out of the pages a pin names; mapped
+        again after a reconnect. None: not shared (a TCP endpoint, or a sidecar without
+        shared pages), or no session."""
+        from hicache.controller.client.host_share import WritableHostPages
+
+        gen = self._channel.generation
+        if self._open or self._registration is None:
+            return None
+        if self._pages is None or self._pages_generation != gen:
+            layout, page_size, _ = self._registration
+            old, self._pages = self._pages, None
+            if old is not None:
+                old.close()
+            self._pages = WritableHostPages.open(self.endpoint, layout, page_size, device)
+            self._pages_generation = gen
+        return self._pages
+
+    def begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> StoreReservation | None:
+        """Host pages for ``refs`` that the engine writes itself, then commits
+        (:meth:`commit_store`); None when the sidecar is unavailable or its pages are not
+        mapped here (:meth:`map_host_pages`)."""
+        pages = self._pages
+        if pages is None or self._pages_generation != self._channel.generation or not refs:
+            return None
+        try:
+            args = StoreBeginArgs(list(refs), float(ttl_s))
+            res = self._call(Verb.STORE_BEGIN, args, self.config.request_timeout_s, True)
+        except ControllerError as exc:
+            log.debug("store_begin failed: %s", exc)
+            return None
+        return StoreReservation(
+            res.store_id,
+            np.frombuffer(res.host_pages, dtype="<i4").astype(np.int64),
+            self._pages_generation,
+            pages,
+        )
+
+    def commit_store(self, store: StoreReservation, written: bool) -> int:
+        """Publish (``written``) or give back the pages of ``store``; the pages published
+        (0 when its session, or its deadline, is gone)."""
+        if store.generation != self._channel.generation or self._open:
+            return 0
+        try:
+            args = StoreCommitArgs(store.store_id, written)
+            return self._call(Verb.STORE_COMMIT, args, self.config.request_timeout_s, True).pages
+        except ControllerError as exc:
+            log.debug("store_commit failed: %s", exc)
+            return 0
