@@ -144,31 +144,40 @@ class SegmentCopy:
 
     def to_host(self, blocks: Sequence[int], pages: Sequence[int]) -> None:
         """Copy each block's segments into its host page (waits for the copy)."""
-        self._copy(np.asarray(blocks, dtype=np.int64), np.asarray(pages, dtype=np.int64), True)
+        _wait(self.start(blocks, pages, to_host=True))
 
     def to_device(self, pages: Sequence[int], blocks: Sequence[int]) -> None:
         """Copy each host page's segments into its block (waits for the copy)."""
-        self._copy(np.asarray(blocks, dtype=np.int64), np.asarray(pages, dtype=np.int64), False)
+        _wait(self.start(blocks, pages, to_host=False))
 
-    def _copy(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        self._check(blocks, pages)
-        if not blocks.size:
-            return
+    def start(
+        self, blocks: Sequence[int], pages: Sequence[int], to_host: bool
+    ) -> torch.cuda.Event | None:
+        """Begin the copy of ``blocks[i] <-> pages[i]``: on a GPU, the event recorded after
+        it (wait on it before the bytes are used); elsewhere the copy is done on return
+        (None)."""
+        blocks_a = np.asarray(blocks, dtype=np.int64)
+        pages_a = np.asarray(pages, dtype=np.int64)
+        self._check(blocks_a, pages_a)
+        if not blocks_a.size:
+            return None
         if self._gpu is None:
-            self._copy_cpu(blocks, pages, to_host)
-            return
-        if self.device.type == "cuda":
-            # Each direction on a stream of its own, so that a store and a load overlap;
-            # after what the calling thread's stream has queued (the engine's writes).
-            stream = self._streams.get(to_host)
-            if stream is None:
-                stream = self._streams[to_host] = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._launch(blocks, pages, to_host)
-            stream.synchronize()
-        else:
-            self._launch(blocks, pages, to_host)
+            self._copy_cpu(blocks_a, pages_a, to_host)
+            return None
+        if self.device.type != "cuda":  # the kernel interpreted on CPU tensors (tests)
+            self._launch(blocks_a, pages_a, to_host)
+            return None
+        # Each direction on a stream of its own, so that a store and a load overlap;
+        # after what the calling thread's stream has queued (the engine's writes).
+        stream = self._streams.get(to_host)
+        if stream is None:
+            stream = self._streams[to_host] = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._launch(blocks_a, pages_a, to_host)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
 
     def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         g = self._gpu
@@ -224,3 +233,8 @@ class SegmentCopy:
                     host.copy_(dev.to(host.device))
                 else:
                     dev.copy_(host.to(dev.device))
+
+
+def _wait(event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()

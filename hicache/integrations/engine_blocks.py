@@ -60,13 +60,18 @@ class EngineBlocks:
         groups: Sequence[Sequence[BlockSegment]],
         device: torch.device,
         component,
+        chunk_bytes: int = 64 << 20,
     ) -> None:
+        """``chunk_bytes``: how much of a store or a load is handed out, copied and
+        committed at a time (see :meth:`store`)."""
         self.client = client
         self.groups = [list(g) for g in groups]
         self.device = device
         self.component = component
         self._host = None
         self._copies: list[SegmentCopy | None] = []
+        page_bytes = max((sum(s.nbytes for s in g) for g in self.groups), default=1)
+        self.chunk_pages = max(1, chunk_bytes // max(page_bytes, 1))
 
     def _copies_now(self) -> list[SegmentCopy | None] | None:
         """The group copies over the current session's host pages (built again after a
@@ -94,6 +99,18 @@ class EngineBlocks:
         """Whether the host pages are mapped here (else the caller takes another path)."""
         return self._copies_now() is not None
 
+    def _start(
+        self, copies: list, groups: np.ndarray, blocks: np.ndarray, pages: np.ndarray,
+        to_host: bool,
+    ) -> list:  # fmt: skip
+        """Begin the copies of one chunk, a launch per group; their events."""
+        events = []
+        for g in np.unique(groups).tolist():
+            mine = (groups == g) & (pages >= 0)
+            if mine.any():
+                events.append(copies[g].start(blocks[mine], pages[mine], to_host))
+        return events
+
     def store(
         self,
         refs: Sequence[PageRef],
@@ -103,56 +120,88 @@ class EngineBlocks:
         on_copied: Callable[[], object] | None = None,
     ) -> tuple[int, int]:
         """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
-        written, pages not stored for want of room). ``on_copied`` runs once the blocks
-        are no longer read (before the commit). Raises on a copy error (nothing of the
-        store becomes visible)."""
+        written, pages not stored: no room, or no sidecar). ``on_copied`` runs once the
+        blocks are no longer read. Raises on a copy error (nothing of it becomes visible).
+
+        In chunks of ``chunk_bytes``: a chunk's pages are handed out and its copy started
+        while the previous chunk's copy ends and is committed, so the sidecar's
+        bookkeeping runs beside the copies instead of before and after them."""
         copies = self._copies_now()
         if copies is None:
             return 0, len(refs)
-        store = self.client.begin_store(refs, ttl_s)
-        if store is None:
-            return 0, len(refs)
-        pages = store.pages
-        written = False
+        g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+        committed = not_stored = 0
+        pending: list = []  # (reservation, events) started, not yet committed
         try:
-            g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
-            for g in np.unique(g_arr).tolist():
-                mine = (g_arr == g) & (pages >= 0)
-                if mine.any():
-                    copies[g].to_host(b_arr[mine], pages[mine])
-            written = True
+            for lo in range(0, len(refs), self.chunk_pages):
+                hi = min(lo + self.chunk_pages, len(refs))
+                store = self.client.begin_store(refs[lo:hi], ttl_s)
+                if store is None:
+                    not_stored += hi - lo
+                    continue
+                not_stored += int((store.pages == -2).sum())
+                try:
+                    events = self._start(copies, g_arr[lo:hi], b_arr[lo:hi], store.pages, True)
+                except Exception:
+                    self.client.commit_store(store, False)
+                    raise
+                while pending:  # the previous chunk: its copy ends while this one runs
+                    done, done_events = pending.pop()
+                    _wait_all(done_events)
+                    committed += self.client.commit_store(done, True)
+                pending.append((store, events))
+            for done, done_events in pending:
+                _wait_all(done_events)
+                committed += self.client.commit_store(done, True)
+            pending = []
         finally:
+            for done, done_events in pending:  # a copy failed: give the rest back
+                _wait_all(done_events, quiet=True)
+                self.client.commit_store(done, False)
             if on_copied is not None:
                 on_copied()
-            committed = self.client.commit_store(store, written)
-        return committed, int((pages == -2).sum())
+        return committed, not_stored
 
     def load(
         self, hashes: Sequence[bytes], groups: Sequence[int], blocks: Sequence[int],
         pin_ttl_s: float, timeout_s: float,
     ) -> bool:  # fmt: skip
         """Copy the pages ``hashes`` into block ``blocks[i]`` of group ``groups[i]``;
-        True when every byte arrived (else the blocks are undefined: recompute them)."""
+        True when every byte arrived (else the blocks are undefined: recompute them).
+        In chunks, a chunk pinned while the previous one's copy runs."""
         copies = self._copies_now()
         if copies is None:
             return False
         keys = [PageKey(self.component, h) for h in hashes]
-        pin = self._pin_on_host(keys, pin_ttl_s, timeout_s)
-        if pin is None:
-            return False
-        t0 = time.perf_counter()
+        g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+        pending: list = []  # (pin, events, started)
+        ok = False
         try:
-            pages = np.asarray(pin.host_pages, dtype=np.int64)
-            g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
-            for g in np.unique(g_arr).tolist():
-                mine = g_arr == g
-                copies[g].to_device(pages[mine], b_arr[mine])
-        except Exception as exc:
-            log.error("load from the shared host pages failed: %s", exc)
-            self.client.unpin(pin)
-            return False
-        self.client.unpin(pin, loaded_s=time.perf_counter() - t0)
-        return True
+            for lo in range(0, len(keys), self.chunk_pages):
+                hi = min(lo + self.chunk_pages, len(keys))
+                pin = self._pin_on_host(keys[lo:hi], pin_ttl_s, timeout_s)
+                if pin is None:
+                    return False
+                t0 = time.perf_counter()
+                pages = np.asarray(pin.host_pages, dtype=np.int64)
+                try:
+                    events = self._start(copies, g_arr[lo:hi], b_arr[lo:hi], pages, False)
+                except Exception as exc:
+                    log.error("load from the shared host pages failed: %s", exc)
+                    self.client.unpin(pin)
+                    return False
+                while pending:
+                    done, done_events, started = pending.pop()
+                    _wait_all(done_events)
+                    self.client.unpin(done, loaded_s=time.perf_counter() - started)
+                pending.append((pin, events, t0))
+            ok = True
+            return True
+        finally:
+            for done, done_events, started in pending:
+                _wait_all(done_events, quiet=not ok)
+                loaded = time.perf_counter() - started if ok else None
+                self.client.unpin(done, loaded_s=loaded)
 
     def _pin_on_host(self, keys: list[PageKey], ttl_s: float, timeout_s: float):
         """A pin of ``keys`` whose pages are all on host, reading the ones that are not
@@ -176,3 +225,16 @@ class EngineBlocks:
     def _give_back(self, pin) -> None:
         self.client.unpin(pin)
         return None
+
+
+def _wait_all(events: list, quiet: bool = False) -> None:
+    """Wait for copies started; ``quiet``: one that failed is logged, not raised."""
+    for event in events:
+        if event is None:
+            continue
+        try:
+            event.synchronize()
+        except Exception as exc:
+            if not quiet:
+                raise
+            log.error("a copy to or from the shared host pages failed: %s", exc)
