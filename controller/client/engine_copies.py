@@ -90,13 +90,22 @@ class EngineCopies:
             pages,
         )
 
-    def commit_store(self, store: StoreReservation, written: bool) -> int:
+    def commit_store(self, store: StoreReservation, written: bool, wait: bool = True) -> int:
         """Publish (``written``) or give back the pages of ``store``; the pages published
-        (0 when its session, or its deadline, is gone)."""
+        (0 when its session, or its deadline, is gone). Without ``wait`` the commit is
+        sent and not waited for, and the pages handed out are returned: the sidecar
+        applies one connection's commits in order, so a later waited-for commit's answer
+        says the earlier ones are applied (one lost with its session only leaves pages
+        that expire unseen)."""
         if store.generation != self._channel.generation or self._open:
             return 0
+        args = StoreCommitArgs(store.store_id, written)
         try:
-            args = StoreCommitArgs(store.store_id, written)
+            if not wait:
+                self._channel.send(
+                    Verb.STORE_COMMIT, args, self.config.request_timeout_s, reply_wanted=False
+                )
+                return int((store.pages >= 0).sum()) if written else 0
             return self._call(Verb.STORE_COMMIT, args, self.config.request_timeout_s, True).pages
         except ControllerError as exc:
             log.debug("store_commit failed: %s", exc)

@@ -148,9 +148,9 @@ class EngineBlocks:
                 while pending:  # the previous chunk: its copy ends while this one runs
                     done, done_events = pending.pop()
                     _wait_all(done_events)
-                    committed += self.client.commit_store(done, True)
+                    committed += self.client.commit_store(done, True, wait=False)
                 pending.append((store, events))
-            for done, done_events in pending:
+            for done, done_events in pending:  # the last: its answer covers the others
                 _wait_all(done_events)
                 committed += self.client.commit_store(done, True)
             pending = []

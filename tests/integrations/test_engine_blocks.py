@@ -49,7 +49,9 @@ def sidecar():
         yield s
 
 
-def _engine(sidecar: Sidecar, seed: int) -> tuple[EngineBlocks, list[torch.Tensor]]:
+def _engine(
+    sidecar: Sidecar, seed: int, chunk_pages: int = 64
+) -> tuple[EngineBlocks, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     # Two layers, each its own allocation of byte rows (as vLLM's per-layer tensors are);
     # a layer's block row holds its K then V part.
@@ -65,7 +67,8 @@ def _engine(sidecar: Sidecar, seed: int) -> tuple[EngineBlocks, list[torch.Tenso
     ]
     client = SidecarController(sidecar.endpoint, engine_id=f"blocks-{seed}")
     client.attach(_layout(), 1)
-    return EngineBlocks(client, [segments], torch.device("cpu"), FULL), layers
+    engine = EngineBlocks(client, [segments], torch.device("cpu"), FULL, 2 * HALF * chunk_pages)
+    return engine, layers
 
 
 def sidecar_flushed(admin) -> bool:
@@ -78,9 +81,10 @@ def _refs(ids: list[int]) -> list[PageRef]:
     return [PageRef(FULL, _hash(i), _hash(i - 1) if i else b"\0" * 16, 0) for i in ids]
 
 
-def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar):
-    writer, src = _engine(sidecar, 1)
-    reader, dst = _engine(sidecar, 2)
+@pytest.mark.parametrize("chunk_pages", [64, 3], ids=["one-chunk", "chunks-of-3"])
+def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar, chunk_pages):
+    writer, src = _engine(sidecar, 1, chunk_pages)
+    reader, dst = _engine(sidecar, 2, chunk_pages)
     try:
         assert writer.available and reader.available
         ids = list(range(10))
