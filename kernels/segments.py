@@ -32,6 +32,10 @@ from hicache.kernels.cpu_rows import merge_runs, move_runs
 from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
+# A run of at least this many consecutive blocks to consecutive pages is copied as one
+# strided copy per segment on a CPU, rather than one memmove per segment and block.
+MIN_STRIDED_RUN = 4
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -211,6 +215,29 @@ class SegmentCopy:
         )
 
     def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
+        """Runs of consecutive blocks going to consecutive pages move as one strided
+        ``copy_`` per segment (torch spreads its rows over threads); what is left of
+        scattered blocks as one ``memmove`` per run of contiguous bytes."""
+        breaks = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(pages) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [blocks.size]))
+        long_runs = (ends - starts) >= MIN_STRIDED_RUN
+        if long_runs.any():
+            p0 = self.payload_offset
+            for a, b in zip(starts[long_runs].tolist(), ends[long_runs].tolist()):
+                b0, h0, n = int(blocks[a]), int(pages[a]), b - a
+                for s in self.segments:
+                    dev = s.tensor[b0 : b0 + n, s.src_offset : s.src_offset + s.nbytes]
+                    col = p0 + s.dst_offset
+                    host = self.pages[h0 : h0 + n, col : col + s.nbytes]
+                    (host.copy_(dev) if to_host else dev.copy_(host))
+            rest = np.concatenate(
+                [np.arange(a, b) for a, b in zip(starts[~long_runs], ends[~long_runs])]
+                or [np.empty(0, dtype=np.int64)]
+            )
+            blocks, pages = blocks[rest], pages[rest]
+            if not blocks.size:
+                return
         host = self.pages.data_ptr() + pages * self.pages.stride(0) + self.payload_offset
         dev_addr, host_addr, nbytes = [], [], []
         for s in self.segments:

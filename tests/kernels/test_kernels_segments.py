@@ -81,3 +81,25 @@ def test_a_segment_that_does_not_fit_is_refused():
         SegmentCopy([Segment(a, 32, 64, 0)], torch.zeros(2, 256, dtype=torch.uint8))
     with pytest.raises(ValueError, match="outside the host page"):
         SegmentCopy([Segment(a, 0, 64, 200)], torch.zeros(2, 256, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "cpu-runs"])
+def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(use_kernel):
+    """Consecutive blocks to consecutive pages (one strided copy per segment on a CPU)
+    beside scattered ones (memmove runs): the reference's bytes both ways."""
+    tensors = _engine(3, blocks=24)
+    segs = _segments(tensors, unaligned=True)
+    blocks, pages = [*range(2, 10), 20, 15, *range(11, 16)], [*range(4, 12), 0, 22, *range(16, 21)]
+    got = torch.zeros(24, 512, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    SegmentCopy(segs, got, PAYLOAD, use_kernel=use_kernel).to_host(blocks, pages)
+    SegmentCopy(segs, want, PAYLOAD).reference(blocks, pages, True)
+    assert torch.equal(got, want)
+    before = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    SegmentCopy(segs, got, PAYLOAD, use_kernel=use_kernel).to_device(pages, blocks)
+    for seg in segs:
+        i = next(n for n, t in enumerate(tensors) if t is seg.tensor)
+        cols = slice(seg.src_offset, seg.src_offset + seg.nbytes)
+        assert torch.equal(seg.tensor[blocks, cols], before[i][blocks, cols])
