@@ -193,7 +193,7 @@ class ControllerTransfers:
         host_bytes = (repeats + 2) * n * self.page_bytes
         self.ctl = LocalController(ControllerConfig(host_pool_bytes=host_bytes))
         self.ctl.register(layout, PAGE_SIZE, self.pools)
-        self.ctl.store.host.kv(ComponentType.FULL).zero_()
+        self.ctl.store.host_view(ComponentType.FULL).zero_()
         self.src = self.pools.alloc_kv_pages(n)
         self.dst = self.pools.alloc_kv_pages(n)
         self.round = 0

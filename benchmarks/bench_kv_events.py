@@ -85,7 +85,6 @@ def main() -> None:
         lambda: PAGE,
     )
     ctx = zmq.Context()
-    index = ctl.store.index
 
     stop = threading.Event()
 
@@ -107,8 +106,7 @@ def main() -> None:
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.setsockopt(zmq.RCVHWM, 10)
                 sub.connect(publisher.endpoint)
-            with ctl.store.lock:
-                index.events = None if setup == "off" else publisher
+            ctl.store.listen(None if setup == "off" else publisher, tell_present=False)
             end = time.monotonic() + args.seconds
             while time.monotonic() < end:
                 t0 = clock()
@@ -118,8 +116,7 @@ def main() -> None:
                 sub.close(linger=0)
     stop.set()
     churner.join(30)
-    with ctl.store.lock:
-        index.events = None
+    ctl.store.listen(None)
     publisher.close()
     ctx.destroy(linger=0)
     ctl.close()

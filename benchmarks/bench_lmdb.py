@@ -186,7 +186,7 @@ def bench_load_back(
         )
     )
     ctl.register(layout, page_size, pools)
-    ctl.store.host.kv(ComponentType.FULL).zero_()
+    ctl.store.host_view(ComponentType.FULL).zero_()
     if gc_freeze:  # as the sidecar does once its index is built
         gc.collect()
         gc.freeze()
@@ -210,8 +210,8 @@ def bench_load_back(
         assert ctl.load(load_refs, pin, 60)
         best_load = min(best_load, time.perf_counter() - t0)
     # The copy kernel alone, with the same pages: what the controller adds is the rest.
-    host_kv = ctl.store.host.kv(ComponentType.FULL)
-    host_idx = torch.as_tensor([ctl.store.index.get(r.page_hash + b"\0").host_page for r in refs])
+    host_kv = ctl.store.host_view(ComponentType.FULL)
+    host_idx = torch.as_tensor(ctl.store.host_pages([r.key for r in refs]))
     dev_idx = torch.as_tensor([int(d) for d in dst])
     src_idx = torch.as_tensor([int(d) for d in src])
     best_kernel = best_kernel_out = float("inf")
@@ -294,7 +294,7 @@ def bench_restart(pages: int, root: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     ctl = controller()
     open_s = time.perf_counter() - t0
-    found = len(ctl.store.index)
+    found = ctl.store.indexed_pages()
     ctl.close()
     env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=False)
     t0 = time.perf_counter()

@@ -1,9 +1,10 @@
 """Remote tier throughput and lookup latency, against the raw client in the same run.
 
-* put: pages leave host through the remote tier's writer (copy out of the host page,
-  header and checksum, the two-field split, an existence check, pipelined writes per
-  master) against redis-py's own cluster pipeline writing the same bytes, already split,
-  as ``HSET`` commands (the raw client, no check, no copy);
+* put: pages leave host through the remote tier's writer as the host tier evicts them
+  (``on_host_eviction``: the copy out of the host page, header and checksum, the
+  two-field split, an existence check, pipelined writes per master) against redis-py's
+  own cluster pipeline writing the same bytes, already split, as ``HSET`` commands (the
+  raw client, no check, no copy);
 * get: pages read into host pages through the tier's fills (pipelined reads per master,
   the codec's checks, the copy into the host page, the index) against the raw cluster
   pipeline's ``HMGET`` of the same keys;
@@ -43,6 +44,7 @@ from hicache.controller.store.page_codec import encode_value
 from hicache.controller.tiers.remote_cluster import parse_remote_url
 from hicache.controller.tiers.remote_store import FIELD_BODY, FIELD_HEAD, remote_key, split_value
 from hicache.controller_api import P_REMOTE, PageKey, PageRef
+from hicache.types import Tier
 
 HEAD_DIM = 128
 KV_HEADS = 8
@@ -90,7 +92,6 @@ def run(url: str, pages: int, page_kib: int, rounds: int) -> dict[str, float]:
     writer.register(layout, page_size, pools)
     reader = _node(url, layout, page_size, pages)
     reader.register(layout, page_size, pools, engine_id="reader")
-    tier = writer.store.remote
     for r in range(rounds + 1):
         if r == 1:
             out = {k: [] for k in out}
@@ -101,19 +102,16 @@ def run(url: str, pages: int, page_kib: int, rounds: int) -> dict[str, float]:
         refs = [PageRef(ComponentType.FULL, h, p, i) for i, (h, p) in
                 enumerate(zip(hashes, parents, strict=True))]  # fmt: skip
         assert writer.backup(refs).wait(60)
-        entries = [writer.store.index.get(r.key.storage_key()) for r in refs]
         # The raw client: the same bytes (already framed and split) under other keys.
         frames = [split_value(encode_value(ComponentType.FULL, bytes(16), p, bytes(page_bytes)))
                   for p in parents]  # fmt: skip
         raw_keys = [b"raw" + remote_key("hicache", h, ComponentType.FULL) for h in hashes]
 
-        def tier_put(entries: list = entries) -> float:
-            writer.config.remote_write_policy = RemoteWritePolicy.WRITE_THROUGH
+        def tier_put() -> float:
+            writer.config.remote_write_policy = RemoteWritePolicy.ON_HOST_EVICTION
             t0 = time.perf_counter()
-            with writer.store.lock:
-                for e in entries:
-                    tier.on_backup_locked(e)
-            assert tier.flush(120)
+            assert writer.store.evict(Tier.HOST, 1 << 62)["pages"] == pages
+            assert writer.flush(120)
             return time.perf_counter() - t0
 
         def raw_put(raw_keys: list = raw_keys, frames: list = frames) -> float:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hicache import __version__
+from hicache.controller.admin import ops as admin_ops
 from hicache.controller.sidecar.remote_status import remote_status
 from hicache.controller.sidecar.sessions import Connection, Sessions
 from hicache.controller.wire.fields import bad_args, split_hashes
@@ -80,14 +81,14 @@ class AdminVerbs:
 
     def metrics_snapshot(self) -> dict[str, Any]:
         out = self.ctl.stats()
-        out["residency"] = self.ctl.residency()
+        out["residency"] = self.ctl.store.residency()
         served = self.sessions.served
         out["page_size"] = served.page_size if served is not None else 0
         return out
 
     def health(self, call: Call, a: NoArgs) -> dict[str, Any]:
         checks = {"serving": not self.sessions.stopping}
-        if self.ctl.store.disk is not None:
+        if Tier.DISK in self.ctl.store.tiers():
             # The writer thread is the disk tier's only way in: without it nothing lands.
             checks["disk_writer"] = any(
                 t.name == "hicache-lmdb-writer" and t.is_alive() for t in threading.enumerate()
@@ -150,16 +151,15 @@ class AdminVerbs:
         return served.fingerprint if served is not None else None
 
     def clear(self, call: Call, a: ClearArgs) -> ClearReply:
-        res = self.ctl.clear(
-            self._fingerprint(), [_TIERS[t] for t in a.tiers], a.namespace, a.all_namespaces
-        )
+        tiers = [_TIERS[t] for t in a.tiers]
+        res = admin_ops.clear(self.ctl, self._fingerprint(), tiers, a.namespace, a.all_namespaces)
         scope = "*" if a.all_namespaces else repr(a.namespace)
         log.info(f"admin clear {a.tiers} namespace={scope}: {res}")
         return ClearReply(res.host_pages, res.disk_pages, res.kept_pages)
 
     def evict(self, call: Call, a: EvictArgs) -> EvictReply:
         comp = _COMPONENTS[a.component] if a.component else None
-        freed = self.ctl.evict(_TIERS[a.tier], a.bytes, comp)
+        freed = admin_ops.evict(self.ctl, _TIERS[a.tier], a.bytes, comp)
         return EvictReply(freed["pages"], freed["bytes"])
 
     def pin_prefix(self, call: Call, a: PinPrefixArgs) -> PinPrefixReply:
@@ -170,8 +170,10 @@ class AdminVerbs:
                 "no layout yet: a prefix can be named once an engine has connected (or with "
                 "[layout] in the sidecar's config)",
             )
-        keys = self.ctl.prefix_keys(served.fingerprint, served.page_size, a.tokens, a.namespace)
-        receipt = self.ctl.pin_prefix(keys, a.ttl_s)
+        keys = admin_ops.prefix_keys(
+            self.ctl, served.fingerprint, served.page_size, a.tokens, a.namespace
+        )
+        receipt = admin_ops.pin_prefix(self.ctl, keys, a.ttl_s)
         if receipt is None:
             return PinPrefixReply(None, 0, 0)
         pages = sum(1 for k in keys if k.component is ComponentType.FULL)
@@ -197,7 +199,7 @@ class AdminVerbs:
             hashes = page_hashes(a.tokens, served.fingerprint, served.page_size, a.namespace)
         else:
             hashes = split_hashes(a.hashes)
-        rows = self.ctl.presence(hashes, components)
+        rows = self.ctl.store.presence(hashes, components)
         window = window_pages(a.sliding_window, served.page_size)
         resumable, kv_pages = {}, {}
         for tier in (Tier.HOST, Tier.DISK, Tier.REMOTE):
@@ -212,10 +214,10 @@ class AdminVerbs:
         return ScoreReply(served.page_size, len(hashes), resumable, kv_pages)
 
     def unpin_prefix(self, call: Call, a: PinIdArgs) -> Empty:
-        self.ctl.unpin_prefix(a.pin_id)
+        admin_ops.unpin(self.ctl, a.pin_id)
         return Empty()
 
     def fsck(self, call: Call, a: FsckArgs) -> FsckReply:
-        res = self.ctl.fsck(repair=a.repair, progress=call.progress)
+        res = admin_ops.fsck(self.ctl, repair=a.repair, progress=call.progress)
         log.info(f"admin fsck: {res.to_dict()}")
         return FsckReply(**res.to_dict())

@@ -216,7 +216,7 @@ class VerbHandlers(AdminVerbs):
         if receipt is None:
             return PinReply(None)
         ttl = receipt.deadline - time.monotonic()
-        pages = self.ctl.pinned_host_pages(receipt, a.keys) if a.host_pages else None
+        pages = self.ctl.store.pinned_host_pages(receipt.pin_id, a.keys) if a.host_pages else None
         return PinReply(receipt.pin_id, ttl, None if pages is None else pages.tobytes())
 
     def unpin(self, call: Call, a: UnpinArgs) -> Empty:
@@ -240,7 +240,7 @@ class VerbHandlers(AdminVerbs):
 
     def stats(self, call: Call, a: NoArgs) -> dict[str, Any]:
         out = self.ctl.stats(engine_id=call.conn.engine_id)
-        out["residency"] = self.ctl.residency()
+        out["residency"] = self.ctl.store.residency()
         out["sidecar"] = self.sessions.summary()
         return out
 

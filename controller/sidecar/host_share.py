@@ -18,17 +18,15 @@ def describe(ctl: LocalController) -> tuple[bytes, list[int]] | None:
     """The sidecar's host pages for an engine to map: a msgpack description and one
     descriptor per component (the sender keeps its own); None when they are not shared
     or not built yet."""
-    store = ctl.store
-    host = store.host
-    if host is None or any(p.shared is None for p in host.components.values()):
+    shared = ctl.store.shared_host_pages()
+    if shared is None:
         return None
-    comps = list(host.components.items())
     header = {
         "version": SHARE_VERSION,
-        "fingerprint": host.layout.fingerprint(host.page_size),
+        "fingerprint": shared.fingerprint,
         "components": [
-            {"component": c.name.lower(), "pages": p.num_pages, "row_bytes": p.row_bytes}
-            for c, p in comps
+            {"component": c.component.name.lower(), "pages": c.pages, "row_bytes": c.row_bytes}
+            for c in shared.components
         ],
     }
-    return msgpack.packb(header), [p.shared.fd for _, p in comps]
+    return msgpack.packb(header), [c.fd for c in shared.components]

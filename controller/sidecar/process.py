@@ -316,20 +316,13 @@ def _start_kv_events(server: Any, config: SidecarConfig) -> Any:
     """Start the KV event publisher, tell it what the tiers hold now (the disk rebuilt at
     start), and make it the store's listener and a source of metrics."""
     from hicache.controller.sidecar.kv_events import KvEventPublisher
-    from hicache.controller.store.page_index import DiskState, HostState
-    from hicache.types import Tier
 
     def page_size() -> int:
         served = server.sessions.served
         return served.page_size if served is not None else 0
 
     publisher = KvEventPublisher(config, page_size)
-    store = server.controller.store
-    with store.lock:
-        entries = list(store.index)
-        publisher.stored(Tier.DISK, [e for e in entries if e.disk_state is DiskState.READY])
-        publisher.stored(Tier.HOST, [e for e in entries if e.host_state is HostState.READY])
-        store.index.events = publisher
+    server.controller.store.listen(publisher)
     server.metrics.registry.register(publisher.collector())
     log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
     return publisher

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hicache.controller.tiers.remote_health import BreakerState
+from hicache.types import Tier
 
 
 def remote_families(s: dict[str, Any]) -> Iterator[Any]:
@@ -83,10 +84,9 @@ def remote_families(s: dict[str, Any]) -> Iterator[Any]:
 def remote_status(controller: Any) -> dict[str, Any]:
     """The remote tier's state and the cluster's health, for ``hicachectl status``:
     ``{"enabled": False}`` without one. Asks every master (within the read deadline)."""
-    tier = controller.store.remote
-    if tier is None:
-        return {"enabled": False}
-    return tier.health(controller.config.remote_read_timeout_s)
+    timeout_s = controller.config.remote_read_timeout_s
+    health = controller.store.tier_health(Tier.REMOTE, timeout_s)
+    return {"enabled": False} if health is None else health
 
 
 def print_remote_status(remote: dict[str, Any]) -> None:

@@ -219,7 +219,7 @@ class SidecarServer:
             return  # a server inside another program leaves its collector alone
         gc.collect(1)  # young garbage first, so that little of it is kept for good
         gc.freeze()
-        self.frozen_at_entries = len(self.controller.store.index)
+        self.frozen_at_entries = self.controller.store.indexed_pages()
         log.info("%d long-lived objects left out of garbage collection", gc.get_freeze_count())
 
     def _refreeze_if_grown(self) -> None:
@@ -228,7 +228,7 @@ class SidecarServer:
         otherwise be back to collections that scan most of its index."""
         if self.frozen_at_entries < 0:
             return
-        n = len(self.controller.store.index)
+        n = self.controller.store.indexed_pages()
         if n - self.frozen_at_entries >= max(_REFREEZE_MIN_ENTRIES, self.frozen_at_entries // 2):
             self.freeze_long_lived()
 

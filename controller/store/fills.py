@@ -12,13 +12,14 @@ writer) by whichever caller next polls: any controller call, or a wait on a hand
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
 from hicache.controller.store.page_index import HostState, PageEntry
-from hicache.controller.store.page_store import PageStore
 from hicache.controller_api import PageRef
 
 _POLL_MIN_S = 50e-6
@@ -50,53 +51,18 @@ class QueuedBackup:
 
 
 class FillTracker:
-    """Queued CUDA backups of one store, and waits on fills."""
+    """Queued CUDA backups of one page store, and waits on fills. The store owns it and
+    hands it the store's lock, and how to publish a backup whose copies ended."""
 
-    def __init__(self, store: PageStore) -> None:
-        self._store = store
+    def __init__(
+        self, lock: threading.RLock, publish_locked: Callable[[QueuedBackup], None]
+    ) -> None:
+        self._lock = lock
+        self._publish_locked = publish_locked
         self._queued: list[QueuedBackup] = []
 
     def __len__(self) -> int:
         return len(self._queued)
-
-    def begin_locked(self, e: PageEntry, page: int, fill: Future) -> None:
-        """``e`` gets host page ``page``, filling, held until published or aborted.
-
-        ``fill`` is the future of the backup's part: every page of one part is published
-        or aborted at once, so they share it (one future per page cost more than the rest
-        of a page's bookkeeping)."""
-        self._store.index.set_host(e, page, ready=False)
-        self._store.index.acquire(e)
-        e.fill = fill
-
-    def abort_locked(self, plan: list[tuple[PageEntry, PageRef]], fill: Future) -> None:
-        """The copy into the host pages of ``plan`` failed: give the pages back."""
-        store = self._store
-        for e, _ in plan:
-            e.fill = None
-            store.host[e.component].free(store.index.clear_host(e))
-            store.index.release(e)
-            store.index.discard_if_unused(e)
-        fill.set_result(False)
-
-    def publish_locked(self, backup: QueuedBackup) -> None:
-        """A backup's bytes are on host: mark its pages ready and queue them to disk."""
-        store = self._store
-        backup.published = True
-        backup.source = None  # the copy has ended: the engine's memory may go
-        nbytes = 0
-        for e, _ in backup.plan:
-            store.index.mark_host_ready(e)
-            store.index.release(e)
-            e.fill = None
-            store.write_through_locked(e)
-            if store.remote is not None:
-                store.remote.on_backup_locked(e)
-            nbytes += store.host[e.component].page_bytes
-        backup.fill.set_result(True)
-        n = len(backup.plan)
-        store.counters.add(n, "backup", "stored_pages")
-        store.counters.transfer("device_to_host", n, nbytes, time.perf_counter() - backup.t0)
 
     def queue_locked(self, backup: QueuedBackup) -> None:
         self._queued.append(backup)
@@ -105,7 +71,7 @@ class FillTracker:
         """Publish queued backups whose copies finished (all of them when ``block``)."""
         if not self._queued:
             return
-        with self._store.lock:
+        with self._lock:
             queued = list(self._queued)
         for b in queued:
             if block:
@@ -113,9 +79,9 @@ class FillTracker:
                     ev.synchronize()
             elif not all(ev.query() for ev in b.events):
                 continue
-            with self._store.lock:
+            with self._lock:
                 if not b.published:
-                    self.publish_locked(b)
+                    self._publish_locked(b)
                     self._queued.remove(b)
 
     def wait(self, fills: list[Future], deadline: float | None) -> bool | None:

@@ -27,6 +27,7 @@ import mmap
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -290,6 +291,25 @@ def host_page_counts(
     return counts
 
 
+@dataclass(frozen=True)
+class SharedComponent:
+    """One component's shared host pages: ``pages`` rows of ``row_bytes`` in memfd ``fd``."""
+
+    component: ComponentType
+    pages: int
+    row_bytes: int
+    fd: int
+
+
+@dataclass(frozen=True)
+class SharedHostPages:
+    """A host pool's pages as engines may map them (``host_shared``): the layout's
+    fingerprint (with the page size) and one memfd per component."""
+
+    fingerprint: bytes
+    components: list[SharedComponent]
+
+
 class HostPool:
     """Host pages of every component of one layout."""
 
@@ -340,6 +360,21 @@ class HostPool:
     def ssm(self) -> torch.Tensor:
         """``[pages, mamba_layers, *ssm_state_shape]`` (strided into the page bytes)."""
         return self[ComponentType.MAMBA].ssm_view
+
+    @property
+    def shared(self) -> bool:
+        """Whether every component's pages are in a memfd that engines may map."""
+        return all(p.shared is not None for p in self.components.values())
+
+    def shared_pages(self) -> SharedHostPages | None:
+        """The pool's memfds, for engines to map; None unless every component is shared."""
+        if not self.shared:
+            return None
+        comps = list(self.components.items())
+        return SharedHostPages(
+            self.layout.fingerprint(self.page_size),
+            [SharedComponent(c, p.num_pages, p.row_bytes, p.shared.fd) for c, p in comps],
+        )
 
     # -- residency -----------------------------------------------------------------------
 

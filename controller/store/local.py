@@ -1,13 +1,20 @@
 """``LocalController``: the host and disk tiers in-process, for one layout, many engines.
 
+It is the in-process implementation of :class:`hicache.controller_api.CacheController`
+over a :class:`PageStore`: it keeps the engines' device buffers, checks what they ask,
+and carries it out with the store's operations and the device copies of
+:class:`~hicache.controller.store.page_copies.PageCopies`. What is not an engine's (admin
+verbs, a router's score, the sidecar's reports) goes to the store itself
+(:attr:`LocalController.store`).
+
 Threading model
 ---------------
 * **Callers** (engine threads, or the sidecar's request handlers) run every public
-  method. Index work happens under one lock (the :class:`PageStore`'s), held only for
+  method. Index work happens under one lock, the :class:`PageStore`'s, held only for
   index and pool bookkeeping, never across a copy or an LMDB call. Device ↔ host copies
   run in the caller's thread (CPU) or on the transfer engine's CUDA streams.
 * **The LMDB writer thread** commits queued pages in batches; it calls back into the
-  controller (under the lock) to choose disk victims and to record what it committed.
+  store (under the lock) to choose disk victims and to record what it committed.
 * **The reader pool** copies disk pages into host pages and publishes them (under the
   lock); a load or prefetch waits on their futures without holding the lock.
 
@@ -35,25 +42,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.controller.admin import ops as admin_ops
 from hicache.controller.config import BackupAck, ControllerConfig
+from hicache.controller.store.copy_ops import ClaimState
 from hicache.controller.store.counters import Counters, Failure, component_label
-from hicache.controller.store.engine_stores import EngineStores
 from hicache.controller.store.faults import FaultPlan
-from hicache.controller.store.fills import FillTracker
 from hicache.controller.store.page_copies import DeviceLoad, PageCopies
-from hicache.controller.store.page_index import DiskState, HostState
 from hicache.controller.store.page_store import PageStore
 from hicache.controller.store.session import EngineSession
 from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
-from hicache.controller.tiers.remote_store import RemoteStore
-from hicache.controller.tiers.remote_tier import open_remote
 from hicache.controller.wire.security import check_private_dir
 from hicache.controller_api import (
     P_ABSENT,
@@ -70,14 +72,11 @@ from hicache.controller_api import (
 from hicache.types import ComponentType, LayoutMismatchError, Tier
 
 if TYPE_CHECKING:
+    from hicache.controller.tiers.remote_store import RemoteStore
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
 log = logging.getLogger(__name__)
-
-# How long a clear waits for queued backups and disk writes to commit before it drops
-# what it may: a write still queued after this is kept (in flight), never lost or torn.
-CLEAR_FLUSH_TIMEOUT_S = 30.0
 
 DEFAULT_ENGINE = "local"
 
@@ -87,7 +86,7 @@ class ControllerLayoutMismatch(ControllerError, LayoutMismatchError):
 
 
 class LocalController:
-    """Host pool + LMDB tier + page index + transfers, behind the CacheController methods."""
+    """The CacheController methods, per engine, over one page store and its copies."""
 
     def __init__(
         self,
@@ -104,16 +103,14 @@ class LocalController:
         self._remote_store = remote_store
         self.counters = Counters()
         self._store = PageStore(self.config, self.counters)
+        # The engines' buffers, the layout served and the closed flag; the store has its
+        # own lock, never taken while this one is held but to open the tiers.
+        self._lock = threading.Lock()
         self._engines: dict[str, EngineBuffers] = {}
-        self._fills = FillTracker(self._store)
         self._layout: ModelLayout | None = None
         self._fingerprint: bytes | None = None
         self._copies: PageCopies | None = None
-        self._engine_stores: EngineStores | None = None
         self._closed = False
-        # Held while the tiers are opened, and by an fsck of the disk tier before they are
-        # (LMDB allows one environment per file per process).
-        self.opening_lock = threading.Lock()
         if layout is not None:
             if page_size is None:
                 raise ControllerError("give page_size together with layout")
@@ -129,9 +126,8 @@ class LocalController:
     def _ensure_layout(self, layout: ModelLayout, page_size: int) -> None:
         fp = layout.fingerprint(page_size)
         # Held throughout: a second register waits until the tiers (and the index rebuilt
-        # from LMDB) are complete; the opening lock first, so that an fsck of the
-        # unopened disk tier (which holds it) ends before the tier is opened here.
-        with self.opening_lock, self._store.lock:
+        # from LMDB) are complete.
+        with self._lock:
             if self._fingerprint is not None:
                 if fp != self._fingerprint:
                     raise ControllerLayoutMismatch(
@@ -140,15 +136,9 @@ class LocalController:
                         f"({self._fingerprint.hex()}); run one controller per layout"
                     )
                 return
-            self._store.open_locked(layout, page_size, fp)
-            self._store.remote = open_remote(
-                self.config, self._store, fp, self.counters, self._remote_store
-            )
-            transfer = TransferEngine(self._store.host)
-            self._copies = PageCopies(
-                self._store, self._fills, transfer, self.counters, self.config
-            )
-            self._engine_stores = EngineStores(self._store, self._fills, self.counters)
+            host = self._store.open(layout, page_size, fp, self._remote_store)
+            transfer = TransferEngine(host)
+            self._copies = PageCopies(self._store, transfer, self.counters, self.config)
             self._layout, self._fingerprint = layout, fp
 
     @property
@@ -185,19 +175,18 @@ class LocalController:
         if buffers.page_size != page_size:
             raise ControllerError(f"buffers have page_size {buffers.page_size}, not {page_size}")
         self._ensure_layout(layout, page_size)
-        with self._store.lock:
+        with self._lock:
             self._engines[engine_id] = buffers
 
     def unregister(self, engine_id: str) -> None:
-        """Forget an engine: release its pins. Its queued backups finish on their own
-        (each holds the engine's buffers until published), so this never waits on a GPU
-        stream: the sidecar calls it on its I/O thread, which serves every engine."""
-        self._fills.reap(block=False)
-        with self._store.lock:
+        """Forget an engine: release its pins and the host pages handed to it for its own
+        stores. Its queued backups finish on their own (each holds the engine's buffers
+        until published), so this never waits on a GPU stream: the sidecar calls it on
+        its I/O thread, which serves every engine."""
+        self._store.reap_backups(block=False)
+        with self._lock:
             self._engines.pop(engine_id, None)
-            n = self._store.pins.release_engine(engine_id)
-            if self._engine_stores is not None:
-                self._engine_stores.abort_engine_locked(engine_id)
+        n = self._store.release_engine(engine_id)
         if n:
             self.counters.add(n, "pins", "released_with_engine")
 
@@ -208,8 +197,8 @@ class LocalController:
 
     @property
     def store(self) -> PageStore:
-        """The index, pins and tiers behind this controller, for admin verbs (fsck, evict,
-        clear) that work on them directly under ``store.lock``."""
+        """The page store behind this controller: what is not an engine's (admin verbs, a
+        router's score, the sidecar's reports) uses its operations."""
         return self._store
 
     def session(self, engine_id: str) -> EngineSession:
@@ -218,7 +207,7 @@ class LocalController:
 
     @property
     def engines(self) -> list[str]:
-        with self._store.lock:
+        with self._lock:
             return sorted(self._engines)
 
     # -- helpers -------------------------------------------------------------------------
@@ -243,32 +232,16 @@ class LocalController:
         components: Sequence[ComponentType],
         engine_id: str = DEFAULT_ENGINE,
     ) -> LookupResult:
-        """Presence per component of each page of the chain; only the index is read."""
+        """Presence per component of each page of the chain; only the index (and a remote
+        tier's probe) is read."""
         self._check_open()
-        rows: dict[ComponentType, list[int]] = {}
-        with self._store.lock:
-            for comp in components:
-                rows[comp] = self._store.index.presence(page_hashes, comp)
-        if self._store.remote is not None:  # outside the lock: it waits on the network
-            self._store.remote.probe(page_hashes, rows)
+        rows = self._store.presence(page_hashes, components)
         for comp, row in rows.items():
             label = component_label(comp)
             self.counters.add(row.count(P_HOST), "lookup", "host", label)
             self.counters.add(row.count(P_DISK), "lookup", "disk", label)
             self.counters.add(row.count(P_ABSENT), "lookup", "miss", label)
         return LookupResult({c: np.array(row, dtype=np.int8) for c, row in rows.items()})
-
-    def presence(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
-    ) -> dict[ComponentType, list[int]]:
-        """What :meth:`lookup` answers, without counting it as a lookup (a router's
-        ``score`` is not an engine's lookup)."""
-        self._check_open()
-        with self._store.lock:
-            rows = {c: self._store.index.presence(page_hashes, c) for c in components}
-        if self._store.remote is not None:  # outside the lock: it waits on the network
-            self._store.remote.probe(page_hashes, rows)
-        return rows
 
     def backup(
         self,
@@ -296,18 +269,16 @@ class LocalController:
         until :meth:`commit_store`; ``ttl_s`` (default ``pin_ttl_default_s``, at most
         ``pin_ttl_max_s``) bounds how long they are the engine's."""
         self._check_open()
-        if self._engine_stores is None:
-            raise ControllerError("register a layout before storing")
         ttl = min(ttl_s or self.config.pin_ttl_default_s, self.config.pin_ttl_max_s)
-        self._fills.reap(block=False)
-        return self._engine_stores.begin(refs, engine_id, ttl)
+        self._store.reap_backups(block=False)
+        return self._store.begin_store(refs, engine_id, ttl)
 
     def commit_store(self, store_id: int, written: bool, engine_id: str = DEFAULT_ENGINE) -> int:
         """Publish the pages of store ``store_id`` (the engine wrote them: ``written``) or
         give them back; the pages published (0 for a store past its deadline)."""
-        if self._engine_stores is None:
+        if not self.opened:
             return 0
-        return self._engine_stores.commit(store_id, engine_id, written)
+        return self._store.commit_store(store_id, engine_id, written)
 
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
@@ -325,7 +296,7 @@ class LocalController:
         if not ttl > 0:
             raise ControllerError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         ttl = min(ttl, self.config.pin_ttl_max_s)
-        rec = self._store.pin_keys(keys, engine_id, ttl)
+        rec = self._store.pin(keys, engine_id, ttl)
         if isinstance(rec, Failure):
             self.counters.fail(rec)
             return None
@@ -337,27 +308,15 @@ class LocalController:
     ) -> None:
         """Release a pin; harmless when released already or expired. ``loaded_s``: the
         engine copied the pinned pages itself from shared host pages, in that long."""
-        with self._store.lock:
-            rec = self._store.pins.get(pin.pin_id)
-            if rec is not None and rec.engine_id != engine_id:
-                raise ControllerError(f"pin {pin.pin_id} belongs to engine {rec.engine_id!r}")
-            if rec is not None and loaded_s is not None:
-                self._copies.served_directly_locked(rec.entries, loaded_s)
-            self._store.pins.release(pin.pin_id)
-
-    def pinned_host_pages(self, pin: PinReceipt, keys: Sequence[PageKey]) -> np.ndarray | None:
-        """The host page of each of ``keys`` under ``pin`` (-1: not ready on host), for an
-        engine that copies from shared host pages; None when they are not shared."""
-        return self._copies.pinned_host_pages(pin.pin_id, keys)
+        self._store.unpin(pin.pin_id, engine_id, loaded_s)
 
     def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
         """Start reading disk-only (and remote-hinted) pages into host pages; the handle
         waits for them."""
         self._check_open()
-        with self._store.lock:
-            fills, ok = self._store.start_fills_locked(keys)
+        fills, ok = self._store.start_fills(keys)
         self.counters.add(len(fills), "prefetch", "pages")
-        return self._fills.handle(fills, ok, self.config.prefetch_timeout_s)
+        return self._store.fill_handle(fills, ok, self.config.prefetch_timeout_s)
 
     def load(
         self,
@@ -374,7 +333,24 @@ class LocalController:
         Raises ControllerError for a call that can never succeed (an unregistered
         engine, a page outside the pin, a bad device index).
         """
-        loaded = self._load(refs, pin, timeout_s, engine_id)
+        self._check_open()
+        buffers = self._buffers(engine_id)
+        timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        check_refs(refs, buffers, self._layout)
+        claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False)
+        if claim.state is ClaimState.FAILED:
+            return LoadResult.FAILED
+        if claim.state is ClaimState.READING:
+            filled = self._store.wait_fills(claim.fills, deadline)
+            if filled is None:
+                self.counters.fail(Failure.LOAD_TIMEOUT)
+                return LoadResult.FAILED
+            if not filled:  # the read counted its own reason
+                return LoadResult.FAILED
+            if not self._store.hold_for_copy(claim.entries):
+                return LoadResult.FAILED
+        loaded = self._copies.to_device(refs, claim.entries, buffers)
         return LoadResult.LOADED if loaded else LoadResult.FAILED
 
     def start_load(
@@ -391,47 +367,15 @@ class LocalController:
         :meth:`load` does."""
         self._check_open()
         buffers = self._buffers(engine_id)
-        claimed = self._copies.claim(refs, pin.pin_id, engine_id, buffers, self._layout, True)
-        if not isinstance(claimed, list):
-            return claimed
-        return self._copies.start_to_device(refs, claimed, buffers)
-
-    def _load(
-        self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float | None, engine_id: str
-    ) -> bool:
-        self._check_open()
-        buffers = self._buffers(engine_id)
-        timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        claimed = self._copies.claim(refs, pin.pin_id, engine_id, buffers, self._layout, False)
-        if isinstance(claimed, bool):
-            return claimed
-        if isinstance(claimed, tuple):
-            entries, fills = claimed
-            filled = self._fills.wait(fills, deadline)
-            if filled is None:
-                self.counters.fail(Failure.LOAD_TIMEOUT)
-                return False
-            if not filled:
-                return False  # the read counted its own reason
-            with self._store.lock:
-                for e in entries:
-                    if not e.attached or e.host_state is not HostState.READY:
-                        self.counters.fail(Failure.PAGE_ABSENT)
-                        return False
-                for e in entries:
-                    self._store.hold_locked(e)
-        else:
-            entries = claimed
-        return self._copies.to_device(refs, entries, buffers)
+        check_refs(refs, buffers, self._layout)
+        claim = self._store.claim(refs, pin.pin_id, engine_id, inline=True)
+        if claim.state is ClaimState.FAILED:
+            return False
+        if claim.state is ClaimState.NOT_ON_HOST:
+            return None
+        return self._copies.start_to_device(refs, claim.entries, buffers)
 
     # -- state ---------------------------------------------------------------------------
-
-    def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:
-        """Which tiers hold each page: HOST once its host copy is ready, DISK once
-        committed to LMDB (a queued write does not count)."""
-        with self._store.lock:
-            return [self._store.tiers_locked(k) for k in keys]
 
     def acknowledged(self, refs: Sequence[PageRef], ack: BackupAck, timeout_s: float) -> bool:
         """Whether the pages of a backup that ended well are where ``ack`` promises:
@@ -440,64 +384,20 @@ class LocalController:
         if ack is BackupAck.HOST:
             return True
         keys = list({r.key: None for r in refs})
-        return self.flush(timeout_s) and all(Tier.DISK in t for t in self.tiers_of(keys))
-
-    # -- admin: the work is admin_ops', whose functions say what each one promises ------
-
-    def clear(
-        self,
-        fingerprint: bytes | None,
-        tiers: Sequence[Tier],
-        namespace: str | None = None,
-        all_namespaces: bool = True,
-    ) -> admin_ops.ClearResult:
-        """Drop every unpinned page of ``tiers`` (admin_ops.clear). Backups and disk
-        writes queued before the call are committed first (for up to
-        ``CLEAR_FLUSH_TIMEOUT_S``), so a page stored just before a clear is dropped
-        instead of being kept as in flight, or written to disk after it."""
-        self.flush(CLEAR_FLUSH_TIMEOUT_S)
-        return admin_ops.clear(self, fingerprint, tiers, namespace, all_namespaces)
-
-    def evict(
-        self, tier: Tier, nbytes: int, component: ComponentType | None = None
-    ) -> dict[str, int]:
-        return admin_ops.evict(self, tier, nbytes, component)
-
-    def prefix_keys(
-        self, fingerprint: bytes, page_size: int, tokens: list[int], namespace: str | None
-    ) -> list[PageKey]:
-        return admin_ops.prefix_keys(self, fingerprint, page_size, tokens, namespace)
-
-    def pin_prefix(self, keys: list[PageKey], ttl_s: float) -> PinReceipt | None:
-        return admin_ops.pin_prefix(self, keys, ttl_s)
-
-    def unpin_prefix(self, pin_id: int) -> None:
-        admin_ops.unpin(self, pin_id)
-
-    def fsck(
-        self, repair: bool = False, progress: Callable[[int, int], None] | None = None
-    ) -> admin_ops.FsckResult:
-        return admin_ops.fsck(self, repair, progress)
-
-    def residency(self) -> dict[str, dict[str, dict[str, int]]]:
-        return admin_ops.residency(self)
+        return self.flush(timeout_s) and all(Tier.DISK in t for t in self._store.tiers_of(keys))
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until queued backups are published and queued disk writes committed."""
-        self._fills.reap(block=True)
-        remote = self._store.remote
-        sent = True if remote is None else remote.flush(timeout_s)
-        return sent and (True if self._store.disk is None else self._store.disk.flush(timeout_s))
+        """Wait until queued backups are published and queued disk (and remote) writes
+        committed."""
+        return self._store.flush(timeout_s)
 
     def stats(self, engine_id: str = DEFAULT_ENGINE) -> dict[str, Any]:
         """Counters and residency as a JSON/msgpack-safe dict (see docs/metrics.md)."""
         out = self.counters.snapshot()
-        with self._store.lock:
-            out.update(self._store.stats_locked())
+        out.update(self._store.stats())
+        with self._lock:
             out["engines"] = len(self._engines)
-            out["kernels"] = None if self._copies is None else self._copies.transfer.source
-        remote = self._store.remote
-        out["remote_tier"] = {"enabled": False} if remote is None else remote.stats()
+        out["kernels"] = None if self._copies is None else self._copies.transfer.source
         return out
 
     def check_invariants(self, deep: bool = False) -> None:
@@ -506,13 +406,7 @@ class LocalController:
         ``deep`` also flushes the writer and compares the index with LMDB's keys; call it
         only while no other thread uses the controller.
         """
-        if deep:
-            self._fills.reap(block=True)
         self._store.check_invariants(deep)
-        with self._store.lock:
-            self._fills.check_invariants_locked()
-            if self._engine_stores is not None:
-                self._engine_stores.check_invariants_locked()
 
     def close(self) -> int:
         """Finish queued copies, drain the writer, close LMDB. Idempotent.
@@ -522,25 +416,11 @@ class LocalController:
         drain within ``close_timeout_s``. 0: every queued page is committed (and always
         from a second call, which does nothing).
         """
-        write_failures = (Failure.DISK_WRITE_ERROR, Failure.DISK_FULL)
-        with self._store.lock:
+        with self._lock:
             if self._closed:
                 return 0
             self._closed = True
-            failed_before = sum(self.counters.get("failures", f.value) for f in write_failures)
-        self._fills.reap(block=True)
-        with self._store.lock:
-            # Write-back keeps pages in memory only; a clean shutdown must not lose them.
-            self._store.write_back_all_locked()
-        if self._store.remote is not None:  # first: its fills may still queue disk writes
-            self._store.remote.close(self.config.close_timeout_s)
-        drained = self._store.close(self.config.close_timeout_s)
-        with self._store.lock:  # a writer still running settles pages under this lock
-            failed = sum(self.counters.get("failures", f.value) for f in write_failures)
-            lost = int(failed - failed_before)
-            if not drained:
-                unwritten = sum(1 for e in self._store.index if e.disk_state is DiskState.PENDING)
-                log.error("controller closed with %d pages still queued for disk", unwritten)
-                lost += unwritten
+        lost = self._store.close(self.config.close_timeout_s)
+        with self._lock:
             self._engines.clear()
         return lost

@@ -1,9 +1,10 @@
 """Device ↔ host page copies of a :class:`LocalController`: a backup's copies issued in
-parts, each part's host pages booked under the store's lock and published when its copy
-ends, and a load's copy of held host pages into an engine's slots.
+parts, each part's host pages booked by the page store and published when its copy ends,
+and a load's copy of held host pages into an engine's slots.
 
-The controller checks the request (the engine, its refs) and, for a load, holds the
-pages; this module books, copies, counts and releases.
+The controller checks the request (the engine, its refs) and claims a load's pages; this
+module copies and counts, and the page store books, publishes and releases the pages
+(:class:`~hicache.controller.store.copy_ops.CopyOps`).
 """
 
 from __future__ import annotations
@@ -13,32 +14,18 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.counters import Counters, Failure
-from hicache.controller.store.fills import FillTracker, QueuedBackup
-from hicache.controller.store.page_index import DiskState, HostState, PageEntry
+from hicache.controller.store.fills import QueuedBackup
+from hicache.controller.store.page_index import PageEntry
 from hicache.controller.store.page_store import PageStore
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
-from hicache.controller_api import (
-    CompletedTransfer,
-    ControllerError,
-    PageKey,
-    PageRef,
-    TransferHandle,
-)
+from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+from hicache.controller_api import CompletedTransfer, PageRef, TransferHandle
 from hicache.types import ComponentType
 
-if TYPE_CHECKING:
-    from hicache.layout import ModelLayout
-
 log = logging.getLogger("hicache.controller.store.local")
-
-# PageKey.storage_key() without building a PageKey: this runs once per page per call.
-_TAG = {c: bytes((int(c),)) for c in ComponentType}
 
 
 class PageCopies:
@@ -47,13 +34,11 @@ class PageCopies:
     def __init__(
         self,
         store: PageStore,
-        fills: FillTracker,
         transfer: TransferEngine,
         counters: Counters,
         config: ControllerConfig,
     ) -> None:
         self._store = store
-        self._fills = fills
         self.transfer = transfer
         self.counters = counters
         self.config = config
@@ -62,14 +47,14 @@ class PageCopies:
         self, refs: Sequence[PageRef], buffers: EngineBuffers, ready_event: Any
     ) -> TransferHandle:
         """Copy ``refs``' device pages into host pages (see LocalController.backup)."""
-        self._fills.reap(block=False)
+        store = self._store
+        store.reap_backups(block=False)
         # The copies are issued in parts of ``backup_chunk_bytes``: on a GPU the copy of
         # one part runs while the next part's pages are booked, so the bookkeeping hides
         # behind the copy instead of coming before it. Each part is published (marked
         # ready) on its own, when its copy ends; its pages share one future.
         chunk_bytes = self.config.backup_chunk_bytes or sys.maxsize
-        page_bytes = {c: p.page_bytes for c, p in self._store.host.components.items()}
-        if self.config.backup_chunk_bytes and len(page_bytes) > 1:
+        if self.config.backup_chunk_bytes and len(store.host_page_bytes()) > 1:
             # One component after the other, so that a part is mostly one copy: each copy
             # a part issues costs as much host time as booking dozens of pages.
             refs = [r for c in ComponentType for r in refs if r.component is c]
@@ -78,47 +63,23 @@ class PageCopies:
         seen: set[bytes] = set()
         i, n = 0, len(refs)
         while i < n:
-            plan: list[tuple[PageEntry, PageRef]] = []
             fill: Future = Future()
             t0 = time.perf_counter()
-            planned = 0
-            with self._store.lock:
-                while i < n and planned < chunk_bytes:
-                    ref = refs[i]
-                    i += 1
-                    skey = ref.page_hash + _TAG[ref.component]
-                    if skey in seen:
-                        continue
-                    seen.add(skey)
-                    e = self._store.index.get(skey)
-                    if e is not None and e.held:
-                        self._store.index.touch(e)
-                        self.counters.inc("backup", "deduped_pages")
-                        if e.host_state is HostState.FILLING and e.disk_state is DiskState.NONE:
-                            # Held only once another copy into it succeeds: wait for it.
-                            fills.append(e.fill)
-                        continue
-                    page = self._store.alloc_host_locked(ref.component)
-                    if page is None:
-                        self.counters.fail(Failure.HOST_FULL)
-                        all_held = False
-                        continue
-                    if e is None:
-                        e = self._store.index.create(ref.component, ref.page_hash, ref.parent_hash)
-                    self._fills.begin_locked(e, page, fill)
-                    plan.append((e, ref))
-                    planned += page_bytes[ref.component]
-            if not plan:
+            part = store.book_backup(refs, i, chunk_bytes, seen, fill)
+            i = part.end
+            fills += part.waits
+            all_held = all_held and part.all_held
+            if not part.plan:
                 continue
-            if not self._issue_backup(plan, fill, buffers, ready_event, t0):
+            if not self._issue_backup(part.plan, fill, buffers, ready_event, t0):
                 all_held = False
                 break
             fills.append(fill)
             if i < n:  # publish the parts whose copies ended while this one was booked
-                self._fills.reap(block=False)
+                store.reap_backups(block=False)
         if not fills:
             return CompletedTransfer(all_held)
-        return self._fills.handle(fills, all_held, self.config.load_timeout_s)
+        return store.fill_handle(fills, all_held, self.config.load_timeout_s)
 
     def _issue_backup(
         self,
@@ -157,107 +118,15 @@ class PageCopies:
                         ev.synchronize()
                     except Exception as sync_exc:  # a broken device: nothing runs any more
                         log.error("waiting for a backup copy failed: %s", sync_exc)
-            with self._store.lock:
-                self._fills.abort_locked(plan, fill)
+            self._store.abort_backup(plan, fill)
             return False
-        queued = QueuedBackup(plan, [ev for ev in events if ev is not None], t0, fill, buffers)
-        with self._store.lock:
-            if queued.events:
-                self._fills.queue_locked(queued)
-            else:
-                self._fills.publish_locked(queued)
+        events = [ev for ev in events if ev is not None]
+        self._store.backup_copied(QueuedBackup(plan, events, t0, fill, buffers))
         return True
 
-    def claim(
-        self,
-        refs: Sequence[PageRef],
-        pin_id: int,
-        engine_id: str,
-        buffers: EngineBuffers,
-        layout: ModelLayout | None,
-        inline: bool,
-    ) -> list[PageEntry] | tuple[list[PageEntry], list[Future]] | bool | None:
-        """Check a load of ``refs`` under pin ``pin_id``, and hold its pages when all are
-        on host: their entries. Otherwise the entries and the reads that bring them to
-        host, or (``inline``) None with nothing changed. False when the load fails at
-        once (counted); raises ControllerError for one that can never succeed."""
-        check_refs(refs, buffers, layout)
-        if refs and self._store.faults is not None:
-            for what, host_only in (("evict_before_load", False), ("evict_host_before_load", True)):
-                if self._store.fault(what):
-                    with self._store.lock:
-                        self._store.drop_locked(refs[-1].key, host_only)
-        entries: list[PageEntry] = []
-        with self._store.lock:
-            self._store.expire_pins_locked()
-            rec = self._store.pins.get(pin_id)
-            if rec is None:
-                self.counters.fail(Failure.PIN_EXPIRED)
-                return False
-            if rec.engine_id != engine_id:
-                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
-            skeys, index = rec.skeys, self._store.index
-            for ref in refs:
-                skey = ref.page_hash + _TAG[ref.component]
-                if skey not in skeys:
-                    raise ControllerError(
-                        f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "
-                        f"{pin_id}; pin every page before loading it"
-                    )
-                e = index.get(skey)
-                if e is None or not e.held:
-                    self.counters.fail(Failure.PAGE_ABSENT)
-                    return False
-                entries.append(e)
-            ready = HostState.READY
-            if all(e.host_state is ready for e in entries):
-                # All on host already: hold them now, in the same section.
-                for e in entries:
-                    self._store.hold_locked(e)
-                return entries
-            if inline:
-                return None
-            # Only once every page is known to be held: a doomed load reads nothing.
-            fills: list[Future] = []
-            for e in entries:
-                if e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
-                elif e.host_state is HostState.NONE:
-                    fut = self._store.start_read_locked(e)
-                    if fut is None:
-                        return False
-                    fills.append(fut)
-        return (entries, fills)
-
-    def pinned_host_pages(self, pin_id: int, keys: Sequence[PageKey]) -> np.ndarray | None:
-        """See LocalController.pinned_host_pages."""
-        store = self._store
-        if any(p.shared is None for p in store.host.components.values()):
-            return None
-        out = np.full(len(keys), -1, dtype=np.int32)
-        with store.lock:
-            rec = store.pins.get(pin_id)
-            if rec is None:
-                return out
-            for i, k in enumerate(keys):
-                skey = k.page_hash + _TAG[k.component]
-                e = store.index.get(skey) if skey in rec.skeys else None
-                if e is not None and e.host_state is HostState.READY:
-                    out[i] = e.host_page
-        return out
-
-    def served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
-        """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
-        transfer and keep the pages as any page that served a load-back."""
-        store, nbytes = self._store, 0
-        for e in entries:
-            if e.host_state is HostState.READY:
-                store.index.served(e)
-                if store.remote is not None:
-                    store.remote.on_served_locked(e)
-                nbytes += store.host[e.component].page_bytes
-        self.counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
-        self.counters.inc("load", "engine_copied")  # not a load request: not in ("load", "ok")
+    def release(self, entries: list[PageEntry], served: bool) -> None:
+        """A load's copy has ended: its host pages are released (see DeviceLoad)."""
+        self._store.release_load(entries, served)
 
     def to_device(
         self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
@@ -272,6 +141,7 @@ class PageCopies:
         """Issue the copy of held host pages into the engine's slots without waiting for
         it; the pages stay held until the returned load's :meth:`DeviceLoad.finish`."""
         load = DeviceLoad(self, entries, buffers, time.perf_counter())
+        page_bytes = self._store.host_page_bytes()
         try:
             plan = list(zip(entries, refs))
             for comp, group in _by_component(plan).items():
@@ -285,7 +155,7 @@ class PageCopies:
                         [r.device_index for _, r in group],
                     )
                 )
-                load.nbytes += len(group) * self._store.host[comp].page_bytes
+                load.nbytes += len(group) * page_bytes[comp]
         except Exception as exc:
             load.failed(exc)
         return load
@@ -332,14 +202,7 @@ class DeviceLoad:
                     self.failed(exc)
         self._buffers = None
         ok = self._error is None
-        store = self._copies._store
-        with store.lock:
-            for e in self._entries:
-                store.unhold_locked(e)
-                if ok:
-                    store.index.served(e)
-                    if store.remote is not None:
-                        store.remote.on_served_locked(e)
+        self._copies.release(self._entries, ok)
         if ok:
             counters = self._copies.counters
             seconds = time.perf_counter() - self._t0

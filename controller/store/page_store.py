@@ -1,435 +1,409 @@
-"""``PageStore``: the host and disk tiers of one layout and the moves between them.
+"""``PageStore``: the host tier of one layout, the tiers behind it, and the moves between them.
 
-It owns the page index, the pins, the host pool and the LMDB tier, and one lock over
-all of them. It answers: where can this page's bytes be found, which page leaves a full
-tier, and how does a page get from host to disk and back. It knows nothing of engines
-or device memory (that is :class:`hicache.controller.store.local.LocalController`).
+It owns the page index, the pins, the host pool, the queued backups and the lower tiers
+(:class:`~hicache.controller.tiers.lower_tier.LowerTier`: LMDB, remote), and one lock
+over all of them that it never hands out: callers use its operations, each of which
+takes the lock for as long as it needs it. It answers where a page's bytes are, which
+page leaves a full tier, and how a page moves between host and the tiers below. It knows
+nothing of engines or device memory: the device copies are
+:class:`~hicache.controller.store.page_copies.PageCopies`', the engines are
+:class:`~hicache.controller.store.local.LocalController`'s.
 
-Methods whose name ends in ``_locked`` expect ``store.lock`` held by the caller; the
-others take it themselves. The writer thread calls :meth:`evict_disk` and
-:meth:`on_written`; reader threads run :meth:`read_job`.
+Its operations, by who calls them (each group in its own module):
+
+* engines, through the controller: here, :meth:`presence`, :meth:`tiers_of`,
+  :meth:`pin`, :meth:`unpin`, :meth:`release_engine`, :meth:`start_fills` and the waits
+  on fills (:meth:`reap_backups`, :meth:`wait_fills`, :meth:`fill_handle`); around the
+  copies between devices and host pages (loads, backups, an engine's own stores),
+  :class:`~hicache.controller.store.copy_ops.CopyOps`';
+* admins: :class:`~hicache.controller.store.admin_ops.AdminOps`' (clear, evict, fsck, …);
+* the lower tiers: :class:`~hicache.controller.store.tier_host.TierHostOps`' (the
+  :class:`~hicache.controller.tiers.lower_tier.TierHost` protocol);
+* its owner: :meth:`open`, :meth:`listen`, :meth:`stats`, :meth:`check_invariants`,
+  :meth:`close`, and what the sidecar reports (:meth:`tiers`, :meth:`tier_health`,
+  :meth:`shared_host_pages`, :meth:`indexed_pages`).
+
+Methods named ``*_locked`` run with the lock held: the store's own helpers, and the
+operations a lower tier calls from inside a call the store made to it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import torch
 
-from hicache.controller.config import ControllerConfig, DiskWritePolicy
+from hicache.controller.config import ControllerConfig
+from hicache.controller.store.admin_ops import AdminOps
+from hicache.controller.store.copy_ops import CopyOps
 from hicache.controller.store.counters import Counters, Failure, component_label
+from hicache.controller.store.engine_stores import EngineStores
 from hicache.controller.store.faults import FaultPlan
-from hicache.controller.store.host_pool import HostPool
-from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.store.fills import FillHandle, FillTracker
+from hicache.controller.store.host_pool import HostPool, SharedHostPages
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.store.pins import PinRecord, PinTable
-from hicache.controller.tiers.lmdb_tier import LmdbTier, ReadStatus, WriteJob, WriteResult
+from hicache.controller.store.tier_host import TierHostOps
+from hicache.controller.tiers.disk_tier import DiskTier
+from hicache.controller.tiers.remote_tier import open_remote
 from hicache.controller_api import ControllerError, PageKey
-from hicache.layout import ModelLayout
 from hicache.types import ComponentType, Tier
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from hicache.controller.store.tier_events import TierEvents
+    from hicache.controller.tiers.lower_tier import LowerTier
+    from hicache.controller.tiers.remote_store import RemoteStore
+    from hicache.layout import ModelLayout
+
+log = logging.getLogger("hicache.controller.store.local")
 
 _PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 
-_READ_FAILURES = {
-    ReadStatus.CORRUPT: Failure.CHECKSUM,
-    ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
-    ReadStatus.MISSING: Failure.DISK_MISSING,
-    ReadStatus.ERROR: Failure.DISK_READ_ERROR,
-}
 
-
-@contextlib.contextmanager
-def _gc_paused():
-    """No automatic garbage collection inside: for the index rebuild at start, which makes
-    millions of long-lived, acyclic objects. Every collection the growing heap would
-    trigger scans all of them, and that doubled the rebuild's time (200 k pages: 9 s)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class RemoteHooks(Protocol):
-    """What the local tiers ask of a tier behind them (the remote tier,
-    :class:`hicache.controller.tiers.remote_tier.RemoteTier`), under the store's lock unless
-    said otherwise: the place where a tier beyond disk plugs in."""
-
-    def hinted(self, key: PageKey) -> bool: ...
-    def fill_locked(self, keys: list[PageKey]) -> bool: ...
-    def on_host_evict_locked(self, e: PageEntry) -> None: ...
-    def on_served_locked(self, e: PageEntry) -> None: ...
-    def probe(self, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]) -> None:
-        """Fill in absent pages of ``rows`` that the tier holds (without the lock)."""
-
-    def flush(self, timeout_s: float | None) -> bool: ...
-    def stats(self) -> dict[str, Any]: ...
-    def health(self, timeout_s: float) -> dict[str, Any]: ...
-    def close(self, timeout_s: float) -> Any: ...
-
-
-class PageStore:
-    """Index, pins, host pool and LMDB tier of one layout, under one lock."""
+class PageStore(CopyOps, TierHostOps, AdminOps):
+    """Index, pins, host pool and lower tiers of one layout, behind one lock."""
 
     def __init__(self, config: ControllerConfig, counters: Counters) -> None:
-        self.config = config
-        self.counters = counters
-        self.faults: FaultPlan | None = None
-        self.lock = threading.RLock()
-        self.index = PageIndex(config.host_hit_retention_turnovers)
-        self.pins = PinTable(self.index)
-        self.host: HostPool | None = None
-        self.disk: LmdbTier | None = None
-        self.remote: RemoteHooks | None = None  # set by the controller when configured
+        self._config = config
+        self._counters = counters
+        self._faults: FaultPlan | None = None
+        self._lock = threading.RLock()
+        # Held while the tiers are opened, and by an fsck of the disk tier before they are
+        # (LMDB allows one environment per file per process).
+        self._opening = threading.Lock()
+        self._index = PageIndex(config.host_hit_retention_turnovers)
+        self._pins = PinTable(self._index)
+        self._fills = FillTracker(self._lock, self._publish_locked)
+        self._engine_stores = EngineStores()
+        self._host: HostPool | None = None
+        self._disk: LowerTier | None = None  # the tier whose pages the index records
+        self._tiers: tuple[LowerTier, ...] = ()  # every lower tier, the indexed one first
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """Armed failures for tests (None in production)."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan | None) -> None:
+        self._faults = plan
 
     def fault(self, what: str) -> bool:
-        return self.faults is not None and self.faults.take(what)
+        """Whether a ``what`` failure is armed (and now taken)."""
+        return self._faults is not None and self._faults.take(what)
 
     # -- opening -------------------------------------------------------------------------
 
-    def open_locked(self, layout: ModelLayout, page_size: int, fingerprint: bytes) -> None:
-        """Allocate the host pool and open LMDB, rebuilding the index from what it holds."""
-        host = HostPool(layout, page_size, self.config)
-        if self.config.disk_enabled:
-            tier = LmdbTier(
-                self.config,
-                fingerprint,
-                {c: layout.page_bytes(c, page_size) for c in layout.components},
-                live_bytes=lambda: self.index.disk_live_bytes,
-                evict=self.evict_disk,
-                on_written=self.on_written,
-            )
-            with _gc_paused():
-                try:
-                    records = tier.scan()
-                except BaseException:
-                    tier.close()
-                    raise
-                # oldest first, so the LRU order survives the restart
-                self.index.restore_disk(records)
-            self.disk = tier
-            over = self.index.disk_live_bytes - self.config.disk_budget_bytes
-            if over > 0:  # the budget shrank since the last run
-                tier.submit_delete(self.evict_disk(over))
-            tier.fault_hook = self.fault
-            tier.start()
-            log.info("LMDB tier %s: %d pages found", self.config.disk_path, len(records))
-        self.host = host
+    def open(
+        self,
+        layout: ModelLayout,
+        page_size: int,
+        fingerprint: bytes,
+        remote_store: RemoteStore | None = None,
+    ) -> HostPool:
+        """Allocate the host pool and open the lower tiers, the index rebuilt from what
+        LMDB holds; returns the host pool (the device copies address its pages). Every
+        operation waits until it is done. ``remote_store`` replaces the cluster of
+        ``remote_url`` (tests)."""
+        with self._opening, self._lock:
+            host = HostPool(layout, page_size, self._config)
+            if self._config.disk_enabled:
+                page_bytes = {c: layout.page_bytes(c, page_size) for c in layout.components}
+                self._disk = DiskTier.open(
+                    self._config, self, fingerprint, page_bytes, self._counters
+                )
+                self._tiers = (self._disk,)
+            self._host = host
+            remote = open_remote(self._config, self, fingerprint, self._counters, remote_store)
+            if remote is not None:
+                self._tiers += (remote,)
+        return host
 
-    # -- holds and pins (lock held) ------------------------------------------------------
+    def tiers(self) -> frozenset[Tier]:
+        """The tiers this store holds pages in: HOST once open, DISK, REMOTE."""
+        with self._lock:
+            own = {Tier.HOST} if self._host is not None else set()
+            return frozenset(own | {t.tier for t in self._tiers})
 
-    def hold_locked(self, e: PageEntry) -> None:
-        """Hold ``e`` for a device copy."""
-        self.index.acquire(e)
-        e.copies += 1
+    def tier_health(self, tier: Tier, timeout_s: float) -> dict[str, Any] | None:
+        """The health of lower tier ``tier`` (see ``LowerTier.health``); None without it."""
+        for t in self._tiers:
+            if t.tier is tier:
+                return t.health(timeout_s)
+        return None
 
-    def unhold_locked(self, e: PageEntry) -> None:
-        e.copies -= 1
-        self.index.release(e)
+    def shared_host_pages(self) -> SharedHostPages | None:
+        """The host pool's pages as engines may map them; None when not shared or not built."""
+        return None if self._host is None else self._host.shared_pages()
 
-    def pin_keys(
-        self, keys: Sequence[PageKey], engine_id: str, ttl_s: float
-    ) -> PinRecord | Failure:
-        """Pin every page of ``keys`` (held on host or disk) for ``ttl_s``, in chunks of
-        ``_PIN_CHUNK_KEYS`` with the lock released in between: what is pinned stays put
-        meanwhile, and the other engines' lookups need not wait for a pin of many
-        thousand keys. The failure (nothing pinned) when a page is absent, or when the
-        pin expired while it was being made."""
+    def listen(self, events: TierEvents | None, tell_present: bool = True) -> None:
+        """Make ``events`` the listener to where pages become present or absent
+        (store/tier_events.py), or stop telling anyone (None). With ``tell_present`` it is
+        told at once what the disk and host tiers hold now, then every change."""
+        with self._lock:
+            if events is not None and tell_present:
+                entries = list(self._index)
+                ready = [e for e in entries if e.disk_state is DiskState.READY]
+                events.stored(Tier.DISK, ready)
+                events.stored(Tier.HOST, [e for e in entries if e.host_state is HostState.READY])
+            self._index.events = events
+
+    def host_view(self, component: ComponentType) -> torch.Tensor:
+        """The host pool's pages of ``component`` (FULL or SWA) as one typed tensor,
+        ``[pages, 2, layers, page_size, heads, head_dim]``, for tools that prepare or
+        check host memory (a benchmark timing the copy kernels alone); which page holds
+        what is the index's to say (:meth:`host_pages`)."""
+        return self._host.kv(component)
+
+    def host_pages(self, keys: Sequence[PageKey]) -> list[int]:
+        """The host page of each of ``keys`` while ready there, -1 otherwise (at the time
+        of the call: a page no pin holds may move)."""
+        with self._lock:
+            entries = [self._index.get(k.storage_key()) for k in keys]
+            return [
+                e.host_page if e is not None and e.host_state is HostState.READY else -1
+                for e in entries
+            ]
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def indexed_pages(self) -> int:
+        """Pages the index holds (every component, every tier, in flight included)."""
+        return len(self._index)
+
+    def presence(
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+    ) -> dict[ComponentType, list[int]]:
+        """Per component, the ``Presence`` of each page of the chain as a plain int: the
+        index's, then what the lower tiers add (asked without the lock)."""
+        rows: dict[ComponentType, list[int]] = {}
+        with self._lock:
+            for comp in components:
+                rows[comp] = self._index.presence(page_hashes, comp)
+        for tier in self._tiers:
+            tier.probe(page_hashes, rows)
+        return rows
+
+    def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:
+        """Which tiers hold each page: HOST once its host copy is ready, DISK once
+        committed to LMDB (a queued write does not count)."""
+        out = []
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key.storage_key())
+                tiers = set()
+                if e is not None and e.host_state is HostState.READY:
+                    tiers.add(Tier.HOST)
+                if e is not None and e.disk_state is DiskState.READY:
+                    tiers.add(Tier.DISK)
+                out.append(frozenset(tiers))
+        return out
+
+    def host_page_bytes(self) -> dict[ComponentType, int]:
+        """Bytes of one host page, per component of the layout."""
+        return {c: p.page_bytes for c, p in self._host.components.items()}
+
+    # -- pins ----------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[PageKey], engine_id: str, ttl_s: float) -> PinRecord | Failure:
+        """Pin every page of ``keys`` (held on host or disk, or offered by a lower tier,
+        which then starts reading it) for ``ttl_s``, in chunks of ``_PIN_CHUNK_KEYS`` with
+        the lock released in between: what is pinned stays put meanwhile, and the other
+        engines' lookups need not wait for a pin of many thousand keys. The failure
+        (nothing pinned) when a page is absent, or when the pin expired while it was
+        being made."""
         rec = None
         for start in range(0, max(len(keys), 1), _PIN_CHUNK_KEYS):
             if start:
                 time.sleep(0)  # let a thread waiting for the lock (or the GIL) take it
-            with self.lock:
+            with self._lock:
                 if rec is None:
-                    self.expire_pins_locked()
-                elif self.pins.get(rec.pin_id) is not rec:
+                    self._expire_pins_locked()
+                elif self._pins.get(rec.pin_id) is not rec:
                     return Failure.PIN_EXPIRED
                 entries = []
-                missing: list[PageKey] | None = []  # hinted remotely: read below
+                offered: list[PageKey] = []  # held by a lower tier only: read below
+                absent = False
                 for k in keys[start : start + _PIN_CHUNK_KEYS]:
-                    e = self.index.get(k.storage_key())
+                    e = self._index.get(k.storage_key())
                     if e is not None and e.held:
                         entries.append(e)
-                    elif self.remote is not None and self.remote.hinted(k):
-                        missing.append(k)
+                    elif self._offering(k) is not None:
+                        offered.append(k)
                     else:  # absent: fail at once, a pin of many keys must not scan on
-                        missing = None
+                        absent = True
                         break
-                if missing is None or (missing and not self.remote.fill_locked(missing)):
+                if absent or (offered and not self._fill_offered_locked(offered)):
                     if rec is not None:
-                        self.pins.release(rec.pin_id)
+                        self._pins.release(rec.pin_id)
                     return Failure.PIN_ABSENT
-                entries += [self.index.get(k.storage_key()) for k in missing]
+                entries += [self._index.get(k.storage_key()) for k in offered]
                 if rec is None:
-                    rec = self.pins.add(engine_id, entries, time.monotonic() + ttl_s)
+                    rec = self._pins.add(engine_id, entries, time.monotonic() + ttl_s)
                 else:
-                    self.pins.extend(rec, entries)
+                    self._pins.extend(rec, entries)
                 for e in entries:
-                    self.index.touch(e)
+                    self._index.touch(e)
         return rec
 
-    def tiers_locked(self, key: PageKey) -> frozenset[Tier]:
-        """HOST once ``key``'s host copy is ready, DISK once it is committed to LMDB."""
-        e = self.index.get(key.storage_key())
-        tiers = set()
-        if e is not None and e.host_state is HostState.READY:
-            tiers.add(Tier.HOST)
-        if e is not None and e.disk_state is DiskState.READY:
-            tiers.add(Tier.DISK)
-        return frozenset(tiers)
+    def unpin(self, pin_id: int, engine_id: str, loaded_s: float | None = None) -> None:
+        """Release a pin; harmless when released already or expired. ``loaded_s``: the
+        engine copied the pinned pages itself from shared host pages, in that long (they
+        count as served). Raises ControllerError for another engine's pin."""
+        with self._lock:
+            rec = self._pins.get(pin_id)
+            if rec is not None and rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
+            if rec is not None and loaded_s is not None:
+                self._served_directly_locked(rec.entries, loaded_s)
+            self._pins.release(pin_id)
 
-    def expire_pins_locked(self) -> None:
-        n = self.pins.expire(time.monotonic())
+    def release_engine(self, engine_id: str) -> int:
+        """Release every pin of ``engine_id`` and give back the host pages handed to it for
+        its own stores (it went away); returns the pins released."""
+        with self._lock:
+            n = self._pins.release_engine(engine_id)
+            self._abort_reservations_locked(self._engine_stores.of_engine_locked(engine_id))
+        return n
+
+    def _expire_pins_locked(self) -> None:
+        n = self._pins.expire(time.monotonic())
         if n:
-            self.counters.add(n, "pins", "expired")
+            self._counters.add(n, "pins", "expired")
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def start_fills(self, keys: Sequence[PageKey]) -> tuple[list[Future], bool]:
+        """Start reading every page of ``keys`` that is held below host (or offered by a
+        lower tier) into a host page; the futures of those reads and of fills already
+        running, and whether every page is held and every read could start."""
+        with self._lock:
+            offered = [k for k in keys if not self.holds_locked(k) and self._offering(k)]
+            ok = not offered or self._fill_offered_locked(offered)
+            fills: list[Future] = []
+            for k in keys:
+                e = self._index.get(k.storage_key())
+                if e is None or not e.held:
+                    ok = False
+                elif e.host_state is HostState.FILLING:
+                    fills.append(e.fill)
+                elif e.host_state is HostState.NONE:
+                    if self._disk.fill_locked([k]):
+                        fills.append(e.fill)
+                    else:
+                        ok = False
+        return fills, ok
+
+    def _offering(self, key: PageKey) -> LowerTier | None:
+        """The lower tier that offers ``key`` (one the index does not hold), if any."""
+        for tier in self._tiers:
+            if tier.offers(key):
+                return tier
+        return None
+
+    def _fill_offered_locked(self, keys: list[PageKey]) -> bool:
+        """Start the fills of ``keys``, each from the tier that offers it."""
+        by_tier: dict[LowerTier, list[PageKey]] = {}
+        for k in keys:
+            by_tier.setdefault(self._offering(k), []).append(k)
+        return all(tier.fill_locked(ks) for tier, ks in by_tier.items())
+
+    # -- backups -------------------------------------------------------------------------
+
+    def reap_backups(self, block: bool) -> None:
+        """Publish queued backups whose copies ended (all of them, waiting, with ``block``)."""
+        self._fills.reap(block)
+
+    def wait_fills(self, fills: list[Future], deadline: float | None) -> bool | None:
+        """Wait for fills: True all ready, False one failed, None at ``deadline``."""
+        return self._fills.wait(fills, deadline)
+
+    def fill_handle(self, fills: list[Future], ok: bool, default_timeout_s: float) -> FillHandle:
+        """A transfer handle that waits for ``fills`` (``ok`` False: one never started)."""
+        return self._fills.handle(fills, ok, default_timeout_s)
 
     # -- host residency (lock held) ------------------------------------------------------
 
-    def alloc_host_locked(self, component: ComponentType) -> int | None:
+    def _alloc_host_locked(self, component: ComponentType) -> int | None:
         """A free host page of ``component``, evicting LRU pages as needed; None if stuck."""
-        pool = self.host[component]
+        pool = self._host[component]
         page = pool.alloc()
         if page is None:
-            self.expire_pins_locked()  # a lapsed pin must not keep its pages from eviction
+            self._expire_pins_locked()  # a lapsed pin must not keep its pages from eviction
         while page is None:
-            victim = self.index.pop_victim(Tier.HOST, component)
+            victim = self._index.pop_victim(Tier.HOST, component)
             if victim is None:
                 return None
-            self.evict_host_locked(victim)
+            self._evict_host_locked(victim)
             page = pool.alloc()
         return page
 
-    def evict_host_locked(self, entry: PageEntry) -> None:
+    def _evict_host_locked(self, entry: PageEntry) -> None:
         """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host)."""
         group = [entry]
         if entry.component is ComponentType.FULL:
-            group = [*self.index.aux_in(entry, Tier.HOST), entry]
+            group = [*self._index.aux_in(entry, Tier.HOST), entry]
         for e in group:
-            if (
-                self.disk is not None
-                and self.config.disk_write_policy is DiskWritePolicy.WRITE_BACK
-                and e.disk_state is DiskState.NONE
-            ):
-                # Copied out before the page is reused; served from this copy until committed.
-                frame = bytearray(self.host[e.component].frame(e.host_page))
-                self._queue_write_locked(e, frame)
-                e.pending_payload = frame
-            if self.remote is not None:
-                self.remote.on_host_evict_locked(e)
-            self.host[e.component].free(self.index.clear_host(e))
-            self.counters.inc("evictions", "host", component_label(e.component))
-            self.index.discard_if_unused(e)
+            for tier in self._tiers:
+                tier.on_host_evict_locked(e)
+            self._host[e.component].free(self._index.clear_host(e))
+            self._counters.inc("evictions", "host", component_label(e.component))
+            self._index.discard_if_unused(e)
 
-    def _queue_write_locked(self, e: PageEntry, frame: Any) -> None:
-        """Queue ``frame`` (header room + payload) for the writer; it holds ``e``."""
-        self.index.set_disk(e, DiskState.PENDING)
-        self.index.acquire(e)
-        job = WriteJob(e.skey, e.component, e.parent_hash, frame, token=e, framed=True)
-        self.disk.submit_write(job)
-
-    def write_through_locked(self, e: PageEntry) -> None:
-        """Queue a page that just reached host to the writer, if the policy says so."""
-        if (
-            self.disk is not None
-            and self.config.disk_write_policy is DiskWritePolicy.WRITE_THROUGH
-            and e.disk_state is DiskState.NONE
-        ):
-            # Zero-copy: the writer stores the host page's frame, which the hold keeps.
-            self._queue_write_locked(e, self.host[e.component].frame(e.host_page))
-
-    def write_back_all_locked(self) -> int:
-        """Queue every page held only on host to the writer (write-back, at close)."""
-        if self.disk is None or self.config.disk_write_policy is not DiskWritePolicy.WRITE_BACK:
-            return 0
-        n = 0
-        for e in self.index:
-            if e.host_state is HostState.READY and e.disk_state is DiskState.NONE:
-                self._queue_write_locked(e, self.host[e.component].frame(e.host_page))
-                n += 1
-        return n
-
-    def drop_locked(self, key: PageKey, host_only: bool = False) -> None:
+    def _drop_locked(self, key: PageKey, host_only: bool) -> None:
         """Take a page out of every tier (or only host) now, pinned or not; a page in
-        flight is kept.
-
-        Only fault injection uses it: it stands for a pin that lapsed and an eviction.
-        """
-        e = self.index.get(key.storage_key())
+        flight is kept. Only fault injection uses it: it stands for a pin that lapsed and
+        an eviction."""
+        e = self._index.get(key.storage_key())
         if e is None or e.busy:
             return
         if e.host_state is not HostState.NONE:
-            self.host[e.component].free(self.index.clear_host(e))
+            self._host[e.component].free(self._index.clear_host(e))
         if not host_only and e.disk_state is DiskState.READY:
-            self.index.clear_disk(e)
-            self.disk.submit_delete([e.skey])
-        self.index.discard_if_unused(e)
-
-    # -- disk residency (writer thread) --------------------------------------------------
-
-    def evict_disk(self, nbytes: int) -> list[bytes]:
-        """Drop at least ``nbytes`` of LRU disk pages from the index; their keys to delete."""
-        keys: list[bytes] = []
-        freed = 0
-        with self.lock:
-            self.expire_pins_locked()
-            while freed < nbytes:
-                victim = self.index.pop_victim(Tier.DISK)
-                if victim is None:
-                    break
-                group = [victim]
-                if victim.component is ComponentType.FULL:
-                    group = [*self.index.aux_in(victim, Tier.DISK), victim]
-                for e in group:
-                    freed += self.index.clear_disk(e)
-                    keys.append(e.skey)
-                    self.counters.inc("evictions", "disk", component_label(e.component))
-                    self.index.discard_if_unused(e)
-        return keys
-
-    def on_written(self, results: list[WriteResult], seconds: float) -> None:
-        """Record a writer batch: committed pages are on disk, rejected ones are not."""
-        ok_bytes = 0
-        failed = [r for r in results if not r.ok]
-        with self.lock:
-            for r in results:
-                e: PageEntry = r.job.token
-                if r.ok:
-                    self.index.set_disk(e, DiskState.READY, r.nbytes)
-                    ok_bytes += r.nbytes
-                else:
-                    self.index.clear_disk(e)
-                    reason = Failure.DISK_FULL if r.map_full else Failure.DISK_WRITE_ERROR
-                    self.counters.fail(reason)
-                e.pending_payload = None
-                self.index.release(e)
-                self.index.discard_if_unused(e)
-        if failed:  # one line per batch, not per page: a full disk must not flood the log
-            log.warning(
-                "%d of %d pages not stored: %s", len(failed), len(results), failed[0].reason
-            )
-        self.counters.transfer("host_to_disk", len(results) - len(failed), ok_bytes, seconds)
-
-    # -- disk → host (reader threads) ----------------------------------------------------
-
-    def start_fills_locked(self, keys: Sequence[PageKey]) -> tuple[list[Future], bool]:
-        """Start reading every disk-only (or remote-hinted) page of ``keys`` into a host
-        page; the futures of those reads and of fills already running, and whether every
-        page is held and every read could start."""
-        ok = True
-        if self.remote is not None:  # the hinted pages no local tier holds: read them in
-            missing = [
-                k
-                for k in keys
-                if ((e := self.index.get(k.storage_key())) is None or not e.held)
-                and self.remote.hinted(k)
-            ]
-            ok = not missing or self.remote.fill_locked(missing)
-        fills: list[Future] = []
-        for k in keys:
-            e = self.index.get(k.storage_key())
-            if e is None or not e.held:
-                ok = False
-            elif e.host_state is HostState.FILLING:
-                fills.append(e.fill)
-            elif e.host_state is HostState.NONE:
-                fut = self.start_read_locked(e)
-                ok = ok and fut is not None
-                if fut is not None:
-                    fills.append(fut)
-        return fills, ok
-
-    def start_read_locked(self, e: PageEntry) -> Future | None:
-        """Reserve a host page for a disk-only entry and queue its read; None if host full."""
-        page = self.alloc_host_locked(e.component)
-        if page is None:
-            self.counters.fail(Failure.HOST_FULL)
-            return None
-        self.index.set_host(e, page, ready=False)
-        self.index.acquire(e)
-        e.fill = self.disk.submit_read(self.read_job, e, page)
-        return e.fill
-
-    def read_job(self, e: PageEntry, page: int) -> bool:
-        """Fill host ``page`` with ``e``'s stored bytes (reader thread); True when served."""
-        t0 = time.perf_counter()
-        status = ReadStatus.ERROR
-        try:
-            if self.faults is not None and self.faults.disk_read_delay_s:
-                time.sleep(self.faults.disk_read_delay_s)
-            dst = self.host[e.component].row(page)
-            frame = e.pending_payload  # write-back: not committed yet, served from memory
-            if frame is not None:
-                dst[:] = np.frombuffer(frame, np.uint8, offset=HEADER_BYTES)
-                status = ReadStatus.OK
-            else:
-                status = self.disk.read_into(e.skey, dst)
-        except Exception:
-            log.exception("disk read of %s failed", e.skey.hex())
-        with self.lock:
-            return self._finish_read_locked(e, status, time.perf_counter() - t0)
-
-    def _finish_read_locked(self, e: PageEntry, status: ReadStatus, seconds: float) -> bool:
-        e.fill = None
-        if status is ReadStatus.OK:
-            self.index.mark_host_ready(e)
-            self.index.release(e)
-            nbytes = self.host[e.component].page_bytes
-            self.counters.transfer("disk_to_host", 1, nbytes, seconds)
-            return True
-        self.host[e.component].free(self.index.clear_host(e))
-        self.index.release(e)
-        self.counters.fail(_READ_FAILURES[status])
-        if status is not ReadStatus.ERROR and e.disk_state is DiskState.READY:
-            # Never served again: forget it, and delete it unless LMDB lost it already.
-            self.index.clear_disk(e)
-            if status is not ReadStatus.MISSING:
-                # While closing the delete is refused; the next open checks the value again.
-                with contextlib.suppress(ControllerError):
-                    self.disk.submit_delete([e.skey])
-            log.warning("disk page %s dropped: %s", e.skey.hex(), status.value)
-        self.index.discard_if_unused(e)
-        return False
+            self._index.clear_disk(e)
+            self._disk.delete_locked([e.skey])
+        self._index.discard_if_unused(e)
 
     # -- state ---------------------------------------------------------------------------
 
-    def stats_locked(self) -> dict[str, Any]:
-        self.expire_pins_locked()  # pins_active counts live pins only
-        disk: dict[str, Any] = {"enabled": self.disk is not None}
-        if self.disk is not None:
-            disk.update(self.disk.stats())
-            disk["live_bytes"] = self.index.disk_live_bytes
-            disk["budget_bytes"] = self.config.disk_budget_bytes
-            disk["pages"] = {component_label(c): n for c, n in self.index.disk_pages.items()}
-        return {
-            "entries": len(self.index),
-            "pins_active": len(self.pins),
-            "host": {} if self.host is None else self.host.stats(),
-            "disk": disk,
-        }
+    def stats(self) -> dict[str, Any]:
+        """Entries, live pins, the host pool's and every lower tier's state."""
+        with self._lock:
+            self._expire_pins_locked()  # pins_active counts live pins only
+            disk: dict[str, Any] = {"enabled": self._disk is not None}
+            if self._disk is not None:
+                disk.update(self._disk.stats())
+                disk["live_bytes"] = self._index.disk_live_bytes
+                disk["budget_bytes"] = self._config.disk_budget_bytes
+                disk["pages"] = {component_label(c): n for c, n in self._index.disk_pages.items()}
+            out = {
+                "entries": len(self._index),
+                "pins_active": len(self._pins),
+                "host": {} if self._host is None else self._host.stats(),
+                "disk": disk,
+            }
+        remote = [t for t in self._tiers if t.tier is Tier.REMOTE]
+        out["remote_tier"] = remote[0].stats() if remote else {"enabled": False}
+        return out
 
     def check_invariants(self, deep: bool = False) -> None:
-        """Index, pins, host pages and in-flight holds agree; with ``deep``, LMDB too.
-
-        ``deep`` flushes the writer first and must run while nothing else uses the store.
-        """
-        if deep and self.disk is not None:
-            self.disk.flush()
-        with self.lock:
-            self.index.check_invariants()
-            self.pins.check_invariants()
+        """Index, pins, host pages, queued backups and in-flight holds agree; with
+        ``deep``, the lower tiers' stored pages too (flushed first: call it only while
+        nothing else uses the store)."""
+        if deep:
+            self._fills.reap(block=True)
+            if self._disk is not None:  # outside the lock: the writer settles under it
+                self._disk.flush(None)
+        with self._lock:
+            self._index.check_invariants()
+            self._pins.check_invariants()
             owned: dict[ComponentType, set[int]] = {c: set() for c in ComponentType}
-            for e in self.index:
+            for e in self._index:
                 if e.host_page >= 0:
                     assert e.host_page not in owned[e.component], f"{e}: host page shared"
                     owned[e.component].add(e.host_page)
@@ -441,20 +415,46 @@ class PageStore:
                 assert e.busy == want, f"{e}: busy {e.busy} != {want} operations in flight"
                 assert (e.fill is not None) == (e.host_state is HostState.FILLING), f"{e}: fill"
                 assert e.pending_payload is None or e.disk_state is DiskState.PENDING, f"{e}"
-            if self.host is not None:
-                for c, pool in self.host.components.items():
+            if self._host is not None:
+                for c, pool in self._host.components.items():
                     pool.check_invariants(owned[c])
-            if deep and self.disk is not None:
-                stored = self.disk.stored_keys()
-                ready = {e.skey for e in self.index if e.disk_state is DiskState.READY}
-                queued = {e.skey for e in self.index if e.disk_state is DiskState.PENDING}
-                assert ready <= stored, f"{len(ready - stored)} indexed pages missing in LMDB"
-                extra = stored - ready - queued - self.disk.pending_deletes
-                extra -= self.disk.foreign_keys
-                assert not extra, f"{len(extra)} LMDB values unknown to the index"
+            self._fills.check_invariants_locked()
+            self._engine_stores.check_invariants_locked()
+            if deep:
+                ready = {e.skey for e in self._index if e.disk_state is DiskState.READY}
+                queued = {e.skey for e in self._index if e.disk_state is DiskState.PENDING}
+                for tier in self._tiers:
+                    tier.check_invariants(ready, queued)
 
-    def close(self, timeout_s: float) -> bool:
-        """Drain the writer and close LMDB (call without the lock); True when drained."""
-        if self.disk is None:
-            return True
-        return self.disk.close(timeout_s)
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued backups are published and what the lower tiers have queued
+        is stored (the remote tier first: its fills may queue disk writes)."""
+        self._fills.reap(block=True)
+        return all(tier.flush(timeout_s) for tier in reversed(self._tiers))
+
+    def close(self, timeout_s: float) -> int:
+        """Publish queued backups, store what the lower tiers must keep, drain and close
+        them (the remote tier first: its fills may still queue disk writes). Returns the
+        pages that were to be written to disk and are not: writes that failed or were
+        rejected while closing, plus pages still queued when the writer did not drain
+        within ``timeout_s`` (the remote tier counts what it drops itself)."""
+        write_failures = (Failure.DISK_WRITE_ERROR, Failure.DISK_FULL)
+        with self._lock:
+            failed_before = sum(self._counters.get("failures", f.value) for f in write_failures)
+        self._fills.reap(block=True)
+        with self._lock:
+            for tier in self._tiers:
+                tier.on_close_locked()
+        drained = True
+        for tier in reversed(self._tiers):
+            closed = tier.close(timeout_s)
+            if tier is self._disk:
+                drained = closed
+        with self._lock:  # a writer still running settles pages under this lock
+            failed = sum(self._counters.get("failures", f.value) for f in write_failures)
+            lost = int(failed - failed_before)
+            if not drained:
+                unwritten = sum(1 for e in self._index if e.disk_state is DiskState.PENDING)
+                log.error("controller closed with %d pages still queued for disk", unwritten)
+                lost += unwritten
+        return lost

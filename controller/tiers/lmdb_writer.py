@@ -181,6 +181,11 @@ class LmdbWriter:
     def pending_deletes(self) -> frozenset[bytes]:
         return frozenset(self._pending_deletes)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the writer thread runs (it is the tier's only way in)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float | None) -> bool:
         """Refuse new items, drain the queue, stop the thread; True when drained."""
         with self._cv:

@@ -78,6 +78,29 @@ class ClusterSettings:
     topology_refresh_s: float = 0.5
     io_threads: int = 8
 
+    @classmethod
+    def from_config(cls, config: Any) -> ClusterSettings:
+        """The cluster of a ``ControllerConfig``'s ``remote_url``, with the deadlines and
+        threads of its ``remote_*`` settings (the password read from
+        ``remote_password_file``). Not typed on the config: it imports this module."""
+        seeds, tls, user = parse_remote_url(config.remote_url)
+        password = None
+        if config.remote_password_file is not None:
+            password = read_password_file(config.remote_password_file)
+        return cls(
+            seeds,
+            tls=tls,
+            username=user,
+            password=password,
+            tls_ca_file=config.remote_tls_ca_file,
+            lookup_timeout_s=config.remote_lookup_timeout_s,
+            read_timeout_s=config.remote_read_timeout_s,
+            write_timeout_s=config.remote_write_timeout_s,
+            failure_hint_s=config.remote_failure_hint_s,
+            topology_refresh_s=config.remote_topology_refresh_s,
+            io_threads=config.remote_io_threads,
+        )
+
     def timeout_s(self, purpose: Purpose) -> float:
         return {
             Purpose.LOOKUP: self.lookup_timeout_s,

@@ -1,7 +1,8 @@
 """The remote tier: pages shared by every node's sidecar through a :class:`RemoteStore`.
 
-It sits behind host and disk and is never a source of truth: the page index knows only
-the local tiers. What it adds:
+A :class:`~hicache.controller.tiers.lower_tier.LowerTier` behind host and disk, never a
+source of truth: the page index knows only the local tiers, and this tier reaches it only
+through the page store's operations for tiers. What it adds:
 
 * **Probes.** A lookup asks the store about the pages that the local tiers miss, in
   chain order, a chunk per round trip, and stops at the first FULL page that the store
@@ -9,9 +10,9 @@ the local tiers. What it adds:
   (``remote_lookup_timeout_s``). A page found is reported as ``Presence.REMOTE`` and
   remembered in a bounded, expiring set of *hints*; a hint is believed only until a read
   verifies the value.
-* **Fills.** A pin of a page the local tiers do not hold, but the hints do, reserves a
-  host page (the index entry is *filling*, like a disk read) and reads the value on a
-  worker thread. The value is checked by ``page_codec.verify_into``, exactly as LMDB
+* **Fills.** A pin of a page the local tiers do not hold, but the hints do (the tier
+  *offers* it), reserves a host page (filling, like a disk read) and reads the value on
+  a worker thread. The value is checked by ``page_codec.verify_into``, exactly as LMDB
   values are; a page lands in the host tier (and is queued to disk when
   ``remote_fill_to_disk``) before any load can copy it. A corrupt, truncated or foreign
   value is never served: it is counted and deleted from the store.
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from hicache.controller.config import RemoteWritePolicy
 from hicache.controller.store.counters import Counters, component_label
 from hicache.controller.store.page_codec import (
     HEADER_BYTES,
@@ -44,8 +46,8 @@ from hicache.controller.store.page_codec import (
     verify_into,
     write_header,
 )
-from hicache.controller.store.page_index import HostState, PageEntry
-from hicache.controller.config import RemoteWritePolicy
+from hicache.controller.store.page_entry import HostState, PageEntry
+from hicache.controller.tiers.lower_tier import FillResult, FsckResult, TierHost
 from hicache.controller.tiers.remote_health import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller.tiers.remote_store import (
     Fetched,
@@ -56,34 +58,33 @@ from hicache.controller.tiers.remote_store import (
     value_parts,
 )
 from hicache.controller_api import P_ABSENT, P_REMOTE, PageKey
-from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from hicache.controller.config import ControllerConfig
-    from hicache.controller.store.page_store import PageStore
 
 log = logging.getLogger(__name__)
 
-# The parent of a chain's first page is the chain's seed, which a lookup does not see: a
-# fill of that page starts with this placeholder and takes the parent from the value.
-_UNKNOWN_PARENT = bytes(HASH_BYTES)
 _INVALID = {ReadStatus.CORRUPT: "corrupt", ReadStatus.FOREIGN: "foreign"}
 
 
 class RemoteTier:
     """Probes, fills and writes of one controller's remote tier (see module docstring)."""
 
+    tier = Tier.REMOTE
+
     def __init__(
         self,
         config: ControllerConfig,
-        store: RemoteStore,
-        pages: PageStore,
+        remote_store: RemoteStore,
+        pages: TierHost,
         layout_digest: bytes,
         counters: Counters,
     ) -> None:
         self.config = config
-        self.store = store
+        self.remote_store = remote_store
         self._pages = pages
         self._digest = layout_digest
         self.counters = counters
@@ -150,7 +151,7 @@ class RemoteTier:
             asked = [(i, c) for i in range(j, end) for c in comps if rows[c][i] == P_ABSENT]
             keys = [self.key(page_hashes[i], c) for i, c in asked]
             res = self._call(
-                "exists", len(keys), lambda k=keys, t=remaining: self.store.exists(k, t)
+                "exists", len(keys), lambda k=keys, t=remaining: self.remote_store.exists(k, t)
             )
             if res is None:
                 return
@@ -169,7 +170,7 @@ class RemoteTier:
 
     # -- fills ---------------------------------------------------------------------------
 
-    def hinted(self, key: PageKey) -> bool:
+    def offers(self, key: PageKey) -> bool:
         """Whether ``key`` was seen in the store lately (a pin may read it from there)."""
         return self.hints.get(self.key(key.page_hash, key.component))[0]
 
@@ -180,46 +181,40 @@ class RemoteTier:
         hinted = [self.hints.get(self.key(k.page_hash, k.component)) for k in keys]
         if not all(h for h, _ in hinted) or self.breaker.state is BreakerState.OPEN:
             return False
-        store = self._pages
-        started: list[tuple[PageEntry, int, bool]] = []
+        started: list[tuple[PageEntry, bool]] = []
         ok = True
         for k, (_, parent) in zip(keys, hinted, strict=True):
-            e = store.index.get(k.storage_key())
-            if e is not None and e.held:
+            if self._pages.holds_locked(k):
                 continue  # the same page twice in one pin
-            page = store.alloc_host_locked(k.component)
-            if page is None:
+            e = self._pages.begin_fill_locked(k, parent)
+            if e is None:
                 ok = False
                 break
-            if e is None:
-                e = store.index.create(k.component, k.page_hash, parent or _UNKNOWN_PARENT)
-            store.index.set_host(e, page, ready=False)
-            store.index.acquire(e)
-            started.append((e, page, parent is None))
+            started.append((e, parent is None))
         step = self.config.remote_read_batch_pages
         for at in range(0, len(started), step):
             batch = started[at : at + step]
             fill: Future = Future()
-            for e, _, _ in batch:
-                e.fill = fill
+            self._pages.fill_started_locked([e for e, _ in batch], fill)
             self._fills.submit(self._fill_job, batch, fill)
         self.counters.add(len(started), "remote", "fills_started")
         return ok
 
-    def _fill_job(self, batch: list[tuple[PageEntry, int, bool]], fill: Future) -> None:
-        """Read, verify and publish one batch of fills (a worker thread)."""
+    def _fill_job(self, batch: list[tuple[PageEntry, bool]], fill: Future) -> None:
+        """Read, verify and publish one batch of fills (a worker thread). A page filled
+        with a provisional parent (``True`` beside it) takes its parent from the value."""
         t0 = time.perf_counter()
-        keys = [self.key(e.page_hash, e.component) for e, _, _ in batch]
+        keys = [self.key(e.page_hash, e.component) for e, _ in batch]
         statuses: list[ReadStatus] = [ReadStatus.ERROR] * len(batch)
         parents: list[bytes | None] = [None] * len(batch)
         try:
             timeout = self.config.remote_read_timeout_s
-            fetched = self._call("get", len(keys), lambda: self.store.get(keys, timeout))
-            for n, ((e, page, _), got) in enumerate(zip(batch, fetched or (), strict=False)):
+            fetched = self._call("get", len(keys), lambda: self.remote_store.get(keys, timeout))
+            for n, ((e, _), got) in enumerate(zip(batch, fetched or (), strict=False)):
                 if got.status is KeyStatus.MISSING:
                     statuses[n] = ReadStatus.MISSING
                 elif got.status is KeyStatus.OK:
-                    dst = self._pages.host[e.component].row(page)
+                    dst = self._pages.host_row(e)
                     head, parts = value_parts(got.head, got.body)
                     statuses[n] = verify_into(head, parts, int(e.component), self._digest, dst)
                     if statuses[n] is ReadStatus.OK:
@@ -227,65 +222,58 @@ class RemoteTier:
         except Exception:  # a bug must fail the fills, never leave them filling
             log.exception("remote fill of %d pages failed", len(batch))
         invalid = [keys[n] for n, s in enumerate(statuses) if s in _INVALID]
-        nbytes = 0
-        with self._pages.lock:
-            for n, (e, _, provisional) in enumerate(batch):
-                nbytes += self._finish_fill_locked(e, statuses[n], parents[n], provisional)
+        results = [
+            FillResult(e, statuses[n], parents[n] if provisional else None)
+            for n, (e, provisional) in enumerate(batch)
+        ]
+        nbytes = self._pages.finish_fills(results, Tier.REMOTE)
         for n, s in enumerate(statuses):
             self.counters.inc("remote", "fills", s.value)
-            if s in _INVALID:
+            if s is ReadStatus.OK:
+                e = batch[n][0]
+                self.hints.add(keys[n], e.parent_hash)
+            elif s is ReadStatus.MISSING:
+                self.hints.discard(keys[n])
+            elif s in _INVALID:
                 self.counters.inc("remote", "invalid", _INVALID[s])
                 self.hints.discard(keys[n])
-        self._announce([e for (e, _, _), s in zip(batch, statuses) if s in _INVALID], True)
+        self._announce([e for (e, _), s in zip(batch, statuses) if s in _INVALID], True)
         if invalid:  # never served, and never again to anyone: remove them
             log.warning("remote tier: %d invalid values removed", len(invalid))
             timeout = self.config.remote_write_timeout_s
-            self._call("delete", len(invalid), lambda: self.store.delete(invalid, timeout))
+            self._call("delete", len(invalid), lambda: self.remote_store.delete(invalid, timeout))
         done = sum(1 for s in statuses if s is ReadStatus.OK)
         self.counters.transfer("remote_to_host", done, nbytes, time.perf_counter() - t0)
         fill.set_result(done == len(batch))
 
-    def _finish_fill_locked(
-        self, e: PageEntry, status: ReadStatus, parent: bytes | None, provisional: bool
-    ) -> int:
-        store = self._pages
-        e.fill = None
-        if status is ReadStatus.OK:
-            if provisional and parent is not None:
-                store.index.set_parent(e, parent)
-            store.index.mark_host_ready(e)
-            store.index.release(e)
-            self.hints.add(self.key(e.page_hash, e.component), e.parent_hash)
-            if self.config.remote_fill_to_disk:
-                store.write_through_locked(e)
-            return store.host[e.component].page_bytes
-        store.host[e.component].free(store.index.clear_host(e))
-        store.index.release(e)
-        store.index.discard_if_unused(e)
-        if status is ReadStatus.MISSING:
-            self.hints.discard(self.key(e.page_hash, e.component))
-        return 0
-
     # -- writes --------------------------------------------------------------------------
 
-    def on_backup_locked(self, e: PageEntry) -> None:
-        """A backup put ``e`` on host (write-through)."""
-        if self.config.remote_write_policy is RemoteWritePolicy.WRITE_THROUGH:
-            self._enqueue(e, None)
+    def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
+        """A backup put ``page`` on host (write-through); a fill from below is not sent."""
+        policy = self.config.remote_write_policy
+        if source is Tier.DEVICE and policy is RemoteWritePolicy.WRITE_THROUGH:
+            self._enqueue(page, None)
 
-    def on_served_locked(self, e: PageEntry) -> None:
-        """``e`` served a load-back (selective)."""
+    def on_served_locked(self, page: PageEntry) -> None:
+        """``page`` served a load-back (selective)."""
         if self.config.remote_write_policy is RemoteWritePolicy.SELECTIVE:
-            self._enqueue(e, None)
+            self._enqueue(page, None)
 
-    def on_host_evict_locked(self, e: PageEntry) -> None:
-        """``e`` leaves the host tier (on host eviction): its bytes are copied now."""
+    def on_host_evict_locked(self, page: PageEntry) -> None:
+        """``page`` leaves the host tier (on host eviction): its bytes are copied now."""
         if self.config.remote_write_policy is RemoteWritePolicy.ON_HOST_EVICTION:
             # Checked before the copy: a full queue must cost the eviction nothing.
             if len(self._queue) >= self.config.remote_write_queue_pages:
                 self.counters.inc("remote", "write_dropped", "queue_full")
-            elif e.host_state is HostState.READY:
-                self._enqueue(e, self._frame_locked(e))
+            elif page.host_state is HostState.READY:
+                self._enqueue(page, self._frame(self._pages.host_row(page)))
+
+    def on_close_locked(self) -> None:
+        """Nothing: :meth:`close` sends what is queued."""
+
+    def delete_locked(self, skeys: Sequence[bytes]) -> None:
+        """Nothing: the index never records this tier's pages (invalid values are deleted
+        by the fill that finds them)."""
 
     def _enqueue(self, e: PageEntry, frame: memoryview | None) -> None:
         skey = e.skey
@@ -299,10 +287,10 @@ class RemoteTier:
             self._queued.add(skey)
             self._cv.notify()
 
-    def _frame_locked(self, e: PageEntry, frames: list[bytearray] | None = None) -> memoryview:
-        """A copy of ``e``'s host page with room for the header in front: in the next of
-        a writer's reused ``frames``, or in a new buffer."""
-        row = self._pages.host[e.component].row(e.host_page)
+    @staticmethod
+    def _frame(row: np.ndarray, frames: list[bytearray] | None = None) -> memoryview:
+        """A copy of a host page (``row``) with room for the header in front: in the next
+        of a writer's reused ``frames``, or in a new buffer."""
         size = HEADER_BYTES + row.nbytes
         if frames is None:
             buffer = bytearray(size)
@@ -340,20 +328,23 @@ class RemoteTier:
                         self._queued.discard(e.skey)
                     self._cv.notify_all()
 
-    def _send(
-        self, batch: list[tuple[PageEntry, Any]], spare: list[bytearray]
-    ) -> list[bytearray]:
+    def _send(self, batch: list[tuple[PageEntry, Any]], spare: list[bytearray]) -> list[bytearray]:
         """Write one batch; returns the frames to reuse for the next one."""
         t0 = time.perf_counter()
+        copied = iter(
+            self._pages.copy_host_pages(
+                [e for e, frame in batch if frame is None],
+                lambda e, row: self._frame(row, spare),
+            )
+        )
         frames = []
-        with self._pages.lock:
-            for e, frame in batch:
-                if frame is None:
-                    if not e.attached or e.host_state is not HostState.READY:
-                        self.counters.inc("remote", "write_dropped", "evicted")
-                        continue
-                    frame = self._frame_locked(e, spare)
-                frames.append((e, frame))
+        for e, frame in batch:
+            if frame is None:
+                frame = next(copied)
+                if frame is None:  # gone from host since it was queued
+                    self.counters.inc("remote", "write_dropped", "evicted")
+                    continue
+            frames.append((e, frame))
         items = []
         for e, frame in frames:
             write_header(frame, e.component, self._digest, e.parent_hash)
@@ -365,7 +356,9 @@ class RemoteTier:
         timeout = self.config.remote_write_timeout_s
         keys = [it[0] for it in items]
         entry_of = {it[0]: e for it, (e, _) in zip(items, frames, strict=True)}
-        known = self._call("exists", len(keys), lambda: self.store.exists(keys, timeout, bulk=True))
+        known = self._call(
+            "exists", len(keys), lambda: self.remote_store.exists(keys, timeout, bulk=True)
+        )
         if known is None:
             self.counters.add(len(items), "remote", "write_dropped", "breaker_open")
             return reuse
@@ -379,7 +372,7 @@ class RemoteTier:
         if not todo:
             self._announce(present)
             return reuse
-        res = self._call("put", len(todo), lambda: self.store.put(todo, timeout))
+        res = self._call("put", len(todo), lambda: self.remote_store.put(todo, timeout))
         if res is None:
             self.counters.add(len(todo), "remote", "write_dropped", "breaker_open")
             return reuse
@@ -404,13 +397,7 @@ class RemoteTier:
     def _announce(self, entries: list[PageEntry], removed: bool = False) -> None:
         """Tell the store's listener (the KV event publisher) which pages this node found
         on or wrote to the remote tier, or removed from it."""
-        events = self._pages.index.events
-        if events is not None and entries:
-            with self._pages.lock:
-                if removed:
-                    events.removed(Tier.REMOTE, entries)
-                else:
-                    events.stored(Tier.REMOTE, entries)
+        self._pages.tier_changed(Tier.REMOTE, entries, removed)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -438,12 +425,20 @@ class RemoteTier:
             "write_queue_pages": len(self._queue),
             "write_queue_limit_pages": self.config.remote_write_queue_pages,
             "presence_hints": len(self.hints),
-            "failure_hints": getattr(self.store, "failure_hints", 0),
+            "failure_hints": getattr(self.remote_store, "failure_hints", 0),
         }
 
     def health(self, timeout_s: float) -> dict[str, Any]:
         """The store's own view (nodes, memory, slots) plus :meth:`stats`."""
-        return {**self.stats(), **self.store.info(timeout_s)}
+        return {**self.stats(), **self.remote_store.info(timeout_s)}
+
+    def fsck(self, repair: bool, progress: Callable[[int, int], None] | None) -> FsckResult:
+        """Nothing to check here: a value is verified whenever it is read, and an invalid
+        one deleted then."""
+        return FsckResult()
+
+    def check_invariants(self, ready: set[bytes], queued: set[bytes]) -> None:
+        """Nothing to compare: the index records none of this tier's pages."""
 
     def close(self, timeout_s: float) -> bool:
         """Send what is queued (within ``timeout_s``), stop the threads, close the store."""
@@ -458,47 +453,24 @@ class RemoteTier:
         for writer in self._writers:
             writer.join(timeout_s)
         self._fills.shutdown(wait=True)
-        self.store.close()
+        self.remote_store.close()
         return drained
 
 
 def open_remote(
     config: ControllerConfig,
-    pages: PageStore,
+    pages: TierHost,
     layout_digest: bytes,
     counters: Counters,
-    store: RemoteStore | None = None,
+    remote_store: RemoteStore | None = None,
 ) -> RemoteTier | None:
-    """The remote tier of ``config`` (on ``store`` when given, else on the cluster of
-    ``remote_url``); None when neither is set. Never connects: a cluster that is absent
-    now is a miss until it answers."""
-    if store is None:
+    """The remote tier of ``config`` (on ``remote_store`` when given, else on the cluster
+    of ``remote_url``); None when neither is set. Never connects: a cluster that is
+    absent now is a miss until it answers."""
+    if remote_store is None:
         if config.remote_url is None:
             return None
-        from hicache.controller.tiers.remote_cluster import (
-            ClusterSettings,
-            ClusterStore,
-            parse_remote_url,
-            read_password_file,
-        )
+        from hicache.controller.tiers.remote_cluster import ClusterSettings, ClusterStore
 
-        seeds, tls, user = parse_remote_url(config.remote_url)
-        password = None
-        if config.remote_password_file is not None:
-            password = read_password_file(config.remote_password_file)
-        store = ClusterStore(
-            ClusterSettings(
-                seeds,
-                tls=tls,
-                username=user,
-                password=password,
-                tls_ca_file=config.remote_tls_ca_file,
-                lookup_timeout_s=config.remote_lookup_timeout_s,
-                read_timeout_s=config.remote_read_timeout_s,
-                write_timeout_s=config.remote_write_timeout_s,
-                failure_hint_s=config.remote_failure_hint_s,
-                topology_refresh_s=config.remote_topology_refresh_s,
-                io_threads=config.remote_io_threads,
-            )
-        )
-    return RemoteTier(config, store, pages, layout_digest, counters)
+        remote_store = ClusterStore(ClusterSettings.from_config(config))
+    return RemoteTier(config, remote_store, pages, layout_digest, counters)

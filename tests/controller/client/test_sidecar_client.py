@@ -27,7 +27,7 @@ from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
-from hicache.types import ComponentType
+from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
 from tests.support.sidecar import wait_for
 
@@ -163,9 +163,7 @@ def test_a_load_never_outlasts_its_deadline(workdir):
         assert engine.client.backup(refs).wait(10)
         assert side.controller.flush(30)
         # Disk only, and every disk read now takes 2 s.
-        with side.controller._store.lock:
-            for e in list(side.controller._store.index):
-                side.controller._store.evict_host_locked(e)
+        side.controller.store.evict(Tier.HOST, 1 << 62)
         side.controller.faults = FaultPlan(disk_read_delay_s=2.0)
         pin = engine.client.pin([r.key for r in refs], 30)
         assert pin is not None

@@ -129,7 +129,7 @@ def test_a_page_only_on_disk_is_loaded_by_the_sidecar(pair):
     src = engine.chain()
     assert engine.client.backup(src).wait(10)
     assert side.controller.flush(10)
-    side.controller.evict(Tier.HOST, 1 << 30, FULL)  # now on disk only
+    side.controller.store.evict(Tier.HOST, 1 << 30, FULL)  # now on disk only
     dst = engine.retarget(src)
     pin = engine.client.pin([r.key for r in dst], 30)
     assert pin is not None and all(p == -1 for p in pin.host_pages)

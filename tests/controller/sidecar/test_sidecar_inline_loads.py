@@ -17,7 +17,7 @@ from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
-from hicache.types import ComponentType
+from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
 from tests.support.sidecar import FullPages, wait_for
 
@@ -135,10 +135,7 @@ def test_a_load_that_reads_from_disk_runs_on_a_worker(setup):
     src = setup.chain()
     assert setup.client.backup(src).wait(10)
     assert setup.controller.flush(30)
-    store = setup.controller._store
-    with store.lock:
-        for e in list(store.index):
-            store.evict_host_locked(e)
+    setup.controller.store.evict(Tier.HOST, 1 << 62)
     dst = setup.retarget(src)
     pin = setup.client.pin([r.key for r in dst], 30)
     assert setup.client.load(dst, pin, 10)
@@ -160,10 +157,7 @@ def test_a_load_that_pins_its_own_pages_loads_them_and_releases_its_pin(setup, w
     assert setup.client.backup(src).wait(10)
     if where == "disk":  # the load reads its pages on a worker, under its own pin too
         assert setup.controller.flush(30)
-        store = setup.controller._store
-        with store.lock:
-            for e in list(store.index):
-                store.evict_host_locked(e)
+        setup.controller.store.evict(Tier.HOST, 1 << 62)
     client = _own_pins_client(setup)
     try:
         dst = setup.retarget(src)
@@ -187,8 +181,8 @@ def test_a_load_that_pins_its_own_pages_fails_when_one_is_gone_and_pins_nothing(
     try:
         pin = client.pin([r.key for r in src], 30)
         assert setup.controller.flush(30)  # a page being written to disk is never dropped
-        with setup.controller._store.lock:
-            setup.controller._store.drop_locked(src[2].key, False)  # evicted after the match
+        with setup.controller.store._lock:
+            setup.controller.store._drop_locked(src[2].key, False)  # evicted after the match
         dst = setup.retarget(src)
         assert not client.load(dst, pin, 10)
         assert setup.controller.stats()["pins_active"] == 0

@@ -195,7 +195,7 @@ def test_close_counts_the_pages_still_queued_when_the_writer_does_not_drain(monk
     engine = Engine(layout)
     ctl = LocalController(controller_config(tmp_path, close_timeout_s=0.2))
     ctl.register(layout, PAGE, engine.pools)
-    writer = ctl.store.disk.writer
+    writer = ctl.store._disk.lmdb.writer
     stalled = threading.Event()
     commit = writer._commit
 
@@ -248,7 +248,7 @@ def test_the_sidecar_freezes_its_index_once_built_and_again_when_it_has_grown(
     srv = SidecarServer(
         ctl, SidecarConfig(socket_path=tmp_path / "s.sock"), own_process=own_process
     )
-    index = ctl.store.index
+    index = ctl.store._index
 
     def grow(n: int) -> None:
         for _ in range(n):

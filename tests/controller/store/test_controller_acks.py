@@ -77,7 +77,7 @@ def test_a_backup_of_pages_another_copy_is_filling_waits_for_that_copy(tmp_path)
     ca = ea.write_chain(range(3 * PAGE))
     cb = eb.write_chain(range(3 * PAGE))  # the same prefix: the same page hashes
     in_copy, go = threading.Event(), threading.Event()
-    real_fault = ctl._store.fault
+    real_fault = ctl.store.fault
 
     def fault(what):
         if what == "copy_to_host" and threading.current_thread().name == "A":
@@ -86,7 +86,7 @@ def test_a_backup_of_pages_another_copy_is_filling_waits_for_that_copy(tmp_path)
             return True  # engine a's copy fails once b has asked for the same pages
         return real_fault(what)
 
-    ctl._store.fault = fault
+    ctl.store.fault = fault
     out = {}
     ta = threading.Thread(
         target=lambda: out.update(a=ctl.backup(ca.refs([FULL]), engine_id="a").wait(5.0)),
@@ -100,8 +100,8 @@ def test_a_backup_of_pages_another_copy_is_filling_waits_for_that_copy(tmp_path)
         go.set()
         ok_b = handle_b.wait(5.0)
         ta.join(5.0)
-        ctl._store.fault = real_fault
-        held = [Tier.HOST in t or Tier.DISK in t for t in ctl.tiers_of(cb.page_keys([FULL]))]
+        ctl.store.fault = real_fault
+        held = [Tier.HOST in t or Tier.DISK in t for t in ctl.store.tiers_of(cb.page_keys([FULL]))]
         ctl.check_invariants(deep=True)
         assert out["a"] is False
         assert ok_b is all(held) and ok_b is False, "b was told its pages are held"

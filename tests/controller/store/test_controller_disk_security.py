@@ -103,7 +103,7 @@ def test_fsck_on_a_fresh_start_finds_every_corrupt_value(tmp_path):
     assert repaired.repaired == len(corrupted)
     assert fsck(fresh).corrupt == 0
     fresh.register(layout, PAGE, engine.pools)
-    tiers = fresh.tiers_of([r.key for r in chain.refs([FULL])])
+    tiers = fresh.store.tiers_of([r.key for r in chain.refs([FULL])])
     assert [bool(t) for t in tiers] == [k not in corrupted for k in keys]
     fresh.check_invariants(deep=True)
     fresh.close()

@@ -59,7 +59,7 @@ def _no_holds(ctl) -> None:
     ctl.check_invariants()
     stats = ctl.stats()
     assert stats["pins_active"] == 0
-    assert all(e.busy == 0 and e.pins == 0 for e in ctl._store.index)
+    assert all(e.busy == 0 and e.pins == 0 for e in ctl.store._index)
 
 
 def test_pin_failure_raises_and_pins_nothing(tmp_path):
@@ -121,7 +121,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     engine = Engine(layout)
     ctl = LocalController(controller_config(tmp_path))
     ctl.register(layout, PAGE, engine.pools)
-    ctl.config.backup_chunk_bytes = 2 * ctl.store.host[FULL].page_bytes
+    ctl.config.backup_chunk_bytes = 2 * ctl.store.host_page_bytes()[FULL]
     chain = engine.write_chain(range(6 * PAGE), mamba_every=6)
     snap = engine.snapshot(chain)
     inner = ctl._copies.transfer.to_host
@@ -146,7 +146,7 @@ def test_a_copy_failure_in_a_later_chunk_keeps_the_chunks_copied_before_it(tmp_p
     held = ctl.lookup(chain.hashes, ALL)
     assert held.leading(FULL, Presence.HOST) == 4 and held.leading(SWA, Presence.HOST) == 0
     assert ctl.stats()["entries"] == 4
-    assert ctl.stats()["host"]["used_bytes"] == 4 * ctl.store.host[FULL].page_bytes
+    assert ctl.stats()["host"]["used_bytes"] == 4 * ctl.store.host_page_bytes()[FULL]
     ctl._copies.transfer.to_host = inner
     assert ctl.backup(refs).wait(5.0)
     assert ctl.stats()["backup"]["deduped_pages"] == 4
@@ -221,7 +221,7 @@ def test_a_running_backup_keeps_its_engines_buffers_until_it_is_published(tmp_pa
     buffers = weakref.ref(ctl._engines["leaving"])
     # The engine is gone from the controller (as when its connection was replaced while
     # the backup ran); only the queued copy may still hold its buffers.
-    with ctl.store.lock:
+    with ctl._lock:
         ctl._engines.pop("leaving")
     gc.collect()
     assert buffers() is not None, "the running copy's source was let go"
@@ -261,7 +261,7 @@ def test_a_page_evicted_meanwhile_fails_the_load(tmp_path):
     assert ctl.stats()["failures"]["page_absent"] == 1
     _no_holds(ctl)
     last = chain.refs()[-1].key
-    assert ctl.tiers_of([last]) == [frozenset()]
+    assert ctl.store.tiers_of([last]) == [frozenset()]
     assert ctl.pin([last], 5.0) is None  # a miss now
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -313,7 +313,7 @@ def test_disk_write_error_keeps_pages_on_host_only(tmp_path):
     assert ctl.backup(chain.refs()).wait(5.0)
     ctl.flush()
     assert ctl.stats()["failures"]["disk_write_error"] == 9
-    assert all(t == frozenset({Tier.HOST}) for t in ctl.tiers_of(chain.page_keys()))
+    assert all(t == frozenset({Tier.HOST}) for t in ctl.store.tiers_of(chain.page_keys()))
     _no_holds(ctl)
     ctl.check_invariants(deep=True)
     ctl.close()

@@ -111,7 +111,7 @@ def test_concurrent_engines_keep_the_controller_consistent(tmp_path):
     ctl.check_invariants(deep=True)
     stats = ctl.stats()
     assert stats["pins_active"] == 0
-    assert all(e.busy == 0 and e.pins == 0 for e in ctl._store.index)
+    assert all(e.busy == 0 and e.pins == 0 for e in ctl.store._index)
     # The tiers were under pressure: pages moved every way.
     assert stats["evictions"]["host"]["full"] > 0
     assert stats["evictions"]["disk"]["full"] > 0

@@ -23,14 +23,14 @@ from tests.support.controller import (
 
 def _write(ctl, chain_bytes: dict, pages: list[int]) -> None:
     """The engine's one copy: each FULL page's bytes into the host page it was handed."""
-    host = ctl.store.host[FULL].buffer
+    host = ctl.store._host[FULL].buffer
     for i, page in enumerate(pages):
         data = np.frombuffer(chain_bytes[FULL, i], dtype=np.uint8)
         host[page, FRAME_BYTES : FRAME_BYTES + data.size] = torch.from_numpy(data.copy())
 
 
 def _free_host_pages(ctl) -> int:
-    return ctl.store.host[FULL].free_pages
+    return ctl.store._host[FULL].free_pages
 
 
 def _on_host(ctl, chain) -> list[bool]:

@@ -9,6 +9,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from hicache.controller.admin import ops as admin_ops
 from hicache.controller.config import DiskWritePolicy
 from hicache.controller.store.local import ControllerLayoutMismatch, LocalController
 from hicache.controller.store.page_codec import HEADER_BYTES
@@ -81,7 +82,7 @@ def _count_copies(ctl) -> list[tuple]:
 
 def test_a_backup_larger_than_a_chunk_is_copied_in_parts_and_stored_whole(tmp_path):
     _, engine, ctl = registered_controller(tmp_path)
-    full_bytes = ctl.store.host[FULL].page_bytes
+    full_bytes = ctl.store.host_page_bytes()[FULL]
     ctl.config.backup_chunk_bytes = 2 * full_bytes  # a chunk closes at 2 FULL pages' bytes
     copies = _count_copies(ctl)
     chain = engine.write_chain(range(8 * PAGE), mamba_every=2)
@@ -119,20 +120,15 @@ def test_backup_time_counts_overlapping_parts_once(tmp_path):
     _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE))
     refs = chain.refs([FULL])
-    store, fills = ctl.store, ctl._fills
+    store = ctl.store
     t_start = time.perf_counter() - 1.0  # both parts began a second ago
     parts = []
-    with store.lock:
-        for ref in (refs[:2], refs[2:]):
-            fill = Future()
-            plan = []
-            for r in ref:
-                e = store.index.create(r.component, r.page_hash, r.parent_hash)
-                fills.begin_locked(e, store.alloc_host_locked(r.component), fill)
-                plan.append((e, r))
-            parts.append(QueuedBackup(plan, [], t_start, fill))
-        for part in parts:
-            fills.publish_locked(part)
+    for ref in (refs[:2], refs[2:]):
+        fill = Future()
+        booked = store.book_backup(ref, 0, 1 << 30, set(), fill)
+        parts.append(QueuedBackup(booked.plan, [], t_start, fill))
+    for part in parts:
+        store.backup_copied(part)
     ctl.check_invariants()
     d2h = ctl.stats()["transfer"]["device_to_host"]
     assert d2h["pages"] == 4
@@ -274,7 +270,7 @@ def _corrupt_a_stored_page(ctl, engine):
     _store(ctl, chain)
     assert ctl.flush(10.0)
     bad = chain.refs([FULL])[1].key.storage_key()
-    with ctl.store.disk.env.begin(write=True) as txn:
+    with ctl.store._disk.lmdb.env.begin(write=True) as txn:
         good = bytes(txn.get(bad))
         value = bytearray(good)
         value[HEADER_BYTES + 3] ^= 0x10
@@ -291,7 +287,7 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
 
     _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
     chain, bad, _ = _corrupt_a_stored_page(ctl, engine)
-    env = ctl.store.disk.env
+    env = ctl.store._disk.lmdb.env
     first = fsck(ctl, repair=True)
     assert (first.corrupt, first.repaired) == (1, 1)
     with env.begin() as txn:
@@ -299,7 +295,7 @@ def test_fsck_repair_returns_once_the_corrupt_value_is_gone_from_lmdb(tmp_path):
     again = fsck(ctl)
     assert again.corrupt == 0 and again.ok == first.ok
     # The host copy was never corrupt and stays; the disk copy is gone from the index too.
-    tiers = ctl.tiers_of([r.key for r in chain.refs([FULL])])
+    tiers = ctl.store.tiers_of([r.key for r in chain.refs([FULL])])
     assert tiers == [{Tier.HOST, Tier.DISK}, {Tier.HOST}, {Tier.HOST, Tier.DISK}]
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -316,14 +312,14 @@ def test_admin_clear_and_evict_return_once_the_disk_values_are_gone(tmp_path):
     _store(ctl, a)
     _store(ctl, b)
     assert ctl.flush(10.0)
-    env = ctl.store.disk.env
+    env = ctl.store._disk.lmdb.env
 
     def on_disk(chain) -> list[bool]:
         with env.begin() as txn:
             return [txn.get(r.key.storage_key()) is not None for r in chain.refs()]
 
     assert all(on_disk(a)) and all(on_disk(b))
-    page = ctl.store.index.get(a.refs([FULL])[0].key.storage_key()).disk_nbytes
+    page = ctl.store._index.get(a.refs([FULL])[0].key.storage_key()).disk_nbytes
     freed = evict(ctl, Tier.DISK, page)  # the least recently used chain's tail first
     assert freed["pages"] >= 1
     assert sum(not x for x in on_disk(a) + on_disk(b)) == freed["pages"]
@@ -341,11 +337,11 @@ def test_a_clear_right_after_a_backup_drops_its_pages_from_every_tier(tmp_path):
     _, engine, ctl = registered_controller(tmp_path, writer_flush_interval_s=0.5)
     chain = engine.write_chain(range(3 * PAGE))
     _store(ctl, chain)
-    res = ctl.clear(None, [Tier.HOST, Tier.DISK])
+    res = admin_ops.clear(ctl, None, [Tier.HOST, Tier.DISK])
     assert res.kept_pages == 0 and res.host_pages == res.disk_pages == len(chain.refs())
     assert ctl.flush(10.0)
-    assert ctl.tiers_of(chain.page_keys()) == [set()] * len(chain.refs())
-    with ctl.store.disk.env.begin() as txn:
+    assert ctl.store.tiers_of(chain.page_keys()) == [set()] * len(chain.refs())
+    with ctl.store._disk.lmdb.env.begin() as txn:
         assert all(txn.get(r.key.storage_key()) is None for r in chain.refs())
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -384,7 +380,7 @@ def test_pages_of_another_layout_are_never_served(tmp_path):
 
 
 def _on_disk(ctl, keys) -> list[int]:
-    return [int(Tier.DISK in t) for t in ctl.tiers_of(keys)]
+    return [int(Tier.DISK in t) for t in ctl.store.tiers_of(keys)]
 
 
 def test_tiny_disk_budget_evicts_lru_chains_from_the_tail(tmp_path):
@@ -485,7 +481,7 @@ def test_pin_is_all_or_nothing(tmp_path):
     missing = engine.write_chain(range(900, 900 + PAGE))
     assert ctl.pin(chain.page_keys() + missing.page_keys(), 5.0) is None
     assert ctl.stats()["pins_active"] == 0
-    assert all(ctl._store.index.get(k.storage_key()).pins == 0 for k in chain.page_keys())
+    assert all(ctl.store._index.get(k.storage_key()).pins == 0 for k in chain.page_keys())
     ctl.check_invariants()
     ctl.close()
 
@@ -575,7 +571,7 @@ def test_prefetch_brings_disk_pages_to_host(tmp_path):
     assert ctl.prefetch(missing.page_keys()).wait(5.0) is False  # not held anywhere
     handle = ctl.prefetch(chain.page_keys())
     assert handle.wait(5.0) and handle.done()
-    assert all(Tier.HOST in t for t in ctl.tiers_of(chain.page_keys()))
+    assert all(Tier.HOST in t for t in ctl.store.tiers_of(chain.page_keys()))
     assert ctl.stats()["transfer"]["disk_to_host"]["pages"] == 9
     ctl.check_invariants(deep=True)
     ctl.close()
@@ -604,7 +600,7 @@ def test_fsck_repair_leaves_a_value_stored_again_since_its_scan(tmp_path):
 
     _, engine, ctl = registered_controller(tmp_path)
     _, bad, good = _corrupt_a_stored_page(ctl, engine)
-    env = ctl.store.disk.env
+    env = ctl.store._disk.lmdb.env
 
     def stored_again(done, total):  # the scan's last progress call: the scan is over
         if done >= total:

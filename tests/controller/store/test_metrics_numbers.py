@@ -31,8 +31,9 @@ from hicache.controller.sidecar.metrics import SidecarMetrics
 from hicache.controller.store.counters import BusyTime, Counters, Failure
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.local import LocalController
-from hicache.controller.store.page_copies import DeviceLoad, PageCopies
-from hicache.controller.store.page_store import _READ_FAILURES, PageStore
+from hicache.controller.store.page_copies import DeviceLoad
+from hicache.controller.store.page_store import PageStore
+from hicache.controller.tiers.disk_tier import _READ_FAILURES, DiskTier
 from hicache.controller.tiers.lmdb_tier import ReadStatus
 from hicache.controller_api import LoadResult, PageRef, PinReceipt
 from hicache.types import Tier
@@ -234,7 +235,7 @@ def _copy_error(store: Store) -> bool:
 
 def _read_fails(status: ReadStatus) -> Callable[[Store], bool]:
     def scenario(store: Store) -> bool:
-        store.ctl.store.disk.read_into = lambda skey, dst: status
+        store.ctl.store._disk.lmdb.read_into = lambda skey, dst: status
         return _load(store)
 
     return scenario
@@ -258,11 +259,12 @@ def _reasons_a_load_can_count() -> set[Failure]:
     """Read from the code: what ``load`` counts, what its copy counts, what the disk read
     it starts counts when it cannot start and when it fails."""
     paths = (
-        LocalController._load,
-        PageCopies.claim,
+        LocalController.load,
+        PageStore.claim,
+        PageStore.hold_for_copy,
         DeviceLoad.failed,
         DeviceLoad.done,
-        PageStore.start_read_locked,
+        DiskTier.fill_locked,
     )
     named = {m for f in paths for m in re.findall(r"Failure\.([A-Z_]+)", inspect.getsource(f))}
     return {Failure[n] for n in named} | set(_READ_FAILURES.values())

@@ -242,12 +242,12 @@ def test_a_backup_and_a_load_racing_shutdown_leave_their_pages_consistent(tmp_pa
     stored = engine.write_chain(range(2 * PAGE))
     assert ctl.backup(stored.refs([FULL])).wait(10.0) and ctl.flush(10.0)
     clear(ctl, None, [Tier.HOST])  # on disk only: a load reads it back
-    ctl.store.disk.close(10.0)  # shutdown got there first
+    ctl.store._disk.close(10.0)  # shutdown got there first
     assert ctl.prefetch(stored.page_keys([FULL])).wait(10.0) is False
     fresh = engine.write_chain(range(100, 100 + 2 * PAGE))
     assert ctl.backup(fresh.refs([FULL])).wait(10.0)  # on host; the disk write failed
-    assert ctl.tiers_of(stored.page_keys([FULL])) == [{Tier.DISK}] * 2
-    assert ctl.tiers_of(fresh.page_keys([FULL])) == [{Tier.HOST}] * 2
+    assert ctl.store.tiers_of(stored.page_keys([FULL])) == [{Tier.DISK}] * 2
+    assert ctl.store.tiers_of(fresh.page_keys([FULL])) == [{Tier.HOST}] * 2
     ctl.check_invariants()
     ctl.close()
 
@@ -259,7 +259,7 @@ def test_an_admin_clear_racing_a_new_backup_of_the_page_never_deletes_the_new_co
     _, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(2 * PAGE))
     assert ctl.backup(chain.refs([FULL])).wait(10.0) and ctl.flush(10.0)
-    tier = ctl.store.disk
+    tier = ctl.store._disk.lmdb
     queue_deletes = tier.submit_delete
     backups: list[threading.Thread] = []
 
@@ -276,7 +276,7 @@ def test_an_admin_clear_racing_a_new_backup_of_the_page_never_deletes_the_new_co
     tier.submit_delete = queue_deletes
     backups[0].join(10.0)
     assert ctl.flush(10.0)
-    assert ctl.tiers_of(chain.page_keys([FULL])) == [{Tier.HOST, Tier.DISK}] * 2
+    assert ctl.store.tiers_of(chain.page_keys([FULL])) == [{Tier.HOST, Tier.DISK}] * 2
     ctl.check_invariants(deep=True)  # what the index says is on disk is in LMDB
     ctl.close()
 

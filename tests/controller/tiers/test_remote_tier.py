@@ -160,7 +160,7 @@ def test_probe_stops_at_the_first_hole_and_reports_nothing_after_it():
 
     store.delete([remote_key("hicache", hashes[5], ComponentType.FULL)], 1.0)
     b = Node(MemoryStore(), remote_probe_chunk_pages=2)
-    b.ctrl._store.remote.store = store  # B reads the same store; probes counted below
+    b.ctrl.store._tiers[-1].remote_store = store  # B reads the same store; probes counted below
     before = store.calls.get("exists", 0)
     res = b.ctrl.lookup(hashes, [ComponentType.FULL, ComponentType.SWA])
     full = res.presence[ComponentType.FULL]

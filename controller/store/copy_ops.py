@@ -1,0 +1,352 @@
+"""The page store's operations for copies between engines and host pages.
+
+A copy of a device's pages to host (a backup) books host pages, which are *filling*
+until its copy ends and :meth:`CopyOps.backup_copied` publishes them (or
+:meth:`CopyOps.abort_backup` gives them back); a store an engine copies itself is the
+same, its pages handed out by :meth:`CopyOps.begin_store` and published by
+:meth:`CopyOps.commit_store`. A load claims its pinned pages (:meth:`CopyOps.claim`),
+holds them for the copy and releases them when it ends (:meth:`CopyOps.release_load`);
+an engine that copies from the shared host pages itself learns where they are
+(:meth:`CopyOps.pinned_host_pages`). The copies themselves are
+:class:`~hicache.controller.store.page_copies.PageCopies`' and the engine's; these
+operations keep the index, the pool and the tiers right around them.
+:class:`~hicache.controller.store.page_store.PageStore` implements them with this class.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.controller.store.counters import Failure
+from hicache.controller.store.engine_stores import HELD, NO_ROOM, Reservation
+from hicache.controller.store.fills import QueuedBackup
+from hicache.controller.store.page_index import DiskState, HostState, PageEntry
+from hicache.controller.store.store_state import StoreState
+from hicache.controller_api import ControllerError, PageKey, PageRef
+from hicache.types import ComponentType, Tier
+
+# PageKey.storage_key() without building a PageKey: this runs once per page per call.
+_TAG = {c: bytes((int(c),)) for c in ComponentType}
+
+
+class ClaimState(enum.Enum):
+    """What :meth:`PageStore.claim` found for a load."""
+
+    HELD = "held"  # every page is on host, held for the copy
+    READING = "reading"  # every page is held; ``fills`` bring some of them to host first
+    NOT_ON_HOST = "not_on_host"  # (inline) a page must first be read: nothing changed
+    FAILED = "failed"  # the load fails at once (a page gone, the pin expired): counted
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The pages of a load (``entries``, in the order of its refs) and what they need."""
+
+    state: ClaimState
+    entries: list[PageEntry] = field(default_factory=list)
+    fills: list[Future] = field(default_factory=list)
+
+
+@dataclass
+class BackupPart:
+    """Host pages booked for one part of a backup (:meth:`PageStore.book_backup`)."""
+
+    plan: list[tuple[PageEntry, PageRef]]  # pages to copy into, each with its ref
+    waits: list[Future]  # fills of pages another copy is bringing to host
+    end: int  # the index of the first ref not looked at
+    all_held: bool  # False when a page found no host page
+
+
+class CopyOps(StoreState):
+    """The copy operations of a page store (the store's state is its own)."""
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def pinned_host_pages(self, pin_id: int, keys: Sequence[PageKey]) -> np.ndarray | None:
+        """The host page of each of ``keys`` under the pin (-1: not ready on host, or not
+        pinned), for an engine that copies from shared host pages; None when they are not
+        shared."""
+        if self._host is None or not self._host.shared:
+            return None
+        out = np.full(len(keys), -1, dtype=np.int32)
+        with self._lock:
+            rec = self._pins.get(pin_id)
+            if rec is None:
+                return out
+            for i, k in enumerate(keys):
+                skey = k.page_hash + _TAG[k.component]
+                e = self._index.get(skey) if skey in rec.skeys else None
+                if e is not None and e.host_state is HostState.READY:
+                    out[i] = e.host_page
+        return out
+
+    def _served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
+        """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
+        transfer and keep the pages as any page that served a load-back."""
+        nbytes = 0
+        for e in entries:
+            if e.host_state is HostState.READY:
+                self._index.served(e)
+                for tier in self._tiers:
+                    tier.on_served_locked(e)
+                nbytes += self._host[e.component].page_bytes
+        self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
+        self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
+
+    def claim(self, refs: Sequence[PageRef], pin_id: int, engine_id: str, inline: bool) -> Claim:
+        """Check a load of ``refs`` (checked against the engine already) under pin
+        ``pin_id``, and hold its pages for the copy when all are on host (HELD). Otherwise
+        start the reads that bring them there (READING), or, ``inline``, change nothing
+        (NOT_ON_HOST). FAILED (counted) when the load fails at once; raises
+        ControllerError for one that can never succeed (a page outside the pin, another
+        engine's pin)."""
+        if refs and self._faults is not None:
+            for what, host_only in (("evict_before_load", False), ("evict_host_before_load", True)):
+                if self.fault(what):
+                    with self._lock:
+                        self._drop_locked(refs[-1].key, host_only)
+        entries: list[PageEntry] = []
+        with self._lock:
+            self._expire_pins_locked()
+            rec = self._pins.get(pin_id)
+            if rec is None:
+                self._counters.fail(Failure.PIN_EXPIRED)
+                return Claim(ClaimState.FAILED)
+            if rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
+            skeys, index = rec.skeys, self._index
+            for ref in refs:
+                skey = ref.page_hash + _TAG[ref.component]
+                if skey not in skeys:
+                    raise ControllerError(
+                        f"{ref.component.name} page {ref.page_hash.hex()} is not in pin "
+                        f"{pin_id}; pin every page before loading it"
+                    )
+                e = index.get(skey)
+                if e is None or not e.held:
+                    self._counters.fail(Failure.PAGE_ABSENT)
+                    return Claim(ClaimState.FAILED)
+                entries.append(e)
+            ready = HostState.READY
+            if all(e.host_state is ready for e in entries):
+                # All on host already: hold them now, in the same section.
+                for e in entries:
+                    self._hold_locked(e)
+                return Claim(ClaimState.HELD, entries)
+            if inline:
+                return Claim(ClaimState.NOT_ON_HOST)
+            # Only once every page is known to be held: a doomed load reads nothing.
+            fills: list[Future] = []
+            for e in entries:
+                if e.host_state is HostState.NONE and not self._disk.fill_locked([e.key]):
+                    return Claim(ClaimState.FAILED)
+                if e.host_state is HostState.FILLING:
+                    fills.append(e.fill)
+        return Claim(ClaimState.READING, entries, fills)
+
+    def hold_for_copy(self, entries: Sequence[PageEntry]) -> bool:
+        """Hold ``entries`` for a copy to a device, once their reads ended; False (counted,
+        nothing held) when one is no longer ready on host."""
+        with self._lock:
+            for e in entries:
+                if not e.attached or e.host_state is not HostState.READY:
+                    self._counters.fail(Failure.PAGE_ABSENT)
+                    return False
+            for e in entries:
+                self._hold_locked(e)
+        return True
+
+    def release_load(self, entries: Sequence[PageEntry], served: bool) -> None:
+        """A copy of held ``entries`` to a device has ended: release them; ``served``
+        (every byte arrived) makes them most recently used, kept as pages that served."""
+        with self._lock:
+            for e in entries:
+                e.copies -= 1
+                self._index.release(e)
+                if served:
+                    self._index.served(e)
+                    for tier in self._tiers:
+                        tier.on_served_locked(e)
+
+    def _hold_locked(self, e: PageEntry) -> None:
+        self._index.acquire(e)
+        e.copies += 1
+
+    def book_backup(
+        self,
+        refs: Sequence[PageRef],
+        start: int,
+        max_bytes: int,
+        seen: set[bytes],
+        fill: Future,
+    ) -> BackupPart:
+        """Book host pages for ``refs[start:]`` until ``max_bytes`` are booked: a page
+        held already is only touched (``waits`` for it while another copy fills it), a
+        new one gets a host page, filling, that shares ``fill`` and is held until
+        :meth:`backup_copied` publishes it or :meth:`abort_backup` gives it back. ``seen``
+        collects the storage keys looked at (a page named twice is booked once)."""
+        plan: list[tuple[PageEntry, PageRef]] = []
+        waits: list[Future] = []
+        all_held = True
+        page_bytes = self.host_page_bytes()
+        planned = 0
+        i, n = start, len(refs)
+        with self._lock:
+            while i < n and planned < max_bytes:
+                ref = refs[i]
+                i += 1
+                skey = ref.page_hash + _TAG[ref.component]
+                if skey in seen:
+                    continue
+                seen.add(skey)
+                e = self._index.get(skey)
+                if e is not None and e.held:
+                    self._index.touch(e)
+                    self._counters.inc("backup", "deduped_pages")
+                    if e.host_state is HostState.FILLING and e.disk_state is DiskState.NONE:
+                        # Held only once another copy into it succeeds: wait for it.
+                        waits.append(e.fill)
+                    continue
+                page = self._alloc_host_locked(ref.component)
+                if page is None:
+                    self._counters.fail(Failure.HOST_FULL)
+                    all_held = False
+                    continue
+                plan.append((self._begin_copy_locked(e, ref, page, fill), ref))
+                planned += page_bytes[ref.component]
+        return BackupPart(plan, waits, i, all_held)
+
+    def _begin_copy_locked(
+        self, e: PageEntry | None, ref: PageRef, page: int, fill: Future
+    ) -> PageEntry:
+        """``ref``'s page (its entry ``e``, indexed now if None) gets host ``page``,
+        filling under ``fill`` and held until published or aborted. The pages of one part,
+        or one engine's store, are published or aborted at once, so they share ``fill``
+        (one future per page cost more than the rest of a page's bookkeeping)."""
+        if e is None:
+            e = self._index.create(ref.component, ref.page_hash, ref.parent_hash)
+        self._index.set_host(e, page, ready=False)
+        self._index.acquire(e)
+        e.fill = fill
+        return e
+
+    def abort_backup(self, plan: list[tuple[PageEntry, PageRef]], fill: Future) -> None:
+        """The copy into the host pages of ``plan`` failed: give the pages back."""
+        with self._lock:
+            self._abort_locked(plan, fill)
+
+    def _abort_locked(self, plan: list[tuple[PageEntry, PageRef]], fill: Future) -> None:
+        for e, _ in plan:
+            e.fill = None
+            self._host[e.component].free(self._index.clear_host(e))
+            self._index.release(e)
+            self._index.discard_if_unused(e)
+        fill.set_result(False)
+
+    def backup_copied(self, backup: QueuedBackup) -> None:
+        """The copies of a backup part are issued: published now when they are done (no
+        events), else once its events complete (:meth:`reap_backups`)."""
+        with self._lock:
+            if backup.events:
+                self._fills.queue_locked(backup)
+            else:
+                self._publish_locked(backup)
+
+    def _publish_locked(self, backup: QueuedBackup) -> None:
+        """A backup's bytes are on host: mark its pages ready, and tell the lower tiers."""
+        backup.published = True
+        backup.source = None  # the copy has ended: the engine's memory may go
+        nbytes = 0
+        for e, _ in backup.plan:
+            self._index.mark_host_ready(e)
+            self._index.release(e)
+            e.fill = None
+            for tier in self._tiers:
+                tier.on_host_ready_locked(e, Tier.DEVICE)
+            nbytes += self._host[e.component].page_bytes
+        backup.fill.set_result(True)
+        n = len(backup.plan)
+        self._counters.add(n, "backup", "stored_pages")
+        seconds = time.perf_counter() - backup.t0
+        self._counters.transfer("device_to_host", n, nbytes, seconds)
+
+    # -- stores an engine copies itself (store/engine_stores.py) -------------------------
+
+    def begin_store(
+        self, refs: Sequence[PageRef], engine_id: str, ttl_s: float
+    ) -> tuple[int, list[int]]:
+        """Hand ``engine_id`` a host page for each ref not held yet; returns the
+        reservation's id and, per ref, its page, :data:`HELD` (on host or disk already:
+        only touched) or :data:`NO_ROOM`. The pages are filling, invisible, and the
+        engine's to write until :meth:`commit_store` or ``ttl_s`` seconds."""
+        if self._host is None:
+            raise ControllerError("register a layout before storing")
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        pages: list[int] = []
+        plan: list[tuple[PageEntry, PageRef]] = []
+        fill: Future = Future()
+        seen: set[bytes] = set()
+        with self._lock:
+            self._abort_reservations_locked(self._engine_stores.expired_locked(now))
+            for ref in refs:
+                skey = ref.page_hash + _TAG[ref.component]
+                e = self._index.get(skey)
+                if skey in seen or (e is not None and e.held):
+                    if e is not None and skey not in seen:
+                        self._index.touch(e)
+                        self._counters.inc("backup", "deduped_pages")
+                    seen.add(skey)
+                    pages.append(HELD)
+                    continue
+                seen.add(skey)
+                page = self._alloc_host_locked(ref.component)
+                if page is None:
+                    self._counters.fail(Failure.HOST_FULL)
+                    pages.append(NO_ROOM)
+                    continue
+                plan.append((self._begin_copy_locked(e, ref, page, fill), ref))
+                pages.append(page)
+            store_id = self._engine_stores.add_locked(engine_id, plan, fill, now + ttl_s, t0)
+            if not plan:
+                fill.set_result(True)
+        self._counters.add(len(plan), "engine_stores", "pages_handed")
+        return store_id, pages
+
+    def commit_store(self, store_id: int, engine_id: str, written: bool) -> int:
+        """Publish the pages of reservation ``store_id`` (``written``) or give them back;
+        the pages published. 0 for a reservation that is gone (expired, aborted with its
+        engine, committed before); ControllerError for another engine's."""
+        with self._lock:
+            res = self._engine_stores.take_locked(store_id, engine_id)
+            if res is None:
+                self._counters.fail(Failure.STORE_EXPIRED)
+                return 0
+            if not written:
+                self._abort_locked(res.plan, res.fill)
+                self._counters.add(len(res.plan), "engine_stores", "pages_aborted")
+                return 0
+            if time.monotonic() > res.deadline:
+                # Its pages may have been handed out again by an expiry in another call:
+                # never here (expiry removes the reservation first), but a late commit
+                # is refused all the same, so a slow engine cannot publish stale bytes.
+                self._abort_locked(res.plan, res.fill)
+                self._counters.fail(Failure.STORE_EXPIRED)
+                return 0
+            self._publish_locked(QueuedBackup(res.plan, [], res.t0, res.fill))
+        self._counters.add(len(res.plan), "engine_stores", "pages_committed")
+        return len(res.plan)
+
+    def _abort_reservations_locked(self, reservations: list[Reservation]) -> None:
+        n = 0
+        for res in reservations:
+            self._abort_locked(res.plan, res.fill)
+            n += len(res.plan)
+        if n:
+            self._counters.add(n, "engine_stores", "pages_aborted")

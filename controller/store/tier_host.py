@@ -1,0 +1,228 @@
+"""The page store's operations for the tiers behind its host pool.
+
+A lower tier (:mod:`hicache.controller.tiers`) never reaches into the page index or the
+host pool: it reserves host pages for its reads and settles them, copies host pages out,
+and (the LMDB tier, whose pages the index records) queues and settles writes and gives
+up stored pages, all through these operations — the
+:class:`~hicache.controller.tiers.lower_tier.TierHost` protocol, which
+:class:`~hicache.controller.store.page_store.PageStore` implements with this class.
+Those named ``*_locked`` run inside a call from the store (its lock held); the others
+take the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.controller.store.counters import Failure, component_label
+from hicache.controller.store.page_codec import ReadStatus
+from hicache.controller.store.page_index import DiskState, HostState, PageEntry
+from hicache.controller.store.store_state import StoreState
+from hicache.controller_api import ControllerError, PageKey
+from hicache.keys import HASH_BYTES
+from hicache.types import ComponentType, Tier
+
+if TYPE_CHECKING:
+    from hicache.controller.store.page_index import DiskRecordLike
+    from hicache.controller.tiers.lower_tier import FillResult
+
+log = logging.getLogger("hicache.controller.store.page_store")
+
+# The parent of a chain's first page is the chain's seed, which a lookup does not see: a
+# page filled before its parent is known is indexed under this until its value tells.
+UNKNOWN_PARENT = bytes(HASH_BYTES)
+
+
+class TierHostOps(StoreState):
+    """The lower tiers' operations of a page store (the store's state is its own)."""
+
+    # -- reads into host -----------------------------------------------------------------
+
+    def holds_locked(self, key: PageKey) -> bool:
+        """Whether a tier of the index (host, or the indexed lower tier) holds ``key``."""
+        e = self._index.get(key.storage_key())
+        return e is not None and e.held
+
+    def begin_fill_locked(self, key: PageKey, parent_hash: bytes | None) -> PageEntry | None:
+        """Reserve a host page for ``key`` and mark it filling, held until
+        :meth:`finish_fills`; indexed first if it is not (under ``parent_hash``, or
+        provisionally when None). None when no host page is free."""
+        page = self._alloc_host_locked(key.component)
+        if page is None:
+            return None
+        e = self._index.get(key.storage_key())
+        if e is None:
+            e = self._index.create(key.component, key.page_hash, parent_hash or UNKNOWN_PARENT)
+        self._index.set_host(e, page, ready=False)
+        self._index.acquire(e)
+        return e
+
+    def fill_started_locked(self, pages: Sequence[PageEntry], fill: Future) -> None:
+        """``fill`` resolves when the reads into ``pages`` end (True: all filled)."""
+        for e in pages:
+            e.fill = fill
+
+    def host_row(self, page: PageEntry) -> np.ndarray:
+        """The bytes of the host page that ``page`` holds or is filling (uint8)."""
+        return self._host[page.component].row(page.host_page)
+
+    def finish_fills(self, results: Sequence[FillResult], source: Tier) -> int:
+        """Settle reads from ``source``: a page read well is ready on host (and the other
+        tiers hear of it); another gives its host page back and, read from the indexed
+        tier, loses the copy found invalid there (deleted unless already missing).
+        Returns the bytes filled."""
+        nbytes = 0
+        indexed = self._disk is not None and source is self._disk.tier
+        with self._lock:
+            for r in results:
+                e = r.page
+                e.fill = None
+                if r.status is ReadStatus.OK:
+                    if r.parent is not None:
+                        self._index.set_parent(e, r.parent)
+                    self._index.mark_host_ready(e)
+                    self._index.release(e)
+                    for tier in self._tiers:
+                        if tier.tier is not source:
+                            tier.on_host_ready_locked(e, source)
+                    nbytes += self._host[e.component].page_bytes
+                    continue
+                self._host[e.component].free(self._index.clear_host(e))
+                self._index.release(e)
+                if indexed and r.status is not ReadStatus.ERROR:
+                    self._forget_invalid_locked(e, r.status)
+                self._index.discard_if_unused(e)
+        return nbytes
+
+    def _forget_invalid_locked(self, e: PageEntry, status: ReadStatus) -> None:
+        """The indexed tier's copy of ``e`` was invalid or gone: it is never served again."""
+        if e.disk_state is not DiskState.READY:
+            return
+        self._index.clear_disk(e)
+        if status is not ReadStatus.MISSING:  # deleted, unless LMDB lost it already
+            # While closing the delete is refused; the next open checks the value again.
+            with contextlib.suppress(ControllerError):
+                self._disk.delete_locked([e.skey])
+        log.warning("disk page %s dropped: %s", e.skey.hex(), status.value)
+
+    def tier_changed(self, tier: Tier, pages: Sequence[PageEntry], removed: bool) -> None:
+        """Tell the store's listener (``listen``) that ``pages`` were stored on (or
+        ``removed`` from) ``tier``, a lower tier that the index does not record."""
+        events = self._index.events
+        if events is not None and pages:
+            with self._lock:
+                if removed:
+                    events.removed(tier, pages)
+                else:
+                    events.stored(tier, pages)
+
+    def copy_host_pages(
+        self, pages: Sequence[PageEntry], copy: Callable[[PageEntry, np.ndarray], Any]
+    ) -> list[Any]:
+        """``copy(page, host_row)`` for each page still ready on host (the lock held for
+        all of them), None for the others."""
+        out: list[Any] = []
+        with self._lock:
+            for e in pages:
+                if not e.attached or e.host_state is not HostState.READY:
+                    out.append(None)
+                else:
+                    out.append(copy(e, self._host[e.component].row(e.host_page)))
+        return out
+
+    # -- the indexed tier's writes and residency -----------------------------------------
+
+    def begin_write_locked(self, page: PageEntry, keep_copy: bool) -> Any:
+        """Mark ``page`` (ready on host) queued to the indexed tier, held until
+        :meth:`finish_writes`; its frame (header room, then the payload): the host page's
+        own, or with ``keep_copy`` a copy that also serves reads until the write commits
+        (the host page is about to go). None when it is stored or queued already."""
+        if page.disk_state is not DiskState.NONE:
+            return None
+        frame = self._host[page.component].frame(page.host_page)
+        if keep_copy:
+            frame = bytearray(frame)
+            page.pending_payload = frame
+        self._index.set_disk(page, DiskState.PENDING)
+        self._index.acquire(page)
+        return frame
+
+    def finish_writes(self, results: Sequence[tuple[PageEntry, int | Failure]]) -> None:
+        """Settle writes to the indexed tier: ``(page, bytes stored)``, or ``(page, why it
+        was not stored)`` (counted)."""
+        with self._lock:
+            for e, stored in results:
+                if isinstance(stored, Failure):
+                    self._index.clear_disk(e)
+                    self._counters.fail(stored)
+                else:
+                    self._index.set_disk(e, DiskState.READY, stored)
+                e.pending_payload = None
+                self._index.release(e)
+                self._index.discard_if_unused(e)
+
+    def unwritten_host_pages_locked(self) -> list[PageEntry]:
+        """Pages ready on host that the indexed tier neither stores nor has queued."""
+        return [
+            e
+            for e in self._index
+            if e.host_state is HostState.READY and e.disk_state is DiskState.NONE
+        ]
+
+    def restore_stored(self, records: Iterable[DiskRecordLike]) -> None:
+        """Index the pages the indexed tier found at start (oldest first), into an empty
+        index."""
+        with self._lock:
+            self._index.restore_disk(records)
+
+    def stored_bytes(self) -> int:
+        """Bytes the index says the indexed tier holds committed."""
+        return self._index.disk_live_bytes
+
+    def evict_stored(self, nbytes: int) -> list[bytes]:
+        """Forget at least ``nbytes`` of the indexed tier's least recently used pages
+        (chains cut from the tail, SWA/Mamba pages with their FULL page); their keys, for
+        the tier to delete."""
+        keys: list[bytes] = []
+        freed = 0
+        with self._lock:
+            self._expire_pins_locked()
+            while freed < nbytes:
+                victim = self._index.pop_victim(Tier.DISK)
+                if victim is None:
+                    break
+                group = [victim]
+                if victim.component is ComponentType.FULL:
+                    group = [*self._index.aux_in(victim, Tier.DISK), victim]
+                for e in group:
+                    freed += self._index.clear_disk(e)
+                    keys.append(e.skey)
+                    self._counters.inc("evictions", "disk", component_label(e.component))
+                    self._index.discard_if_unused(e)
+        return keys
+
+    def forget_stored(
+        self, skeys: Sequence[bytes], still_bad: Callable[[list[bytes]], list[bytes]]
+    ) -> list[bytes]:
+        """Forget and delete the indexed tier's values of ``skeys`` that ``still_bad``
+        (asked under the lock) confirms and no operation holds: each counted as a
+        checksum failure. Returns the keys deleted."""
+        deletes: list[bytes] = []
+        with self._lock:
+            for skey in still_bad(list(skeys)):
+                e = self._index.get(skey)
+                if e is not None:
+                    if e.busy or e.disk_state is not DiskState.READY:
+                        continue
+                    self._index.clear_disk(e)
+                    self._index.discard_if_unused(e)
+                self._counters.fail(Failure.CHECKSUM)
+                deletes.append(skey)
+            self._disk.delete_locked(deletes)
+        return deletes

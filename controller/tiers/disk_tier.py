@@ -1,0 +1,263 @@
+"""``DiskTier``: the LMDB tier behind the host pool, as a
+:class:`~hicache.controller.tiers.lower_tier.LowerTier`.
+
+The indexed lower tier: the page index records which pages it holds (their disk state),
+so a lookup finds them without asking, and the page store asks it to read a page that is
+there only. What it adds to the storage (:class:`~hicache.controller.tiers.lmdb_tier.LmdbTier`:
+the environment, its writer thread and reader pool) is the policy:
+
+* **Writes.** ``write_through`` queues a page to the writer as soon as it is ready on
+  host (from a device, or from the remote tier with ``remote_fill_to_disk``), zero-copy
+  from its host page, which the queued write holds; ``write_back`` queues it when the
+  host tier evicts it, from a copy that serves reads until the write commits, and at
+  close every page held only on host.
+* **Reads.** A page on disk only gets a host page (filling) and a read on the reader
+  pool; a value whose checks fail is never served: the store forgets it and it is
+  deleted.
+* **Room.** The writer asks the store to forget least-recently-used pages until a batch
+  fits the budget (``disk_budget_bytes``), and deletes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.controller.config import ControllerConfig, DiskWritePolicy
+from hicache.controller.store.counters import Counters, Failure
+from hicache.controller.store.page_codec import HEADER_BYTES, ReadStatus
+from hicache.controller.store.page_entry import PageEntry
+from hicache.controller.tiers import lmdb_fsck
+from hicache.controller.tiers.lmdb_tier import LmdbTier, WriteJob, WriteResult
+from hicache.controller.tiers.lower_tier import FillResult, FsckResult, TierHost, flush_deletes
+from hicache.controller_api import PageKey
+from hicache.types import ComponentType, Tier
+
+log = logging.getLogger(__name__)
+
+_READ_FAILURES = {
+    ReadStatus.CORRUPT: Failure.CHECKSUM,
+    ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
+    ReadStatus.MISSING: Failure.DISK_MISSING,
+    ReadStatus.ERROR: Failure.DISK_READ_ERROR,
+}
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No automatic garbage collection inside: for the index rebuild at start, which makes
+    millions of long-lived, acyclic objects. Every collection the growing heap would
+    trigger scans all of them, and that doubled the rebuild's time (200 k pages: 9 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class DiskTier:
+    """The LMDB tier's policy over its storage (see the module docstring)."""
+
+    tier = Tier.DISK
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        host: TierHost,
+        fingerprint: bytes,
+        page_bytes: dict[ComponentType, int],
+        counters: Counters,
+    ) -> None:
+        """Open LMDB at ``config.disk_path`` (see :meth:`open`)."""
+        self.config = config
+        self._host = host
+        self._counters = counters
+        self.lmdb = LmdbTier(
+            config,
+            fingerprint,
+            page_bytes,
+            live_bytes=host.stored_bytes,
+            evict=host.evict_stored,
+            on_written=self._written,
+        )
+
+    @classmethod
+    def open(
+        cls,
+        config: ControllerConfig,
+        host: TierHost,
+        fingerprint: bytes,
+        page_bytes: dict[ComponentType, int],
+        counters: Counters,
+    ) -> DiskTier:
+        """Open LMDB at ``config.disk_path`` and index what it holds in ``host``'s store
+        (oldest first, so the LRU order survives the restart); the writer starts once the
+        index is rebuilt, so its callbacks find it."""
+        tier = cls(config, host, fingerprint, page_bytes, counters)
+        lmdb = tier.lmdb
+        with _gc_paused():
+            try:
+                records = lmdb.scan()
+            except BaseException:
+                lmdb.close()
+                raise
+            host.restore_stored(records)
+        over = host.stored_bytes() - config.disk_budget_bytes
+        if over > 0:  # the budget shrank since the last run
+            lmdb.submit_delete(host.evict_stored(over))
+        lmdb.fault_hook = host.fault
+        lmdb.start()
+        log.info("LMDB tier %s: %d pages found", config.disk_path, len(records))
+        return tier
+
+    # -- what it holds -------------------------------------------------------------------
+
+    def probe(self, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]) -> None:
+        """Nothing to add: the index holds every page of this tier."""
+
+    def offers(self, key: PageKey) -> bool:
+        """Never: the index holds every page of this tier."""
+        return False
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def fill_locked(self, keys: Sequence[PageKey]) -> bool:
+        """Read each of ``keys`` (on this tier only) into a host page on the reader pool;
+        False when one found no host page (counted: the others are still tried)."""
+        ok = True
+        for key in keys:
+            page = self._host.begin_fill_locked(key, None)
+            if page is None:
+                self._counters.fail(Failure.HOST_FULL)
+                ok = False
+                continue
+            self._host.fill_started_locked([page], self.lmdb.submit_read(self._read, page))
+        return ok
+
+    def _read(self, page: PageEntry) -> bool:
+        """Fill ``page``'s host page with its stored bytes (reader thread); True when
+        served."""
+        t0 = time.perf_counter()
+        status = ReadStatus.ERROR
+        try:
+            faults = self._host.faults
+            if faults is not None and faults.disk_read_delay_s:
+                time.sleep(faults.disk_read_delay_s)
+            dst = self._host.host_row(page)
+            frame = page.pending_payload  # write-back: not committed yet, served from memory
+            if frame is not None:
+                dst[:] = np.frombuffer(frame, np.uint8, offset=HEADER_BYTES)
+                status = ReadStatus.OK
+            else:
+                status = self.lmdb.read_into(page.skey, dst)
+        except Exception:
+            log.exception("disk read of %s failed", page.skey.hex())
+        nbytes = self._host.finish_fills([FillResult(page, status)], Tier.DISK)
+        if status is not ReadStatus.OK:
+            self._counters.fail(_READ_FAILURES[status])
+            return False
+        self._counters.transfer("disk_to_host", 1, nbytes, time.perf_counter() - t0)
+        return True
+
+    # -- writes --------------------------------------------------------------------------
+
+    def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
+        """Write-through: queue a page that reached host from a device (or, with
+        ``remote_fill_to_disk``, from the remote tier), zero-copy from its host page."""
+        if self.config.disk_write_policy is not DiskWritePolicy.WRITE_THROUGH:
+            return
+        if source is Tier.DEVICE or (source is Tier.REMOTE and self.config.remote_fill_to_disk):
+            self._queue_locked(page, keep_copy=False)
+
+    def on_host_evict_locked(self, page: PageEntry) -> None:
+        """Write-back: copy a page out before its host page is reused, and queue it."""
+        if self.config.disk_write_policy is DiskWritePolicy.WRITE_BACK:
+            self._queue_locked(page, keep_copy=True)
+
+    def on_served_locked(self, page: PageEntry) -> None:
+        """Nothing: which pages this tier keeps does not depend on loads."""
+
+    def on_close_locked(self) -> None:
+        """Write-back keeps pages in memory only: queue every page held only on host, so
+        that a clean shutdown does not lose them."""
+        if self.config.disk_write_policy is DiskWritePolicy.WRITE_BACK:
+            for page in self._host.unwritten_host_pages_locked():
+                self._queue_locked(page, keep_copy=False)
+
+    def _queue_locked(self, page: PageEntry, keep_copy: bool) -> None:
+        frame = self._host.begin_write_locked(page, keep_copy)
+        if frame is not None:
+            job = WriteJob(page.skey, page.component, page.parent_hash, frame, page, True)
+            self.lmdb.submit_write(job)
+
+    def _written(self, results: list[WriteResult], seconds: float) -> None:
+        """A writer batch: committed pages are on disk, rejected ones are not."""
+        self._host.finish_writes([(r.job.token, _stored(r)) for r in results])
+        failed = [r for r in results if not r.ok]
+        if failed:  # one line per batch, not per page: a full disk must not flood the log
+            log.warning(
+                "%d of %d pages not stored: %s", len(failed), len(results), failed[0].reason
+            )
+        ok_bytes = sum(r.nbytes for r in results if r.ok)
+        self._counters.transfer("host_to_disk", len(results) - len(failed), ok_bytes, seconds)
+
+    def delete_locked(self, skeys: Sequence[bytes]) -> None:
+        """Queue the deletes of pages the index has forgotten."""
+        self.lmdb.submit_delete(skeys)
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None) -> bool:
+        return self.lmdb.flush(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return self.lmdb.stats()
+
+    def health(self, timeout_s: float) -> dict[str, Any]:
+        """:meth:`stats`, and whether the writer thread (its only way in) is running."""
+        return {**self.stats(), "writer_alive": self.lmdb.writer.alive}
+
+    def fsck(self, repair: bool, progress: Callable[[int, int], None] | None) -> FsckResult:
+        """Check every value; with ``repair``, the corrupt ones are forgotten and deleted
+        (a page in flight is left to the read path, which never serves a bad checksum
+        either), and ``repaired`` counts the deletes committed when it returns."""
+        out = FsckResult()
+        env, digest = self.lmdb.env, self.lmdb.layout_digest
+        bad = lmdb_fsck.scan(env, digest, out, progress)
+        if repair and bad:
+            deletes = self._host.forget_stored(
+                bad, lambda keys: lmdb_fsck.still_corrupt(env, keys, digest)
+            )
+            # Repaired means gone from LMDB, not only queued.
+            if deletes and flush_deletes(self, len(deletes)):
+                left = self.lmdb.pending_deletes  # deletes the writer must retry
+                out.repaired = sum(1 for k in deletes if k not in left)
+        return out
+
+    def check_invariants(self, ready: set[bytes], queued: set[bytes]) -> None:
+        """Every page the index has committed is in LMDB, and every value LMDB holds is
+        indexed (committed or queued), being deleted, or of another layout."""
+        stored = self.lmdb.stored_keys()
+        assert ready <= stored, f"{len(ready - stored)} indexed pages missing in LMDB"
+        extra = stored - ready - queued - self.lmdb.pending_deletes
+        extra -= self.lmdb.foreign_keys
+        assert not extra, f"{len(extra)} LMDB values unknown to the index"
+
+    def close(self, timeout_s: float) -> bool:
+        """Drain the writer and close LMDB; True when drained."""
+        return self.lmdb.close(timeout_s)
+
+
+def _stored(result: WriteResult) -> int | Failure:
+    """The bytes a write stored, or why it stored nothing."""
+    if result.ok:
+        return result.nbytes
+    return Failure.DISK_FULL if result.map_full else Failure.DISK_WRITE_ERROR

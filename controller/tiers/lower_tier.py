@@ -1,0 +1,210 @@
+"""The one interface between the page store and the tiers behind its host pool.
+
+:class:`LowerTier` is what the store asks of a tier below host: the LMDB tier
+(:class:`hicache.controller.tiers.disk_tier.DiskTier`) and the remote tier
+(:class:`hicache.controller.tiers.remote_tier.RemoteTier`) implement it, and the store
+holds them as a list of it. :class:`TierHost` is the other direction: the operations of
+the page store that a lower tier may use (the store implements it). The page index stays
+the store's: a tier changes it only through these operations.
+
+The store tells every tier what happens on host (a page arrived, is leaving, served a
+load) and asks them for pages the host lacks. One tier is *indexed*: the index records
+what the LMDB tier holds (a page's disk state), so its pages are found by a lookup and
+filled on request; the remote tier is not a source of truth, and adds what it holds to a
+lookup itself (``probe``) and offers pages the index does not know (``offers``).
+
+Methods whose name ends in ``_locked`` are called with the store's lock held and must not
+block; the others are called without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hicache.types import ComponentType, Tier
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    from hicache.controller.store.counters import Failure
+    from hicache.controller.store.faults import FaultPlan
+    from hicache.controller.store.page_codec import ReadStatus
+    from hicache.controller.store.page_entry import PageEntry
+    from hicache.controller.tiers.lmdb_tier import DiskRecord
+    from hicache.controller_api import PageKey
+
+__all__ = ["FillResult", "FsckResult", "LowerTier", "TierHost", "flush_deletes"]
+
+log = logging.getLogger(__name__)
+
+REPAIR_WAIT_S = 30.0  # how long an admin command waits for its deletes to be committed
+
+
+@dataclass
+class FillResult:
+    """How a read into a host page ended: the page's ``status`` and, for a page filled
+    before its chain parent was known (``TierHost.begin_fill_locked`` without one), the
+    parent read from the value."""
+
+    page: PageEntry
+    status: ReadStatus
+    parent: bytes | None = None
+
+
+@dataclass
+class FsckResult:
+    """What an fsck of a tier found: values ``checked``, ``ok``, ``corrupt``, ``foreign``
+    (another layout's: never served, not corrupt), ``repaired`` (corrupt ones deleted)."""
+
+    checked: int = 0
+    ok: int = 0
+    corrupt: int = 0
+    foreign: int = 0
+    repaired: int = 0
+    # Sound values whose layout digest was not compared: no layout was known (no engine
+    # had registered and the sidecar's config names none). ``ok`` counts them too.
+    layout_unchecked: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class LowerTier(Protocol):
+    """A tier behind the host pool, as the page store uses it (see the module docstring)."""
+
+    #: DISK for the LMDB tier, REMOTE for the remote tier: the source of its fills.
+    tier: Tier
+
+    def probe(self, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]) -> None:
+        """Mark in ``rows`` (one presence per page, per component) the pages that the
+        index lacks and this tier holds."""
+
+    def offers(self, key: PageKey) -> bool:
+        """Whether this tier can fill ``key``, which the index does not hold (lock held)."""
+
+    def fill_locked(self, keys: Sequence[PageKey]) -> bool:
+        """Start reading ``keys`` into host pages (:meth:`TierHost.begin_fill_locked`):
+        pages it offers, or, for the indexed tier, pages the index has only there. False
+        when one could not be started (the reads already started go on)."""
+
+    def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
+        """``page`` is ready on host, from ``source`` (DEVICE: a backup; a lower tier: a
+        fill from it)."""
+
+    def on_host_evict_locked(self, page: PageEntry) -> None:
+        """``page`` is about to leave the host tier (its bytes are still there)."""
+
+    def on_served_locked(self, page: PageEntry) -> None:
+        """``page`` served a load-back from the host tier."""
+
+    def on_close_locked(self) -> None:
+        """The store is closing: queue what must not be lost (LMDB write-back)."""
+
+    def delete_locked(self, skeys: Sequence[bytes]) -> None:
+        """Drop these stored pages: the index has forgotten them (the indexed tier). Queued
+        under the lock, so that a page stored again later is written after the delete."""
+
+    def flush(self, timeout_s: float | None) -> bool:
+        """Wait until what is queued is stored (or dropped); False when ``timeout_s`` ran out."""
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's state, JSON/msgpack-safe."""
+
+    def health(self, timeout_s: float) -> dict[str, Any]:
+        """:meth:`stats` and whether the tier works: its threads, its remote nodes."""
+
+    def fsck(self, repair: bool, progress: Callable[[int, int], None] | None) -> FsckResult:
+        """Check every value the tier stores; with ``repair``, forget and delete the
+        corrupt ones (:meth:`TierHost.forget_stored`). ``progress(done, total)`` is
+        called as it goes."""
+
+    def check_invariants(self, ready: set[bytes], queued: set[bytes]) -> None:
+        """Compare what the tier stores with what the index says it holds committed
+        (``ready``) and queued; AssertionError on a mismatch (flushed, nothing running)."""
+
+    def close(self, timeout_s: float) -> bool:
+        """Store what is queued (within ``timeout_s``), stop, release; True when drained."""
+
+
+class TierHost(Protocol):
+    """What a lower tier may ask of the page store (which implements it)."""
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """Armed failures for tests (None in production)."""
+
+    def fault(self, what: str) -> bool:
+        """Whether a ``what`` failure is armed (and now taken)."""
+
+    def holds_locked(self, key: PageKey) -> bool:
+        """Whether a tier of the index (host, or the indexed lower tier) holds ``key``."""
+
+    def begin_fill_locked(self, key: PageKey, parent_hash: bytes | None) -> PageEntry | None:
+        """Reserve a host page for ``key`` and mark it filling (held until
+        :meth:`finish_fills`); the page is indexed first if it is not (under
+        ``parent_hash``, or provisionally when None). None when no host page is free."""
+
+    def fill_started_locked(self, pages: Sequence[PageEntry], fill: Future) -> None:
+        """``fill`` resolves when the reads into ``pages`` end (True: all filled)."""
+
+    def host_row(self, page: PageEntry) -> np.ndarray:
+        """The host page that ``page`` is filling, or holds (its bytes, uint8)."""
+
+    def finish_fills(self, results: Sequence[FillResult], source: Tier) -> int:
+        """Settle reads from ``source``: a page read well is ready on host, another gives
+        its host page back (and, read from the indexed tier, loses a copy found invalid
+        there). Returns the bytes filled."""
+
+    def tier_changed(self, tier: Tier, pages: Sequence[PageEntry], removed: bool) -> None:
+        """Tell the store's listener that ``pages`` were stored on (or ``removed`` from)
+        ``tier``, a tier that the index does not record."""
+
+    def copy_host_pages(
+        self, pages: Sequence[PageEntry], copy: Callable[[PageEntry, np.ndarray], Any]
+    ) -> list[Any]:
+        """``copy(page, host_row)`` for each page still ready on host (under the lock),
+        None for the others."""
+
+    def begin_write_locked(self, page: PageEntry, keep_copy: bool) -> Any:
+        """Mark ``page`` queued to the indexed tier and hold it until :meth:`finish_writes`;
+        its frame (room for the header, then the payload): the host page's own, or with
+        ``keep_copy`` a copy that also serves reads until the write commits. None when the
+        page is stored or queued already."""
+
+    def finish_writes(self, results: Sequence[tuple[PageEntry, int | Failure]]) -> None:
+        """Settle writes: ``(page, bytes stored)``, or ``(page, why it was not stored)``."""
+
+    def unwritten_host_pages_locked(self) -> list[PageEntry]:
+        """Pages ready on host that the indexed tier neither stores nor has queued."""
+
+    def restore_stored(self, records: Iterable[DiskRecord]) -> None:
+        """Index the pages the indexed tier found at start (oldest first)."""
+
+    def stored_bytes(self) -> int:
+        """Bytes the index says the indexed tier holds committed."""
+
+    def evict_stored(self, nbytes: int) -> list[bytes]:
+        """Forget at least ``nbytes`` of least-recently-used pages of the indexed tier (the
+        prefix order kept); the keys to delete."""
+
+    def forget_stored(
+        self, skeys: Sequence[bytes], still_bad: Callable[[list[bytes]], list[bytes]]
+    ) -> list[bytes]:
+        """Forget the indexed tier's copies of ``skeys`` that ``still_bad`` confirms (asked
+        under the lock) and no operation holds, and delete them; the keys deleted."""
+
+
+def flush_deletes(tier: LowerTier, count: int) -> bool:
+    """Wait until ``tier`` has committed the ``count`` deletes just queued, so that what an
+    admin command reports gone is gone (a check or a crash right after it does not find
+    it again). False when it did not get to them within ``REPAIR_WAIT_S``; they stay
+    queued and are committed later."""
+    if tier.flush(REPAIR_WAIT_S):
+        return True
+    log.warning("%d LMDB deletes still queued after %ss", count, REPAIR_WAIT_S)
+    return False
