@@ -4,6 +4,7 @@ its chain, its pins and holds, and its place in the eviction heaps."""
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
@@ -92,3 +93,13 @@ class PageEntry:
             f"host={self.host_state.name}:{self.host_page} disk={self.disk_state.name} "
             f"pins={self.pins} busy={self.busy})"
         )
+
+
+class DiskRecordLike(Protocol):
+    """What the page index reads of a page found on disk when it is rebuilt."""
+
+    skey: bytes
+    component: ComponentType
+    page_hash: bytes
+    parent_hash: bytes
+    nbytes: int

@@ -37,9 +37,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
 
-from hicache.controller.store.page_entry import DiskState, HostState, PageEntry
+from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
 from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
 from hicache.types import ComponentType, Tier
@@ -51,16 +50,6 @@ _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _TIERS = (Tier.HOST, Tier.DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
 _SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
-
-
-class DiskRecordLike(Protocol):
-    """What :meth:`PageIndex.restore_disk` reads of a page found on disk."""
-
-    skey: bytes
-    component: ComponentType
-    page_hash: bytes
-    parent_hash: bytes
-    nbytes: int
 
 
 _HOST_READY = HostState.READY

@@ -29,7 +29,7 @@ from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
-    from hicache.controller.store.page_index import DiskRecordLike
+    from hicache.controller.store.page_entry import DiskRecordLike
     from hicache.controller.tiers.lower_tier import FillResult
 
 log = logging.getLogger("hicache.controller.store.page_store")

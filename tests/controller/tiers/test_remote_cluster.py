@@ -185,7 +185,8 @@ def test_bad_values_are_never_served_counted_and_removed(clean, tmp_path, damage
     assert not target_client.exists(target)  # removed from the cluster
     # Nothing damaged reached B's own tiers.
     pages = [k for k in b_ctrl.store._index if k.component is ComponentType.FULL]
-    assert all(Tier.HOST in t or Tier.DISK in t for t in b_ctrl.store.tiers_of([p.key for p in pages]))
+    tiers = b_ctrl.store.tiers_of([p.key for p in pages])
+    assert all(Tier.HOST in t or Tier.DISK in t for t in tiers)
     b_ctrl.close()
 
 
