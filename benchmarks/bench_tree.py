@@ -133,7 +133,7 @@ def run_host_case(
     CacheConfig, DevicePools = api.CacheConfig, api.DevicePools
     ModelLayout, UnifiedRadixCache = api.ModelLayout, api.UnifiedRadixCache
     ControllerConfig = importlib.import_module(f"{lib}.controller.config").ControllerConfig
-    LocalController = importlib.import_module(f"{lib}.controller.local").LocalController
+    LocalController = importlib.import_module(f"{lib}.controller").LocalController
 
     layout = ModelLayout(kinds, num_kv_heads=1, head_dim=1, dtype="float32")
     cfg = CacheConfig(page_size=page_size, full_slots=2 * prompt_len, sliding_window=1024)
