@@ -20,8 +20,9 @@ with CUDA (page-locked, as the sidecar's are), and then:
 
 A pinned page is never freed or rewritten, so the copy reads what the pin promised. A
 pin within ``TTL_MARGIN_S`` of its deadline, a page not on host, a sidecar of another
-session: the load goes through the sidecar as before. The engine never writes the
-mapping (it is ``PROT_READ``).
+session: the load goes through the sidecar as before. This mapping is ``PROT_READ``; an
+engine that copies its own stores maps the pages read-write instead
+(:class:`WritableHostPages`, docs/protocol.md, "Stores an engine copies itself").
 
 The sidecar's side is :func:`hicache.controller.sidecar.host_share.describe`: the
 description and descriptors it sends.
