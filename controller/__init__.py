@@ -6,8 +6,7 @@ engine's ``SidecarController``) does not load the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hicache.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "LocalController": "hicache.controller.store.local",
@@ -23,8 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache.controller' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -6,8 +6,7 @@ torch, so light tools (``hicachectl``, health probes) start fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hicache.lazy_exports import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -51,13 +50,7 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -9,8 +9,7 @@ modules on first use, so that an engine pays only for what it uses.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hicache.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "SidecarController": "hicache.controller.client.sidecar_client",
@@ -27,13 +26,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache.controller.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -136,6 +136,15 @@ class ControllerCollector(Collector):
             backup.add_metric([result.removesuffix("_pages")], _get(s, "backup", result))
         yield backup
 
+        stores = CounterMetricFamily(
+            "hicache_engine_store_pages",
+            "Host pages handed to engines for stores they copy themselves, and their end.",
+            labels=["result"],
+        )
+        for result in ("handed", "committed", "aborted"):
+            stores.add_metric([result], _get(s, "engine_stores", f"pages_{result}"))
+        yield stores
+
         pages = GaugeMetricFamily(
             "hicache_pages",
             "Pages held per tier and component: resident (all held) and pinned (the "

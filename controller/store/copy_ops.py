@@ -297,15 +297,16 @@ class CopyOps(StoreState):
             self._abort_reservations_locked(self._engine_stores.expired_locked(now))
             for ref in refs:
                 skey = ref.page_hash + _TAG[ref.component]
-                e = self._index.get(skey)
-                if skey in seen or (e is not None and e.held):
-                    if e is not None and skey not in seen:
-                        self._index.touch(e)
-                        self._counters.inc("backup", "deduped_pages")
-                    seen.add(skey)
+                if skey in seen:
                     pages.append(HELD)
                     continue
                 seen.add(skey)
+                e = self._index.get(skey)
+                if e is not None and e.held:
+                    self._index.touch(e)
+                    self._counters.inc("backup", "deduped_pages")
+                    pages.append(HELD)
+                    continue
                 page = self._alloc_host_locked(ref.component)
                 if page is None:
                     self._counters.fail(Failure.HOST_FULL)
@@ -333,9 +334,8 @@ class CopyOps(StoreState):
                 self._counters.add(len(res.plan), "engine_stores", "pages_aborted")
                 return 0
             if time.monotonic() > res.deadline:
-                # Its pages may have been handed out again by an expiry in another call:
-                # never here (expiry removes the reservation first), but a late commit
-                # is refused all the same, so a slow engine cannot publish stale bytes.
+                # Due back but not swept yet (expiry runs at the next begin): refused all
+                # the same, so a slow engine never publishes pages past its lease on them.
                 self._abort_locked(res.plan, res.fill)
                 self._counters.fail(Failure.STORE_EXPIRED)
                 return 0

@@ -207,23 +207,18 @@ class EngineBlocks:
         """A pin of ``keys`` whose pages are all on host, reading the ones that are not
         first (disk, remote); None when a page is gone or cannot be brought to host."""
         pin = self.client.pin(keys, ttl_s)
-        if pin is None or pin.host_pages is None:
-            return None if pin is None else self._give_back(pin)
-        missing = [k for k, p in zip(keys, pin.host_pages) if p < 0]
-        if not missing:
-            return pin
-        # Pinned pages stay put while the sidecar reads the missing ones to host.
-        ok = self.client.prefetch(missing).wait(timeout_s)
-        self.client.unpin(pin)
-        if not ok:
-            return None
-        pin = self.client.pin(keys, ttl_s)
-        if pin is None or pin.host_pages is None or min(pin.host_pages) < 0:
-            return None if pin is None else self._give_back(pin)
-        return pin
-
-    def _give_back(self, pin) -> None:
-        self.client.unpin(pin)
+        if pin is not None and pin.host_pages is not None:
+            missing = [k for k, p in zip(keys, pin.host_pages) if p < 0]
+            if not missing:
+                return pin
+            # Pinned pages stay put while the sidecar reads the missing ones to host.
+            read = self.client.prefetch(missing).wait(timeout_s)
+            self.client.unpin(pin)
+            pin = self.client.pin(keys, ttl_s) if read else None
+            if pin is not None and pin.host_pages is not None and min(pin.host_pages) >= 0:
+                return pin
+        if pin is not None:
+            self.client.unpin(pin)
         return None
 
 
