@@ -4,8 +4,11 @@ million hashes held the I/O thread for 0.7 s, every other engine's lookup waited
 
 The property is starvation, not speed: an engine's small lookups are measured first on
 an idle sidecar and then while another engine floods it with the largest lookups and
-pins the protocol allows; what the flood adds to their p99 stays under 10 ms (in the
-best of three rounds).
+pins the protocol allows. A starved engine waits for at least one whole maximal request
+per lookup (on the code before the lane: over a second); one that takes its turn waits
+for a chunk of one. So what the flood adds to the p99 (in the best of three rounds) stays
+under a quarter of one maximal lookup's time on an idle sidecar, measured in the same run
+(or 10 ms, whichever is larger): a bound on this machine's load, not a speed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ MIX = "full"
 PAGE = 4
 SAMPLES = 300
 ROUNDS = 3
-ADDED_P99_S = 0.010
+ADDED_P99_FLOOR_S = 0.010
 
 _FLOOD = r"""
 import sys, msgpack, zmq
@@ -92,6 +95,15 @@ def _lookup_p99(raw: Raw) -> float:
     return float(np.percentile(seconds, 99))
 
 
+def _maximal_lookup_s(raw: Raw) -> float:
+    """How long one lookup of the most hashes the protocol allows takes, the sidecar idle."""
+    hashes = np.random.default_rng(1).bytes(MAX_LOOKUP_HASHES * 16)
+    t0 = time.perf_counter()
+    reply = raw.request("lookup", {"hashes": hashes, "components": [0]}, req_id=99)
+    assert reply["ok"], reply
+    return time.perf_counter() - t0
+
+
 @pytest.fixture
 def sidecar(workdir):
     sc = Sidecar(workdir, args=["--layout-file", str(layout_file(workdir, MIX, PAGE))])
@@ -111,6 +123,7 @@ def test_an_engine_flooding_maximal_lookups_and_pins_does_not_starve_another(sid
     try:
         assert victim.request("hello", _hello("victim"))["ok"]
         idle_p99 = _lookup_p99(victim)
+        maximal_s = _maximal_lookup_s(victim)
         flood.stdin.write(pack(_hello("flood")).hex() + "\n")
         flood.stdin.flush()
         # Measured once both kinds have been served, while the flood keeps six in flight.
@@ -126,9 +139,11 @@ def test_an_engine_flooding_maximal_lookups_and_pins_does_not_starve_another(sid
             flood.kill()
             flood.wait(30)
         victim.close()
-    assert flooded_p99 < idle_p99 + ADDED_P99_S, (
+    added_bound = max(ADDED_P99_FLOOR_S, maximal_s / 4)
+    assert flooded_p99 < idle_p99 + added_bound, (
         f"another engine's lookups: p99 {flooded_p99 * 1e3:.1f} ms under the flood, "
-        f"{idle_p99 * 1e3:.1f} ms idle ({lookups} lookups of {MAX_LOOKUP_HASHES} hashes "
+        f"{idle_p99 * 1e3:.1f} ms idle, one maximal lookup {maximal_s * 1e3:.0f} ms "
+        f"({lookups} lookups of {MAX_LOOKUP_HASHES} hashes "
         f"and {pins} pins of {MAX_PIN_KEYS} keys served meanwhile)"
     )
 
