@@ -17,6 +17,11 @@ torch, transformers 5.x, numpy, pyzmq, msgpack, lmdb, xxhash, prometheus-client)
    pinned-memcpy time of the bytes a host hit loads, and whether the restored prefix gives
    logits bit-identical to the live cache object's. transformers' Mamba kernels fall
    back to torch here, so the hybrid's recompute is slower than in a serving engine.
+3. ``--headline 10240:16,64:20`` instead of both: a Llama-3.1-8B-shaped model (random
+   bf16 weights), a 10,240-token prefix on the host tier of a ``hicache serve`` plus a 16-
+   and a 64-token suffix, 20 host hits each beside the same prefix's device hit: TTFT mean
+   and p99, the cold prefill, a pinned memcpy of the prefix's KV, and the cache's share
+   (host hit minus device hit) against that memcpy.
 """
 
 from __future__ import annotations
@@ -605,6 +610,137 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
     return rows
 
 
+# -- 3. the headline: an 8 B-class host hit through the sidecar ------------------------------
+
+#: Llama-3.1-8B's shape (random weights from the config; nothing downloaded).
+LLAMA_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 16384,
+}
+
+
+def _p99(xs: list[float]) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, 99))
+
+
+def headline_rows(
+    work: pathlib.Path, prefix_len: int, suffixes: list[int], requests: int
+) -> list[dict[str, Any]]:
+    """A Llama-3.1-8B-shaped model: a ``prefix_len``-token prefix on the host tier of a
+    ``hicache serve`` plus a short suffix, ``requests`` host hits, each beside a device hit
+    of the same prefix (timed in turn), a few cold prefills, and a pinned memcpy of the
+    prefix's KV. The cache's share of a host hit is its TTFT minus the device hit's."""
+    import torch
+    import transformers
+
+    from hicache.integrations.transformers import PrefixCachedLM
+    from hicache.integrations.transformers_models import tiny_config
+    from hicache.layout import LayerKind
+
+    if DEVICE == "cuda":
+        cfg = transformers.AutoConfig.for_model("llama", **LLAMA_8B)
+        cfg._attn_implementation = "sdpa"
+        dtype, page, chunk = torch.bfloat16, 64, 2048
+    else:
+        cfg, dtype, page, chunk = tiny_config("llama"), torch.float32, 16, 64
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    params = sum(p.numel() for p in model.parameters())
+    slots = (prefix_len + 2 * max(suffixes) + 2 * page) * 2
+    sidecar = SidecarProc(work / "headline", "8GiB", "4GiB")
+    made: list = []
+
+    def engine():
+        c = client(sidecar.endpoint, f"headline-{len(made)}")
+        lm = PrefixCachedLM.build(
+            model, page_size=page, full_slots=slots, mamba_slots=8, controller=c,
+            chunk_tokens=chunk, keep_logits=True, shared_memory=DEVICE == "cpu",
+        )  # fmt: skip
+        made.append((lm, c))
+        return lm
+
+    rows = []
+    try:
+        live, hosted = engine(), engine()  # ``live`` keeps the prefix on its device
+        g = torch.Generator().manual_seed(3)
+
+        def toks(n):
+            return torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+
+        warm = toks(4 * page)  # every path once: kernels, allocator, plans, the mapping
+        live.generate(warm + toks(16), 1)
+        live.cache.flush_backups()
+        hosted.generate(warm + toks(16), 1)
+        hosted.cache.evict(full_tokens=10**9)
+        hosted.generate(warm + toks(16), 1)
+        lay = live.cache.layout
+        nbytes = prefix_len * lay.kv_bytes_per_token(LayerKind.FULL)
+        memcpy_ms = pinned_memcpy_ms(nbytes)
+        for suffix_len in suffixes:
+            prefix = toks(prefix_len)
+            cold = [
+                live.generate(prefix + toks(suffix_len), 1, use_cache=False).ttft_s * 1e3
+                for _ in range(4)
+            ][1:]  # the first pays its shapes' first-call costs
+            live.generate([*prefix, 7], 1)
+            live.cache.flush_backups()
+            device_ms, host_ms, same = [], [], None
+            for i in range(requests):
+                hosted.cache.flush_backups()
+                hosted.cache.evict(full_tokens=10**9)
+                sync()
+                r = live.generate(prefix + toks(suffix_len), 1)
+                assert r.device_hit_tokens == prefix_len, r
+                device_ms.append(r.ttft_s * 1e3)
+                live.cache.flush_backups()
+                prompt = prefix + toks(suffix_len)
+                r = hosted.generate(prompt, 1)
+                assert r.host_hit_tokens == prefix_len, r
+                host_ms.append(r.ttft_s * 1e3)
+                if i == 0:  # the restored prefix continues as the live cache would
+                    ref = hosted.reference(prompt, 1, prefix_len)
+                    same = all(torch.equal(a, b) for a, b in zip(r.logits, ref))
+            mean = statistics.fmean
+            row = {
+                "model": "llama-3.1-8b-shape" if DEVICE == "cuda" else "llama-tiny",
+                "params_B": round(params / 1e9, 2),
+                "prefix": prefix_len,
+                "suffix": suffix_len,
+                "requests": requests,
+                "kv_MB": round(nbytes / 1e6, 1),
+                "pinned_memcpy_ms": memcpy_ms,
+                "ttft_cold_ms": statistics.median(cold),
+                "ttft_device_hit_mean_ms": mean(device_ms),
+                "ttft_device_hit_p99_ms": _p99(device_ms),
+                "ttft_host_hit_mean_ms": mean(host_ms),
+                "ttft_host_hit_p99_ms": _p99(host_ms),
+                "ttft_host_hit_median_ms": statistics.median(host_ms),
+                "same_as_live_host": same,
+            }
+            row["cache_share_mean_ms"] = mean(host_ms) - mean(device_ms)
+            row["cache_share_p99_ms"] = _p99(host_ms) - _p99(device_ms)
+            row["share_mean_vs_memcpy"] = row["cache_share_mean_ms"] / memcpy_ms
+            row["share_p99_vs_memcpy"] = row["cache_share_p99_ms"] / memcpy_ms
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for lm, c in made:
+            c.close()
+            lm.cache.pools.close()
+        sidecar.stop()
+    return rows
+
+
 def _same(lm, prompt: list[int], prefix_len: int, result) -> bool | None:
     """Logits of the restored prefix equal the live cache object's (None: not checked, the
     reference recompute of a long prompt would cost more than the run can spare)."""
@@ -632,6 +768,11 @@ def main() -> int:
     p.add_argument("--trace-dir", default=None, help="time each request's stages, files here")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")
+    p.add_argument(
+        "--headline",
+        default="",
+        help="PREFIX:SUFFIX,SUFFIX:REQUESTS, e.g. 10240:16,64:20 - the 8 B-shaped host hit only",
+    )
     args = p.parse_args()
     global DEVICE, TRACE_DIR
     if args.dry_run:
@@ -661,6 +802,13 @@ def main() -> int:
             pathlib.Path(args.json).write_text(json.dumps(out, default=float))
 
     try:
+        if args.headline:
+            prefix_len, suffixes, requests = args.headline.split(":")
+            out["headline"] = headline_rows(
+                work, int(prefix_len), [int(x) for x in suffixes.split(",")], int(requests)
+            )
+            save()
+            return 0
         if not args.skip_loadback:
             sizes = [int(s) for s in args.sizes_mib.split(",")]
             prof = pathlib.Path(args.profile_dir) if args.profile_dir else None
