@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a lent GPU (the device tool): install the carried wheels (.whl: pyzmq, lmdb
 # for the machine's Python) and hicache itself, then run the given benchmarks, writing
-# their JSON to $OUT. Usage: bash benchmarks/gpu_round.sh data_plane [ttft]
+# their JSON to $OUT. Usage: bash benchmarks/gpu_round.sh data_plane [ttft] [headline]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -15,6 +15,7 @@ for what in "$@"; do
     case "$what" in
         data_plane) python3 benchmarks/bench_data_plane.py --device cuda --json "$out/data_plane.json" ;;
         ttft) python3 benchmarks/hf_ttft_gpu.py --json "$out/ttft.json" ;;
+        headline) python3 benchmarks/hf_ttft_gpu.py --headline 10240:16,64:20 --json "$out/headline.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
 done
