@@ -1,0 +1,306 @@
+"""Loads from the disk tier after a sidecar restart, against a raw read of the same bytes.
+
+    python benchmarks/bench_restart.py [--device cpu|cuda] [--sizes-kib 32,256,1024,8192]
+        [--total-mib 128] [--repeat 3] [--json OUT]
+
+For each page size, a real ``hicache serve`` (a subprocess with its own LMDB directory
+under a temporary directory) is filled by an engine — pools registered through the public
+:class:`SidecarController`, shared-memory tensors on a CPU, CUDA tensors on a GPU — whose
+backups are written through to disk; the sidecar is stopped (SIGTERM: every queued write
+committed) and started again on the same LMDB, and the same engine, never restarted,
+loads the whole prefix back (pin, load, unpin) once its client has reconnected by itself.
+Timed, each as GB/s:
+
+* ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left
+  as it was (what the sidecar's own one-time costs add);
+* ``first_cold``: the first load after a second restart, the LMDB file's cached pages
+  dropped first (``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no privilege; the
+  bytes still cached afterwards are printed when ``fincore`` is there);
+* ``steady``: the median of ``--repeat`` later loads, each of pages held only on disk
+  (the host tier cleared with the admin ``clear`` verb before each);
+* ``raw_warm`` / ``raw_cold``: one thread reading as many bytes of the LMDB file (its
+  first ``total`` bytes, in reads of one page) into one buffer touched beforehand, with
+  the page cache warm, and after the same drop.
+
+Printed ratios: ``first_warm / steady`` (seconds: the one-time cost; the goal is at most
+1.2), ``steady ÷ raw_warm`` and ``first_cold ÷ raw_cold`` (throughput: how close a load
+through the sidecar comes to the file system). Every load's bytes are checked against the
+engine's originals: a benchmark of wrong bytes measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache import CacheConfig, DevicePools, ModelLayout, PageRef
+from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.client.admin import AdminClient
+from hicache.controller_api import LoadResult, Presence
+from hicache.keys import page_hashes
+from hicache.types import ComponentType
+
+FULL = ComponentType.FULL
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def layout_for(page_bytes: int) -> ModelLayout:
+    """One full-attention layer whose one-token page is ``page_bytes`` (K and V, fp32)."""
+    return ModelLayout(("full",), num_kv_heads=1, head_dim=page_bytes // 8, dtype="float32",
+                       model_id=f"bench-restart-{page_bytes}")  # fmt: skip
+
+
+class Sidecar:
+    """``hicache serve`` on ``disk`` for ``layout`` (page size 1 token), started and stopped."""
+
+    def __init__(self, work: Path, layout: ModelLayout, host_bytes: int, disk: Path) -> None:
+        self.work, self.disk = work, disk
+        self.socket = work / "restart.sock"
+        self.layout_file = work / "layout.json"
+        self.layout_file.write_text(json.dumps({**layout.to_dict(), "page_size": 1}))
+        self.host_bytes = host_bytes
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+
+    def start(self) -> float:
+        """Start it; the seconds until its ready file appeared."""
+        ready = self.work / "ready.json"
+        ready.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "hicache.controller.sidecar.process",
+                "--socket", str(self.socket), "--disk-path", str(self.disk),
+                "--disk-budget-bytes", str(4 * self.host_bytes), "--metrics-port", "0",
+                "--host-pool-bytes", str(self.host_bytes), "--layout-file", str(self.layout_file),
+                "--ready-file", str(ready), "--log-level", "warning",
+            ],
+            cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
+        )  # fmt: skip
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise SystemExit("the sidecar did not start")
+            time.sleep(0.01)
+        self.info = json.loads(ready.read_text())
+        return time.perf_counter() - t0
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.socket)
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.endpoint, token_file=self.info["admin_token_file"], timeout_s=60)
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(300) == 0, "the sidecar did not stop cleanly"
+        self.proc = None
+
+
+def lmdb_files(disk: Path) -> list[Path]:
+    return sorted(p for p in disk.iterdir() if p.suffix == ".mdb")
+
+
+def drop_page_cache(disk: Path) -> str:
+    """Drop the cached pages of the LMDB files (nobody maps them now); how it was done and,
+    with ``fincore``, the bytes still cached."""
+    for path in lmdb_files(disk):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how = "posix_fadvise(DONTNEED) on " + ", ".join(p.name for p in lmdb_files(disk))
+    if shutil.which("fincore"):
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(disk / "data.mdb")],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            how += f"; {int(out.stdout.split()[0]) / MIB:.1f} MiB of data.mdb still cached"
+    return how
+
+
+def raw_read_s(path: Path, total: int, chunk: int) -> float:
+    """One thread reading the first ``total`` bytes of ``path`` in reads of ``chunk`` into
+    one buffer."""
+    buf = np.ones(total, np.uint8)  # touched first, as the host pool's pages are
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        off = 0
+        while off < total:
+            n = os.preadv(fd, [view[off : off + chunk]], off)
+            if n <= 0:
+                raise SystemExit(f"{path} is shorter than {total} bytes")
+            off += n
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+class Engine:
+    """An engine's pools and client; ``src`` holds the prefix, loads go into ``dst``."""
+
+    def __init__(self, layout: ModelLayout, pages: int, device: torch.device, endpoint: str):
+        cfg = CacheConfig(page_size=1, full_slots=2 * pages + 1, device=str(device),
+                          shared_memory=device.type == "cpu")  # fmt: skip
+        self.pools = DevicePools.allocate(layout, cfg)
+        buf = self.pools.full.buffer
+        buf.copy_(torch.randint(-(1 << 20), 1 << 20, buf.shape, dtype=torch.int32).view(buf.dtype))
+        self.src = self.pools.alloc_kv_pages(pages)
+        self.dst = self.pools.alloc_kv_pages(pages)
+        self.device = device
+        hs = page_hashes(list(range(pages)), layout.fingerprint(1), 1)
+        self.hashes = hs
+        self.refs_src = [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, int(s))
+                         for i, (h, s) in enumerate(zip(hs, self.src))]  # fmt: skip
+        self.refs_dst = [PageRef(FULL, r.page_hash, r.parent_hash, int(d))
+                         for r, d in zip(self.refs_src, self.dst)]  # fmt: skip
+        client_cfg = SidecarClientConfig(request_timeout_s=600.0, backup_timeout_s=600.0,
+                                         reconnect_interval_s=0.05)  # fmt: skip
+        self.client = SidecarController(endpoint, "bench-restart", client_cfg)
+        self.client.register(layout, 1, self.pools)
+
+    def fill(self) -> None:
+        assert self.client.backup(self.refs_src).wait(600), "the backup failed"
+
+    def wait_connected(self, timeout_s: float = 120.0) -> float:
+        """Wait until the client reconnected to a restarted sidecar and sees the prefix on
+        disk; the seconds it took."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            if self.client.available:
+                pres = self.client.lookup(self.hashes[-1:], [FULL]).presence[FULL]
+                if pres[0] != Presence.ABSENT:
+                    return time.perf_counter() - t0
+            time.sleep(0.01)
+        raise SystemExit("the engine did not reconnect to the restarted sidecar")
+
+    def load_s(self) -> float:
+        """Pin and load the whole prefix into ``dst``; its seconds. The bytes are checked."""
+        buf = self.pools.full.buffer
+        buf[:, :, torch.as_tensor(self.dst, device=buf.device)] = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        pin = self.client.pin([r.key for r in self.refs_dst], 600.0)
+        assert pin is not None, "the prefix is not held"
+        res = self.client.load(self.refs_dst, pin, 600.0)
+        self.client.unpin(pin)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        assert res is LoadResult.LOADED, res
+        src = torch.as_tensor(self.src, device=buf.device)
+        dst = torch.as_tensor(self.dst, device=buf.device)
+        bits = buf.view(torch.int32)  # bit patterns: NaNs compare unequal as floats
+        assert torch.equal(bits[:, :, src], bits[:, :, dst]), "a load did not restore the bytes"
+        return seconds
+
+    def close(self) -> None:
+        self.client.close()
+        self.pools.close()
+
+
+def run_size(work: Path, page_bytes: int, total: int, device: torch.device, repeat: int) -> dict:
+    pages = total // page_bytes
+    total = pages * page_bytes
+    layout = layout_for(page_bytes)
+    disk = work / "lmdb"
+    sidecar = Sidecar(work, layout, total + total // 8 + 16 * MIB, disk)
+    out: dict = {"page_KiB": page_bytes // KIB, "pages": pages, "MiB": total / MIB}
+    sidecar.start()
+    engine = Engine(layout, pages, device, sidecar.endpoint)
+    try:
+        engine.fill()
+        sidecar.stop()
+        out["ready_s"] = sidecar.start()
+        out["reconnect_s"] = engine.wait_connected()
+        out["first_warm_s"] = engine.load_s()
+        sidecar.stop()
+        out["drop"] = drop_page_cache(disk)
+        out["raw_cold_s"] = raw_read_s(disk / "data.mdb", total, page_bytes)
+        drop_page_cache(disk)
+        sidecar.start()
+        engine.wait_connected()
+        out["first_cold_s"] = engine.load_s()
+        steady = []
+        admin = sidecar.admin()
+        for _ in range(repeat):
+            admin.clear(("host",), all_namespaces=True)
+            steady.append(engine.load_s())
+        admin.close()
+        out["steady_s"] = statistics.median(steady)
+        out["raw_warm_s"] = min(raw_read_s(disk / "data.mdb", total, page_bytes) for _ in range(3))
+    finally:
+        engine.close()
+        if sidecar.proc is not None:
+            sidecar.stop()
+        shutil.rmtree(disk, ignore_errors=True)
+    for k in ("first_warm", "first_cold", "steady", "raw_warm", "raw_cold"):
+        out[f"{k}_GBps"] = total / out[f"{k}_s"] / 1e9
+    out["first_warm_over_steady"] = out["first_warm_s"] / out["steady_s"]
+    out["steady_x_raw_warm"] = out["raw_warm_s"] / out["steady_s"]
+    out["first_cold_x_raw_cold"] = out["raw_cold_s"] / out["first_cold_s"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--sizes-kib", default="32,256,1024,8192")
+    p.add_argument("--total-mib", type=int, default=128, help="bytes loaded per page size")
+    p.add_argument("--repeat", type=int, default=3, help="steady loads (the median is shown)")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+    logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
+    device = torch.device(args.device)
+    sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="hcrs", dir="/tmp"))
+    rows = []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    try:
+        print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size): GB/s")
+        head = ("page KiB", "first warm", "first cold", "steady", "raw warm", "raw cold",
+                "first/steady", "steady×raw", "cold×raw")  # fmt: skip
+        print("  " + " ".join(f"{h:>12}" for h in head))
+        for size in sizes:
+            r = run_size(work, size, args.total_mib * MIB, device, args.repeat)
+            rows.append(r)
+            cells = [r["page_KiB"], r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
+                     r["raw_warm_GBps"], r["raw_cold_GBps"], r["first_warm_over_steady"],
+                     r["steady_x_raw_warm"], r["first_cold_x_raw_cold"]]  # fmt: skip
+            print(
+                "  " + " ".join(f"{c:12.2f}" if isinstance(c, float) else f"{c:>12}" for c in cells)
+            )
+        print(f"page cache dropped with {rows[0]['drop'] if rows else '-'}")
+        print("ready after restart (s): " + ", ".join(f"{r['ready_s']:.2f}" for r in rows))
+        print("engine reconnected (s): " + ", ".join(f"{r['reconnect_s']:.2f}" for r in rows))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
