@@ -9,8 +9,10 @@ One run, the same host pages for all: ``batch_set_v1`` / ``batch_get_v1`` throug
 controller makes for it) in a temporary directory, and a plain ``copy_`` of the same
 bytes between two contiguous host buffers (the floor). The sidecar runs twice: through
 the backend's staging pages (the copy path) and with the host pool in a memfd the sidecar
-maps (the zero-copy path, SGLang's ``"allocator": "shm"``). Prints GB/s per direction
-and each one's ratio to the memcpy.
+maps (the zero-copy path, SGLang's ``"allocator": "shm"``), and a third time with the
+backend copying pages straight to and from the sidecar's host pages mapped into it (the
+engine-copies path, the default with a local sidecar). Prints GB/s per direction and
+each one's ratio to the memcpy.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang's batch)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--page-tokens", type=int, default=4, help="4: 64 KiB pages, 64: 1 MiB, 512: 8 MiB"
+    )
     args = ap.parse_args()
 
-    sgl.LAYERS, sgl.HEADS, sgl.HEAD_DIM = 8, 4, 128  # a page of 2 x 8 x 4 x 128 x 4 tokens
+    # a page of 2 x 8 layers x 4 heads x 128 x page-tokens bf16 values
+    sgl.LAYERS, sgl.HEADS, sgl.HEAD_DIM = 8, 4, 128
+    sgl.PAGE_SIZE = args.page_tokens
     sgl.DEVICE_TOKENS = args.pages * sgl.PAGE_SIZE
     pages, ps = args.pages, sgl.PAGE_SIZE
     pool = sgl.mha_host_pool()
@@ -69,9 +76,11 @@ def main() -> None:
                   args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]).start()
     opts = {"hicache_staging_pages": pages, "hicache_backup_timeout_s": 60.0,
             "hicache_load_timeout_s": 60.0}
-    copy_path = sgl.hicache_backend(car.endpoint, pool, **opts)
-    zero_copy = sgl.hicache_backend(car.endpoint, shm_pool, **opts)
+    copy_path = sgl.hicache_backend(car.endpoint, pool, hicache_engine_copies=False, **opts)
+    zero_copy = sgl.hicache_backend(car.endpoint, shm_pool, hicache_engine_copies=False, **opts)
+    engine = sgl.hicache_backend(car.endpoint, pool, **opts)
     assert zero_copy.zero_copy and not copy_path.zero_copy
+    assert engine.pages.copied, "the engine-copies path is not available"
     times: dict[str, list[list[float]]] = {}
     try:
         for r in range(args.rounds):
@@ -79,6 +88,7 @@ def main() -> None:
             # methods interleaved so that a busy moment of the machine hits them alike
             keys = sgl.page_keys([r * 7919 + 1, *range(pages * ps - 1)])
             zc_keys = sgl.page_keys([r * 7919 + 2, *range(pages * ps - 1)])
+            ec_keys = sgl.page_keys([r * 7919 + 3, *range(pages * ps - 1)])
 
             def file_get(keys=keys) -> None:
                 got = hf.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
@@ -99,6 +109,10 @@ def main() -> None:
                     lambda zc_keys=zc_keys: zero_copy.batch_set_v1(zc_keys, src),
                     lambda keys=keys: zero_copy.batch_get_v1(keys, dst),
                 ),
+                "hicache sidecar, engine copies": (
+                    lambda ec_keys=ec_keys: engine.batch_set_v1(ec_keys, src),
+                    lambda ec_keys=ec_keys: engine.batch_get_v1(ec_keys, dst),
+                ),
             }
             for name, (put, take) in rows.items():
                 times.setdefault(name, [[], []])
@@ -111,6 +125,7 @@ def main() -> None:
     finally:
         copy_path.close()
         zero_copy.close()
+        engine.close()
         car.stop()
         tmp.cleanup()
 
@@ -123,7 +138,11 @@ def main() -> None:
         print(f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
               f"{total / g / 1e9:9.2f} {base_get / g:9.3f}")
     f_set, f_get = best["HiCacheFile"]
-    for label in ("hicache sidecar, copy path", "hicache sidecar, zero-copy"):
+    for label in (
+        "hicache sidecar, copy path",
+        "hicache sidecar, zero-copy",
+        "hicache sidecar, engine copies",
+    ):
         hc_set, hc_get = best[label]
         print(f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
               f"get {f_get / hc_get:.2f}x")

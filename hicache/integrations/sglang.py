@@ -41,14 +41,17 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache import ComponentType
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
+from hicache.integrations.engine_blocks import EngineBlocks
 from hicache.integrations.sglang_pages import (
     POOL_COMPONENTS,
     PageHasher,
     SGLangNamespace,
     describe_pool,
+    page_bytes,
     ranks_of,
     sidecar_layout,
 )
+from hicache.integrations.sglang_segments import page_segments
 from hicache.integrations.sglang_transfers import SidecarPages
 from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
 
@@ -66,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "hicache_reconnect_interval_s": 1.0,
     "hicache_staging_pages": 128,  # per call (a get and a set at once): STORAGE_BATCH_SIZE
     "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
+    "hicache_engine_copies": True,  # copy pages straight to/from a local sidecar's host pages
     "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
 }
 
@@ -185,10 +189,21 @@ class HiCacheSidecarStorage(HiCacheStorage):
         self.pages = SidecarPages(
             self.controller, self.hasher, self.staging, self.page_size, o, self.counters
         )
+        if o["hicache_engine_copies"] and self.controller.endpoint.startswith("ipc://"):
+            for name, pool in pools.items():
+                found = page_segments(pool, page_bytes(pool))
+                if found is not None:
+                    component = POOL_COMPONENTS[name]
+                    blocks = EngineBlocks(
+                        self.controller, [found[0]], torch.device("cpu"), component
+                    )
+                    self.pages.copied[component] = (blocks, int(pool.page_size))
+        copied = {c.name.lower() for c in self.pages.copied}
         log.info(
-            "hicache L3 namespace %s (pools: %s; KV %s)",
+            "hicache L3 namespace %s (pools: %s; copied by the engine: %s; KV otherwise %s)",
             layout.model_id,
             ", ".join(pools),
+            ", ".join(sorted(copied)) or "none",
             "zero-copy" if self.zero_copy else "through staging",
         )
 
@@ -304,6 +319,13 @@ class HiCacheSidecarStorage(HiCacheStorage):
         offsets = self._page_offsets(pool, keys, host_indices)
         if offsets is None:
             return [False] * len(keys)
+        component = POOL_COMPONENTS[name]
+        if self.pages is not None and self.pages.copies(component) is not None:
+            return self._guarded(
+                "set",
+                lambda: self.pages.store_copied(component, keys, offsets, prefix),
+                [False] * len(keys),
+            )
         if name == "kv" and self.zero_copy:
             return self._guarded(
                 "set", lambda: self.pages.store_direct(keys, offsets, prefix), [False] * len(keys)
@@ -322,6 +344,13 @@ class HiCacheSidecarStorage(HiCacheStorage):
         offsets = self._page_offsets(pool, keys, host_indices)
         if offsets is None:
             return [False] * len(keys)
+        component = POOL_COMPONENTS[name]
+        if self.pages is not None and self.pages.copies(component) is not None:
+            return self._guarded(
+                "get",
+                lambda: self.pages.fetch_copied(component, keys, offsets),
+                [False] * len(keys),
+            )
         if name == "kv" and self.zero_copy:
             return self._guarded(
                 "get", lambda: self.pages.fetch_direct(keys, offsets), [False] * len(keys)
@@ -331,7 +360,6 @@ class HiCacheSidecarStorage(HiCacheStorage):
         def deliver(i: int, data: torch.Tensor) -> None:
             pool.set_from_flat_data_page(offsets[i], data.view(dtype))
 
-        component = POOL_COMPONENTS[name]
         return self._guarded(
             "get", lambda: self.pages.fetch(component, keys, deliver), [False] * len(keys)
         )

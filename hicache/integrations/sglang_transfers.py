@@ -10,6 +10,12 @@
   quarantine until it ends, so a late copy never mixes with a newer call's pages.
 * **Direct** (the zero-copy path, KV only): the registered FULL buffer is SGLang's own
   host pool, so ``store_direct`` / ``fetch_direct`` name SGLang's host pages.
+* **Copied** (the engine copies, every pool whose pages are views of its memory:
+  :mod:`hicache.integrations.sglang_segments`): with a local sidecar whose host pages are
+  mapped here, ``store_copied`` copies SGLang's pages straight into the host pages the
+  sidecar hands out and commits them, ``fetch_copied`` pins the pages and copies them
+  straight into SGLang's pool (:class:`hicache.integrations.engine_blocks.EngineBlocks`):
+  one copy per byte, by this process, with no staging page and no sidecar-side copy.
 
 Every call is bounded by the client's timeouts; what the sidecar cannot do is a miss or a
 failure, counted in ``counters``.
@@ -28,6 +34,7 @@ import torch
 
 from hicache import ComponentType, PageKey, PageRef, Presence, TransferHandle
 from hicache.controller.client import SidecarController, StagingArea
+from hicache.integrations.engine_blocks import EngineBlocks
 from hicache.integrations.sglang_pages import UNIT_DTYPE, PageHasher
 
 log = logging.getLogger("hicache.integrations.sglang")
@@ -84,6 +91,64 @@ class SidecarPages:
         self.options = options
         self.counters = counters
         self.batch_pages = int(options["hicache_staging_pages"])  # staging pages per call
+        # component -> (its pool's pages as engine blocks, the pool's tokens per page)
+        self.copied: dict[ComponentType, tuple[EngineBlocks, int]] = {}
+
+    def copies(self, component: ComponentType) -> tuple[EngineBlocks, int] | None:
+        """The engine-copied path of ``component``'s pool, when the sidecar's host pages
+        are mapped here now (else the caller takes the direct or the staging path)."""
+        entry = self.copied.get(component)
+        if entry is None or not self.controller.available or not entry[0].available:
+            return None
+        return entry
+
+    def store_copied(
+        self, component: ComponentType, keys: list[str], offsets: list[int],
+        prefix: list[str] | None,
+    ) -> list[bool]:  # fmt: skip
+        """One copy: SGLang's host pages straight into the sidecar's host pages. All True
+        once every page is held (a page with no room makes the whole call report False:
+        SGLang backs it up again later)."""
+        blocks, ps = self.copied[component]
+        hashes, parents = self.hasher.chain(keys, prefix)
+        refs = [PageRef(component, h, p, 0) for h, p in zip(hashes, parents)]
+        ttl = float(self.options["hicache_backup_timeout_s"])
+        _, not_stored = blocks.store(refs, [0] * len(keys), [o // ps for o in offsets], ttl)
+        if not_stored:
+            self.counters["set_failed"] += len(keys)
+            return [False] * len(keys)
+        self.counters["set_pages"] += len(keys)
+        return [True] * len(keys)
+
+    def fetch_copied(
+        self, component: ComponentType, keys: list[str], offsets: list[int]
+    ) -> list[bool]:
+        """One copy: the sidecar's host pages (read from disk first where they are only
+        there) straight into SGLang's host pages. When not every page can be had, the ones
+        still held are loaded (what a page not loaded holds afterwards is undefined, as
+        SGLang expects of a page it is told missed)."""
+        blocks, ps = self.copied[component]
+        timeout = float(self.options["hicache_load_timeout_s"])
+        targets = [o // ps for o in offsets]
+        wanted = list(range(len(keys)))
+        for attempt in range(2):
+            if attempt:  # some page is gone: load the ones still held
+                present = self.present(keys, [component])[component]
+                wanted = [j for j, p in enumerate(present) if p]
+                if not wanted:
+                    break
+            hashes = [self.hasher.page_hash(keys[j]) for j in wanted]
+            if blocks.load(hashes, [0] * len(wanted), [targets[j] for j in wanted], 2 * timeout,
+                           timeout):  # fmt: skip
+                ok = [False] * len(keys)
+                for j in wanted:
+                    ok[j] = True
+                self.counters["get_pages"] += len(wanted)
+                self.counters["get_misses"] += len(keys) - len(wanted)
+                return ok
+            self.counters["load_failed"] += 1
+        self.counters["get_misses"] += len(keys)
+        return [False] * len(keys)
 
     def present(self, keys: Sequence[str], components: Sequence[ComponentType]) -> dict:
         """Per component, a bool per key: held on host or disk (all False when unavailable)."""

@@ -4,6 +4,7 @@ controller methods over SGLang's own host pools: the same hits and the same byte
 from __future__ import annotations
 
 import pytest
+import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang_support import (
     PAGE_SIZE,
@@ -17,6 +18,8 @@ from sglang_support import (
     mha_host_pool,
     page_keys,
 )
+
+from hicache import ComponentType
 
 STORED_PAGES = 6
 QUERY_PAGES = 9  # three pages past what was stored: the hit must stop there
@@ -39,6 +42,7 @@ def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: li
     }
 
 
+@pytest.mark.parametrize("engine_copies", [True, False])
 @pytest.mark.parametrize(
     ("layout", "allocator", "zero_copy"),
     [
@@ -50,19 +54,22 @@ def _run_controller(backend, pool, zero_copy: bool, tokens: list[int], query: li
     ],
 )
 def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
-    sidecar_per_layout, token_base, tmp_path, layout, allocator, zero_copy
+    sidecar_per_layout, token_base, tmp_path, layout, allocator, zero_copy, engine_copies
 ):
     sidecar = sidecar_per_layout(layout)
     tokens = list(range(token_base, token_base + STORED_PAGES * PAGE_SIZE))
     query = tokens + [900_000_000 + t for t in range((QUERY_PAGES - STORED_PAGES) * PAGE_SIZE)]
 
     oracle_pool = mha_host_pool(layout)
-    oracle = _run_controller(file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool,
-                             False, tokens, query)
+    oracle = _run_controller(
+        file_backend(str(tmp_path / "file"), oracle_pool), oracle_pool, False, tokens, query
+    )
     pool = mha_host_pool(layout, allocator)
-    backend = hicache_backend(sidecar.endpoint, pool)
+    backend = hicache_backend(sidecar.endpoint, pool, hicache_engine_copies=engine_copies)
     try:
         assert backend.zero_copy == (layout == "layer_first" and allocator == "shm")
+        # every layout's KV pages are copied by the backend itself when it may
+        assert (backend.pages.copies(ComponentType.FULL) is not None) == engine_copies
         ours = _run_controller(backend, pool, zero_copy, tokens, query)
     finally:
         backend.close()
@@ -74,8 +81,7 @@ def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
     assert oracle["loaded_bytes"] == oracle["stored_bytes"]
 
 
-def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool,
-                base: int):
+def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy: bool, base: int):
     """KV for six pages, Mamba states only at ``state_pages`` (as the hybrid controller
     writes them: KV through the controller's backup, each state a MAMBA PoolTransfer);
     then the existence checks the hybrid controller makes, under both hit policies, and a
@@ -93,13 +99,19 @@ def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy:
         )
         assert res[PoolName.MAMBA] == [True]
     seen = {}
-    for policy, trailing in ((PoolHitPolicy.TRAILING_PAGES, 1), (PoolHitPolicy.TRAILING_PAGES, 2),
-                             (PoolHitPolicy.ALL_PAGES, 1)):
+    for policy, trailing in (
+        (PoolHitPolicy.TRAILING_PAGES, 1),
+        (PoolHitPolicy.TRAILING_PAGES, 2),
+        (PoolHitPolicy.ALL_PAGES, 1),
+    ):
         r = backend.batch_exists_v2(
             keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=policy)]
         )
-        seen[(policy.value, trailing)] = (r.kv_hit_pages, dict(r.extra_pool_hit_pages),
-                                          r.restorable_prefix_pages)
+        seen[(policy.value, trailing)] = (
+            r.kv_hit_pages,
+            dict(r.extra_pool_hit_pages),
+            r.restorable_prefix_pages,
+        )
     last = max(state_pages)
     slot = mamba_pool.alloc(2)
     got = backend.batch_get_v2(
@@ -110,9 +122,10 @@ def _hybrid_run(backend, kv_pool, mamba_pool, state_pages: list[int], zero_copy:
     return seen
 
 
+@pytest.mark.parametrize("engine_copies", [True, False])
 @pytest.mark.parametrize("state_pages", [[2, 5], [1, 2, 3], [0, 1, 2, 3, 4, 5]])
 def test_hybrid_hit_policies_match_the_file_backend(
-    sidecar_per_layout, token_base, tmp_path, state_pages
+    sidecar_per_layout, token_base, tmp_path, state_pages, engine_copies
 ):
     sidecar = sidecar_per_layout("hybrid")
     kv, mamba = mha_host_pool(), mamba_host_pool()
@@ -120,8 +133,11 @@ def test_hybrid_hit_policies_match_the_file_backend(
     expected = _hybrid_run(oracle, kv, mamba, state_pages, False, token_base)
 
     kv, mamba = mha_host_pool(), mamba_host_pool()
-    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.MAMBA: mamba})
+    backend = hicache_backend(
+        sidecar.endpoint, kv, {PoolName.MAMBA: mamba}, hicache_engine_copies=engine_copies
+    )
     try:
+        assert (backend.pages.copies(ComponentType.MAMBA) is not None) == engine_copies
         got = _hybrid_run(backend, kv, mamba, state_pages, True, token_base)
     finally:
         backend.close()
@@ -131,8 +147,7 @@ def test_hybrid_hit_policies_match_the_file_backend(
     assert got[("trailing_pages", 1)][0] == max(state_pages) + 1
 
 
-def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int],
-                           base: int):
+def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[int], base: int):
     """SGLang's hybrid controller writes a 6-page prefix in two steps (its first
     ``state_at[0]`` pages, then all six), each with a Mamba state for its last page when
     that step is in ``state_at``; then prefetches 8 pages (6 stored) into fresh pages."""
@@ -144,14 +159,17 @@ def _hybrid_controller_run(backend, kv, mamba, zero_copy: bool, state_at: list[i
         slot = fill_pages(mamba, 1, seed=pages)
         states[pages] = host_page_bytes(mamba, slot, 1)[0]
         extra = {PoolName.MAMBA: slot} if pages in state_at else {}
-        assert ctl.backup(kv_idx[: pages * PAGE_SIZE], tokens[: pages * PAGE_SIZE], extra) \
+        assert (
+            ctl.backup(kv_idx[: pages * PAGE_SIZE], tokens[: pages * PAGE_SIZE], extra)
             == pages * PAGE_SIZE
+        )
     query = tokens + [900_000_000 + t for t in range((QUERY_PAGES - STORED_PAGES) * PAGE_SIZE)]
     dst_slot = mamba.alloc(1)
     seen = ctl.prefetch(query, kv.alloc(QUERY_PAGES * PAGE_SIZE), {PoolName.MAMBA: dst_slot})
     hit = seen["hit_tokens"] // PAGE_SIZE
-    seen["state_bytes_match"] = hit in states and \
-        host_page_bytes(mamba, dst_slot, 1)[0] == states[hit]
+    seen["state_bytes_match"] = (
+        hit in states and host_page_bytes(mamba, dst_slot, 1)[0] == states[hit]
+    )
     return seen
 
 
@@ -196,8 +214,11 @@ def _swa_run(backend, kv_pool, swa_pool, window_pages: int, base: int):
         r = backend.batch_exists_v2(
             keys, [PoolTransfer(name=PoolName.SWA, keys=keys[-trailing:], hit_policy=policy)]
         )
-        seen[(policy.value, trailing)] = (r.kv_hit_pages, dict(r.extra_pool_hit_pages),
-                                          r.restorable_prefix_pages)
+        seen[(policy.value, trailing)] = (
+            r.kv_hit_pages,
+            dict(r.extra_pool_hit_pages),
+            r.restorable_prefix_pages,
+        )
     dst = swa_pool.alloc(window_pages * PAGE_SIZE)
     got = backend.batch_get_v2(
         [PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys[-window_pages:])]
@@ -209,9 +230,10 @@ def _swa_run(backend, kv_pool, swa_pool, window_pages: int, base: int):
     return seen
 
 
+@pytest.mark.parametrize("engine_copies", [True, False])
 @pytest.mark.parametrize("window_pages", [1, 3])
 def test_sliding_window_pages_match_the_file_backend(
-    sidecar_per_layout, token_base, tmp_path, window_pages
+    sidecar_per_layout, token_base, tmp_path, window_pages, engine_copies
 ):
     """SGLang's full + SWA stack keeps its sliding-window layers in a second
     MHATokenToKVPoolHost, registered as the SWA pool: hicache answers its existence
@@ -221,8 +243,11 @@ def test_sliding_window_pages_match_the_file_backend(
     oracle = file_backend(str(tmp_path / "file"), kv, {PoolName.SWA: swa})
     expected = _swa_run(oracle, kv, swa, window_pages, token_base)
     kv, swa = mha_host_pool(), mha_host_pool()
-    backend = hicache_backend(sidecar.endpoint, kv, {PoolName.SWA: swa})
+    backend = hicache_backend(
+        sidecar.endpoint, kv, {PoolName.SWA: swa}, hicache_engine_copies=engine_copies
+    )
     try:
+        assert (backend.pages.copies(ComponentType.SWA) is not None) == engine_copies
         got = _swa_run(backend, kv, swa, window_pages, token_base)
     finally:
         backend.close()
@@ -232,3 +257,75 @@ def test_sliding_window_pages_match_the_file_backend(
     # more than was stored does not
     assert got[("trailing_pages", window_pages)][0] == STORED_PAGES
     assert got[("trailing_pages", window_pages + 1)][0] < STORED_PAGES
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_pages_copied_by_the_engine_are_the_pages_of_the_other_paths(
+    sidecar_per_layout, token_base, layout
+):
+    """An instance that copies its pages itself and one that goes through staging pages
+    store the same bytes under the same hashes: each reads what the other wrote, KV and
+    Mamba state alike, and a page SGLang holds at another host index lands there."""
+    sidecar = sidecar_per_layout(f"interop-{layout}")
+    pools = {}
+    backends = {}
+    try:
+        for copies in (True, False):
+            kv, mamba = mha_host_pool(layout), mamba_host_pool()
+            pools[copies] = (kv, mamba)
+            backends[copies] = hicache_backend(
+                sidecar.endpoint, kv, {PoolName.MAMBA: mamba}, hicache_engine_copies=copies
+            )
+            assert (backends[copies].pages.copies(ComponentType.FULL) is not None) == copies
+        for writer in (True, False):
+            reader = not writer
+            base = token_base + (0 if writer else 500)
+            keys = page_keys(list(range(base, base + STORED_PAGES * PAGE_SIZE)))
+            kv, mamba = pools[writer]
+            src = fill_pages(kv, STORED_PAGES, seed=41 + writer)
+            slot = fill_pages(mamba, 1, seed=43 + writer)
+            assert backends[writer].batch_set_v1(keys, src) == [True] * STORED_PAGES
+            done = backends[writer].batch_set_v2(
+                [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=keys[-1:])]
+            )
+            assert done[PoolName.MAMBA] == [True]
+            rkv, rmamba = pools[reader]
+            rkv.alloc(3 * PAGE_SIZE)  # the reader's pages sit elsewhere in its pool
+            dst, dst_slot = rkv.alloc(STORED_PAGES * PAGE_SIZE), rmamba.alloc(1)
+            assert backends[reader].batch_get_v1(keys, dst) == [True] * STORED_PAGES
+            got = backends[reader].batch_get_v2(
+                [PoolTransfer(name=PoolName.MAMBA, host_indices=dst_slot, keys=keys[-1:])]
+            )
+            assert got[PoolName.MAMBA] == [True]
+            assert host_page_bytes(rkv, dst, STORED_PAGES) == host_page_bytes(kv, src, STORED_PAGES)
+            assert host_page_bytes(rmamba, dst_slot, 1) == host_page_bytes(mamba, slot, 1)
+    finally:
+        for b in backends.values():
+            b.close()
+
+
+def test_a_page_missing_from_a_copied_get_is_a_miss_and_the_rest_still_load(
+    sidecar_per_layout, token_base
+):
+    """The engine-copied get of pages of which one was never stored: the stored ones load
+    (their bytes exact), the missing one is a miss."""
+    sidecar = sidecar_per_layout("layer_first")
+    kv = mha_host_pool()
+    backend = hicache_backend(sidecar.endpoint, kv)
+    try:
+        assert backend.pages.copies(ComponentType.FULL) is not None
+        keys = page_keys(list(range(token_base, token_base + STORED_PAGES * PAGE_SIZE)))
+        src = fill_pages(kv, STORED_PAGES, seed=5)
+        stored = [k for i, k in enumerate(keys) if i != 2]
+        idx = src.view(STORED_PAGES, PAGE_SIZE)
+        kept = torch.cat([idx[i] for i in range(STORED_PAGES) if i != 2])
+        assert backend.batch_set_v1(stored, kept) == [True] * (STORED_PAGES - 1)
+        dst = kv.alloc(STORED_PAGES * PAGE_SIZE)
+        got = backend.batch_get_v1(keys, dst)
+        assert got == [i != 2 for i in range(STORED_PAGES)]
+        d = dst.view(STORED_PAGES, PAGE_SIZE)
+        for i in (0, 1, 3, 4, 5):
+            assert host_page_bytes(kv, d[i], 1) == host_page_bytes(kv, idx[i], 1)
+        assert backend.counters["load_failed"] == 1  # the first try, of all six, failed
+    finally:
+        backend.close()
