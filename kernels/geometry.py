@@ -111,13 +111,15 @@ def kv_row_copy(
     host_pages: torch.Tensor,
     page_size: int,
     to_host: bool,
+    whole_pages: bool = True,
 ) -> RowCopy:
     """Check a KV page transfer's arguments and describe it as rows.
 
     ``device_kv`` is ``[2, layers, slots, heads, head_dim]`` and ``host_kv`` is
     ``[host_pages, 2, layers, page_size, heads, head_dim]`` (a strided view into a larger
     buffer is fine as long as each page's ``[2, layers, page_size, heads, head_dim]`` block
-    is dense).
+    is dense). With ``whole_pages`` False only each row (one layer of a page) must be
+    dense: a copy of some of the layers, over both tensors narrowed to them.
     """
     if device_kv.dim() != 5 or device_kv.shape[0] != 2:
         raise ValueError(
@@ -136,7 +138,7 @@ def kv_row_copy(
         raise TypeError(f"host_kv is {host_kv.dtype} but device_kv is {device_kv.dtype}")
     if not inner_contiguous(device_kv, 2):
         raise ValueError("device_kv must be dense in its [slots, heads, head_dim] dims")
-    if not inner_contiguous(host_kv, 1):
+    if not inner_contiguous(host_kv, 1 if whole_pages else 3):
         raise ValueError("each host_kv page must be one dense [2, layers, page_size, ...] block")
     device_pages = index_tensor("device_pages", device_pages)
     host_pages = index_tensor("host_pages", host_pages)

@@ -51,8 +51,12 @@ class PreparedTransfer:
         device_items: str,
         tuning: TransferTuning,
         backend: Backend | None,
+        whole_pages: bool = True,
     ) -> None:
+        if backend is Backend.STAGED and not whole_pages:
+            raise ValueError("backend='staged' moves whole pages; a copy of some layers cannot")
         self.copies = copies
+        self.whole_pages = whole_pages
         self.to_host = to_host
         self.tuning = tuning
         self.backend = backend
@@ -76,14 +80,29 @@ class PreparedTransfer:
         to_host: bool,
         tuning: TransferTuning = DEFAULT_TUNING,
         backend: Backend | str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> PreparedTransfer:
         """KV pages between ``device_kv`` ``[2, layers, slots, heads, head_dim]`` and
         ``host_kv`` ``[host_pages, 2, layers, page_size, heads, head_dim]``; the shape
-        checks of :func:`~hicache.kernels.kv_pages_to_host` run here, once."""
-        copy = kv_row_copy(device_kv, host_kv, _NO_INDEX, _NO_INDEX, page_size, to_host=to_host)
+        checks of :func:`~hicache.kernels.kv_pages_to_host` run here, once. ``layers``
+        ``(lo, hi)``: only those layers of each page move (a layer-wise load)."""
+        whole = layers is None
+        if not whole:
+            lo, n = _layer_span(layers, device_kv.shape[1])
+            device_kv, host_kv = device_kv.narrow(1, lo, n), host_kv.narrow(2, lo, n)
+        copy = kv_row_copy(
+            device_kv, host_kv, _NO_INDEX, _NO_INDEX, page_size, to_host=to_host, whole_pages=whole
+        )
         tensors = (device_kv, host_kv) if to_host else (host_kv, device_kv)
         return cls(
-            (copy,), tensors, page_size, to_host, "device pages", tuning, parse_backend(backend)
+            (copy,),
+            tensors,
+            page_size,
+            to_host,
+            "device pages",
+            tuning,
+            parse_backend(backend),
+            whole,
         )
 
     @classmethod
@@ -97,9 +116,15 @@ class PreparedTransfer:
         to_host: bool,
         tuning: TransferTuning = DEFAULT_TUNING,
         backend: Backend | str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> PreparedTransfer:
         """Mamba states (conv and SSM) between a pool's slots and host pages; the checks
-        of :func:`~hicache.kernels.mamba_states_to_host` run here, once."""
+        of :func:`~hicache.kernels.mamba_states_to_host` run here, once. ``layers``
+        ``(lo, hi)``: only those layers' states move."""
+        if layers is not None:
+            lo, n = _layer_span(layers, conv.shape[0])
+            conv, ssm = conv.narrow(0, lo, n), ssm.narrow(0, lo, n)
+            host_conv, host_ssm = host_conv.narrow(1, lo, n), host_ssm.narrow(1, lo, n)
         conv_copy = state_row_copy("conv", conv, host_conv, _NO_INDEX, _NO_INDEX, to_host)
         ssm_copy = state_row_copy("ssm", ssm, host_ssm, _NO_INDEX, _NO_INDEX, to_host)
         if to_host:
@@ -165,7 +190,7 @@ class PreparedTransfer:
             return Backend.CPU
         n = idx.shape[1]
         transfer_bytes = dma_bytes = 0
-        if self._kv:  # the staged path is open to KV pages only
+        if self._kv and self.whole_pages:  # the staged path is open to whole KV pages only
             transfer_bytes = n * copy.item_bytes
             if transfer_bytes >= self.tuning.staged_min_transfer_bytes:
                 from hicache.kernels.staged import mean_dma_bytes
@@ -250,3 +275,11 @@ class PreparedTransfer:
             reference.mamba_states_to_host_ref(*t, dev, host)
         else:
             reference.mamba_states_to_device_ref(*t, host, dev)
+
+
+def _layer_span(layers: tuple[int, int], num_layers: int) -> tuple[int, int]:
+    """``(lo, hi)`` of a layer-wise copy as ``(lo, count)``; ValueError outside the pool."""
+    lo, hi = layers
+    if not 0 <= lo < hi <= num_layers:
+        raise ValueError(f"layers {layers} are not a non-empty range of the {num_layers} layers")
+    return lo, hi - lo

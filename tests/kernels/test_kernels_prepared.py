@@ -175,3 +175,53 @@ def test_transfer_engine_keeps_one_per_engine_and_drops_it_with_the_buffers() ->
     del buffers, plans, first, other
     gc.collect()
     assert len(transfer._plans) == 0
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+def test_a_copy_of_some_layers_moves_those_layers_only(backend: str | None) -> None:
+    """A layer-wise load's copies (``layers=(lo, hi)``): each moves its layers of every
+    page as the whole-page copy would, and the copies of all groups together move exactly
+    what one whole-page copy moves."""
+    gen, device_kv, host_kv = kv_setup(4, torch.float16, 11)
+    dev_pages, host_pages = [1, 3, 8], [2, 5, 9]
+    want = device_kv.clone()
+    reference.kv_pages_to_device_ref(
+        host_kv, want, torch.tensor(host_pages), torch.tensor(dev_pages), 4
+    )
+    before = device_kv.clone()
+    one = PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend=backend, layers=(1, 2))
+    one(dev_pages, host_pages)
+    assert torch.equal(bits(device_kv[:, 1]), bits(want[:, 1]))
+    for other in (0, 2):  # the other layers are untouched
+        assert torch.equal(bits(device_kv[:, other]), bits(before[:, other]))
+    for lo, hi in ((0, 1), (2, LAYERS)):
+        PreparedTransfer.kv(
+            device_kv, host_kv, 4, to_host=False, backend=backend, layers=(lo, hi)
+        )(dev_pages, host_pages)
+    assert torch.equal(bits(device_kv), bits(want))
+
+    layers, slots = 3, 5
+    conv = randomize(torch.empty(layers, slots, 6, 3, dtype=torch.float16), gen)
+    ssm = randomize(torch.empty(layers, slots, 2, 4, dtype=torch.float16), gen)
+    host = MambaHostPages(4, layers, (6, 3), (2, 4), torch.float16)
+    randomize(host.buffer, gen)
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    host_conv, host_ssm = host.views(host.buffer)
+    reference.mamba_states_to_device_ref(
+        host_conv, host_ssm, want_conv, want_ssm, torch.tensor([3]), torch.tensor([1])
+    )
+    for lo, hi in ((0, 2), (2, 3)):
+        PreparedTransfer.states(
+            conv, ssm, host_conv, host_ssm, to_host=False, backend=backend, layers=(lo, hi)
+        )([1], [3])
+        assert torch.equal(bits(conv[lo:hi]), bits(want_conv[lo:hi]))
+    assert torch.equal(bits(conv), bits(want_conv)) and torch.equal(bits(ssm), bits(want_ssm))
+
+
+def test_a_layer_range_outside_the_pool_or_staged_is_refused() -> None:
+    _, device_kv, host_kv = kv_setup(4, torch.float16, 3)
+    for bad in ((0, 0), (2, 1), (-1, 2), (0, LAYERS + 1)):
+        with pytest.raises(ValueError, match="layers"):
+            PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, layers=bad)
+    with pytest.raises(ValueError, match="whole pages"):
+        PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend="staged", layers=(0, 1))
