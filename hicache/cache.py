@@ -24,13 +24,13 @@ from hicache.beyond_device import BeyondDevice, Walk
 from hicache.components import COMPONENT_CLASSES
 from hicache.components.base import TreeComponent
 from hicache.config import CacheConfig, WritePolicy
-from hicache.controller_api import CacheController
+from hicache.controller_api import CacheController, LayerGroups
 from hicache.eviction import LeafEvictionPolicy
 from hicache.invariants import check_cache
 from hicache.keys import TOKEN_BYTES, TokenInput, token_array, walk_key
 from hicache.layout import ModelLayout
 from hicache.leaf_policies import make_leaf_policy
-from hicache.load_back import LoadBack
+from hicache.load_back import LayeredLoadBack, LoadBack
 from hicache.node import TreeNode
 from hicache.pools import DevicePools
 from hicache.quarantine import Quarantine
@@ -481,12 +481,20 @@ class UnifiedRadixCache:
     ) -> bool:
         """Bring the prefix ending at ``node`` from the host/disk tiers to the device.
 
-        With ``req`` (right after its ``match_prefix``), the loaded tokens extend its
-        prefix: ``kv_slots``, ``prefix_len``, lock and Mamba state. ``mem_quota`` caps the
-        FULL tokens it may allocate. On any failure it returns False with the pools and
-        the request exactly as they were: the request recomputes instead.
+        With ``req`` (right after its ``match_prefix``), the loaded tokens extend its prefix
+        (slots, length, lock, Mamba state). ``mem_quota`` caps the FULL tokens it may take.
+        On any failure: False, the pools and the request exactly as they were (recompute).
         """
         self.poll_transfers()
         if self.loader is None:
             return False
         return self.loader.load(node, req, mem_quota)
+
+    def start_load_back(
+        self, node: TreeNode, req: Request | None = None, groups: LayerGroups | None = None
+    ) -> LayeredLoadBack | None:
+        """:meth:`load_back` waited on layer by layer (LayeredLoadBack; ``groups``: one per
+        layout layer). None, with nothing changed, when it fails before a copy starts."""
+        self.poll_transfers()
+        groups = groups or LayerGroups.of_layout(self.layout)
+        return None if self.loader is None else self.loader.start_layered(node, req, None, groups)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -154,6 +155,104 @@ def unsettled_load(result: object) -> TransferHandle | None:
     """The handle to wait on before a failed load's slots may be reused (None: at once)."""
     pending = getattr(result, "pending", None)
     return None if pending is None or pending.done() else pending
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """A model's layers cut into groups of consecutive layers, the unit of a layer-wise
+    load: group ``g`` holds model layers ``[g * size, (g + 1) * size)`` and, per component,
+    the pool layers ``spans[g][component]`` (``(lo, hi)``) that those model layers own.
+    Groups are loaded, and waited for, in order."""
+
+    size: int
+    num_layers: int
+    spans: tuple[dict[ComponentType, tuple[int, int]], ...]
+
+    @classmethod
+    def of(cls, owners: dict[ComponentType, Sequence[int]], size: int = 1) -> LayerGroups:
+        """Groups of ``size`` model layers, where ``owners[c][i]`` is the model layer that
+        pool layer ``i`` of component ``c`` belongs to (non-decreasing in ``i``)."""
+        if size < 1:
+            raise ValueError(f"a layer group holds at least one layer, not {size}")
+        for comp, owner in owners.items():
+            if any(b < a for a, b in pairwise(owner)):
+                raise ValueError(f"{comp.name} pool layers must follow the model's order")
+        num_layers = 1 + max((max(o) for o in owners.values() if len(o)), default=-1)
+        spans = []
+        for lo in range(0, num_layers, size):
+            span = {}
+            for comp, owner in owners.items():
+                inside = [i for i, j in enumerate(owner) if lo <= j < lo + size]
+                if inside:
+                    span[comp] = (inside[0], inside[-1] + 1)
+            spans.append(span)
+        return cls(size, num_layers, tuple(spans))
+
+    @classmethod
+    def of_layout(cls, layout: ModelLayout, size: int = 1) -> LayerGroups:
+        """Groups of the layout's own layers (``layout.layer_kinds``' positions)."""
+        owners: dict[ComponentType, list[int]] = {}
+        for j, kind in enumerate(layout.layer_kinds):
+            owners.setdefault(kind.component, []).append(j)
+        return cls.of(owners, size)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def group_of(self, layer: int) -> int:
+        """The group that model layer ``layer`` belongs to."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside the model's {self.num_layers} layers")
+        return layer // self.size
+
+
+class LayerLoad(Protocol):
+    """A load started for all layers at once and waited on group by group, in order
+    (:meth:`CacheController.start_layer_load`).
+
+    ``wait_group(g)`` returns once group ``g``'s bytes may be read by the caller's next
+    work (on a GPU: the caller's current stream waits for the group's copy, the host does
+    not; on a CPU: the copy has ended), or False when the load failed at or before that
+    group (injected, a copy that could not be issued, a timeout). ``finish()`` must be
+    called once the caller is done with it, whatever happened: it waits for every copy
+    issued, releases what the load held and says whether every byte arrived; a second
+    call returns the same."""
+
+    groups: LayerGroups
+
+    def wait_group(self, group: int) -> bool: ...
+
+    def finish(self) -> LoadResult: ...
+
+
+class WholeLayerLoad:
+    """A :class:`LayerLoad` over a controller that loads only whole: the load runs at
+    start, and every group is ready when it has succeeded."""
+
+    def __init__(self, groups: LayerGroups, result: LoadResult) -> None:
+        self.groups = groups
+        self._result = result
+
+    def wait_group(self, group: int) -> bool:
+        return bool(self._result)
+
+    def finish(self) -> LoadResult:
+        return self._result
+
+
+def start_layer_load(
+    controller: CacheController,
+    refs: Sequence[PageRef],
+    pin: PinReceipt,
+    groups: LayerGroups,
+    timeout_s: float,
+) -> LayerLoad:
+    """``controller.start_layer_load`` where it has one, else its whole ``load`` as a
+    :class:`WholeLayerLoad` (a controller without layer-wise copies, a test double)."""
+    start = getattr(controller, "start_layer_load", None)
+    if start is not None:
+        return start(refs, pin, groups, timeout_s)
+    return WholeLayerLoad(groups, controller.load(refs, pin, timeout_s))
 
 
 class ControllerError(HicacheError):

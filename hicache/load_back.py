@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep, MakeRoom
+from hicache.components.base import LoadPlan, LoadPrep, MakeRoom, PendingView
 from hicache.config import CacheConfig
-from hicache.controller_api import CacheController, unsettled_load
+from hicache.controller_api import (
+    CacheController,
+    LayerGroups,
+    LayerLoad,
+    PageRef,
+    PinReceipt,
+    TransferHandle,
+    start_layer_load,
+    unsettled_load,
+)
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots, Quarantine
 from hicache.records import Request
@@ -57,11 +67,54 @@ class LoadBack:
     def load(self, node: TreeNode, req: Request | None, mem_quota: int | None) -> bool:
         """Bring the prefix ending at ``node`` to the device; see
         :meth:`~hicache.cache.UnifiedRadixCache.load_back` for what it promises."""
+        txn = self._begin(node, req, mem_quota)
+        if txn is None:
+            return False
+        ok, unsettled = False, None  # the handle of a failed copy that may still write
+        try:
+            if txn.refs:
+                result = self.controller.load(txn.refs, txn.pin, self.config.load_timeout_s)
+                ok = bool(result)
+                unsettled = None if ok else unsettled_load(result)
+            else:
+                ok = True
+        except Exception as exc:
+            txn.failed(exc)
+        return self._end(txn, ok, unsettled)
+
+    def start_layered(
+        self, node: TreeNode, req: Request | None, mem_quota: int | None, groups: LayerGroups
+    ) -> LayeredLoadBack | None:
+        """Start :meth:`load` for every layer at once (see
+        :meth:`~hicache.cache.UnifiedRadixCache.start_load_back`); None when it fails
+        before any copy starts (counted, nothing changed)."""
+        txn = self._begin(node, req, mem_quota)
+        if txn is None:
+            return None
+        try:
+            copies = start_layer_load(
+                self.controller, txn.refs, txn.pin, groups, self.config.load_timeout_s
+            )
+        except Exception as exc:
+            txn.failed(exc)
+            self._end(txn, False, None)
+            return None
+        view = PendingView()
+        for comp in self.tree.components:
+            comp.pending_view(txn.plan, txn.preps[comp.idx], view)
+        return LayeredLoadBack(self, txn, copies, view)
+
+    def _begin(
+        self, node: TreeNode, req: Request | None, mem_quota: int | None
+    ) -> _Transaction | None:
+        """Plan, pin, lock, make room and allocate for a load of ``node``; None (counted,
+        nothing changed) when that fails."""
         tree = self.tree
         if not tree.attached(node):
             # Forgotten since the match (another match pruned the host-only record, or
             # the controller lost the pages): a miss, the request recomputes.
-            return self._failed("evicted")
+            self._failed("evicted")
+            return None
         base = self._load_base(node, req)
         nodes = _nodes_between(base, node)
         for comp in tree.components:
@@ -75,7 +128,8 @@ class LoadBack:
         need = {c.ctype: c.load_need(plan) for c in tree.components}
         need_base = need[tree.base.ctype]
         if mem_quota is not None and need_base > mem_quota:
-            return self._failed("quota")
+            self._failed("quota")
+            return None
         pin = None
         if keys:
             try:
@@ -83,7 +137,8 @@ class LoadBack:
             except Exception as exc:
                 log.warning("pin for load-back failed: %s", exc)
             if pin is None:
-                return self._failed("pin")
+                self._failed("pin")
+                return None
         deepest_device = base
         for n in nodes:
             if n.base.value is not None:
@@ -92,57 +147,55 @@ class LoadBack:
         # A lock may stop short of what the load needs kept (SWA's stops at a tombstone);
         # each component holds the rest of its part through the eviction that makes room.
         holds = [(c, c.hold_for_load(node)) for c in tree.components]
-        preps: dict[int, LoadPrep] = {}
-        ok, reason = False, "copy"
-        unsettled = None  # the handle of a failed copy that may still write
         loading = {n.id for n in nodes} - tree.loading
         tree.loading |= loading
+        txn = _Transaction(plan, req, pin, receipt, holds, loading, need_base)
         try:
             self.make_room(need)
             if not tree.attached(node):  # a controller callback dropped the path meanwhile
                 raise PrefixDropped("the prefix left the tree while room was made for it")
             for comp in tree.components:
-                preps[comp.idx] = comp.prepare_load_back(plan, req)
-            refs = [r for p in preps.values() for r in p.refs]
-            if refs:
-                result = self.controller.load(refs, pin, self.config.load_timeout_s)
-                ok = bool(result)
-                unsettled = None if ok else unsettled_load(result)
-            else:
-                ok = True
+                txn.preps[comp.idx] = comp.prepare_load_back(plan, req)
         except Exception as exc:
-            reason = "evicted" if isinstance(exc, PrefixDropped) else type(exc).__name__
-            log.warning("load-back of %d tokens failed: %s", node.end - base.end, exc)
-        finally:
-            tree.loading -= loading
-            aside: list[tuple[Any, np.ndarray]] = []
-            for comp in tree.components:
-                if comp.idx not in preps:
-                    continue
-                if unsettled is not None and preps[comp.idx].refs:
-                    # The copy may still write into these slots: keep them from every
-                    # request until it has settled (nothing else to undo: a failed load
-                    # leaves the request as it was).
-                    aside += comp.load_targets(preps[comp.idx])
-                else:
-                    comp.finalize_load_back(plan, req, preps[comp.idx], ok)
-            if aside:
-                self.quarantine.hold(HeldSlots(unsettled, aside))
-                self.counters["load_back_quarantined"] += 1
-            tree.unlock(receipt, touch=False)
-            for comp, held in holds:
-                comp.release_hold(held)
-            if pin is not None:
-                try:
-                    self.controller.unpin(pin)
-                except Exception as exc:
-                    log.warning("unpin failed: %s", exc)
+            txn.failed(exc)
+            self._end(txn, False, None)
+            return None
+        return txn
+
+    def _end(self, txn: _Transaction, ok: bool, unsettled: TransferHandle | None) -> bool:
+        """Install (``ok``) or undo what :meth:`_begin` did, release its pin and lock, and
+        extend the request; whether the load succeeded."""
+        tree, plan, req = self.tree, txn.plan, txn.req
+        tree.loading -= txn.loading
+        aside: list[tuple[Any, np.ndarray]] = []
+        for comp in tree.components:
+            prep = txn.preps.get(comp.idx)
+            if prep is None:
+                continue
+            if unsettled is not None and prep.refs:
+                # The copy may still write into these slots: keep them from every
+                # request until it has settled (nothing else to undo: a failed load
+                # leaves the request as it was).
+                aside += comp.load_targets(prep)
+            else:
+                comp.finalize_load_back(plan, req, prep, ok)
+        if aside:
+            self.quarantine.hold(HeldSlots(unsettled, aside))
+            self.counters["load_back_quarantined"] += 1
+        tree.unlock(txn.receipt, touch=False)
+        for comp, held in txn.holds:
+            comp.release_hold(held)
+        if txn.pin is not None:
+            try:
+                self.controller.unpin(txn.pin)
+            except Exception as exc:
+                log.warning("unpin failed: %s", exc)
         if not ok:
-            return self._failed(reason)
-        self.counters["loaded_tokens"] += need_base
-        tree.touch(nodes)
+            return self._failed(txn.reason or "copy")
+        self.counters["loaded_tokens"] += txn.need_base
+        tree.touch(plan.nodes)
         if req is not None:
-            self._extend_request(req, nodes, node)
+            self._extend_request(req, plan.nodes, plan.end_node)
         return True
 
     def _load_base(self, node: TreeNode, req: Request | None) -> TreeNode:
@@ -177,6 +230,77 @@ class LoadBack:
         req.prefix_len = node.end
         if old is not None:
             tree.unlock(old)
+
+
+@dataclass
+class _Transaction:
+    """What a load-back holds between :meth:`LoadBack._begin` and :meth:`LoadBack._end`."""
+
+    plan: LoadPlan
+    req: Request | None
+    pin: PinReceipt | None
+    receipt: Any
+    holds: list[tuple[Any, Any]]
+    loading: set[int]
+    need_base: int
+    preps: dict[int, LoadPrep] = field(default_factory=dict)
+    reason: str | None = None  # why it failed, once it has
+
+    @property
+    def refs(self) -> list[PageRef]:
+        return [r for p in self.preps.values() for r in p.refs]
+
+    def failed(self, exc: Exception) -> None:
+        self.reason = "evicted" if isinstance(exc, PrefixDropped) else type(exc).__name__
+        log.warning(
+            "load-back of %d tokens failed: %s", self.plan.end - self.plan.base_node.end, exc
+        )
+
+
+class LayeredLoadBack:
+    """A load-back started for every layer at once, waited on layer by layer
+    (:meth:`~hicache.cache.UnifiedRadixCache.start_load_back`).
+
+    Until :meth:`finish`, nothing is installed: the tree, the pools' free lists and the
+    request are as before the call, with the load's slots allocated and its path locked
+    and pinned. ``prefix_len`` is what the request's prefix will be; ``view`` says where
+    the loaded state lands (read ``wait_layer(i)``'s layers there). :meth:`finish`
+    installs it and extends the request when every byte arrived, and otherwise undoes
+    everything (the request recomputes); it must be called, once the engine no longer
+    reads the slots, and a second call returns the first's answer.
+    """
+
+    def __init__(
+        self, loader: LoadBack, txn: _Transaction, copies: LayerLoad, view: PendingView
+    ) -> None:
+        self._loader = loader
+        self._txn = txn
+        self._copies = copies
+        self.view = view
+        self.groups = copies.groups
+        self.prefix_len = txn.plan.end
+        self._ok: bool | None = None
+
+    def wait_layer(self, layer: int) -> bool:
+        """Wait until model layer ``layer``'s part of the load may be read (on a GPU: by
+        work queued next on the current stream); False when the load failed there or
+        before (nothing may be read then: call :meth:`finish` and recompute)."""
+        if self._ok is not None:
+            return self._ok
+        return self._copies.wait_group(self.groups.group_of(layer))
+
+    def finish(self) -> bool:
+        """Wait for every copy, then install the load (True) or undo it (False)."""
+        if self._ok is None:
+            ok, unsettled = False, None
+            try:
+                result = self._copies.finish()
+                ok = bool(result)
+                unsettled = None if ok else unsettled_load(result)
+            except Exception as exc:
+                self._txn.failed(exc)
+            self._ok = self._loader._end(self._txn, ok, unsettled)
+        return self._ok
 
 
 def _nodes_between(base: TreeNode, node: TreeNode) -> list[TreeNode]:

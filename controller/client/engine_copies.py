@@ -1,7 +1,8 @@
 """Stores and loads an engine copies itself, through the sidecar's host pages mapped
 read-write into it: the host pages the sidecar hands a store (``store_begin``), the commit
 that makes them visible (``store_commit``). The loads' side is a pin that names host pages
-(:meth:`SidecarController.pin`) and an unpin that reports the copy. A part of
+(:meth:`SidecarController.pin`) and an unpin that reports the copy; a layer-wise load
+(:meth:`EngineCopies.start_layer_load`) copies them group of layers by group. A part of
 :class:`~hicache.controller.client.sidecar_client.SidecarController`."""
 
 from __future__ import annotations
@@ -15,11 +16,19 @@ import numpy as np
 
 from hicache.controller.wire.protocol import Verb
 from hicache.controller.wire.verbs import StoreBeginArgs, StoreCommitArgs
-from hicache.controller_api import ControllerError, PageRef
+from hicache.controller_api import (
+    ControllerError,
+    LayerGroups,
+    LayerLoad,
+    LoadResult,
+    PageRef,
+    PinReceipt,
+    WholeLayerLoad,
+)
 
 if TYPE_CHECKING:
     from hicache.controller.client.channel import Channel, SidecarClientConfig
-    from hicache.controller.client.host_share import WritableHostPages
+    from hicache.controller.client.host_share import HostShare, WritableHostPages
 
 log = logging.getLogger("hicache.sidecar.client")
 
@@ -47,8 +56,24 @@ class EngineCopies:
     _registration: Any
     _pages: WritableHostPages | None
     _pages_generation: int
+    _share: HostShare | None
 
     def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
+
+    def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult: ...
+
+    def start_layer_load(
+        self, refs: Sequence[PageRef], pin: PinReceipt, groups: LayerGroups, timeout_s: float
+    ) -> LayerLoad:
+        """:meth:`load` waited on by layer group: copied here group by group where
+        :meth:`load` would copy here (from the shared host pages), else loaded whole, every
+        group ready at its end."""
+        share = self._share
+        if share is not None and share.generation == pin.generation == self._channel.generation:
+            started = None if self._open else share.try_start_layers(refs, pin, groups)
+            if started is not None:
+                return started
+        return WholeLayerLoad(groups, self.load(refs, pin, timeout_s))
 
     def map_host_pages(self, device: Any) -> WritableHostPages | None:
         """The sidecar's host pages mapped read-write here (page-locked for a GPU

@@ -45,8 +45,19 @@ import torch
 
 from hicache.controller.client.fd_pass import fd_socket_path, receive_fds
 from hicache.controller.store.host_pool import FRAME_BYTES, HostPool, row_bytes
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine, check_refs
-from hicache.controller_api import ControllerError
+from hicache.controller.store.transfer_engine import (
+    EngineBuffers,
+    LayerPlan,
+    TransferEngine,
+    check_refs,
+)
+from hicache.controller_api import (
+    ControllerError,
+    LayerGroups,
+    LayerLoad,
+    LoadResult,
+    WholeLayerLoad,
+)
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
@@ -178,17 +189,49 @@ class HostShare:
             out.append(page)
         return out
 
-    def load(self, refs: Sequence[PageRef], host_pages: list[int]) -> bool:
-        """Copy ``host_pages`` into the slots of ``refs``; True once the bytes are there.
-        Raises ControllerError for refs that name no slot of this engine (or one twice)."""
+    def try_start_layers(
+        self, refs: Sequence[PageRef], pin: PinReceipt, groups: LayerGroups
+    ) -> LayerLoad | None:
+        """:meth:`try_load` as a layer-wise load (:class:`LayerCopies`): None when the
+        sidecar must load the pages."""
+        pages = self.host_pages(pin, refs)
+        if pages is None:
+            return None
+        try:
+            plan = self._plan(refs, pages)
+        except ControllerError as exc:
+            log.warning("load-back refused: %s", exc)
+            plan = None
+        if plan is None:
+            return WholeLayerLoad(groups, LoadResult.FAILED)
+        t0 = time.perf_counter()
+
+        def finished(ok: bool) -> None:
+            if ok:
+                self._loaded[pin.pin_id] = time.perf_counter() - t0
+
+        return self._engine.start_layers_to_device(self.buffers, plan, groups, finished)
+
+    def _plan(self, refs: Sequence[PageRef], host_pages: list[int]) -> LayerPlan | None:
+        """The copies of a load, by component; None for a page that is not one of this
+        pool's (a sidecar answer to distrust). Raises ControllerError for refs that name
+        no slot of this engine (or one twice)."""
         check_refs(refs, self.buffers, self.pool.layout)
         groups: dict[ComponentType, tuple[list[int], list[int]]] = {}
         for ref, page in zip(refs, host_pages):
             if not 0 <= page < self.pool[ref.component].num_pages:
-                return False  # not a page of this pool: a sidecar answer to distrust
+                return None
             src, dst = groups.setdefault(ref.component, ([], []))
             src.append(page)
             dst.append(ref.device_index)
+        return groups
+
+    def load(self, refs: Sequence[PageRef], host_pages: list[int]) -> bool:
+        """Copy ``host_pages`` into the slots of ``refs``; True once the bytes are there.
+        Raises ControllerError for refs that name no slot of this engine (or one twice)."""
+        groups = self._plan(refs, host_pages)
+        if groups is None:
+            return False
         try:
             events = [
                 self._engine.start_to_device(c, self.buffers, src, dst)

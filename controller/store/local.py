@@ -62,12 +62,15 @@ from hicache.controller_api import (
     P_DISK,
     P_HOST,
     ControllerError,
+    LayerGroups,
+    LayerLoad,
     LoadResult,
     LookupResult,
     PageKey,
     PageRef,
     PinReceipt,
     TransferHandle,
+    WholeLayerLoad,
 )
 from hicache.types import ComponentType, LayoutMismatchError, Tier
 
@@ -352,6 +355,33 @@ class LocalController:
                 return LoadResult.FAILED
         loaded = self._copies.to_device(refs, claim.entries, buffers)
         return LoadResult.LOADED if loaded else LoadResult.FAILED
+
+    def start_layer_load(
+        self,
+        refs: Sequence[PageRef],
+        pin: PinReceipt,
+        groups: LayerGroups,
+        timeout_s: float | None = None,
+        engine_id: str = DEFAULT_ENGINE,
+    ) -> LayerLoad:
+        """:meth:`load` started for every layer at once and waited on group by group
+        (:class:`~hicache.controller_api.LayerLoad`): pages only on disk are read to host
+        first (that part is not layer-wise), then each group's copy is issued in order.
+        A load that fails before its copies is a failed load of every group."""
+        self._check_open()
+        buffers = self._buffers(engine_id)
+        timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
+        check_refs(refs, buffers, self._layout)
+        claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False)
+        if claim.state is ClaimState.FAILED:
+            return WholeLayerLoad(groups, LoadResult.FAILED)
+        if claim.state is ClaimState.READING:
+            filled = self._store.wait_fills(claim.fills, time.monotonic() + timeout)
+            if filled is None:
+                self.counters.fail(Failure.LOAD_TIMEOUT)
+            if not filled or not self._store.hold_for_copy(claim.entries):
+                return WholeLayerLoad(groups, LoadResult.FAILED)
+        return self._copies.start_layers_to_device(refs, claim.entries, buffers, groups)
 
     def start_load(
         self,

@@ -21,8 +21,13 @@ from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.fills import QueuedBackup
 from hicache.controller.store.page_index import PageEntry
 from hicache.controller.store.page_store import PageStore
-from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
-from hicache.controller_api import CompletedTransfer, PageRef, TransferHandle
+from hicache.controller.store.transfer_engine import (
+    EngineBuffers,
+    LayerCopies,
+    LayerPlan,
+    TransferEngine,
+)
+from hicache.controller_api import CompletedTransfer, LayerGroups, PageRef, TransferHandle
 from hicache.types import ComponentType
 
 log = logging.getLogger("hicache.controller.store.local")
@@ -159,6 +164,41 @@ class PageCopies:
         except Exception as exc:
             load.failed(exc)
         return load
+
+    def start_layers_to_device(
+        self,
+        refs: Sequence[PageRef],
+        entries: list[PageEntry],
+        buffers: EngineBuffers,
+        groups: LayerGroups,
+    ) -> LayerCopies:
+        """:meth:`start_to_device` group of layers by group (a layer-wise load); the pages
+        stay held until the returned load's ``finish()``."""
+        t0 = time.perf_counter()
+        page_bytes = self._store.host_page_bytes()
+        plan: LayerPlan = {}
+        for comp, group in _by_component(list(zip(entries, refs))).items():
+            plan[comp] = ([e.host_page for e, _ in group], [r.device_index for _, r in group])
+        nbytes = sum(len(src) * page_bytes[c] for c, (src, _) in plan.items())
+
+        def finished(ok: bool) -> None:
+            self.release(entries, ok)
+            if ok:
+                seconds = time.perf_counter() - t0
+                self.counters.transfer("host_to_device", len(entries), nbytes, seconds)
+                self.counters.inc("load", "ok")
+            else:
+                self.counters.fail(Failure.COPY_ERROR)
+
+        faults = self._store.faults
+        fault = None
+        if faults is not None:
+            size = groups.size
+
+            def fault(g: int) -> bool:
+                return faults.take_layer(g * size, (g + 1) * size)
+
+        return self.transfer.start_layers_to_device(buffers, plan, groups, finished, fault)
 
 
 class DeviceLoad:

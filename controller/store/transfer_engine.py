@@ -17,15 +17,18 @@ pool (:mod:`hicache.controller.tiers.lmdb_tier`).
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hicache.controller.store.host_pool import HostPool
-from hicache.controller_api import ControllerError
+from hicache.controller_api import ControllerError, LayerGroups, LoadResult
 from hicache.kernels import PreparedTransfer
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -75,7 +78,12 @@ class EngineBuffers:
         return 0 if self.mamba_conv is None else self.mamba_conv.shape[1]
 
 
-_Plans = dict[tuple[ComponentType, bool], PreparedTransfer]
+_Plans = dict[tuple[ComponentType, bool, tuple[int, int] | None], PreparedTransfer]
+
+log = logging.getLogger("hicache.controller.transfer")
+
+#: The copies of one group's layers, per component: (host pages, device pages or slots).
+LayerPlan = dict[ComponentType, tuple[Sequence[int], Sequence[int]]]
 
 
 class TransferEngine:
@@ -89,6 +97,7 @@ class TransferEngine:
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         # Dropped with the engine's buffers (so a gone engine's tensors are not held).
         self._plans: weakref.WeakKeyDictionary[EngineBuffers, _Plans] = weakref.WeakKeyDictionary()
+        self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
 
     def _streams_for(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """(load stream, backup stream) of a CUDA device, created on first use."""
@@ -98,18 +107,27 @@ class TransferEngine:
         return self._streams[idx]
 
     def _plan(
-        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        to_host: bool,
+        layers: tuple[int, int] | None = None,
     ) -> PreparedTransfer:
         plans = self._plans.get(buffers)
         if plans is None:
             plans = self._plans.setdefault(buffers, {})
-        plan = plans.get((component, to_host))
+        key = (component, to_host, layers)
+        plan = plans.get(key)
         if plan is None:
-            plan = plans[(component, to_host)] = self._prepare(component, buffers, to_host)
+            plan = plans[key] = self._prepare(component, buffers, to_host, layers)
         return plan
 
     def _prepare(
-        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+        self,
+        component: ComponentType,
+        buffers: EngineBuffers,
+        to_host: bool,
+        layers: tuple[int, int] | None = None,
     ) -> PreparedTransfer:
         if component is ComponentType.MAMBA:
             if buffers.mamba_conv is None or buffers.mamba_ssm is None:
@@ -120,12 +138,13 @@ class TransferEngine:
                 self.host_pool.conv(),
                 self.host_pool.ssm(),
                 to_host=to_host,
+                layers=layers,
             )
         dev = buffers.full_kv if component is ComponentType.FULL else buffers.swa_kv
         if dev is None:
             raise ControllerError("this engine registered no sliding-window pool")
         host = self.host_pool.kv(component)
-        return PreparedTransfer.kv(dev, host, buffers.page_size, to_host=to_host)
+        return PreparedTransfer.kv(dev, host, buffers.page_size, to_host=to_host, layers=layers)
 
     def to_host(
         self,
@@ -194,6 +213,115 @@ class TransferEngine:
             done = torch.cuda.Event()
             done.record(load)
         return done
+
+    def start_layers_to_device(
+        self,
+        buffers: EngineBuffers,
+        plan: LayerPlan,
+        groups: LayerGroups,
+        on_finish: Callable[[bool], None],
+        fault: Callable[[int], bool] | None = None,
+    ) -> LayerCopies:
+        """Issue the copy of host pages into device pages/slots group of layers by group
+        (see :class:`LayerCopies`). ``on_finish(ok)`` runs once every copy issued has
+        ended; ``fault(g)`` (tests) makes group ``g``'s copy raise."""
+        cuda = buffers.device.type == "cuda"
+        load = LayerCopies(groups, on_finish, cuda)
+
+        def copy_group(g: int) -> None:
+            if fault is not None and fault(g):
+                raise RuntimeError(f"injected copy failure at layer group {g}")
+            for comp, (host_pages, device_index) in plan.items():
+                span = groups.spans[g].get(comp)
+                if span is not None and len(host_pages):
+                    self._plan(comp, buffers, False, span)(device_index, host_pages)
+
+        if not cuda:
+            if self._layer_thread is None:
+                self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
+            self._layer_thread.submit(load.run_cpu, copy_group)
+            return load
+        stream, _ = self._streams_for(buffers.device)
+        stream.wait_stream(torch.cuda.current_stream(buffers.device))  # as start_to_device
+        with torch.cuda.stream(stream):
+            for g in range(len(groups)):
+                try:
+                    copy_group(g)
+                except Exception as exc:
+                    load.failed_at(g, exc)
+                    break
+                done = torch.cuda.Event()
+                done.record(stream)
+                load.events.append(done)
+        return load
+
+
+class LayerCopies:
+    """A load's copies, group of layers by group, issued at once (a
+    :class:`~hicache.controller_api.LayerLoad`).
+
+    On a GPU every group's copy is queued on the load stream at start, each followed by an
+    event; :meth:`wait_group` makes the caller's stream wait for that event, so compute of
+    layer ``i`` queued after it overlaps the copies of the layers after ``i``. On a CPU a
+    copy thread copies the groups in order and sets a flag per group; :meth:`wait_group`
+    blocks until that group's copy has ended. A group that fails fails every later one.
+    """
+
+    def __init__(self, groups: LayerGroups, on_finish: Callable[[bool], None], cuda: bool) -> None:
+        self.groups = groups
+        self.events: list[Any] = []  # CUDA: one per group issued
+        self._ready = [threading.Event() for _ in range(len(groups))]
+        self._ended = threading.Event()
+        self._failed_from = len(groups)  # the first group that failed
+        self._on_finish = on_finish
+        self._result: LoadResult | None = None
+        if cuda:
+            self._ended.set()  # every copy is issued in the caller's thread
+
+    def failed_at(self, group: int, exc: Exception) -> None:
+        log.error("layer-wise load failed at layer group %d: %s", group, exc)
+        self._failed_from = min(self._failed_from, group)
+
+    def run_cpu(self, copy_group: Callable[[int], None]) -> None:
+        """The copy thread's work: each group in order, its flag set as it ends."""
+        try:
+            for g in range(len(self.groups)):
+                if g < self._failed_from:
+                    try:
+                        copy_group(g)
+                    except Exception as exc:
+                        self.failed_at(g, exc)
+                self._ready[g].set()
+        finally:
+            for ev in self._ready:
+                ev.set()
+            self._ended.set()
+
+    def wait_group(self, group: int) -> bool:
+        if group >= self._failed_from:
+            return False
+        if self.events:
+            if group >= len(self.events):
+                return False
+            torch.cuda.current_stream(self.events[group].device).wait_event(self.events[group])
+            return True
+        self._ready[group].wait()
+        return group < self._failed_from
+
+    def finish(self) -> LoadResult:
+        if self._result is not None:
+            return self._result
+        self._ended.wait()
+        ok = self._failed_from >= len(self.groups)
+        for ev in self.events:
+            try:
+                ev.synchronize()
+            except Exception as exc:  # a device error: the copy has ended, badly
+                log.error("a layer-wise copy failed: %s", exc)
+                ok = False
+        self._result = LoadResult.LOADED if ok else LoadResult.FAILED
+        self._on_finish(ok)
+        return self._result
 
 
 def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLayout | None) -> None:

@@ -72,6 +72,24 @@ class LoadPrep:
     allocated: Any = None
 
 
+@dataclass
+class PendingView:
+    """Where a load-back in flight puts what it loads, before it installs it: for an
+    engine that reads the loaded layers while later ones still arrive (a layer-wise load).
+
+    ``full_slots``: the FULL token slots of the loaded nodes, in order (those whose FULL
+    is on the device already, their own); ``swa_pages``: the SWA page of each FULL page
+    the load brings SWA KV for; ``state_slot``: the slot holding the Mamba state at the
+    prefix's end (None without Mamba layers). Read it as ``pools.full_to_swa`` overlaid
+    with ``swa_pages`` and the request's slots followed by ``full_slots``.
+    """
+
+    full_slots: list[np.ndarray] = field(default_factory=list)
+    swa_pages: dict[int, int] = field(default_factory=dict)
+    state_slot: int | None = None
+    node_full_pages: dict[int, np.ndarray] = field(default_factory=dict)  # by node id
+
+
 class TreeComponent(ABC):
     """One kind of cached state; one instance per cache, index ``idx`` into ``node.data``."""
 
@@ -161,6 +179,12 @@ class TreeComponent(ABC):
     ) -> None:
         """On success install what was loaded; on failure free what ``prepare`` allocated
         and leave the request as it was (a slot it held before the call is kept)."""
+
+    def pending_view(self, plan: LoadPlan, prep: LoadPrep, view: PendingView) -> None:
+        """Record in ``view`` where this component's part of a load in flight lands (see
+        :class:`PendingView`); called in component order, the backbone first. A
+        component no engine reads from a load in flight records nothing."""
+        return None
 
     def data(self, node: TreeNode) -> ComponentData:
         return node.data[self.idx]

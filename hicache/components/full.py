@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import PagedComponent
+from hicache.components.base import LoadPlan, LoadPrep, PagedComponent, PendingView
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
@@ -56,3 +56,14 @@ class FullComponent(PagedComponent):
 
     def install(self, node: TreeNode, pages: np.ndarray) -> None:
         self.tree.set_value(node, self, self.pools.full.pages_to_slots(pages))
+
+    def pending_view(self, plan: LoadPlan, prep: LoadPrep, view: PendingView) -> None:
+        loaded = {n.id: pages for n, pages in self._by_node(plan, prep.allocated)}
+        for n in plan.nodes:
+            pages = loaded.get(n.id)
+            if pages is None:  # on the device already
+                view.full_slots.append(n.data[self.idx].value)
+                pages = self.pages(n.data[self.idx].value)
+            else:
+                view.full_slots.append(self.pools.full.pages_to_slots(pages))
+            view.node_full_pages[n.id] = pages

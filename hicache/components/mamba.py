@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, LoadPrep, MakeRoom, MatchCheck, TreeComponent
+from hicache.components.base import (
+    LoadPlan,
+    LoadPrep,
+    MakeRoom,
+    MatchCheck,
+    PendingView,
+    TreeComponent,
+)
 from hicache.controller_api import PageKey, PageRef
 from hicache.types import ComponentType
 
@@ -88,6 +95,9 @@ class MambaComponent(TreeComponent):
         except BaseException:
             self.pools.mamba.free_state(slot)  # no finalize follows a prepare that raised
             raise
+
+    def pending_view(self, plan: LoadPlan, prep: LoadPrep, view: PendingView) -> None:
+        view.state_slot = int(prep.allocated)
 
     def finalize_load_back(
         self, plan: LoadPlan, req: Request | None, prep: LoadPrep, ok: bool

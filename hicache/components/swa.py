@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.components.base import LoadPlan, MatchCheck, PagedComponent
+from hicache.components.base import LoadPlan, LoadPrep, MatchCheck, PagedComponent, PendingView
 from hicache.controller_api import PageRef
 from hicache.types import ComponentType
 
@@ -125,6 +125,13 @@ class SWAComponent(PagedComponent):
 
     def load_from(self, plan: LoadPlan) -> int:
         return self.window_start(plan.end)
+
+    def pending_view(self, plan: LoadPlan, prep: LoadPrep, view: PendingView) -> None:
+        for node, pages in self._by_node(plan, prep.allocated):
+            full = view.node_full_pages.get(node.id)
+            if full is None:
+                full = self._full_pages(node)
+            view.swa_pages.update(zip(full.tolist(), pages.tolist()))
 
     def install(self, node: TreeNode, pages: np.ndarray) -> None:
         self.pools.full_to_swa[self._full_pages(node)] = pages

@@ -160,10 +160,10 @@ def test_transfer_engine_keeps_one_per_engine_and_drops_it_with_the_buffers() ->
     for comp, dev in ((FULL, [3, 1]), (SWA, [2, 0]), (MAMBA, [5, 6])):
         transfer.to_host(comp, buffers, dev, [0, 1])
     plans = transfer._plans[buffers]
-    assert set(plans) == {(FULL, True), (SWA, True), (MAMBA, True)}
-    first = plans[(FULL, True)]
+    assert set(plans) == {(FULL, True, None), (SWA, True, None), (MAMBA, True, None)}
+    first = plans[(FULL, True, None)]
     transfer.to_host(FULL, buffers, [4], [2])
-    assert transfer._plans[buffers][(FULL, True)] is first  # prepared once, reused
+    assert transfer._plans[buffers][(FULL, True, None)] is first  # prepared once, reused
     full = engine.pools.full.buffer.view(2, len(layout.full_layers), -1, PAGE, 2, 8)
     assert torch.equal(bits(host.kv(FULL)[1]), bits(full[:, :, 1]))  # device page 1 -> host page 1
     assert torch.equal(bits(host.kv(FULL)[2]), bits(full[:, :, 4]))
@@ -195,9 +195,9 @@ def test_a_copy_of_some_layers_moves_those_layers_only(backend: str | None) -> N
     for other in (0, 2):  # the other layers are untouched
         assert torch.equal(bits(device_kv[:, other]), bits(before[:, other]))
     for lo, hi in ((0, 1), (2, LAYERS)):
-        PreparedTransfer.kv(
-            device_kv, host_kv, 4, to_host=False, backend=backend, layers=(lo, hi)
-        )(dev_pages, host_pages)
+        PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend=backend, layers=(lo, hi))(
+            dev_pages, host_pages
+        )
     assert torch.equal(bits(device_kv), bits(want))
 
     layers, slots = 3, 5

@@ -20,7 +20,9 @@ from hicache.controller.sidecar import host_share as sidecar_host_share
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
+from hicache.controller.store.transfer_engine import LayerCopies
 from hicache.controller.wire.protocol import Verb
+from hicache.controller_api import LayerGroups, WholeLayerLoad
 from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
 from tests.support.sidecar import FullPages, wait_for
@@ -235,4 +237,38 @@ def test_refs_outside_the_engines_pools_fail_the_load_as_the_sidecar_would(pair)
     engine.client.unpin(pin)  # no copy happened: nothing reported
     wait_for(lambda: side.controller.stats()["pins_active"] == 0, 10, "the unpin")
     assert side.counter("load", "engine_copied") == 0
+    side.controller.check_invariants()
+
+
+def test_a_layer_wise_load_is_copied_here_group_by_group_and_told_at_the_unpin(pair):
+    side, engine = pair
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    dst = engine.retarget(src)
+    pin = engine.client.pin([r.key for r in dst], 30)
+    groups = LayerGroups.of_layout(engine.layout)
+    assert len(groups) == 2
+    load = engine.client.start_layer_load(dst, pin, groups, 10)
+    assert isinstance(load, LayerCopies)  # copied here, not by the sidecar
+    assert load.wait_group(0) and load.wait_group(1)
+    assert load.finish() and engine.same_bytes(src, dst)
+    assert side.load_requests == 0
+    engine.client.unpin(pin)
+    wait_for(lambda: side.counter("load", "engine_copied") == 1, 10, "the unpin told of the load")
+    assert side.controller.stats()["pins_active"] == 0
+    side.controller.check_invariants()
+
+
+def test_a_layer_wise_load_of_pages_on_disk_is_loaded_whole_by_the_sidecar(pair):
+    side, engine = pair
+    src = engine.chain()
+    assert engine.client.backup(src).wait(10)
+    assert side.controller.flush(10)
+    side.controller.store.evict(Tier.HOST, 1 << 30, FULL)  # now on disk only
+    dst = engine.retarget(src)
+    pin = engine.client.pin([r.key for r in dst], 30)
+    load = engine.client.start_layer_load(dst, pin, LayerGroups.of_layout(engine.layout), 10)
+    assert isinstance(load, WholeLayerLoad) and load.wait_group(0) and load.finish()
+    assert engine.same_bytes(src, dst) and side.load_requests == 1
+    engine.client.unpin(pin)
     side.controller.check_invariants()
