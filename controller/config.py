@@ -38,7 +38,6 @@ _MAP_MARGIN_BYTES = 64 * MIB
 _MIN_MAP_RATIO = 1.25
 
 
-
 # -- the remote tier's settings: its write policy and the checks of its remote_* fields --
 
 
@@ -147,6 +146,10 @@ class ControllerConfig:
     # A host page that served a load-back is evicted as if it had been used this many
     # host-tier lifetimes later (0: plain LRU). See controller/store/page_index.py.
     host_hit_retention_turnovers: float = 1.0
+    # Why pages are missing (controller/store/miss_reasons.py): pages whose departure is
+    # remembered (about 100 bytes each), and lookups kept per engine for ``explain``.
+    miss_reasons_remembered_pages: int = 65536
+    miss_reasons_recent_lookups: int = 32
 
     # Disk tier: None runs without one. The budget counts stored values (header + page).
     disk_path: str | Path | None = None
@@ -286,6 +289,9 @@ class ControllerConfig:
                 f"backup_chunk_bytes must be >= 0 (0: each backup as one part), "
                 f"got {self.backup_chunk_bytes}"
             )
+        for name in ("miss_reasons_remembered_pages", "miss_reasons_recent_lookups"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: none kept), got {getattr(self, name)}")
         if self.disk_map_full_retries < 0:
             raise ConfigError("disk_map_full_retries must be >= 0")
         if self.writer_flush_interval_s < 0:

@@ -1,7 +1,8 @@
 """``hicachectl``: inspect and drive a running sidecar.
 
 Commands: ``status``, ``stats``, ``engines``, ``health``, ``clear``, ``evict``, ``pin``,
-``unpin``, ``fsck``. Every command takes ``--json`` (one JSON document on stdout).
+``unpin``, ``fsck``, ``score``, ``explain``. Every command takes ``--json`` (one JSON
+document on stdout).
 
 The admin connection authenticates with the admin token the sidecar writes beside its
 socket (``admin.token``, mode 0600): only the sidecar's user can read it.
@@ -138,6 +139,57 @@ def _tokens(args: argparse.Namespace) -> list[int]:
     return [int(t) for t in text.replace(",", " ").split()]
 
 
+def _prompt_args(args: argparse.Namespace) -> dict[str, Any]:
+    """A prompt as ``--hashes`` (hex) or ``--tokens`` / ``--tokens-file`` (and
+    ``--namespace``) name it."""
+    if args.hashes:
+        hexes = args.hashes.replace(",", " ").split()
+        return {"hashes": b"".join(bytes.fromhex(h) for h in hexes)}
+    a: dict[str, Any] = {"tokens": _tokens(args)}
+    if args.namespace is not None:
+        a["namespace"] = args.namespace
+    return a
+
+
+def _print_runs(runs: list[dict], indent: str = "  ") -> None:
+    """Page by page (runs of alike pages), where each component is and why not."""
+    for r in runs:
+        span = (
+            f"page {r['first']}" if r["first"] == r["last"] else f"pages {r['first']}-{r['last']}"
+        )
+        parts = []
+        for comp, where in r["where"].items():
+            why = r["why"].get(comp)
+            if why is None:
+                parts.append(f"{comp} {where}")
+                continue
+            text = why["reason"] + ("" if why["tier"] == "none" else f" ({why['tier']})")
+            if why["age_s"] is not None:
+                text += f" {why['age_s']:.1f}s ago"
+            parts.append(f"{comp} absent: {text}")
+        print(f"{indent}{span:14} " + "; ".join(parts))
+
+
+def _print_explain(r: dict) -> None:
+    if "lookups" in r:
+        print(f"engine {r['engine']}: last {len(r['lookups'])} lookups, oldest first")
+        for n, lk in enumerate(r["lookups"], 1):
+            misses = ", ".join(
+                f"{c} {m['reason']}" + ("" if m["tier"] == "none" else f" ({m['tier']})")
+                for c, m in lk["first_miss"].items()
+            )
+            print(
+                f"lookup {n}: {lk['age_s']:.1f}s ago, {lk['pages']} pages; first miss: "
+                f"{misses or 'none'}"
+            )
+            for f in lk["load_failures"]:
+                print(f"  load failed: {f['reason']} ({f['tier']})")
+            _print_runs(lk["runs"])
+        return
+    print(f"prompt: {r['pages']} pages of {r['page_size']} tokens")
+    _print_runs(r["runs"])
+
+
 def run(client: AdminClient, args: argparse.Namespace) -> tuple[dict, int]:
     """Run one command; returns (result, exit code)."""
     cmd = args.command
@@ -171,16 +223,14 @@ def run(client: AdminClient, args: argparse.Namespace) -> tuple[dict, int]:
     if cmd == "unpin":
         return client.call(Verb.UNPIN_PREFIX, {"pin_id": args.pin_id}), EXIT_OK
     if cmd == "score":
-        if args.hashes:
-            hexes = args.hashes.replace(",", " ").split()
-            a = {"hashes": b"".join(bytes.fromhex(h) for h in hexes)}
-        else:
-            a = {"tokens": _tokens(args)}
-            if args.namespace is not None:
-                a["namespace"] = args.namespace
+        a = _prompt_args(args)
         if args.sliding_window is not None:
             a["sliding_window"] = args.sliding_window
         return client.call(Verb.SCORE, a), EXIT_OK
+    if cmd == "explain":
+        if args.engine is not None:
+            return client.call(Verb.EXPLAIN, {"engine": args.engine, "last": args.last}), EXIT_OK
+        return client.call(Verb.EXPLAIN, _prompt_args(args)), EXIT_OK
     if cmd == "fsck":
         bar = _Progress(args.progress if args.progress is not None else sys.stderr.isatty())
         try:
@@ -213,6 +263,8 @@ def _show(cmd: str, r: dict) -> None:
         for tier in ("host", "disk", "remote"):
             n, kv = r["resumable"][tier], r["kv_pages"][tier]
             print(f"  up to {tier:6}: resumes {n * page} tokens ({n} pages; KV pages {kv})")
+    elif cmd == "explain":
+        _print_explain(r)
     elif cmd == "fsck":
         print(
             f"fsck: {r['checked']} values, {r['ok']} ok, {r['corrupt']} corrupt, "
@@ -271,12 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--tokens-file", help="a file of token ids (JSON list or separated)")
     sc.add_argument("--namespace", help="the prompt's namespace (extra_key), with --tokens")
     sc.add_argument("--sliding-window", type=int, help="the model's SWA window in tokens")
+    x = sub.add_parser("explain", help="page by page, where a prompt is and why the rest is not")
+    x.add_argument("--hashes", help="the prompt's page hashes, hex, comma or space separated")
+    x.add_argument("--tokens", help="or its token ids, comma or space separated")
+    x.add_argument("--tokens-file", help="a file of token ids (JSON list or separated)")
+    x.add_argument("--namespace", help="the prompt's namespace (extra_key), with --tokens")
+    x.add_argument("--engine", help="or an engine's last lookups (its id, from 'engines')")
+    x.add_argument("--last", type=int, default=1, help="with --engine: how many lookups")
     u = sub.add_parser("unpin", help="release a pin made by 'pin'")
     u.add_argument("pin_id", type=int)
     f = sub.add_parser("fsck", help="check every LMDB value's checksum")
     f.add_argument("--repair", action="store_true", help="drop corrupt values")
     f.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    for s in (c, e, pn, sc, u, f):
+    for s in (c, e, pn, sc, x, u, f):
         s.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     return p
 

@@ -1,5 +1,5 @@
 """The admin and introspection verbs of the sidecar (health, status, engines, clear,
-evict, prefix pins, fsck, score): each is the store operation behind it, over the
+evict, prefix pins, fsck, score, explain): each is the store operation behind it, over the
 sessions and the controller that :class:`~hicache.controller.sidecar.handlers.VerbHandlers`
 holds."""
 
@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from hicache import __version__
 from hicache.controller.admin import ops as admin_ops
 from hicache.controller.sidecar.remote_status import remote_status
-from hicache.controller.sidecar.sessions import Connection, Sessions
+from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
+from hicache.controller.store.miss_ops import ExplainHead
+from hicache.controller.store.miss_reasons import tier_label
 from hicache.controller.wire.fields import bad_args, split_hashes
 from hicache.controller.wire.protocol import (
     PROTOCOL_VERSION,
@@ -30,6 +32,7 @@ from hicache.controller.wire.verbs import (
     Empty,
     EvictArgs,
     EvictReply,
+    ExplainArgs,
     FsckArgs,
     FsckReply,
     NoArgs,
@@ -39,7 +42,7 @@ from hicache.controller.wire.verbs import (
     ScoreArgs,
     ScoreReply,
 )
-from hicache.keys import page_hashes
+from hicache.keys import namespace_hash, page_hashes, token_bytes
 from hicache.resume import resumable_pages, window_pages
 from hicache.types import ComponentType, Tier
 
@@ -180,16 +183,20 @@ class AdminVerbs:
         ttl = receipt.deadline - time.monotonic()
         return PinPrefixReply(receipt.pin_id, pages, pages * served.page_size, ttl)
 
-    def score(self, call: Call, a: ScoreArgs) -> ScoreReply:
-        """Per tier (counting the faster ones too), the longest prefix of the prompt that
-        can be resumed, every component's rule applied (hicache/resume.py)."""
+    def _served_for(self, what: str) -> ServedLayout:
         served = self.sessions.served
         if served is None:
             raise ProtocolError(
                 ErrorCode.OUT_OF_ORDER,
-                "no layout yet: a prompt can be scored once an engine has connected (or with "
+                f"no layout yet: a prompt can be {what} once an engine has connected (or with "
                 "[layout] in the sidecar's config)",
             )
+        return served
+
+    def score(self, call: Call, a: ScoreArgs) -> ScoreReply:
+        """Per tier (counting the faster ones too), the longest prefix of the prompt that
+        can be resumed, every component's rule applied (hicache/resume.py)."""
+        served = self._served_for("scored")
         if (a.hashes is None) == (a.tokens is None):
             raise bad_args("score takes 'hashes' or 'tokens', exactly one of the two")
         components = served.layout.components
@@ -212,6 +219,47 @@ class AdminVerbs:
             resumable[name] = resumable_pages(rows, held, window)
             kv_pages[name] = resumable_pages({ComponentType.FULL: rows[ComponentType.FULL]}, held)
         return ScoreReply(served.page_size, len(hashes), resumable, kv_pages)
+
+    def explain(self, call: Call, a: ExplainArgs) -> dict[str, Any]:
+        """Page by page, where each page of a prompt is and why the others are not, or
+        the same for an engine's last lookups as they were answered
+        (controller/store/miss_ops.py)."""
+        served = self._served_for("explained")
+        if sum(x is not None for x in (a.hashes, a.tokens, a.engine)) != 1:
+            raise bad_args("explain takes 'hashes', 'tokens' or 'engine', exactly one of them")
+        store = self.ctl.store
+        out: dict[str, Any] = {"page_size": served.page_size}
+        if a.engine is not None:
+            now = time.monotonic()
+            out["engine"] = a.engine
+            out["lookups"] = [
+                {
+                    "age_s": round(now - lk.at, 3),
+                    "pages": len(lk.page_hashes),
+                    "first_miss": {
+                        c.name.lower(): {"reason": r.value, "tier": tier_label(t)}
+                        for c, (r, t) in lk.reasons.items()
+                    },
+                    "load_failures": [
+                        {"reason": r.value, "tier": tier_label(t)} for r, t in lk.load_failures
+                    ],
+                    "runs": store.explain(lk.page_hashes, list(lk.rows), rows=lk.rows),
+                }
+                for lk in store.recent_lookups(a.engine, a.last or 1)
+            ]
+            return out
+        head = None
+        if a.tokens is not None:
+            hashes = page_hashes(a.tokens, served.fingerprint, served.page_size, a.namespace)
+            if hashes:
+                root = namespace_hash(served.fingerprint, a.namespace)
+                first = token_bytes(a.tokens[: served.page_size])
+                head = ExplainHead(root, first, served.page_size)
+        else:
+            hashes = split_hashes(a.hashes)
+        out["pages"] = len(hashes)
+        out["runs"] = store.explain(hashes, served.layout.components, head)
+        return out
 
     def unpin_prefix(self, call: Call, a: PinIdArgs) -> Empty:
         admin_ops.unpin(self.ctl, a.pin_id)

@@ -24,6 +24,7 @@ from hicache.controller.admin.ops import ADMIN_ENGINE
 from hicache.controller.sidecar.admin_verbs import AdminVerbs, Call
 from hicache.controller.sidecar.device_map import RegistrationRefused, map_pools, open_ready_event
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
+from hicache.controller.store.miss_reasons import MissReason
 from hicache.controller.wire.fields import WORK_CHUNK_PAGES, bad_args, split_hashes, yield_to_io
 from hicache.controller.wire.protocol import (
     PROTOCOL_VERSION,
@@ -119,6 +120,7 @@ class VerbHandlers(AdminVerbs):
             Verb.UNPIN_PREFIX: self.unpin_prefix,
             Verb.FSCK: self.fsck,
             Verb.SCORE: self.score,
+            Verb.EXPLAIN: self.explain,
         }
         self.remote_tier = self.ctl.config.remote_enabled  # see VerbSpec.place
 
@@ -157,6 +159,8 @@ class VerbHandlers(AdminVerbs):
                 )
             served = self.sessions.served
             if served is not None and fingerprint != served.fingerprint:
+                for comp in layout.components:  # every lookup of that engine misses
+                    self.ctl.store.count_miss(MissReason.LAYOUT, None, comp)
                 raise ProtocolError(
                     ErrorCode.LAYOUT_MISMATCH,
                     f"this sidecar serves layout {served.layout.model_id!r} (page_size "

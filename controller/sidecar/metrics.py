@@ -90,6 +90,17 @@ class ControllerCollector(Collector):
         for reason, n in s.get("failures", {}).items():
             failures.add_metric([reason], n)
         yield failures
+        misses = CounterMetricFamily(
+            "hicache_miss_reasons",
+            "Lookups and load-backs that fell short, by why (reason), where (tier) and "
+            "component; a lookup counts the reason of its first missed page per component.",
+            labels=["reason", "tier", "component"],
+        )
+        for reason, tiers in s.get("miss_reasons", {}).items():
+            for tier, comps in tiers.items():
+                for comp, n in comps.items():
+                    misses.add_metric([reason, tier, comp], n)
+        yield misses
         # Failed loads are the load requests less these, whatever the reason (a reason
         # such as host_full is also counted by backups, so no sum of reasons is a count
         # of failed loads).

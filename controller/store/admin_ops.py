@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hicache.controller.store.counters import component_label
+from hicache.controller.store.miss_reasons import MissReason
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.controller.tiers.lmdb_fsck import fsck_unopened
@@ -59,7 +60,7 @@ class AdminOps(StoreState):
                 if Tier.HOST in tiers and e.attached and e.host_state is HostState.READY:
                     if self._index.evictable(e, Tier.HOST):
                         before = self._host[e.component].used_pages
-                        self._evict_host_locked(e)
+                        self._evict_host_locked(e, MissReason.CLEARED)
                         out.host_pages += before - self._host[e.component].used_pages
                     else:
                         out.kept_pages += 1
@@ -218,6 +219,7 @@ class AdminOps(StoreState):
         for x in group:
             if x.disk_state is not DiskState.READY or x.pins or x.busy:
                 continue
+            self._departed_locked(x, MissReason.CLEARED, Tier.DISK)
             self._index.clear_disk(x)
             keys.append(x.skey)
             self._counters.inc("evictions", "disk", component_label(x.component))

@@ -26,6 +26,7 @@ import numpy as np
 from hicache.controller.store.counters import Failure
 from hicache.controller.store.engine_stores import HELD, NO_ROOM, Reservation
 from hicache.controller.store.fills import QueuedBackup
+from hicache.controller.store.miss_reasons import MissReason
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.controller_api import ControllerError, PageKey, PageRef
@@ -117,6 +118,8 @@ class CopyOps(StoreState):
             rec = self._pins.get(pin_id)
             if rec is None:
                 self._counters.fail(Failure.PIN_EXPIRED)
+                for comp in {r.component for r in refs}:
+                    self.count_miss(MissReason.PIN_EXPIRED, Tier.HOST, comp, engine_id=engine_id)
                 return Claim(ClaimState.FAILED)
             if rec.engine_id != engine_id:
                 raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
@@ -131,6 +134,7 @@ class CopyOps(StoreState):
                 e = index.get(skey)
                 if e is None or not e.held:
                     self._counters.fail(Failure.PAGE_ABSENT)
+                    self._count_absent_locked(ref.key, engine_id)
                     return Claim(ClaimState.FAILED)
                 entries.append(e)
             ready = HostState.READY

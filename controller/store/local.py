@@ -52,6 +52,7 @@ from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.store.copy_ops import ClaimState
 from hicache.controller.store.counters import Counters, Failure, component_label
 from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.miss_reasons import RecentLookup
 from hicache.controller.store.page_copies import DeviceLoad, PageCopies
 from hicache.controller.store.page_store import PageStore
 from hicache.controller.store.session import EngineSession
@@ -239,6 +240,10 @@ class LocalController:
         tier's probe) is read."""
         self._check_open()
         rows = self._store.presence(page_hashes, components)
+        reasons = self._store.first_misses(page_hashes, rows)
+        self._store.remember_lookup(
+            engine_id, RecentLookup(time.monotonic(), page_hashes, rows, reasons, [])
+        )
         for comp, row in rows.items():
             label = component_label(comp)
             self.counters.add(row.count(P_HOST), "lookup", "host", label)
@@ -348,10 +353,11 @@ class LocalController:
             filled = self._store.wait_fills(claim.fills, deadline)
             if filled is None:
                 self.counters.fail(Failure.LOAD_TIMEOUT)
+                self._store.load_fell_short(claim.entries, engine_id, timed_out=True)
                 return LoadResult.FAILED
-            if not filled:  # the read counted its own reason
-                return LoadResult.FAILED
-            if not self._store.hold_for_copy(claim.entries):
+            if not filled or not self._store.hold_for_copy(claim.entries):
+                # the read counted its failure; why the page is gone counts here
+                self._store.load_fell_short(claim.entries, engine_id)
                 return LoadResult.FAILED
         loaded = self._copies.to_device(refs, claim.entries, buffers)
         return LoadResult.LOADED if loaded else LoadResult.FAILED

@@ -11,22 +11,18 @@ hash: they are leaves, evictable on their own, and evicting the FULL page evicts
 (so the FULL page is held while one of them is pinned or busy). Pinned or busy entries
 (being filled, written, read or copied) are never evictable.
 
-Eviction order is least recently used, kept in lazy min-heaps keyed by a logical clock:
-one heap per host component (host pages are pooled per component) and one for the disk
-tier (one byte budget for all components). An entry is pushed when it becomes evictable
-or is touched; a popped item that no longer matches the entry's latest push is stale and
-skipped. Every operation is O(log n). Once a heap holds over 1.5 items per entry, each
-push also removes the stale ones among the next few items of a cursor that cycles through
-it, so the heap stays bounded without ever being compacted whole (a pause of a second at
-a million pages); the whole compaction remains only as a backstop.
+Eviction order is least recently used, in lazy min-heaps keyed by a logical clock: one
+per host component (host pages are pooled per component), one for disk (one budget). An
+entry is pushed when it becomes evictable or is touched; a popped item that no longer
+matches its entry's latest push is stale and skipped. Every operation is O(log n). Past
+1.5 items per entry, each push also removes the stale ones among the next few items of a
+cycling cursor, so a heap stays bounded without a whole compaction (a second's pause at
+a million pages), which remains only as a backstop.
 
-Host pages that served a load-back are kept longer (``host_hit_retention``): most pages
-a device evicts to the host are never asked for again, and plain LRU keeps them exactly
-as long as the ones that are. A page that served a load is queued at its last access
-plus ``host_hit_retention`` times the host tier's *turnover* (the running mean of the
-clock ticks a host victim had gone unused), so it outlives an unused page of the same
-age by about that many host lifetimes; 0 is plain LRU. The order stays tail-first: only
-leaves of the host tier are candidates, whatever their key.
+Host pages that served a load-back are kept longer (``host_hit_retention``; most pages
+a device evicts to host are never asked for again): such a page is queued at its last
+access plus ``host_hit_retention`` times the host *turnover* (the running mean of the
+ticks a host victim had gone unused); 0 is plain LRU. Only host leaves are candidates.
 
 Every method here is called with the controller's lock held. An entry's own fields are
 :class:`hicache.controller.store.page_entry.PageEntry`'s.
@@ -38,6 +34,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
+from hicache.controller.store.miss_reasons import ChainRoots
 from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
 from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
@@ -50,7 +47,6 @@ _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _TIERS = (Tier.HOST, Tier.DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
 _SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
-
 
 _HOST_READY = HostState.READY
 _DISK_NONE = DiskState.NONE
@@ -78,6 +74,7 @@ class PageIndex:
         self.disk_live_bytes = 0
         self.disk_pages = dict.fromkeys(ComponentType, 0)
         self.events: TierEvents | None = None  # told where a tier becomes present or absent
+        self.roots = ChainRoots()  # parents of chain heads: where ``explain`` looks
 
     # -- queries -------------------------------------------------------------------------
 
@@ -168,6 +165,8 @@ class PageIndex:
         self._entries[entry.skey] = entry
         if component is ComponentType.FULL:
             self._children_of.setdefault(parent_hash, set()).add(entry)
+            if parent_hash + _FULL_TAG not in self._entries:
+                self.roots.note(parent_hash)
             kids = self._children_of.get(page_hash)
             if kids:  # children indexed before their parent (a restart, a re-backup)
                 for tier in _TIERS:
@@ -203,6 +202,8 @@ class PageIndex:
             parent = entries.get(parent_hash + _FULL_TAG)
             if parent is not None:
                 parent.children[Tier.DISK] = len(kids)  # every entry is on disk now
+            else:
+                self.roots.note(parent_hash)
         heap = self._disk_heap
         for e in entries.values():
             if self.evictable(e, Tier.DISK):

@@ -46,6 +46,8 @@ from hicache.controller.store.engine_stores import EngineStores
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.fills import FillHandle, FillTracker
 from hicache.controller.store.host_pool import HostPool, SharedHostPages
+from hicache.controller.store.miss_ops import MissOps
+from hicache.controller.store.miss_reasons import MissLog, MissReason
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.store.pins import PinRecord, PinTable
 from hicache.controller.store.tier_host import TierHostOps
@@ -65,7 +67,7 @@ log = logging.getLogger("hicache.controller.store.local")
 _PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 
 
-class PageStore(CopyOps, TierHostOps, AdminOps):
+class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
     """Index, pins, host pool and lower tiers of one layout, behind one lock."""
 
     def __init__(self, config: ControllerConfig, counters: Counters) -> None:
@@ -77,6 +79,9 @@ class PageStore(CopyOps, TierHostOps, AdminOps):
         # (LMDB allows one environment per file per process).
         self._opening = threading.Lock()
         self._index = PageIndex(config.host_hit_retention_turnovers)
+        self._misses = MissLog(
+            counters, config.miss_reasons_remembered_pages, config.miss_reasons_recent_lookups
+        )
         self._pins = PinTable(self._index)
         self._fills = FillTracker(self._lock, self._publish_locked)
         self._engine_stores = EngineStores()
@@ -236,6 +241,7 @@ class PageStore(CopyOps, TierHostOps, AdminOps):
                     elif self._offering(k) is not None:
                         offered.append(k)
                     else:  # absent: fail at once, a pin of many keys must not scan on
+                        self._count_absent_locked(k, engine_id)
                         absent = True
                         break
                 if absent or (offered and not self._fill_offered_locked(offered)):
@@ -343,14 +349,16 @@ class PageStore(CopyOps, TierHostOps, AdminOps):
             page = pool.alloc()
         return page
 
-    def _evict_host_locked(self, entry: PageEntry) -> None:
-        """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host)."""
+    def _evict_host_locked(self, entry: PageEntry, reason: MissReason = MissReason.EVICTED) -> None:
+        """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host);
+        ``reason``: why, as a miss will tell it (evicted, or cleared by an admin)."""
         group = [entry]
         if entry.component is ComponentType.FULL:
             group = [*self._index.aux_in(entry, Tier.HOST), entry]
         for e in group:
             for tier in self._tiers:
                 tier.on_host_evict_locked(e)
+            self._host_departure_locked(e, reason)
             self._host[e.component].free(self._index.clear_host(e))
             self._counters.inc("evictions", "host", component_label(e.component))
             self._index.discard_if_unused(e)
@@ -363,8 +371,10 @@ class PageStore(CopyOps, TierHostOps, AdminOps):
         if e is None or e.busy:
             return
         if e.host_state is not HostState.NONE:
+            self._departed_locked(e, MissReason.EVICTED, Tier.HOST)
             self._host[e.component].free(self._index.clear_host(e))
         if not host_only and e.disk_state is DiskState.READY:
+            self._departed_locked(e, MissReason.EVICTED, Tier.DISK)
             self._index.clear_disk(e)
             self._disk.delete_locked([e.skey])
         self._index.discard_if_unused(e)

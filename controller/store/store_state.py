@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from hicache.controller.store.faults import FaultPlan
     from hicache.controller.store.fills import FillTracker
     from hicache.controller.store.host_pool import HostPool
+    from hicache.controller.store.miss_reasons import MissLog, MissReason
     from hicache.controller.store.page_index import PageEntry, PageIndex
     from hicache.controller.store.pins import PinTable
     from hicache.controller.tiers.lower_tier import LowerTier
     from hicache.controller_api import PageKey
-    from hicache.types import ComponentType
+    from hicache.types import ComponentType, Tier
 
 
 class StoreState:
@@ -41,6 +42,7 @@ class StoreState:
     _host: HostPool | None
     _disk: LowerTier | None
     _tiers: tuple[LowerTier, ...]
+    _misses: MissLog
 
     if TYPE_CHECKING:  # defined by PageStore and its groups of operations
 
@@ -49,5 +51,16 @@ class StoreState:
         def evict_stored(self, nbytes: int) -> list[bytes]: ...
         def _expire_pins_locked(self) -> None: ...
         def _alloc_host_locked(self, component: ComponentType) -> int | None: ...
-        def _evict_host_locked(self, entry: PageEntry) -> None: ...
+        def _evict_host_locked(self, entry: PageEntry, reason: MissReason = ...) -> None: ...
+        def _departed_locked(self, e: PageEntry, reason: MissReason, tier: Tier) -> None: ...
+        def _host_departure_locked(self, e: PageEntry, reason: MissReason) -> None: ...
+        def _count_absent_locked(self, key: PageKey, engine_id: str | None) -> None: ...
+        def count_miss(
+            self,
+            reason: MissReason,
+            tier: Tier | None,
+            component: ComponentType,
+            n: int = 1,
+            engine_id: str | None = None,
+        ) -> None: ...
         def _drop_locked(self, key: PageKey, host_only: bool) -> None: ...

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.controller.store.counters import Failure, component_label
+from hicache.controller.store.miss_reasons import MissReason
 from hicache.controller.store.page_codec import ReadStatus
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.store_state import StoreState
@@ -37,6 +38,8 @@ log = logging.getLogger("hicache.controller.store.page_store")
 # The parent of a chain's first page is the chain's seed, which a lookup does not see: a
 # page filled before its parent is known is indexed under this until its value tells.
 UNKNOWN_PARENT = bytes(HASH_BYTES)
+# A value read that failed its checks: why the page is gone (the tier it was read from).
+_INVALID_REASON = {ReadStatus.CORRUPT: MissReason.CHECKSUM, ReadStatus.FOREIGN: MissReason.LAYOUT}
 
 
 class TierHostOps(StoreState):
@@ -95,6 +98,8 @@ class TierHostOps(StoreState):
                     continue
                 self._host[e.component].free(self._index.clear_host(e))
                 self._index.release(e)
+                if r.status in _INVALID_REASON:
+                    self._departed_locked(e, _INVALID_REASON[r.status], source)
                 if indexed and r.status is not ReadStatus.ERROR:
                     self._forget_invalid_locked(e, r.status)
                 self._index.discard_if_unused(e)
@@ -159,6 +164,7 @@ class TierHostOps(StoreState):
         with self._lock:
             for e, stored in results:
                 if isinstance(stored, Failure):
+                    self._departed_locked(e, MissReason.WRITE_FAILED, Tier.DISK)
                     self._index.clear_disk(e)
                     self._counters.fail(stored)
                 else:
@@ -201,6 +207,7 @@ class TierHostOps(StoreState):
                 if victim.component is ComponentType.FULL:
                     group = [*self._index.aux_in(victim, Tier.DISK), victim]
                 for e in group:
+                    self._departed_locked(e, MissReason.EVICTED, Tier.DISK)
                     freed += self._index.clear_disk(e)
                     keys.append(e.skey)
                     self._counters.inc("evictions", "disk", component_label(e.component))
@@ -220,6 +227,7 @@ class TierHostOps(StoreState):
                 if e is not None:
                     if e.busy or e.disk_state is not DiskState.READY:
                         continue
+                    self._departed_locked(e, MissReason.CHECKSUM, Tier.DISK)
                     self._index.clear_disk(e)
                     self._index.discard_if_unused(e)
                 self._counters.fail(Failure.CHECKSUM)

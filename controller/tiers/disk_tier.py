@@ -127,6 +127,15 @@ class DiskTier:
         """Never: the index holds every page of this tier."""
         return False
 
+    def refusing(self) -> bool:
+        """Never: the index answers for this tier."""
+        return False
+
+    def holds_foreign(self, first_hash: Callable[[bytes], bytes]) -> bool:
+        """Whether a chain of another layout's values found at open starts with it."""
+        full = bytes((int(ComponentType.FULL),))
+        return any(self.lmdb.holds_foreign(first_hash(r) + full) for r in self.lmdb.foreign_roots)
+
     # -- reads ---------------------------------------------------------------------------
 
     def fill_locked(self, keys: Sequence[PageKey]) -> bool:

@@ -89,6 +89,8 @@ class LmdbTier:
         self.counters = TierCounters()
         self._fault_hook: Callable[[str], bool] | None = None
         self._foreign: dict[bytes, int] = {}
+        # The seeds of the chains that other layouts' values found at open start from.
+        self.foreign_roots: frozenset[bytes] = frozenset()
         self._closed = False
         self._closing = threading.Lock()  # a read is submitted wholly before or after close
         check_private_dir(self.path, "disk_path", warn=False)
@@ -159,6 +161,7 @@ class LmdbTier:
         """
         records: list[DiskRecord] = []
         invalid: list[bytes] = []
+        foreign_parents: set[bytes] = set()
         with self.env.begin(buffers=True) as txn:
             for k, v in txn.cursor():
                 skey = bytes(k)
@@ -171,6 +174,8 @@ class LmdbTier:
                     invalid.append(skey)
                 elif hdr.layout_digest != self.layout_digest:
                     self._foreign[skey] = len(v)
+                    if skey[-1] == int(ComponentType.FULL):
+                        foreign_parents.add(hdr.parent_hash)
                 elif hdr.payload_nbytes != self._expected.get(hdr.component) or (
                     self.config.disk_verify_on_open
                     and payload_checksum(v[HEADER_BYTES:]) != hdr.checksum
@@ -194,6 +199,8 @@ class LmdbTier:
             log.warning("LMDB tier %s: dropped %d invalid values", self.path, len(invalid))
         self.counters.invalid_dropped += len(invalid)
         self.counters.foreign_pages = len(self._foreign)
+        full = bytes((int(ComponentType.FULL),))
+        self.foreign_roots = frozenset(p for p in foreign_parents if p + full not in self._foreign)
         records.sort(key=lambda r: r.written_at_ns)
         return records
 
@@ -289,6 +296,10 @@ class LmdbTier:
     @property
     def pending_deletes(self) -> frozenset[bytes]:
         return self.writer.pending_deletes
+
+    def holds_foreign(self, skey: bytes) -> bool:
+        """Whether ``skey`` is another layout's value (found at open, not deleted since)."""
+        return skey in self._foreign
 
     @property
     def foreign_keys(self) -> frozenset[bytes]:

@@ -87,6 +87,14 @@ class LowerTier(Protocol):
     def offers(self, key: PageKey) -> bool:
         """Whether this tier can fill ``key``, which the index does not hold (lock held)."""
 
+    def refusing(self) -> bool:
+        """Whether this tier answers no lookup now without being asked (the remote
+        tier's breaker is open): the reason a page it might hold is missed."""
+
+    def holds_foreign(self, first_hash: Callable[[bytes], bytes]) -> bool:
+        """Whether this tier holds, as a value of another layout, the first page of a
+        chain whose hash under a chain seed ``r`` is ``first_hash(r)`` (lock held)."""
+
     def fill_locked(self, keys: Sequence[PageKey]) -> bool:
         """Start reading ``keys`` into host pages (:meth:`TierHost.begin_fill_locked`):
         pages it offers, or, for the indexed tier, pages the index has only there. False

@@ -174,6 +174,14 @@ class RemoteTier:
         """Whether ``key`` was seen in the store lately (a pin may read it from there)."""
         return self.hints.get(self.key(key.page_hash, key.component))[0]
 
+    def refusing(self) -> bool:
+        """Whether the breaker is open: lookups do not ask the store."""
+        return self.breaker.state is BreakerState.OPEN
+
+    def holds_foreign(self, first_hash: Callable[[bytes], bytes]) -> bool:
+        """Not known: values are checked only when read."""
+        return False
+
     def fill_locked(self, keys: Sequence[PageKey]) -> bool:
         """Start reading ``keys`` (held by no local tier) into host pages; False, with
         nothing started, when one is not hinted present or the breaker is open; False

@@ -127,6 +127,7 @@ class Verb(enum.Enum):
     UNPIN_PREFIX = "unpin_prefix"
     FSCK = "fsck"
     SCORE = "score"
+    EXPLAIN = "explain"
 
 
 _VERBS = {v.value: v for v in Verb}

@@ -199,6 +199,19 @@ class ScoreArgs:
     sliding_window: int | None = wire(Int(1), optional=True)  # tokens; needed with SWA
 
 
+@dataclass(frozen=True)
+class ExplainArgs:
+    """What to explain, exactly one of: a prompt's page hashes; its tokens (and
+    namespace), hashed by the sidecar with the served layout; or an engine's last
+    ``last`` lookups (``engine``: its engine id, as ``hicachectl engines`` lists it)."""
+
+    hashes: bytes | None = wire(Hashes(MAX_LOOKUP_HASHES), optional=True)
+    tokens: list[int] | None = wire(Tokens(), optional=True)
+    namespace: str | None = wire(Str(), optional=True)
+    engine: str | None = wire(Str(), optional=True)
+    last: int | None = wire(Int(1), optional=True)
+
+
 # -- result records -----------------------------------------------------------------------
 
 
@@ -407,6 +420,7 @@ SPECS: dict[Verb, VerbSpec] = {
         _spec(Verb.UNPIN_PREFIX, PinIdArgs, Empty, Runs.IO, ADMIN),
         _spec(Verb.FSCK, FsckArgs, FsckReply, Runs.WORKER, ADMIN),
         _spec(Verb.SCORE, ScoreArgs, ScoreReply, Runs.WORKER, BOTH),
+        _spec(Verb.EXPLAIN, ExplainArgs, OPEN, Runs.WORKER, ADMIN, waits_on_remote=True),
     )
 }
 assert set(SPECS) == set(Verb), "every verb has a spec"

@@ -182,6 +182,9 @@ def test_another_layout_is_refused_at_register(workdir):
         first.register()
         with pytest.raises(RemoteLayoutMismatch, match="run one sidecar per layout"):
             other.register()
+        # Every lookup of the refused engine misses: counted once, per its component.
+        refused = side.controller.stats()["miss_reasons"]["layout"]["none"]
+        assert refused == {"full": 1, "swa": 1}
     finally:
         first.close()
         other.close()
