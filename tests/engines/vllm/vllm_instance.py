@@ -7,7 +7,8 @@ hicache's connector when ``--socket`` is given, serves the prompts of ``--reques
 (JSON: a list of rounds, each a list of token-id prompts, served in order;
 ``--pause-before N`` waits for the test before round N) and writes, per round, each
 prompt's generated tokens, their logprobs, its cached tokens and the round's time to
-``--out`` (JSON).
+``--out`` (JSON), and what the engine decided about its KV cache to ``--out`` with the
+suffix ``.engine.json``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,41 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def make_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    """A random-weight Gemma 3 text model: 4 layers, sliding windows of 64 tokens on
+    layers 0, 1 and 3, full attention on layer 2 (vLLM's hybrid allocator gives it two
+    KV cache groups), saved with ``save_pretrained``."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        max_position_embeddings=2048,
+        query_pre_attn_scalar=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
@@ -106,6 +142,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = build_llm(a.model, a.socket, json.loads(a.extra))
+    # What the engine decided about its KV cache, for the tests: whether vLLM's hybrid
+    # allocator runs (a full + sliding-window model then has a KV cache group of each).
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    engine = {"hybrid_kv_cache_manager": not scheduler.disable_hybrid_kv_cache_manager}
+    Path(a.out).with_suffix(".engine.json").write_text(json.dumps(engine))
     params = SamplingParams(
         max_tokens=a.max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
     )
