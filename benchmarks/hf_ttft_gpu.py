@@ -741,6 +741,143 @@ def headline_rows(
     return rows
 
 
+def hit_fraction_model(family: str):
+    """``--hit-fraction``'s model of ``family`` (``llama-8b``: the Llama-3.1-8B shape)
+    and its page and chunk sizes: realistic on the GPU, tiny on the CPU."""
+    import torch
+    import transformers
+
+    from hicache.integrations.transformers_models import realistic_config, tiny_config
+
+    if DEVICE != "cuda":
+        cfg = tiny_config("llama" if family == "llama-8b" else family)
+        dtype, page, chunk = torch.float32, 16, 64
+    else:
+        if family == "llama-8b":
+            cfg = transformers.AutoConfig.for_model("llama", **LLAMA_8B)
+            cfg._attn_implementation = "sdpa"
+        else:
+            cfg = realistic_config(family)
+        dtype, page, chunk = torch.bfloat16, 64, 2048
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return model, cfg, page, chunk
+
+
+def hit_fraction_rows(
+    work: pathlib.Path, family: str, lengths: list[int], fractions: list[float], requests: int
+) -> list[dict[str, Any]]:
+    """TTFT of a prompt of each length whose leading ``fraction`` lies on the host tier of
+    a ``hicache serve``: loaded whole before the suffix computes, and loaded layer by layer
+    while the suffix's first chunk computes (``PrefixCachedLM(layerwise=True)``), in turn,
+    beside the cold prefill, the device hit of the same prefix (the suffix's compute) and
+    a pinned memcpy of the bytes the hit loads (the load's floor). ``layerwise_vs_bound``
+    is the layer-wise TTFT over max(floor, suffix compute)."""
+    import torch
+
+    from hicache.integrations.transformers import PrefixCachedLM
+    from hicache.layout import LayerKind
+
+    model, cfg, page, chunk = hit_fraction_model(family)
+    params = sum(p.numel() for p in model.parameters())
+    slots = (max(lengths) + 2 * page) * 2
+    pool = ("12GiB", "16GiB") if DEVICE == "cuda" else ("256MiB", "1GiB")
+    sidecar = SidecarProc(work / f"fraction-{family}", *pool)
+    made: list = []
+
+    def engine(layerwise: bool):
+        c = client(sidecar.endpoint, f"fraction-{family}-{len(made)}")
+        lm = PrefixCachedLM.build(
+            model, page_size=page, full_slots=slots, mamba_slots=8, controller=c,
+            chunk_tokens=chunk, keep_logits=True, shared_memory=DEVICE == "cpu",
+            layerwise=layerwise,
+        )  # fmt: skip
+        made.append((lm, c))
+        return lm
+
+    rows = []
+    try:
+        whole, layered = engine(False), engine(True)
+        g = torch.Generator().manual_seed(5)
+
+        def toks(n):
+            return torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+
+        warm = toks(4 * page)  # every path once: kernels, allocator, plans, the mapping
+        for lm in (whole, layered):
+            lm.generate(warm + toks(16), 1)
+            lm.cache.flush_backups()
+            lm.cache.evict(full_tokens=10**9)
+            lm.generate(warm + toks(16), 1)
+        lay = whole.cache.layout
+        for length in lengths:
+            for fraction in fractions:
+                prefix_len = int(length * fraction) // page * page
+                suffix_len = length - prefix_len
+                prefix = toks(prefix_len)
+                nbytes = prefix_len * lay.kv_bytes_per_token(LayerKind.FULL)
+                if lay.has_swa:  # the window only
+                    window = min(prefix_len, whole.cache.config.sliding_window)
+                    nbytes += window * lay.kv_bytes_per_token(LayerKind.SWA)
+                if lay.has_mamba:
+                    nbytes += lay.mamba_state_bytes
+                memcpy_ms = pinned_memcpy_ms(nbytes)
+                cold = [
+                    whole.generate(prefix + toks(suffix_len), 1, use_cache=False).ttft_s * 1e3
+                    for _ in range(3)
+                ][1:]  # the first pays its shapes' first-call costs
+                whole.generate([*prefix, 7], 1)
+                whole.cache.flush_backups()
+                times: dict[str, list[float]] = {"whole": [], "layerwise": [], "device": []}
+                same: dict[str, bool | None] = {}
+                for i in range(requests):
+                    for name, lm in (("whole", whole), ("layerwise", layered)):
+                        for other in (whole, layered):
+                            other.cache.flush_backups()
+                            other.cache.evict(full_tokens=10**9)
+                        sync()
+                        prompt = prefix + toks(suffix_len)
+                        r = lm.generate(prompt, 1)
+                        assert r.host_hit_tokens == prefix_len, (name, r)
+                        times[name].append(r.ttft_s * 1e3)
+                        if i == 0:
+                            same[name] = _same(lm, prompt, prefix_len, r)
+                    r = layered.generate(prefix + toks(suffix_len), 1)  # on its device now
+                    assert r.device_hit_tokens == prefix_len, r
+                    times["device"].append(r.ttft_s * 1e3)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                bound = max(memcpy_ms, med["device"])
+                row = {
+                    "model": family if DEVICE == "cuda" else f"{family}-tiny",
+                    "params_B": round(params / 1e9, 2),
+                    "prompt": length,
+                    "hit_fraction": fraction,
+                    "prefix": prefix_len,
+                    "suffix": suffix_len,
+                    "requests": requests,
+                    "load_MB": round(nbytes / 1e6, 1),
+                    "pinned_memcpy_ms": memcpy_ms,
+                    "ttft_cold_ms": statistics.median(cold),
+                    "ttft_device_hit_ms": med["device"],
+                    "ttft_host_whole_ms": med["whole"],
+                    "ttft_host_layerwise_ms": med["layerwise"],
+                    "whole_vs_bound": med["whole"] / bound,
+                    "layerwise_vs_bound": med["layerwise"] / bound,
+                    "layerwise_vs_whole": med["layerwise"] / med["whole"],
+                    "same_as_live_whole": same.get("whole"),
+                    "same_as_live_layerwise": same.get("layerwise"),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for lm, c in made:
+            c.close()
+            lm.cache.pools.close()
+        sidecar.stop()
+    return rows
+
+
 def _same(lm, prompt: list[int], prefix_len: int, result) -> bool | None:
     """Logits of the restored prefix equal the live cache object's (None: not checked, the
     reference recompute of a long prompt would cost more than the run can spare)."""
@@ -773,6 +910,13 @@ def main() -> int:
         default="",
         help="PREFIX:SUFFIX,SUFFIX:REQUESTS, e.g. 10240:16,64:20 - the 8 B-shaped host hit only",
     )
+    p.add_argument(
+        "--hit-fraction",
+        default="",
+        help="e.g. 0.5,0.9: that fraction of each --lengths prompt on the host tier, loaded "
+        "whole and layer by layer beside the cold prefill (--models, e.g. llama-8b,bamba)",
+    )
+    p.add_argument("--requests", type=int, default=5, help="host hits per --hit-fraction row")
     args = p.parse_args()
     global DEVICE, TRACE_DIR
     if args.dry_run:
@@ -808,6 +952,16 @@ def main() -> int:
                 work, int(prefix_len), [int(x) for x in suffixes.split(",")], int(requests)
             )
             save()
+            return 0
+        if args.hit_fraction:
+            fractions = [float(x) for x in args.hit_fraction.split(",")]
+            out["hit_fraction"] = []
+            for family in filter(None, args.models.split(",")):
+                lengths = [int(x) for x in args.lengths.split(",")]
+                out["hit_fraction"] += hit_fraction_rows(
+                    work, family, lengths, fractions, args.requests
+                )
+                save()
             return 0
         if not args.skip_loadback:
             sizes = [int(s) for s in args.sizes_mib.split(",")]

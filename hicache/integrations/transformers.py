@@ -38,11 +38,13 @@ from hicache import (
     CacheController,
     ConfigError,
     DevicePools,
+    LayeredLoadBack,
     PoolExhaustedError,
     Request,
     UnifiedRadixCache,
 )
 from hicache.integrations.transformers_identity import model_identity, weights_digest
+from hicache.integrations.transformers_layerwise import layer_groups, layered_chunk
 from hicache.integrations.transformers_layout import HFLayerMap, hf_layout
 from hicache.integrations.transformers_state import (
     CacheCodec,
@@ -101,6 +103,8 @@ class PrefixCachedLM:
         hf_map: HFLayerMap,
         chunk_tokens: int = 64,
         keep_logits: bool = True,
+        layerwise: bool = False,
+        layer_group_size: int = 1,
     ) -> None:
         ps = cache.page_size
         check_chunk_tokens(chunk_tokens, ps)
@@ -114,6 +118,9 @@ class PrefixCachedLM:
         self.device = cache.pools.full.buffer.device
         self._kw = cache_keyword(model)
         self._has_mamba = bool(hf_map.mamba)
+        # Host hits loaded layer by layer while the suffix's first chunk computes
+        # (transformers_layerwise.py), in groups of ``layer_group_size`` layers.
+        self.layer_groups = layer_groups(hf_map, layer_group_size) if layerwise else None
         self._rids = 0
         self._closed = False
 
@@ -128,6 +135,7 @@ class PrefixCachedLM:
         chunk_tokens: int = 64,
         keep_logits: bool = True,
         model_id: str | None = None,
+        layerwise: bool = False,
         **config: Any,
     ) -> PrefixCachedLM:
         """Pools on the model's device sized as given, a cache over ``controller``.
@@ -155,7 +163,7 @@ class PrefixCachedLM:
         pools = DevicePools.allocate(hf_map.layout, cfg)
         try:
             cache = UnifiedRadixCache(hf_map.layout, cfg, pools, controller=controller)
-            return cls(model, cache, hf_map, chunk_tokens, keep_logits)
+            return cls(model, cache, hf_map, chunk_tokens, keep_logits, layerwise)
         except BaseException:
             pools.close()
             raise
@@ -299,7 +307,13 @@ class PrefixCachedLM:
         m = self.cache.match_prefix(run.sequence[:-1], extra_key, req=req)
         run.result.match_s = time.perf_counter() - run.started
         run.result.device_hit_tokens = m.prefix_len
-        if m.load_node is not None:
+        if m.load_node is not None and self.layer_groups is not None:
+            t0, run.host_hit_len = time.perf_counter(), m.host_hit_len
+            run.pending = self.cache.start_load_back(m.load_node, req, self.layer_groups)
+            run.result.load_back_s = time.perf_counter() - t0
+            if run.pending is not None:
+                return  # restored layer by layer as the first chunk computes
+        elif m.load_node is not None:
             before, t0 = req.prefix_len, time.perf_counter()
             if self.cache.load_back(m.load_node, req=req):
                 loaded = req.prefix_len - before
@@ -314,6 +328,8 @@ class PrefixCachedLM:
     def _prefill(self, run: _Run, use_cache: bool) -> torch.Tensor:
         req, seq = run.req, run.sequence
         logits = None
+        if run.pending is not None:
+            logits, run.pending = layered_chunk(self, run, run.pending, use_cache), None
         for end in self.chunk_ends(req.computed_len, len(seq)):
             logits = self._step(run, seq[req.computed_len : end], use_cache)
             if end < len(seq) and use_cache:
@@ -376,6 +392,8 @@ class _Run:
         self.result = GenerationResult([])
         self.started = 0.0
         self.done = False
+        self.pending: LayeredLoadBack | None = None  # a layer-wise load in flight
+        self.host_hit_len = 0
 
 
 def _token_list(ids: Any) -> list[int]:

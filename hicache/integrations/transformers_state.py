@@ -10,8 +10,10 @@ same bytes the live one held at that prefix, so the model continues identically.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache import ConfigError, DevicePools
@@ -69,6 +71,63 @@ class CacheCodec:
             for layer_i, states in enumerate(self._unpack(mamba_slot)):
                 _set_states(cache.layers[self.map.mamba[layer_i]], self.layout, states, n)
         return cache
+
+    def restore_by_layer(
+        self,
+        kv_slots: torch.Tensor,
+        mamba_slot: int | None,
+        swa_slots_of: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[Any, dict[int, list[Callable[[], None]]]]:
+        """:meth:`restore` layer by layer: a cache object whose every layer already has
+        its prefix's shapes (so the model computes positions and masks as for a restored
+        one) and, per transformers layer, the copies that fill it from the pools, to run
+        once that layer's pool contents are there (a layer-wise load) and before the layer
+        computes. The bytes are :meth:`restore`'s. ``swa_slots_of`` maps FULL token slots
+        to SWA slots (default: the pools' own mapping)."""
+        cache = self.new_cache()
+        fills: dict[int, list[Callable[[], None]]] = {}
+        n = int(kv_slots.numel())
+        if n == 0:
+            return cache, fills
+        lay = self.layout
+        shape = (1, lay.num_kv_heads, n, lay.head_dim)
+        for i, j in enumerate(self.map.full):
+            k, v = (torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in "kv")
+            _set_kv(cache.layers[j], k, v)
+            fills.setdefault(j, []).append(_kv_fill(self.pools.full.buffer, i, kv_slots, k, v))
+        if self.map.swa:
+            keep = min(n, self.map.cache_sliding_window)
+            tail = kv_slots[n - keep :].cpu().numpy()
+            swa = (swa_slots_of or self.pools.swa_slots_of)(tail)
+            if (swa < 0).any():
+                raise ConfigError("restore: the prefix has no sliding-window KV for its window")
+            swa_t = torch.from_numpy(swa).to(self.device)
+            shape = (1, lay.num_kv_heads, keep, lay.head_dim)
+            for i, j in enumerate(self.map.swa):
+                k, v = (torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in "kv")
+                _set_kv(cache.layers[j], k, v)
+                cache.layers[j].cumulative_length = n
+                fills.setdefault(j, []).append(_kv_fill(self.pools.swa.buffer, i, swa_t, k, v))
+        if self.map.mamba:
+            if mamba_slot is None:
+                raise ConfigError("restore: a Mamba layout needs the prefix's state slot")
+            for i, j in enumerate(self.map.mamba):
+                states = [
+                    torch.empty((1, *t.shape), dtype=t.dtype, device=self.device)
+                    for t in lay.state_tensors
+                ]
+                _set_states(cache.layers[j], lay, states, n)
+                fills.setdefault(j, []).append(self._state_fill(i, mamba_slot, states))
+        return cache, fills
+
+    def _state_fill(self, i: int, slot: int, states: list[torch.Tensor]) -> Callable[[], None]:
+        def fill() -> None:
+            mamba = self.pools.mamba
+            packed = torch.cat([mamba.conv[i, slot, :, 0], mamba.ssm[i, slot]])
+            for t, (spec, off) in zip(states, self._offsets):
+                t.view(-1).view(torch.uint8).copy_(packed[off : off + spec.nbytes])
+
+        return fill
 
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -134,6 +193,19 @@ class CacheCodec:
                 states.append(raw.view(t.dtype).view(1, *t.shape))
             out.append(states)
         return out
+
+
+def _kv_fill(
+    buffer: torch.Tensor, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], None]:
+    """The copy of layer ``i``'s K and V of ``slots`` in a pool into ``k`` and ``v``."""
+
+    def fill() -> None:
+        kv = buffer[:, i].index_select(1, slots).permute(0, 2, 1, 3)  # [2, heads, n, dim]
+        k[0].copy_(kv[0])
+        v[0].copy_(kv[1])
+
+    return fill
 
 
 def check_live_cache(cache: Any, hf_map: HFLayerMap) -> None:
