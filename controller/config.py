@@ -143,6 +143,10 @@ class ControllerConfig:
     # a load-back of pages on host itself (controller/client/host_share.py). The sidecar turns
     # it on; an in-process controller has no one to share with.
     host_shared: bool = False
+    # Fault every host page in when the pool is made (``MADV_POPULATE_WRITE``, several
+    # threads), so that the first loads after a start do not pay the kernel's first
+    # touch of each page. A pinned pool is populated anyway; the sidecar turns it on.
+    host_populate: bool = False
     # A host page that served a load-back is evicted as if it had been used this many
     # host-tier lifetimes later (0: plain LRU). See controller/store/page_index.py.
     host_hit_retention_turnovers: float = 1.0

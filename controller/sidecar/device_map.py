@@ -38,6 +38,7 @@ from hicache.controller.sidecar.cuda_views import (
     check_allocation_extent,
     non_overlapping,
 )
+from hicache.controller.store.host_pool import populate
 from hicache.controller.store.transfer_engine import EngineBuffers
 from hicache.controller.wire.security import PeerCredentials
 from hicache.layout import LayerKind, ModelLayout, dtype_name, parse_dtype
@@ -162,7 +163,14 @@ def _map_shm(desc: dict[str, Any], segments: list, peer: PeerCredentials) -> tor
     # segment would be unmapped under a live tensor.
     raw = np.frombuffer(seg.buf, dtype=np.uint8, count=max(nbytes, 1))
     flat = torch.from_numpy(raw)[:nbytes]
-    return flat.view(dtype).view(shape)
+    return _prefaulted(flat.view(dtype).view(shape))
+
+
+def _prefaulted(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (an engine's pool just mapped here) with its pages faulted into this
+    process at registration, not at the first load's copy into them."""
+    populate(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return tensor
 
 
 def _segment_names(buffers: dict[str, Any]) -> None:
@@ -198,7 +206,7 @@ def _map_memfd(
     except ValueError as exc:
         raise RegistrationRefused(str(exc)) from None
     segments.append(mapping)
-    return tensor
+    return _prefaulted(tensor)
 
 
 def _local_gpu(uuid: str, allowed: Sequence[str]) -> int:

@@ -188,6 +188,7 @@ def load_settings(
             table = _tomllib().loads(text)
         layout = _layout_from(table, str(layout_file))
     ctl.setdefault("host_shared", True)  # the engines copy their load-backs themselves
+    ctl.setdefault("host_populate", True)  # ready means ready: no first touch at a load
     return ServeSettings(SidecarConfig(**side), ControllerConfig(**ctl), layout)
 
 

@@ -146,12 +146,10 @@ class CopyOps(StoreState):
             if inline:
                 return Claim(ClaimState.NOT_ON_HOST)
             # Only once every page is known to be held: a doomed load reads nothing.
-            fills: list[Future] = []
-            for e in entries:
-                if e.host_state is HostState.NONE and not self._disk.fill_locked([e.key]):
-                    return Claim(ClaimState.FAILED)
-                if e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
+            cold = [e.key for e in entries if e.host_state is HostState.NONE]
+            if cold and not self._disk.fill_locked(cold):
+                return Claim(ClaimState.FAILED)
+            fills = list({id(e.fill): e.fill for e in entries if e.fill is not None}.values())
         return Claim(ClaimState.READING, entries, fills)
 
     def hold_for_copy(self, entries: Sequence[PageEntry]) -> bool:

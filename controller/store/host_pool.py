@@ -43,14 +43,20 @@ log = logging.getLogger(__name__)
 FRAME_BYTES = 128
 
 
-def _allocate_bytes(num_pages: int, page_bytes: int, pinning: HostPinning) -> torch.Tensor:
-    """``[num_pages, page_bytes]`` uint8, pinned as the policy asks (AUTO falls back)."""
+def _allocate_bytes(
+    num_pages: int, page_bytes: int, pinning: HostPinning, prefault: bool
+) -> torch.Tensor:
+    """``[num_pages, page_bytes]`` uint8, pinned as the policy asks (AUTO falls back);
+    faulted in with ``prefault`` (pinned memory is anyway)."""
     if _wants_pin(pinning):
         try:
             return torch.empty((num_pages, page_bytes), dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
             _pin_failed(pinning, num_pages * page_bytes, exc)
-    return torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+    out = torch.empty((num_pages, page_bytes), dtype=torch.uint8)
+    if prefault and out.numel():
+        populate(out.data_ptr(), out.numel())
+    return out
 
 
 def _wants_pin(pinning: HostPinning) -> bool:
@@ -75,7 +81,14 @@ class SharedPages:
     registration that makes it pinned. Released with the pool (the mapping goes once no
     tensor uses it)."""
 
-    def __init__(self, name: str, num_pages: int, page_bytes: int, pinning: HostPinning):
+    def __init__(
+        self,
+        name: str,
+        num_pages: int,
+        page_bytes: int,
+        pinning: HostPinning,
+        prefault: bool = False,
+    ):
         nbytes = max(num_pages * page_bytes, 1)
         self.fd = os.memfd_create(f"hicache-host-{name}", os.MFD_CLOEXEC)
         try:
@@ -88,8 +101,10 @@ class SharedPages:
         raw = np.frombuffer(mapping, dtype=np.uint8, count=num_pages * page_bytes)
         self.buffer = torch.from_numpy(raw).view(num_pages, page_bytes)
         registered = None  # the address CUDA page-locked, unregistered at release
-        if num_pages and _wants_pin(pinning):
+        pin = num_pages and _wants_pin(pinning)
+        if pin or (num_pages and prefault):
             populate(self.buffer.data_ptr(), nbytes)  # else the registration does, alone
+        if pin:
             rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
             if int(rc) == 0:
                 registered = self.buffer.data_ptr()
@@ -108,6 +123,10 @@ def populate(address: int, nbytes: int) -> None:
     once: the kernel zeroes each new page in the faulting thread, about a second per few
     GiB from one thread, which a registration with CUDA would otherwise spend alone. Nothing
     when the kernel cannot (before Linux 5.14): the pages then fault in at registration."""
+    aligned = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise takes whole pages
+    address, nbytes = aligned, nbytes - (aligned - address)
+    if nbytes <= 0:
+        return
     libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls run without the GIL
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
@@ -148,10 +167,12 @@ class HostComponentPool:
         pinning: HostPinning,
         shared: bool = False,
         buffer: torch.Tensor | None = None,
+        prefault: bool = False,
     ) -> None:
         """``shared``: the pages live in a memfd (``self.shared``) that engines may map;
         ``buffer``: pages another process allocated, mapped here (``[num_pages,
-        row_bytes]`` uint8), instead of new memory."""
+        row_bytes]`` uint8), instead of new memory; ``prefault``: new memory faulted in
+        at once (:func:`populate`)."""
         self.component = component
         self.page_bytes = layout.page_bytes(component, page_size)
         self.num_pages = num_pages
@@ -165,10 +186,12 @@ class HostComponentPool:
                 )
             self.buffer = buffer
         elif shared:
-            self.shared = SharedPages(component.name.lower(), num_pages, self.row_bytes, pinning)
+            self.shared = SharedPages(
+                component.name.lower(), num_pages, self.row_bytes, pinning, prefault
+            )
             self.buffer = self.shared.buffer
         else:
-            self.buffer = _allocate_bytes(num_pages, self.row_bytes, pinning)
+            self.buffer = _allocate_bytes(num_pages, self.row_bytes, pinning, prefault)
         self.pinned = bool(self.buffer.is_pinned()) if num_pages else False
         # The same bytes as numpy rows: LMDB reads and writes go through these.
         self.rows: np.ndarray = self.buffer.numpy()
@@ -335,7 +358,15 @@ class HostPool:
             return
         counts = host_page_counts(layout, page_size, config)
         self.components: dict[ComponentType, HostComponentPool] = {
-            c: HostComponentPool(c, layout, page_size, n, config.host_pinning, config.host_shared)
+            c: HostComponentPool(
+                c,
+                layout,
+                page_size,
+                n,
+                config.host_pinning,
+                config.host_shared,
+                prefault=config.host_populate,
+            )
             for c, n in counts.items()
         }
 

@@ -291,19 +291,19 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
         with self._lock:
             offered = [k for k in keys if not self.holds_locked(k) and self._offering(k)]
             ok = not offered or self._fill_offered_locked(offered)
-            fills: list[Future] = []
+            entries, cold = [], []
             for k in keys:
                 e = self._index.get(k.storage_key())
                 if e is None or not e.held:
                     ok = False
-                elif e.host_state is HostState.FILLING:
-                    fills.append(e.fill)
-                elif e.host_state is HostState.NONE:
-                    if self._disk.fill_locked([k]):
-                        fills.append(e.fill)
-                    else:
-                        ok = False
-        return fills, ok
+                    continue
+                entries.append(e)
+                if e.host_state is HostState.NONE:
+                    cold.append(k)
+            if cold and not self._disk.fill_locked(cold):
+                ok = False
+            fills = {id(e.fill): e.fill for e in entries if e.fill is not None}
+        return list(fills.values()), ok
 
     def _offering(self, key: PageKey) -> LowerTier | None:
         """The lower tier that offers ``key`` (one the index does not hold), if any."""

@@ -41,6 +41,9 @@ from hicache.types import ComponentType, Tier
 
 log = logging.getLogger(__name__)
 
+# The most bytes one reader reads in one transaction for a load (see ``read_batches``).
+READ_BATCH_BYTES = 8 << 20
+
 _READ_FAILURES = {
     ReadStatus.CORRUPT: Failure.CHECKSUM,
     ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
@@ -139,42 +142,56 @@ class DiskTier:
     # -- reads ---------------------------------------------------------------------------
 
     def fill_locked(self, keys: Sequence[PageKey]) -> bool:
-        """Read each of ``keys`` (on this tier only) into a host page on the reader pool;
-        False when one found no host page (counted: the others are still tried)."""
+        """Read each of ``keys`` (on this tier only) into a host page on the reader pool,
+        in batches (:func:`read_batches`); False when one found no host page (counted:
+        the others are still read)."""
         ok = True
+        pages: list[PageEntry] = []
         for key in keys:
             page = self._host.begin_fill_locked(key, None)
             if page is None:
                 self._counters.fail(Failure.HOST_FULL)
                 ok = False
                 continue
-            self._host.fill_started_locked([page], self.lmdb.submit_read(self._read, page))
+            pages.append(page)
+        for batch in read_batches(pages, self.config.reader_threads):
+            self._host.fill_started_locked(batch, self.lmdb.submit_read(self._read, batch))
         return ok
 
-    def _read(self, page: PageEntry) -> bool:
-        """Fill ``page``'s host page with its stored bytes (reader thread); True when
-        served."""
+    def _read(self, pages: list[PageEntry]) -> bool:
+        """Fill the host pages of ``pages`` with their stored bytes (a reader thread, one
+        LMDB transaction); True when every one is served."""
         t0 = time.perf_counter()
-        status = ReadStatus.ERROR
+        statuses = [ReadStatus.ERROR] * len(pages)
         try:
             faults = self._host.faults
             if faults is not None and faults.disk_read_delay_s:
                 time.sleep(faults.disk_read_delay_s)
-            dst = self._host.host_row(page)
-            frame = page.pending_payload  # write-back: not committed yet, served from memory
-            if frame is not None:
-                dst[:] = np.frombuffer(frame, np.uint8, offset=HEADER_BYTES)
-                status = ReadStatus.OK
-            else:
-                status = self.lmdb.read_into(page.skey, dst)
+            skeys, dsts, stored = [], [], []
+            for i, page in enumerate(pages):
+                dst = self._host.host_row(page)
+                frame = page.pending_payload  # write-back: not committed, served from memory
+                if frame is not None:
+                    dst[:] = np.frombuffer(frame, np.uint8, offset=HEADER_BYTES)
+                    statuses[i] = ReadStatus.OK
+                else:
+                    skeys.append(page.skey)
+                    dsts.append(dst)
+                    stored.append(i)
+            if skeys:
+                for i, status in zip(stored, self.lmdb.read_many(skeys, dsts)):
+                    statuses[i] = status
         except Exception:
-            log.exception("disk read of %s failed", page.skey.hex())
-        nbytes = self._host.finish_fills([FillResult(page, status)], Tier.DISK)
-        if status is not ReadStatus.OK:
-            self._counters.fail(_READ_FAILURES[status])
-            return False
-        self._counters.transfer("disk_to_host", 1, nbytes, time.perf_counter() - t0)
-        return True
+            log.exception("disk read of %d pages failed", len(pages))
+        results = [FillResult(p, st) for p, st in zip(pages, statuses)]
+        nbytes = self._host.finish_fills(results, Tier.DISK)
+        for status in statuses:
+            if status is not ReadStatus.OK:
+                self._counters.fail(_READ_FAILURES[status])
+        served = sum(st is ReadStatus.OK for st in statuses)
+        if served:
+            self._counters.transfer("disk_to_host", served, nbytes, time.perf_counter() - t0)
+        return served == len(pages)
 
     # -- writes --------------------------------------------------------------------------
 
@@ -263,6 +280,25 @@ class DiskTier:
     def close(self, timeout_s: float) -> bool:
         """Drain the writer and close LMDB; True when drained."""
         return self.lmdb.close(timeout_s)
+
+
+def read_batches(pages: list[PageEntry], readers: int) -> list[list[PageEntry]]:
+    """``pages`` cut into runs for the reader pool: every reader busy, each run at most
+    ``READ_BATCH_BYTES`` (so that a load's copies can start on the first runs while the
+    others are read), and at least one page."""
+    if not pages:
+        return []
+    total = sum(p.disk_nbytes for p in pages)
+    target = max(1, min(READ_BATCH_BYTES, -(-total // readers)))
+    out: list[list[PageEntry]] = [[]]
+    size = 0
+    for p in pages:
+        if size and size + p.disk_nbytes > target:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.disk_nbytes
+    return out
 
 
 def _stored(result: WriteResult) -> int | Failure:

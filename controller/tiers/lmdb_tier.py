@@ -267,22 +267,30 @@ class LmdbTier:
         A closed tier reads nothing (ERROR), so a read still queued at ``close`` or
         submitted after it never touches an environment that may be unmapped.
         """
+        return self.read_many([skey], [dst])[0]
+
+    def read_many(self, skeys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> list[ReadStatus]:
+        """:meth:`read_into` of each page of ``skeys`` into the matching ``dsts``, in one
+        read transaction (a batch of a load costs one, not one a page)."""
+        out = [ReadStatus.ERROR] * len(skeys)
         if self._closed:
-            return ReadStatus.ERROR
-        if self.fault_hook is not None and self.fault_hook("disk_read"):
-            return ReadStatus.ERROR
+            return out
+        hook, digest = self.fault_hook, self.layout_digest
         try:
             with self.env.begin(buffers=True) as txn:
-                value = txn.get(skey)
-                if value is None:
-                    return ReadStatus.MISSING
-                # Checked and copied inside the transaction: the map's pages stay valid.
-                return verify_into(
-                    value, (value[HEADER_BYTES:],), skey[-1], self.layout_digest, dst
-                )
+                get = txn.get
+                for i, skey in enumerate(skeys):
+                    if hook is not None and hook("disk_read"):
+                        continue
+                    value = get(skey)
+                    if value is None:
+                        out[i] = ReadStatus.MISSING
+                        continue
+                    # Checked and copied inside the transaction: the map's pages stay valid.
+                    out[i] = verify_into(value, (value[HEADER_BYTES:],), skey[-1], digest, dsts[i])
         except lmdb.Error as exc:
-            log.error("LMDB read of %s failed: %s", skey.hex(), exc)
-            return ReadStatus.ERROR
+            log.error("LMDB read of %d pages failed: %s", len(skeys), exc)
+        return out
 
     # -- the writer ----------------------------------------------------------------------
 

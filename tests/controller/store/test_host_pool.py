@@ -141,6 +141,33 @@ def test_shared_pages_are_memfd_memory_that_populate_faults_in_whole():
     assert os.pread(shared.fd, 1, 3 * row + 7) == b"\x2a"
 
 
+def _resident_pages(address: int, nbytes: int) -> int:
+    """Pages of ``[address, address + nbytes)`` (rounded out to whole pages) in memory."""
+    import ctypes
+    import mmap
+
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    n = -(-(address + nbytes - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, n * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_prefaulted_pool_is_resident_before_its_first_use(shared):
+    layout = hybrid_layout()
+    cfg = ControllerConfig(host_pool_bytes=8 << 20, host_shared=shared, host_populate=True)
+    for p in HostPool(layout, PAGE, cfg).components.values():
+        nbytes = p.num_pages * p.row_bytes
+        # Private memory need not start on a page boundary: all but that first page.
+        assert _resident_pages(p.buffer.data_ptr(), nbytes) * 4096 >= nbytes - 4096
+    lazy = HostPool(layout, PAGE, ControllerConfig(host_pool_bytes=8 << 20, host_shared=True))
+    p = lazy[FULL]
+    assert _resident_pages(p.buffer.data_ptr(), p.num_pages * p.row_bytes) == 0
+
+
 def test_a_shared_pool_serves_as_a_private_one():
     layout = hybrid_layout()
     cfg = ControllerConfig(host_pool_bytes=1 << 20, host_shared=True)

@@ -263,6 +263,34 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     ctl.close()
 
 
+def test_a_corrupt_page_fails_its_read_batch_alone(tmp_path):
+    """Disk pages are read in batches (one reader, one transaction each): a corrupt value
+    amid a batch is dropped, the others of the batch are served, every byte exact."""
+    layout, engine, ctl = registered_controller(tmp_path)
+    chain = engine.write_chain(range(12 * PAGE))
+    _store(ctl, chain)
+    ctl.close()
+    bad = chain.refs([FULL])[5].key
+    _flip_byte(tmp_path, bad.storage_key(), HEADER_BYTES + 7)
+
+    ctl = LocalController(controller_config(tmp_path, reader_threads=1))
+    ctl.register(layout, PAGE, engine.pools)
+    target = engine.place(chain.hashes, chain.parents)
+    refs = target.refs([FULL])
+    pin = ctl.pin([r.key for r in refs], 5.0)
+    assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED
+    ctl.unpin(pin)
+    ctl.check_invariants(deep=True)
+    assert ctl.stats()["failures"]["checksum"] == 1
+    assert _presence(ctl, chain) == [1] * 5 + [0] + [1] * 6  # the others reached host
+    good = {r.key for r in chain.refs([FULL])} - {bad}
+    got = load_into(ctl, engine, chain, [FULL], only=good)
+    want = {k: v for k, v in engine.snapshot(chain).items() if k[0] is FULL and k[1] != 5}
+    assert_same_bytes({k: v for k, v in engine.snapshot(got).items() if k in want}, want)
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def _corrupt_a_stored_page(ctl, engine):
     """Store a 3-page chain on disk and flip a bit in its second FULL page's LMDB value;
     returns the chain, that page's storage key and its good value."""

@@ -235,7 +235,7 @@ def _copy_error(store: Store) -> bool:
 
 def _read_fails(status: ReadStatus) -> Callable[[Store], bool]:
     def scenario(store: Store) -> bool:
-        store.ctl.store._disk.lmdb.read_into = lambda skey, dst: status
+        store.ctl.store._disk.lmdb.read_many = lambda skeys, dsts: [status] * len(skeys)
         return _load(store)
 
     return scenario
