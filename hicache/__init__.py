@@ -20,6 +20,8 @@ _EXPORTS = {
     "StateTensor": "hicache.layout",
     "dtype_name": "hicache.layout",
     "parse_dtype": "hicache.layout",
+    "EngineKey": "hicache.engine_keys",
+    "pack_engine_key": "hicache.engine_keys",
     "HASH_BYTES": "hicache.keys",
     "namespace_hash": "hicache.keys",
     "DevicePools": "hicache.pools",

@@ -47,13 +47,16 @@ class PageRef:
     ``device_index`` is a page id of the FULL pool, a page id of the SWA pool (for SWA:
     ``pools.full_to_swa[full_page]``), or a Mamba state slot.
     ``parent_hash`` is the previous hash in the chain (``h_0`` for a first page); the
-    controller uses it to evict chains from the tail.
+    controller uses it to evict chains from the tail. ``engine_key``: the engine's own
+    name for the page (:mod:`hicache.engine_keys`), kept with it so that the sidecar's
+    KV events name it so; None for an engine whose pages are named by their hashes.
     """
 
     component: ComponentType
     page_hash: bytes
     parent_hash: bytes
     device_index: int
+    engine_key: bytes | None = None
 
     @property
     def key(self) -> PageKey:

@@ -20,7 +20,12 @@ What an event says (docs/protocol.md, "KV events"): ``medium`` ``CPU`` (host) or
 ``group_idx`` the component (0 FULL, 1 SWA, 2 MAMBA), ``kv_cache_spec_kind`` its kind
 (``full_attention``, ``sliding_window``, ``mamba``), ``block_size`` the page size in
 tokens, and block hashes the page hashes, each ``BlockStored`` one run of a chain
-(``parent_block_hash`` the page before its first).
+(``parent_block_hash`` the page before its first). A page stored with the engine's own
+name for it (``PageRef.engine_key``, hicache/engine_keys.py: vLLM's block hash and KV
+cache group) is named by that instead, as the engine's own events name it: its block
+hash, ``group_idx``, ``kv_cache_spec_kind``, ``block_size`` and sliding window are the
+engine's, and ``parent_block_hash`` is nil (the engine's name of the page before is not
+kept), as in the events vLLM's offloading connector sends for keys it knows only by name.
 
 The store calls the listener methods with its lock held: they only append a small tuple
 to a bounded queue (``kv_events_queue_events``; past it an event is dropped and counted,
@@ -45,6 +50,7 @@ from prometheus_client.registry import Collector
 
 from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.store.page_entry import PageEntry
+from hicache.engine_keys import EngineKey, unpack_engine_key
 from hicache.types import ComponentType, Tier
 
 __all__ = ["MEDIUM", "SPEC_KIND", "KvEventPublisher", "encode_batch"]
@@ -114,6 +120,39 @@ def removed_event(hashes: list[bytes], component: ComponentType, tier: Tier) -> 
     }
 
 
+def engine_stored_event(hashes: list[bytes | int], key: EngineKey, tier: Tier) -> dict[str, Any]:
+    """A ``BlockStored`` of pages an engine named (``key``: the first one's name; the run
+    shares its group, kind, block size and window)."""
+    medium, locality = MEDIUM[tier]
+    ev: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": key.block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": key.group_idx,
+        "kv_cache_spec_kind": key.kind,
+    }
+    if key.sliding_window is not None:
+        ev["kv_cache_spec_sliding_window"] = key.sliding_window
+    ev["locality"] = locality
+    return ev
+
+
+def engine_removed_event(hashes: list[bytes | int], key: EngineKey, tier: Tier) -> dict[str, Any]:
+    medium, locality = MEDIUM[tier]
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": hashes,
+        "medium": medium,
+        "group_idx": key.group_idx,
+        "locality": locality,
+    }
+
+
 class KvEventPublisher:
     """The store's :class:`~hicache.controller.store.tier_events.TierEvents` listener and
     the PUB/ROUTER sockets that publish what it hears (see the module docstring)."""
@@ -165,15 +204,15 @@ class KvEventPublisher:
 
     def stored(self, tier: Tier, entries: Sequence[PageEntry]) -> None:
         for e in entries:
-            self._put((_STORED, tier, e.component, e.page_hash, e.parent_hash))
+            self._put((_STORED, tier, e.component, e.page_hash, e.parent_hash, e.engine_key))
 
     def removed(self, tier: Tier, entries: Sequence[PageEntry]) -> None:
         for e in entries:
-            self._put((_REMOVED, tier, e.component, e.page_hash, None))
+            self._put((_REMOVED, tier, e.component, e.page_hash, None, e.engine_key))
 
     def cleared(self, tiers: frozenset[Tier]) -> None:
         if tiers >= _LOCAL_TIERS:
-            self._put((_CLEARED, None, None, None, None))
+            self._put((_CLEARED, None, None, None, None, None))
 
     # -- the publishing thread ------------------------------------------------------------
 
@@ -215,38 +254,52 @@ class KvEventPublisher:
 
     def _group(self, items: list[tuple]) -> Iterator[dict[str, Any]]:
         """Events from queued items, in order: consecutive stores of one tier and component
-        that extend a chain make one ``BlockStored``, consecutive removals one
-        ``BlockRemoved``."""
+        (and engine group) that extend a chain make one ``BlockStored``, consecutive
+        removals one ``BlockRemoved``."""
         block_size = self._page_size()
         window = self.config.kv_events_sliding_window
-        run: list[bytes] = []
+        run: list[bytes] = []  # the page hashes of the run (its chain)
+        names: list[bytes | int] = []  # what the event calls them
         head: tuple | None = None
+        head_key: EngineKey | None = None
         for item in items:
-            kind, tier, comp, page_hash, parent = item
+            kind, tier, comp, page_hash, parent, engine_key = item
+            key = _engine_key(engine_key)
             if (
                 head is not None
                 and kind == head[0]
                 and tier is head[1]
                 and comp is head[2]
+                and _same_group(key, head_key)
                 and (kind == _REMOVED or parent == run[-1])
             ):
                 run.append(page_hash)
+                names.append(page_hash if key is None else key.block_hash)
                 continue
             if head is not None:
-                yield self._event(head, run, block_size, window)
-            head, run = item, [page_hash]
+                yield self._event(head, head_key, names, block_size, window)
+            head, head_key, run = item, key, [page_hash]
+            names = [page_hash if key is None else key.block_hash]
         if head is not None:
-            yield self._event(head, run, block_size, window)
+            yield self._event(head, head_key, names, block_size, window)
 
     @staticmethod
     def _event(
-        head: tuple, run: list[bytes], block_size: int, window: int | None
+        head: tuple,
+        key: EngineKey | None,
+        names: list[Any],
+        block_size: int,
+        window: int | None,
     ) -> dict[str, Any]:
-        kind, tier, comp, _, parent = head
+        kind, tier, comp, _, parent, _ = head
         if kind == _STORED:
-            return stored_event(run, parent, comp, tier, block_size, window)
+            if key is not None:
+                return engine_stored_event(names, key, tier)
+            return stored_event(names, parent, comp, tier, block_size, window)
         if kind == _REMOVED:
-            return removed_event(run, comp, tier)
+            if key is not None:
+                return engine_removed_event(names, key, tier)
+            return removed_event(names, comp, tier)
         return {"type": "AllBlocksCleared"}
 
     def _serve_replays(self) -> None:
@@ -293,6 +346,24 @@ class KvEventPublisher:
         self._stop.set()
         self._thread.join(timeout_s)
         self._ctx.destroy(linger=0)
+
+
+def _engine_key(data: bytes | None) -> EngineKey | None:
+    """The engine's name of a page (checked when its store was decoded), or None."""
+    return None if data is None else unpack_engine_key(data)
+
+
+def _same_group(a: EngineKey | None, b: EngineKey | None) -> bool:
+    """Whether two pages' events can share one event: both named by hash, or both by the
+    engine in the same group, kind, block size and window."""
+    if a is None or b is None:
+        return a is b
+    return (a.group_idx, a.kind, a.block_size, a.sliding_window) == (
+        b.group_idx,
+        b.kind,
+        b.block_size,
+        b.sliding_window,
+    )
 
 
 class _Collector(Collector):

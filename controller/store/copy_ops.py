@@ -233,6 +233,8 @@ class CopyOps(StoreState):
         (one future per page cost more than the rest of a page's bookkeeping)."""
         if e is None:
             e = self._index.create(ref.component, ref.page_hash, ref.parent_hash)
+        if ref.engine_key is not None:
+            e.engine_key = ref.engine_key
         self._index.set_host(e, page, ready=False)
         self._index.acquire(e)
         e.fill = fill

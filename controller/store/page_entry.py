@@ -35,6 +35,7 @@ class PageEntry:
         "copies",
         "disk_nbytes",
         "disk_state",
+        "engine_key",
         "fill",
         "heap_key",
         "host_page",
@@ -72,6 +73,8 @@ class PageEntry:
         self.fill = None
         # Write-back: the bytes of a host-evicted page until the writer commits them.
         self.pending_payload: bytes | None = None
+        # The engine's own name for the page (hicache/engine_keys.py), for KV events.
+        self.engine_key: bytes | None = None
 
     @property
     def key(self) -> PageKey:

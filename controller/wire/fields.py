@@ -21,6 +21,7 @@ import numpy as np
 
 from hicache.controller.wire.protocol import ErrorCode, ProtocolError
 from hicache.controller_api import PageKey, PageRef
+from hicache.engine_keys import checked_engine_keys
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, ConfigError
 
@@ -33,6 +34,7 @@ MAX_STR_CHARS = 4096
 MAX_PAGES = 1 << 20
 _COMPONENT_TAGS = frozenset(int(c) for c in ComponentType)
 _COMPONENT_BY_TAG = {int(c): c for c in ComponentType}
+_REF_COLUMNS = frozenset({"c", "h", "p", "d", "e"})
 
 # Per-request work (docs/protocol.md, "Limits"): a lookup names at most this many
 # hashes and a pin at most this many keys (4 M tokens of pages of 16); more is refused
@@ -366,19 +368,23 @@ def page_count(args: dict[str, Any], column_name: str) -> int:
     return len(column) // HASH_BYTES if isinstance(column, bytes) else 0
 
 
-def encode_refs(refs: Sequence[PageRef]) -> dict[str, bytes]:
-    """Page references as four columns: component tags, hashes, parents, device indices."""
-    return {
+def encode_refs(refs: Sequence[PageRef]) -> dict[str, Any]:
+    """Page references as four columns: component tags, hashes, parents, device indices;
+    a fifth, ``e``, of engine keys (empty for none) when one of them carries one."""
+    out: dict[str, Any] = {
         "c": bytes([r.component for r in refs]),
         "h": encode_hashes([r.page_hash for r in refs]),
         "p": encode_hashes([r.parent_hash for r in refs]),
         "d": np.asarray([r.device_index for r in refs], dtype="<i8").tobytes(),
     }
+    if any(r.engine_key is not None for r in refs):
+        out["e"] = [r.engine_key or b"" for r in refs]
+    return out
 
 
 def decode_refs(v: Any) -> list[PageRef]:
-    if not isinstance(v, dict) or set(v) != {"c", "h", "p", "d"}:
-        raise bad_args("'refs' must be a map of the columns c, h, p and d")
+    if not isinstance(v, dict) or not {"c", "h", "p", "d"} <= set(v) <= _REF_COLUMNS:
+        raise bad_args("'refs' must be a map of the columns c, h, p and d (and e)")
     comps = _components(_column(v["c"], "c", 1, None))
     n = len(comps)
     hashes = split_hashes(_column(v["h"], "h", HASH_BYTES, n))
@@ -386,7 +392,13 @@ def decode_refs(v: Any) -> list[PageRef]:
     index = np.frombuffer(_column(v["d"], "d", 8, n), dtype="<i8")
     if index.size and index.min() < 0:
         raise bad_args("device indices must be >= 0")
-    return [PageRef(c, h, p, d) for c, h, p, d in zip(comps, hashes, parents, index.tolist())]
+    if "e" not in v:
+        return [PageRef(c, h, p, d) for c, h, p, d in zip(comps, hashes, parents, index.tolist())]
+    try:
+        keys = checked_engine_keys(v["e"], n)
+    except ValueError as exc:
+        raise bad_args(f"'refs.e': {exc}") from None
+    return [PageRef(*ref) for ref in zip(comps, hashes, parents, index.tolist(), keys)]
 
 
 def encode_keys(keys: Sequence[PageKey]) -> dict[str, bytes]:

@@ -44,6 +44,8 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
 )
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -114,7 +116,16 @@ def describe_groups(kv_cache_config: Any) -> tuple[GroupPages, ...]:
         kind = type(spec).__name__
         if isinstance(spec, SlidingWindowSpec):
             kind += f"({spec.sliding_window})"
-        out.append(GroupPages(group_id, kind, tuple(sizes)))
+        out.append(
+            GroupPages(
+                group_id,
+                kind,
+                tuple(sizes),
+                event_kind=get_kv_cache_spec_kind(spec).value,
+                block_size=spec.block_size,
+                sliding_window=get_kv_cache_spec_sliding_window(spec),
+            )
+        )
     return tuple(out)
 
 

@@ -34,11 +34,16 @@ _STAGE_DTYPE = "float32"
 @dataclass(frozen=True)
 class GroupPages:
     """One offloaded KV cache group: its vLLM group id and its layers' page bytes, in
-    the order the worker's ``CanonicalKVCaches.group_data_refs`` lists them."""
+    the order the worker's ``CanonicalKVCaches.group_data_refs`` lists them; and what
+    vLLM's KV events say of its blocks (``kv_cache_spec_kind``, ``block_size`` in
+    tokens, sliding window), which the sidecar's events repeat."""
 
     group_id: int
     kind: str
     layer_page_bytes: tuple[int, ...]
+    event_kind: str = "unknown"
+    block_size: int = 0
+    sliding_window: int | None = None
 
     @property
     def page_bytes(self) -> int:

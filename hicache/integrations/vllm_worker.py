@@ -33,15 +33,26 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     OffloadingWorker,
     TransferResult,
+    get_offload_block_hash,
     get_offload_group_idx,
 )
 
-from hicache import ComponentType, ConfigError, PageKey, PageRef, TransferHandle, unsettled_load
+from hicache import (
+    ComponentType,
+    ConfigError,
+    EngineKey,
+    PageKey,
+    PageRef,
+    TransferHandle,
+    pack_engine_key,
+    unsettled_load,
+)
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
 from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
 from hicache.integrations.vllm_config import HiCacheVllmConfig
@@ -82,6 +93,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self.counters: Counter[str] = Counter()
         self._segments = self._plan_segments(kv_caches)
         self._group_pos = {g.group_id: i for i, g in enumerate(namespace.groups)}
+        self._groups = {g.group_id: g for g in namespace.groups}
         device = kv_caches.tensors[0].tensor.device
         self._on_cpu = device.type == "cpu"
         base = config.engine_id or f"vllm:{time.time_ns():x}"
@@ -306,8 +318,18 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                 else self.namespace.page_hash(parent, self.rank)
             )
             page_hash = self.namespace.page_hash(dst.keys[k], self.rank)
-            refs.append(PageRef(FULL, page_hash, parent_hash, slot))
+            refs.append(PageRef(FULL, page_hash, parent_hash, slot, self._engine_key(dst.keys[k])))
         return refs
+
+    def _engine_key(self, key: bytes) -> bytes:
+        """vLLM's own name of the block of ``key`` (an ``OffloadKey``), as its KV events
+        give it, for the sidecar's events (hicache/engine_keys.py)."""
+        group = self._groups[get_offload_group_idx(key)]
+        block_hash = maybe_convert_block_hash(get_offload_block_hash(key))
+        name = EngineKey(
+            block_hash, group.group_id, group.event_kind, group.block_size, group.sliding_window
+        )
+        return pack_engine_key(name)
 
     def _store_direct(
         self, pairs: list[tuple[int, int, int]], dst: HiCacheStoreSpec, released: threading.Event

@@ -111,9 +111,11 @@ def _verb(name: str):
 
 def _state(admin) -> dict:
     """What the sidecar holds: every controller counter and residency, and who is
-    registered (the sidecar's own request counters aside)."""
+    registered (the sidecar's own request counters aside, and the miss reasons: an engine
+    refused for its layout counts why its lookups will miss)."""
     stats = admin.call(_verb("stats"))
     stats.pop("sidecar")
+    stats.pop("miss_reasons", None)
     engines = admin.call(_verb("engines"))["engines"]
     stats["engines_list"] = sorted(
         (e["engine_id"], e["role"], e["registered"]) for e in engines if e["role"] == "engine"

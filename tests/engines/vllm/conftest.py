@@ -77,6 +77,7 @@ class Instance:
         pause_before: tuple[int, ...] = (),
         extra: dict[str, Any] | None = None,
         max_tokens: int = 4,
+        kv_events: str | None = None,
     ) -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
@@ -100,6 +101,8 @@ class Instance:
         ]
         if socket is not None:
             cmd += ["--socket", str(socket)]
+        if kv_events is not None:
+            cmd += ["--kv-events", kv_events]
         for n in pause_before:
             cmd += ["--pause-before", str(n)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}

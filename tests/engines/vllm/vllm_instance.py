@@ -1,9 +1,11 @@
 """One vLLM CPU instance, run as a process by the tests and the benchmark (no tests here).
 
     python vllm_instance.py --model DIR --requests FILE --out FILE [--socket PATH]
+        [--kv-events ENDPOINT]
 
 It builds a ``vllm.LLM`` over the tiny model (eager, float32, no tokenizer), with
-hicache's connector when ``--socket`` is given, serves the prompts of ``--requests``
+hicache's connector when ``--socket`` is given (and vLLM's own KV event publisher on
+``--kv-events``), serves the prompts of ``--requests``
 (JSON: a list of rounds, each a list of token-id prompts, served in order;
 ``--pause-before N`` waits for the test before round N) and writes, per round, each
 prompt's generated tokens, their logprobs, its cached tokens and the round's time to
@@ -82,9 +84,9 @@ def make_tiny_gemma3(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def build_llm(model: str, socket: str | None, extra: dict) -> object:
+def build_llm(model: str, socket: str | None, extra: dict, kv_events: str | None = None) -> object:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv_transfer = None
     if socket is not None:
@@ -106,6 +108,11 @@ def build_llm(model: str, socket: str | None, extra: dict) -> object:
         max_num_seqs=4,
         seed=0,
         kv_transfer_config=kv_transfer,
+        kv_events_config=(
+            None
+            if kv_events is None
+            else KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
+        ),
     )
 
 
@@ -126,6 +133,7 @@ def main() -> None:
     p.add_argument("--requests", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--socket")
+    p.add_argument("--kv-events", help="publish vLLM's own KV events on this ZeroMQ endpoint")
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument(
@@ -141,7 +149,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = build_llm(a.model, a.socket, json.loads(a.extra))
+    llm = build_llm(a.model, a.socket, json.loads(a.extra), a.kv_events)
     # What the engine decided about its KV cache, for the tests: whether vLLM's hybrid
     # allocator runs (a full + sliding-window model then has a KV cache group of each).
     scheduler = llm.llm_engine.vllm_config.scheduler_config
