@@ -23,13 +23,13 @@ from __future__ import annotations
 import enum
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache.config import parse_enum
-from hicache.controller.settings import config_from_dict, config_to_dict
-from hicache.types import ComponentType, ConfigError
+from hicache.controller.settings import config_from_dict, config_to_dict, parse_size
+from hicache.types import ComponentType, ConfigError, Tier
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -94,6 +94,31 @@ def validate_remote(config: Any) -> None:
             f"remote_key_prefix {config.remote_key_prefix!r} must be non-empty, without "
             "braces, colons or spaces (it starts every key; braces would move the hash tag)"
         )
+
+
+# -- tenants: per-tenant quotas (controller/store/tenants.py) ----------------------------
+
+QUOTA_TIERS = {"host": Tier.HOST, "disk": Tier.DISK}
+
+
+def parse_tenant_quotas(entries: list[str]) -> dict[str, dict[Tier, int | None]]:
+    """The per-tenant overrides of the setting ``tenant_quotas``: each entry
+    ``NAME:TIER=SIZE`` (TIER ``host`` or ``disk``; SIZE with a unit, or ``none`` for no
+    quota whatever the default). ConfigError names a malformed entry."""
+    out: dict[str, dict[Tier, int | None]] = {}
+    for entry in entries:
+        name, sep, rest = entry.rpartition(":")
+        tier, eq, size = rest.partition("=")
+        if not (sep and name and eq and tier.strip() in QUOTA_TIERS):
+            raise ConfigError(
+                f"tenant_quotas entry {entry!r}: write NAME:host=SIZE or NAME:disk=SIZE "
+                "(SIZE e.g. 512MiB, or none)"
+            )
+        value = None if size.strip().lower() == "none" else parse_size(size, "tenant_quotas")
+        if value is not None and value <= 0:
+            raise ConfigError(f"tenant_quotas entry {entry!r}: a quota must be > 0 bytes")
+        out.setdefault(name, {})[QUOTA_TIERS[tier.strip()]] = value
+    return out
 
 
 class DiskWritePolicy(enum.Enum):
@@ -209,6 +234,15 @@ class ControllerConfig:
     remote_topology_refresh_s: float = 0.5  # slot map re-read this often while one fails
     remote_io_threads: int = 8
 
+    # Tenants (controller/store/tenants.py; docs/isolation.md): the host and disk bytes
+    # each tenant's pages may hold (payload bytes; None: no quota). A tenant over its quota
+    # evicts its own least recently used pages, never another tenant's. ``tenant_quotas``
+    # overrides them per tenant: "NAME:host=SIZE" or "NAME:disk=SIZE" (SIZE "none": none).
+    tenant_host_quota_bytes: int | None = None
+    tenant_disk_quota_bytes: int | None = None
+    tenant_quotas: list[str] = field(default_factory=list)
+    tenant_metrics_top_k: int = 10  # tenants named in the metrics; the rest sum to one
+
     def __post_init__(self) -> None:
         self.host_pinning = parse_enum(HostPinning, self.host_pinning, "host_pinning")
         self.disk_write_policy = parse_enum(
@@ -310,6 +344,13 @@ class ControllerConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         validate_remote(self)
+        for name in ("tenant_host_quota_bytes", "tenant_disk_quota_bytes"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{name} must be > 0 bytes or None (no quota), got {v}")
+        parse_tenant_quotas(self.tenant_quotas)  # raises naming a malformed entry
+        if self.tenant_metrics_top_k < 0:
+            raise ConfigError(f"tenant_metrics_top_k must be >= 0, got {self.tenant_metrics_top_k}")
         if self.pin_ttl_default_s > self.pin_ttl_max_s:
             raise ConfigError(
                 f"pin_ttl_default_s={self.pin_ttl_default_s} exceeds "

@@ -24,6 +24,8 @@ _EXPORTS = {
     "pack_engine_key": "hicache.engine_keys",
     "HASH_BYTES": "hicache.keys",
     "namespace_hash": "hicache.keys",
+    "request_namespace": "hicache.keys",
+    "tenant_of": "hicache.keys",
     "DevicePools": "hicache.pools",
     "UnifiedRadixCache": "hicache.cache",
     "CacheController": "hicache.controller_api",

@@ -19,6 +19,7 @@ import torch
 
 from hicache.config import CacheConfig, WritePolicy
 from hicache.controller_api import CacheController
+from hicache.keys import tenant_of
 from hicache.node import TreeNode
 from hicache.quarantine import HeldSlots, Quarantine
 from hicache.records import LockReceipt
@@ -89,7 +90,8 @@ class Backups:
             return
         receipts = [tree.lock(node) for node in locked]
         try:
-            handle = self.controller.backup(refs, self._ready_event())
+            tenant = tenant_of(tree.namespace_of(locked[0]))
+            handle = self.controller.backup(refs, self._ready_event(), tenant=tenant)
         except Exception as exc:  # a failed backup only costs the copy, never the device data
             log.warning("backup of %d pages failed: %s", len(refs), exc)
             self.counters["backup_failed"] += 1
@@ -174,7 +176,8 @@ class Backups:
             return None
         held = None
         try:
-            handle = self.controller.backup(refs, self._ready_event())
+            tenant = tenant_of(self.tree.namespace_of(node))
+            handle = self.controller.backup(refs, self._ready_event(), tenant=tenant)
             ok = handle.wait(self.config.load_timeout_s)
             if not handle.done():
                 held = HeldSlots(handle, components=frozenset(c.ctype for c in comps))

@@ -25,7 +25,7 @@ from hicache.controller_api import (
     LookupResult,
     PageKey,
 )
-from hicache.keys import TOKEN_BYTES, chain_page_hashes
+from hicache.keys import TOKEN_BYTES, chain_page_hashes, tenant_of
 from hicache.node import TreeNode
 from hicache.tree import RadixTree
 from hicache.types import ABSENT_RANK, Tier
@@ -86,7 +86,9 @@ class BeyondDevice:
         start = walk.start.end
         hashes, device = self._hashes_after(walk)
         try:
-            lookup = self.controller.lookup(hashes, [c.ctype for c in tree.components])
+            tenant = tenant_of(tree.namespace_of(walk.start))
+            comps = [c.ctype for c in tree.components]
+            lookup = self.controller.lookup(hashes, comps, tenant=tenant)
         except Exception as exc:
             log.warning("lookup failed: %s", exc)
             self.counters["lookup_failed"] += 1

@@ -275,19 +275,26 @@ class CacheController(Protocol):
         ...
 
     def lookup(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+        self,
+        page_hashes: Sequence[bytes],
+        components: Sequence[ComponentType],
+        tenant: str | None = None,
     ) -> LookupResult:
         """Where each page of the chain ``page_hashes`` is, per component. Never blocks on
-        disk reads; never raises for a missing page."""
+        disk reads; never raises for a missing page. ``tenant``: whose lookup it is (for
+        the controller's per-tenant counts only)."""
         ...
 
-    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
+    def backup(
+        self, refs: Sequence[PageRef], ready_event: Any = None, tenant: str | None = None
+    ) -> TransferHandle:
         """Copy device pages to the host tier (and on to disk by policy).
 
         ``ready_event`` (a CUDA event) is waited on before the device pages are read. The
         caller keeps the device pages allocated and unchanged until the handle is done.
         Pages the controller already holds are not copied again. The handle's ``wait()``
-        is True only when every page is held by the controller afterwards.
+        is True only when every page is held by the controller afterwards. New pages are
+        ``tenant``'s: they count to its quotas (a page that does not fit is not held).
         """
         ...
 

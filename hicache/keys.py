@@ -98,3 +98,29 @@ def page_hashes(
 ) -> list[bytes]:
     """The hash chain of every whole page of ``tokens`` in namespace ``extra_key``."""
     return chain_page_hashes(namespace_hash(fingerprint, extra_key), token_bytes(tokens), page_size)
+
+
+TENANT_PREFIX = "tenant:"
+
+
+def request_namespace(extra_key: str | None, tenant: str | None) -> str | None:
+    """The cache's ``extra_key`` of a request of ``tenant`` with ``extra_key``: ``extra_key``
+    itself without a tenant, else ``tenant:<tenant>`` (then a NUL and ``extra_key``, where
+    given). One-to-one: an ``extra_key`` may not start with :data:`TENANT_PREFIX` nor a
+    tenant hold a NUL, so two tenants, or a tenant and none, never share a namespace."""
+    if extra_key is not None and extra_key.startswith(TENANT_PREFIX):
+        raise ValueError(f"extra_key may not start with {TENANT_PREFIX!r}: pass tenant= instead")
+    if tenant is None:
+        return extra_key
+    if "\0" in tenant:
+        raise ValueError("a tenant name may not contain a NUL character")
+    suffix = "" if extra_key is None else "\0" + extra_key
+    return TENANT_PREFIX + tenant + suffix
+
+
+def tenant_of(namespace: str | None) -> str | None:
+    """The tenant a namespace of :func:`request_namespace` names, None for one of no
+    tenant: what a backup and a lookup tell the controller (its quotas and metrics)."""
+    if namespace is None or not namespace.startswith(TENANT_PREFIX):
+        return None
+    return namespace[len(TENANT_PREFIX) :].split("\0", 1)[0]

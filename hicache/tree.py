@@ -238,6 +238,12 @@ class RadixTree:
                 yield node
             stack.extend(node.children.values())
 
+    def namespace_of(self, node: TreeNode) -> str | None:
+        """The namespace (``extra_key``) of the root ``node`` hangs under."""
+        while node.parent is not None:
+            node = node.parent
+        return node.namespace
+
     def path_to_root(self, node: TreeNode) -> list[TreeNode]:
         """Nodes from the namespace root's child down to ``node``."""
         out = []

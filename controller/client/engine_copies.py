@@ -95,15 +95,17 @@ class EngineCopies:
             self._pages_generation = gen
         return self._pages
 
-    def begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> StoreReservation | None:
+    def begin_store(
+        self, refs: Sequence[PageRef], ttl_s: float, tenant: str | None = None
+    ) -> StoreReservation | None:
         """Host pages for ``refs`` that the engine writes itself, then commits
         (:meth:`commit_store`); None when the sidecar is unavailable or its pages are not
-        mapped here (:meth:`map_host_pages`)."""
+        mapped here (:meth:`map_host_pages`). New pages are ``tenant``'s."""
         pages = self._pages
         if pages is None or self._pages_generation != self._channel.generation or not refs:
             return None
         try:
-            args = StoreBeginArgs(list(refs), float(ttl_s))
+            args = StoreBeginArgs(list(refs), float(ttl_s), tenant)
             res = self._call(Verb.STORE_BEGIN, args, self.config.request_timeout_s, True)
         except ControllerError as exc:
             log.debug("store_begin failed: %s", exc)

@@ -326,17 +326,18 @@ class SidecarController(EngineCopies):
             self._thread.start()
 
     def lookup(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType], tenant=None
     ) -> LookupResult:
         """Presence per component; all misses when the sidecar is unavailable. A chain
-        longer than the sidecar takes in one lookup is asked in parts."""
+        longer than the sidecar takes in one lookup is asked in parts. ``tenant`` (a
+        str): whose lookup it is (the sidecar counts it to that tenant)."""
         try:
             parts: dict[ComponentType, list[np.ndarray]] = {c: [] for c in components}
             for start in range(0, max(len(page_hashes), 1), MAX_LOOKUP_HASHES):
                 chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
                 res = self._call(
                     Verb.LOOKUP,
-                    LookupArgs(b"".join(chunk), list(components)),
+                    LookupArgs(b"".join(chunk), list(components), tenant),
                     self.config.lookup_timeout_s,
                     spin=True,
                 )
@@ -360,9 +361,12 @@ class SidecarController(EngineCopies):
             return None
         return self._device
 
-    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
+    def backup(
+        self, refs: Sequence[PageRef], ready_event: Any = None, tenant: str | None = None
+    ) -> TransferHandle:
         """Start a backup; the handle's ``wait`` is True once the sidecar acknowledged it
-        (pages on host, or committed to disk with ``backup_ack = "disk"``).
+        (pages on host, or committed to disk with ``backup_ack = "disk"``). New pages are
+        ``tenant``'s (the sidecar's per-tenant quotas).
 
         On CUDA the sidecar's copy waits on an interprocess event recorded on the engine's
         current stream (after ``ready_event``), so the engine does not block here.
@@ -381,7 +385,7 @@ class SidecarController(EngineCopies):
                 (ready_event or current_stream(device)).synchronize()
         timeout = self.config.backup_timeout_s
         try:
-            rid = self._channel.send(Verb.BACKUP, BackupArgs(refs, ready_handle), timeout)
+            rid = self._channel.send(Verb.BACKUP, BackupArgs(refs, ready_handle, tenant), timeout)
         except SidecarUnavailable as exc:
             self._failed(exc)
             return CompletedTransfer(False)

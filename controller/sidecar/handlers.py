@@ -208,6 +208,7 @@ class VerbHandlers(AdminVerbs):
                 split_hashes(a.hashes[start : start + step]),
                 a.components,
                 engine_id=call.conn.engine_id,
+                tenant=a.tenant,
             )
             for c in a.components:
                 rows[c].append(res.presence[c])
@@ -235,7 +236,8 @@ class VerbHandlers(AdminVerbs):
             log.error("building the tiers for %s failed: %s", layout.model_id, exc)
 
     def store_begin(self, call: Call, a: StoreBeginArgs) -> StoreBeginReply:
-        store_id, pages = self.ctl.begin_store(a.refs, a.ttl_s, engine_id=call.conn.engine_id)
+        engine_id = call.conn.engine_id
+        store_id, pages = self.ctl.begin_store(a.refs, a.ttl_s, engine_id, a.tenant)
         return StoreBeginReply(store_id, np.asarray(pages, dtype="<i4").tobytes())
 
     def store_commit(self, call: Call, a: StoreCommitArgs) -> StoreCommitReply:
@@ -306,7 +308,7 @@ class VerbHandlers(AdminVerbs):
                 event = open_ready_event(a.ready_event, conn.mapped.buffers.device)
             except RegistrationRefused as exc:
                 raise bad_args(str(exc)) from None
-        handle = self.ctl.backup(a.refs, event, engine_id=conn.engine_id)
+        handle = self.ctl.backup(a.refs, event, engine_id=conn.engine_id, tenant=a.tenant)
         # Past the deadline too, no reply (not even an error) before the copy has ended.
         ok = bool(handle.wait(max(0.0, call.deadline - time.monotonic())))
         if not handle.done():

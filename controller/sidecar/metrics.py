@@ -210,6 +210,59 @@ class ControllerCollector(Collector):
             value=expired,
         )
         yield from remote_families(s)
+        yield from tenant_families(s.get("tenants") or {})
+
+
+OTHER_TENANTS = "__other__"  # the label of every tenant outside the top K, summed
+
+
+def tenant_families(report: dict[str, Any]) -> Iterator[Any]:
+    """The per-tenant families from the store's tenant report (controller/store/tenants.py):
+    the ``tenant_metrics_top_k`` tenants holding the most bytes by name, every other one
+    summed under ``__other__``, so a scrape carries at most K + 1 tenant label values."""
+    rows = [*report.get("top", {}).items()]
+    if report.get("other"):
+        rows.append((OTHER_TENANTS, report["other"]))
+    yield GaugeMetricFamily(
+        "hicache_tenants", "Tenants holding pages on host or disk.", value=report.get("tenants", 0)
+    )
+    held = GaugeMetricFamily(
+        "hicache_tenant_bytes",
+        "Payload bytes of a tenant's pages, by tier.",
+        labels=["tenant", "tier"],
+    )
+    quota = GaugeMetricFamily(
+        "hicache_tenant_quota_bytes",
+        "A tenant's quota, by tier (where it has one).",
+        labels=["tenant", "tier"],
+    )
+    lookup = CounterMetricFamily(
+        "hicache_tenant_lookup_pages",
+        "FULL pages of a tenant's lookups, by where they were found (host, disk, remote) or miss.",
+        labels=["tenant", "result"],
+    )
+    counted = {
+        what: CounterMetricFamily(f"hicache_tenant_{what}_pages", doc, labels=["tenant", "tier"])
+        for what, doc in (
+            ("stored", "Pages a tenant stored, by tier."),
+            ("evicted", "A tenant's pages evicted, by tier (its quota's evictions included)."),
+            ("quota_evicted", "A tenant's pages evicted to keep it within its quota, by tier."),
+            ("quota_refused", "Pages of a tenant not stored because they did not fit its quota."),
+        )
+    }
+    for name, row in rows:
+        for tier in ("host", "disk"):
+            held.add_metric([name, tier], row.get(f"{tier}_bytes", 0))
+            if row.get(f"{tier}_quota_bytes") is not None:
+                quota.add_metric([name, tier], row[f"{tier}_quota_bytes"])
+            for what, fam in counted.items():
+                fam.add_metric([name, tier], _get(row, what, tier))
+        for result, n in row.get("lookup", {}).items():
+            lookup.add_metric([name, result], n)
+    yield held
+    yield quota
+    yield lookup
+    yield from counted.values()
 
 
 class SidecarMetrics:

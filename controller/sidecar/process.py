@@ -220,6 +220,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-disk", action="store_true", help="run without a disk tier")
     p.add_argument("--disk-budget-bytes", help="disk tier budget, e.g. 100GiB")
     p.add_argument("--backup-ack", choices=["host", "disk"], help="when backups are acknowledged")
+    p.add_argument("--tenant-host-quota-bytes", help="each tenant's host quota, e.g. 4GiB")
+    p.add_argument("--tenant-disk-quota-bytes", help="each tenant's disk quota, e.g. 64GiB")
     p.add_argument(
         "--remote-url",
         help="remote tier: Valkey/Redis Cluster seeds, redis://host:port[,host:port...] "
@@ -257,6 +259,8 @@ _FLAG_FIELDS = (
     "disk_path",
     "disk_budget_bytes",
     "backup_ack",
+    "tenant_host_quota_bytes",
+    "tenant_disk_quota_bytes",
     "remote_url",
     "lease_s",
     "metrics_port",

@@ -223,5 +223,7 @@ class AdminOps(StoreState):
             self._index.clear_disk(x)
             keys.append(x.skey)
             self._counters.inc("evictions", "disk", component_label(x.component))
+            if x.tenant:
+                self._index.tenants.count(x.tenant, "evicted", "disk")
             self._index.discard_if_unused(x)
         return keys

@@ -187,12 +187,14 @@ class CopyOps(StoreState):
         max_bytes: int,
         seen: set[bytes],
         fill: Future,
+        tenant: str | None = None,
     ) -> BackupPart:
         """Book host pages for ``refs[start:]`` until ``max_bytes`` are booked: a page
         held already is only touched (``waits`` for it while another copy fills it), a
         new one gets a host page, filling, that shares ``fill`` and is held until
         :meth:`backup_copied` publishes it or :meth:`abort_backup` gives it back. ``seen``
-        collects the storage keys looked at (a page named twice is booked once)."""
+        collects the storage keys looked at (a page named twice is booked once). A new
+        page is ``tenant``'s, booked within its host quota (controller/store/tenant_ops.py)."""
         plan: list[tuple[PageEntry, PageRef]] = []
         waits: list[Future] = []
         all_held = True
@@ -200,6 +202,7 @@ class CopyOps(StoreState):
         planned = 0
         i, n = start, len(refs)
         with self._lock:
+            tid = self._index.tenants.intern(tenant)
             while i < n and planned < max_bytes:
                 ref = refs[i]
                 i += 1
@@ -215,17 +218,20 @@ class CopyOps(StoreState):
                         # Held only once another copy into it succeeds: wait for it.
                         waits.append(e.fill)
                     continue
+                if tid and not self._tenant_room_locked(tid, ref.component):
+                    all_held = False
+                    continue
                 page = self._alloc_host_locked(ref.component)
                 if page is None:
                     self._counters.fail(Failure.HOST_FULL)
                     all_held = False
                     continue
-                plan.append((self._begin_copy_locked(e, ref, page, fill), ref))
+                plan.append((self._begin_copy_locked(e, ref, page, fill, tid), ref))
                 planned += page_bytes[ref.component]
         return BackupPart(plan, waits, i, all_held)
 
     def _begin_copy_locked(
-        self, e: PageEntry | None, ref: PageRef, page: int, fill: Future
+        self, e: PageEntry | None, ref: PageRef, page: int, fill: Future, tenant: int
     ) -> PageEntry:
         """``ref``'s page (its entry ``e``, indexed now if None) gets host ``page``,
         filling under ``fill`` and held until published or aborted. The pages of one part,
@@ -235,6 +241,7 @@ class CopyOps(StoreState):
             e = self._index.create(ref.component, ref.page_hash, ref.parent_hash)
         if ref.engine_key is not None:
             e.engine_key = ref.engine_key
+        self._own_locked(e, tenant)
         self._index.set_host(e, page, ready=False)
         self._index.acquire(e)
         e.fill = fill
@@ -274,6 +281,8 @@ class CopyOps(StoreState):
             for tier in self._tiers:
                 tier.on_host_ready_locked(e, Tier.DEVICE)
             nbytes += self._host[e.component].page_bytes
+            if e.tenant:
+                self._index.tenants.count(e.tenant, "stored", "host")
         backup.fill.set_result(True)
         n = len(backup.plan)
         self._counters.add(n, "backup", "stored_pages")
@@ -283,12 +292,13 @@ class CopyOps(StoreState):
     # -- stores an engine copies itself (store/engine_stores.py) -------------------------
 
     def begin_store(
-        self, refs: Sequence[PageRef], engine_id: str, ttl_s: float
+        self, refs: Sequence[PageRef], engine_id: str, ttl_s: float, tenant: str | None = None
     ) -> tuple[int, list[int]]:
         """Hand ``engine_id`` a host page for each ref not held yet; returns the
         reservation's id and, per ref, its page, :data:`HELD` (on host or disk already:
         only touched) or :data:`NO_ROOM`. The pages are filling, invisible, and the
-        engine's to write until :meth:`commit_store` or ``ttl_s`` seconds."""
+        engine's to write until :meth:`commit_store` or ``ttl_s`` seconds. A new page is
+        ``tenant``'s, handed out within its host quota (a page that does not fit: NO_ROOM)."""
         if self._host is None:
             raise ControllerError("register a layout before storing")
         t0 = time.perf_counter()
@@ -299,6 +309,7 @@ class CopyOps(StoreState):
         seen: set[bytes] = set()
         with self._lock:
             self._abort_reservations_locked(self._engine_stores.expired_locked(now))
+            tid = self._index.tenants.intern(tenant)
             for ref in refs:
                 skey = ref.page_hash + _TAG[ref.component]
                 if skey in seen:
@@ -311,12 +322,15 @@ class CopyOps(StoreState):
                     self._counters.inc("backup", "deduped_pages")
                     pages.append(HELD)
                     continue
+                if tid and not self._tenant_room_locked(tid, ref.component):
+                    pages.append(NO_ROOM)
+                    continue
                 page = self._alloc_host_locked(ref.component)
                 if page is None:
                     self._counters.fail(Failure.HOST_FULL)
                     pages.append(NO_ROOM)
                     continue
-                plan.append((self._begin_copy_locked(e, ref, page, fill), ref))
+                plan.append((self._begin_copy_locked(e, ref, page, fill, tid), ref))
                 pages.append(page)
             store_id = self._engine_stores.add_locked(engine_id, plan, fill, now + ttl_s, t0)
             if not plan:

@@ -34,6 +34,7 @@ class Failure(enum.Enum):
     DISK_FULL = "disk_full"  # a page did not fit the LMDB map / budget and was rejected
     DISK_WRITE_ERROR = "disk_write_error"  # LMDB raised on a write
     STORE_EXPIRED = "store_expired"  # an engine's store committed after its deadline, or gone
+    TENANT_QUOTA = "tenant_quota"  # a page did not fit its tenant's quota: not stored there
 
 
 def component_label(component: ComponentType) -> str:

@@ -235,11 +235,13 @@ class LocalController:
         page_hashes: Sequence[bytes],
         components: Sequence[ComponentType],
         engine_id: str = DEFAULT_ENGINE,
+        tenant: str | None = None,
     ) -> LookupResult:
         """Presence per component of each page of the chain; only the index (and a remote
-        tier's probe) is read."""
+        tier's probe) is read. ``tenant``: whose lookup it is (its results are counted to
+        it; the pages found are the chain's, whoever stored them)."""
         self._check_open()
-        rows = self._store.presence(page_hashes, components)
+        rows = self._store.presence(page_hashes, components, tenant)
         reasons = self._store.first_misses(page_hashes, rows)
         self._store.remember_lookup(
             engine_id, RecentLookup(time.monotonic(), page_hashes, rows, reasons, [])
@@ -256,30 +258,37 @@ class LocalController:
         refs: Sequence[PageRef],
         ready_event: Any = None,
         engine_id: str = DEFAULT_ENGINE,
+        tenant: str | None = None,
     ) -> TransferHandle:
         """Copy device pages into host pages (queued to disk by policy).
 
         Pages already held (host or disk) are only touched. The handle's ``wait`` is True
         when every page of ``refs`` is held afterwards; pages that found no host page
-        (all pinned or busy) are counted under ``failures.host_full``.
+        (all pinned or busy) are counted under ``failures.host_full``, those that did not
+        fit ``tenant``'s quota under ``failures.tenant_quota`` (controller/store/tenants.py).
         """
         self._check_open()
         buffers = self._buffers(engine_id)
         check_refs(refs, buffers, self._layout)
-        return self._copies.backup(refs, buffers, ready_event)
+        return self._copies.backup(refs, buffers, ready_event, tenant)
 
     def begin_store(
-        self, refs: Sequence[PageRef], ttl_s: float | None = None, engine_id: str = DEFAULT_ENGINE
+        self,
+        refs: Sequence[PageRef],
+        ttl_s: float | None = None,
+        engine_id: str = DEFAULT_ENGINE,
+        tenant: str | None = None,
     ) -> tuple[int, list[int]]:
         """Host pages for a store the engine copies itself (``refs``' device indices are
         not used): the reservation's id and, per ref, the host page to write, -1 (held
         already: nothing to write) or -2 (no room: not stored). The pages stay invisible
         until :meth:`commit_store`; ``ttl_s`` (default ``pin_ttl_default_s``, at most
-        ``pin_ttl_max_s``) bounds how long they are the engine's."""
+        ``pin_ttl_max_s``) bounds how long they are the engine's; new pages are ``tenant``'s
+        (within its host quota)."""
         self._check_open()
         ttl = min(ttl_s or self.config.pin_ttl_default_s, self.config.pin_ttl_max_s)
         self._store.reap_backups(block=False)
-        return self._store.begin_store(refs, engine_id, ttl)
+        return self._store.begin_store(refs, engine_id, ttl, tenant)
 
     def commit_store(self, store_id: int, written: bool, engine_id: str = DEFAULT_ENGINE) -> int:
         """Publish the pages of store ``store_id`` (the engine wrote them: ``written``) or

@@ -49,7 +49,11 @@ class PageCopies:
         self.config = config
 
     def backup(
-        self, refs: Sequence[PageRef], buffers: EngineBuffers, ready_event: Any
+        self,
+        refs: Sequence[PageRef],
+        buffers: EngineBuffers,
+        ready_event: Any,
+        tenant: str | None = None,
     ) -> TransferHandle:
         """Copy ``refs``' device pages into host pages (see LocalController.backup)."""
         store = self._store
@@ -70,7 +74,7 @@ class PageCopies:
         while i < n:
             fill: Future = Future()
             t0 = time.perf_counter()
-            part = store.book_backup(refs, i, chunk_bytes, seen, fill)
+            part = store.book_backup(refs, i, chunk_bytes, seen, fill, tenant)
             i = part.end
             fills += part.waits
             all_held = all_held and part.all_held

@@ -47,6 +47,7 @@ class PageEntry:
         "pins",
         "retain",
         "skey",
+        "tenant",
     )
 
     def __init__(self, component: ComponentType, page_hash: bytes, parent_hash: bytes) -> None:
@@ -69,6 +70,7 @@ class PageEntry:
         self.heap_key: list[tuple[int, int] | None] = [None, None, None]
         self.retain = 0  # clock ticks added to its host eviction key (it served a load)
         self.attached = False
+        self.tenant = 0  # whose page it is (controller/store/tenants.py); 0: no tenant's
         # A future that resolves when an in-flight host fill ends (True: filled).
         self.fill = None
         # Write-back: the bytes of a host-evicted page until the writer commits them.

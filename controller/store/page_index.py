@@ -34,8 +34,10 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
+from hicache.controller.store.lazy_heap import remove_at as _remove_at
 from hicache.controller.store.miss_reasons import ChainRoots
 from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
+from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
 from hicache.types import ComponentType, Tier
@@ -56,7 +58,9 @@ class PageIndex:
     """Entries by storage key, FULL chains, and per-tier prefix-aware LRU heaps
     (``host_hit_retention``: see the module docstring)."""
 
-    def __init__(self, host_hit_retention: float = 0.0) -> None:
+    def __init__(
+        self, host_hit_retention: float = 0.0, tenants: TenantLedger | None = None
+    ) -> None:
         if not host_hit_retention >= 0:
             raise ValueError(f"host_hit_retention must be >= 0, got {host_hit_retention}")
         self.host_hit_retention = host_hit_retention
@@ -75,6 +79,7 @@ class PageIndex:
         self.disk_pages = dict.fromkeys(ComponentType, 0)
         self.events: TierEvents | None = None  # told where a tier becomes present or absent
         self.roots = ChainRoots()  # parents of chain heads: where ``explain`` looks
+        self.tenants = tenants or TenantLedger()  # whose pages are where (store/tenants.py)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -308,6 +313,8 @@ class PageIndex:
         return nbytes
 
     def _presence_changed(self, entry: PageEntry, tier: Tier, delta: int) -> None:
+        if entry.tenant:
+            self.tenants.charge(entry, tier, delta)
         if entry.component is ComponentType.FULL:
             parent = self._entries.get(entry.parent_hash + _FULL_TAG)
             if parent is not None:
@@ -367,6 +374,8 @@ class PageIndex:
         entry.heap_key[tier] = (key, seq)
         heap = self._heap(entry, tier)
         heapq.heappush(heap, (key, seq, entry))
+        if entry.tenant:
+            self.tenants.push(entry, tier, (key, seq, entry))
         if 2 * len(heap) > 3 * len(self._entries) + 2048:
             self._sweep(heap, tier)
             if len(heap) > 2 * len(self._entries) + 1024:
@@ -427,6 +436,13 @@ class PageIndex:
                 return entry
         return None
 
+    def pop_tenant_victim(
+        self, tenant: int, tier: Tier, component: ComponentType | None = None
+    ) -> PageEntry | None:
+        """Tenant ``tenant``'s least recently used evictable entry of ``tier`` (one with a
+        quota there; host: of ``component`` first), as :meth:`pop_victim` hands it out."""
+        return self.tenants.pop_victim(tenant, tier, component, self.evictable)
+
     # -- checks --------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
@@ -470,31 +486,4 @@ class PageIndex:
                 assert k.attached and k.parent_hash == parent, f"{k} in a wrong chain set"
         assert live == self.disk_live_bytes, f"disk live bytes {self.disk_live_bytes} != {live}"
         assert pages == self.disk_pages, f"disk pages {self.disk_pages} != {pages}"
-
-
-def _remove_at(heap: list, i: int) -> None:
-    """Remove ``heap[i]`` and restore the heap property (the last item takes its place and
-    moves down, or up, to where it belongs)."""
-    last = heap.pop()
-    n = len(heap)
-    if i == n:
-        return
-    pos = i
-    while True:
-        child = 2 * pos + 1
-        if child >= n:
-            break
-        if child + 1 < n and heap[child + 1] < heap[child]:
-            child += 1
-        if not heap[child] < last:
-            break
-        heap[pos] = heap[child]
-        pos = child
-    if pos == i:
-        while pos > 0:
-            parent = (pos - 1) // 2
-            if not last < heap[parent]:
-                break
-            heap[pos] = heap[parent]
-            pos = parent
-    heap[pos] = last
+        self.tenants.check_invariants(self._entries.values(), self.evictable)

@@ -50,10 +50,12 @@ from hicache.controller.store.miss_ops import MissOps
 from hicache.controller.store.miss_reasons import MissLog, MissReason
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.store.pins import PinRecord, PinTable
+from hicache.controller.store.tenant_ops import TenantOps
+from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_host import TierHostOps
 from hicache.controller.tiers.disk_tier import DiskTier
 from hicache.controller.tiers.remote_tier import open_remote
-from hicache.controller_api import ControllerError, PageKey
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, P_REMOTE, ControllerError, PageKey
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ log = logging.getLogger("hicache.controller.store.local")
 _PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
 
 
-class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
+class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
     """Index, pins, host pool and lower tiers of one layout, behind one lock."""
 
     def __init__(self, config: ControllerConfig, counters: Counters) -> None:
@@ -78,7 +80,9 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
         # Held while the tiers are opened, and by an fsck of the disk tier before they are
         # (LMDB allows one environment per file per process).
         self._opening = threading.Lock()
-        self._index = PageIndex(config.host_hit_retention_turnovers)
+        self._index = PageIndex(
+            config.host_hit_retention_turnovers, TenantLedger.from_config(config)
+        )
         self._misses = MissLog(
             counters, config.miss_reasons_remembered_pages, config.miss_reasons_recent_lookups
         )
@@ -117,6 +121,7 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
         ``remote_url`` (tests)."""
         with self._opening, self._lock:
             host = HostPool(layout, page_size, self._config)
+            self._index.tenants.page_bytes = {c: p.page_bytes for c, p in host.components.items()}
             if self._config.disk_enabled:
                 page_bytes = {c: layout.page_bytes(c, page_size) for c in layout.components}
                 self._disk = DiskTier.open(
@@ -182,16 +187,28 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
         return len(self._index)
 
     def presence(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+        self,
+        page_hashes: Sequence[bytes],
+        components: Sequence[ComponentType],
+        tenant: str | None = None,
     ) -> dict[ComponentType, list[int]]:
         """Per component, the ``Presence`` of each page of the chain as a plain int: the
-        index's, then what the lower tiers add (asked without the lock)."""
+        index's, then what the lower tiers add (asked without the lock). A lookup of
+        ``tenant`` counts its FULL pages' results to that tenant."""
         rows: dict[ComponentType, list[int]] = {}
         with self._lock:
             for comp in components:
                 rows[comp] = self._index.presence(page_hashes, comp)
         for tier in self._tiers:
             tier.probe(page_hashes, rows)
+        full = rows.get(ComponentType.FULL)
+        if tenant is not None and full is not None:
+            with self._lock:
+                ledger = self._index.tenants
+                tid = ledger.intern(tenant)
+                for label, p in (("host", P_HOST), ("disk", P_DISK), ("remote", P_REMOTE)):
+                    ledger.count(tid, "lookup", label, full.count(p))
+                ledger.count(tid, "lookup", "miss", full.count(P_ABSENT))
         return rows
 
     def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:
@@ -349,9 +366,10 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
             page = pool.alloc()
         return page
 
-    def _evict_host_locked(self, entry: PageEntry, reason: MissReason = MissReason.EVICTED) -> None:
+    def _evict_host_locked(self, entry: PageEntry, reason: MissReason = MissReason.EVICTED) -> int:
         """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host);
-        ``reason``: why, as a miss will tell it (evicted, or cleared by an admin)."""
+        ``reason``: why, as a miss will tell it (evicted, or cleared by an admin). The
+        pages dropped."""
         group = [entry]
         if entry.component is ComponentType.FULL:
             group = [*self._index.aux_in(entry, Tier.HOST), entry]
@@ -361,7 +379,10 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
             self._host_departure_locked(e, reason)
             self._host[e.component].free(self._index.clear_host(e))
             self._counters.inc("evictions", "host", component_label(e.component))
+            if e.tenant:
+                self._index.tenants.count(e.tenant, "evicted", "host")
             self._index.discard_if_unused(e)
+        return len(group)
 
     def _drop_locked(self, key: PageKey, host_only: bool) -> None:
         """Take a page out of every tier (or only host) now, pinned or not; a page in
@@ -396,6 +417,7 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps):
                 "pins_active": len(self._pins),
                 "host": {} if self._host is None else self._host.stats(),
                 "disk": disk,
+                "tenants": self._index.tenants.report(),
             }
         remote = [t for t in self._tiers if t.tier is Tier.REMOTE]
         out["remote_tier"] = remote[0].stats() if remote else {"enabled": False}

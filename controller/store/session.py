@@ -37,9 +37,14 @@ class SharedController(Protocol):
         page_hashes: Sequence[bytes],
         components: Sequence[ComponentType],
         engine_id: str = ...,
+        tenant: str | None = None,
     ) -> LookupResult: ...
     def backup(
-        self, refs: Sequence[PageRef], ready_event: Any = None, engine_id: str = ...
+        self,
+        refs: Sequence[PageRef],
+        ready_event: Any = None,
+        engine_id: str = ...,
+        tenant: str | None = None,
     ) -> TransferHandle: ...
     def pin(
         self, keys: Sequence[PageKey], ttl_s: float | None = None, engine_id: str = ...
@@ -70,12 +75,19 @@ class EngineSession:
         self.controller.register(layout, page_size, pools, engine_id=self.engine_id)
 
     def lookup(
-        self, page_hashes: Sequence[bytes], components: Sequence[ComponentType]
+        self,
+        page_hashes: Sequence[bytes],
+        components: Sequence[ComponentType],
+        tenant: str | None = None,
     ) -> LookupResult:
-        return self.controller.lookup(page_hashes, components, engine_id=self.engine_id)
+        return self.controller.lookup(
+            page_hashes, components, engine_id=self.engine_id, tenant=tenant
+        )
 
-    def backup(self, refs: Sequence[PageRef], ready_event: Any = None) -> TransferHandle:
-        return self.controller.backup(refs, ready_event, engine_id=self.engine_id)
+    def backup(
+        self, refs: Sequence[PageRef], ready_event: Any = None, tenant: str | None = None
+    ) -> TransferHandle:
+        return self.controller.backup(refs, ready_event, engine_id=self.engine_id, tenant=tenant)
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> PinReceipt | None:
         return self.controller.pin(keys, ttl_s, engine_id=self.engine_id)

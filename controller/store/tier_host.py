@@ -55,11 +55,16 @@ class TierHostOps(StoreState):
     def begin_fill_locked(self, key: PageKey, parent_hash: bytes | None) -> PageEntry | None:
         """Reserve a host page for ``key`` and mark it filling, held until
         :meth:`finish_fills`; indexed first if it is not (under ``parent_hash``, or
-        provisionally when None). None when no host page is free."""
+        provisionally when None). None when no host page is free, or the page's tenant
+        has no room within its host quota."""
+        owner = self._index.get(key.storage_key())
+        tenant = 0 if owner is None else owner.tenant
+        if tenant and not self._tenant_room_locked(tenant, key.component):
+            return None
         page = self._alloc_host_locked(key.component)
         if page is None:
             return None
-        e = self._index.get(key.storage_key())
+        e = self._index.get(key.storage_key())  # the evictions above may have dropped it
         if e is None:
             e = self._index.create(key.component, key.page_hash, parent_hash or UNKNOWN_PARENT)
         self._index.set_host(e, page, ready=False)
@@ -147,8 +152,11 @@ class TierHostOps(StoreState):
         """Mark ``page`` (ready on host) queued to the indexed tier, held until
         :meth:`finish_writes`; its frame (header room, then the payload): the host page's
         own, or with ``keep_copy`` a copy that also serves reads until the write commits
-        (the host page is about to go). None when it is stored or queued already."""
+        (the host page is about to go). None when it is stored or queued already, or its
+        tenant has no room within its disk quota."""
         if page.disk_state is not DiskState.NONE:
+            return None
+        if page.tenant and not self._fits_disk_quota_locked(page):
             return None
         frame = self._host[page.component].frame(page.host_page)
         if keep_copy:
@@ -162,6 +170,7 @@ class TierHostOps(StoreState):
         """Settle writes to the indexed tier: ``(page, bytes stored)``, or ``(page, why it
         was not stored)`` (counted)."""
         with self._lock:
+            tenants = set()
             for e, stored in results:
                 if isinstance(stored, Failure):
                     self._departed_locked(e, MissReason.WRITE_FAILED, Tier.DISK)
@@ -169,9 +178,14 @@ class TierHostOps(StoreState):
                     self._counters.fail(stored)
                 else:
                     self._index.set_disk(e, DiskState.READY, stored)
+                    if e.tenant:
+                        tenants.add(e.tenant)
+                        self._index.tenants.count(e.tenant, "stored", "disk")
                 e.pending_payload = None
                 self._index.release(e)
                 self._index.discard_if_unused(e)
+            for tenant in tenants:  # over its quota: its oldest committed pages go
+                self._settle_disk_quota_locked(tenant)
 
     def unwritten_host_pages_locked(self) -> list[PageEntry]:
         """Pages ready on host that the indexed tier neither stores nor has queued."""
@@ -203,16 +217,32 @@ class TierHostOps(StoreState):
                 victim = self._index.pop_victim(Tier.DISK)
                 if victim is None:
                     break
-                group = [victim]
-                if victim.component is ComponentType.FULL:
-                    group = [*self._index.aux_in(victim, Tier.DISK), victim]
-                for e in group:
-                    self._departed_locked(e, MissReason.EVICTED, Tier.DISK)
-                    freed += self._index.clear_disk(e)
-                    keys.append(e.skey)
-                    self._counters.inc("evictions", "disk", component_label(e.component))
-                    self._index.discard_if_unused(e)
+                group = self._disk_group(victim)
+                freed += sum(e.disk_nbytes for e in group)
+                keys += [e.skey for e in group]
+                self._evict_disk_locked(victim, delete=False)
         return keys
+
+    def _disk_group(self, entry: PageEntry) -> list[PageEntry]:
+        """``entry`` and, for FULL, its SWA/Mamba pages on disk: what leaves with it."""
+        if entry.component is ComponentType.FULL:
+            return [*self._index.aux_in(entry, Tier.DISK), entry]
+        return [entry]
+
+    def _evict_disk_locked(self, entry: PageEntry, delete: bool) -> int:
+        """Forget ``entry``'s disk copy (and, for FULL, its SWA/Mamba pages'), deleting the
+        values with ``delete`` (else the caller does); the pages forgotten."""
+        group = self._disk_group(entry)
+        for e in group:
+            self._departed_locked(e, MissReason.EVICTED, Tier.DISK)
+            self._index.clear_disk(e)
+            self._counters.inc("evictions", "disk", component_label(e.component))
+            if e.tenant:
+                self._index.tenants.count(e.tenant, "evicted", "disk")
+            self._index.discard_if_unused(e)
+        if delete:
+            self._disk.delete_locked([e.skey for e in group])
+        return len(group)
 
     def forget_stored(
         self, skeys: Sequence[bytes], still_bad: Callable[[list[bytes]], list[bytes]]

@@ -104,12 +104,14 @@ class RegisterArgs:
 class LookupArgs:
     hashes: bytes = wire(Hashes(MAX_LOOKUP_HASHES))  # 16-byte hashes, one column
     components: list[ComponentType] = wire(Components())
+    tenant: str | None = wire(Str(), optional=True)  # whose lookup (counted to it)
 
 
 @dataclass(frozen=True)
 class BackupArgs:
     refs: list[PageRef] = wire(Refs())
     ready_event: bytes | None = wire(Bin(), optional=True)
+    tenant: str | None = wire(Str(), optional=True)  # whose new pages are (its quotas)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class StoreBeginArgs:
 
     refs: list[PageRef] = wire(Refs())
     ttl_s: float = wire(Float(0.001, MAX_PIN_TTL_S))
+    tenant: str | None = wire(Str(), optional=True)  # whose new pages are (its quotas)
 
 
 @dataclass(frozen=True)

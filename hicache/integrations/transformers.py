@@ -42,6 +42,7 @@ from hicache import (
     PoolExhaustedError,
     Request,
     UnifiedRadixCache,
+    request_namespace,
 )
 from hicache.integrations.transformers_identity import model_identity, weights_digest
 from hicache.integrations.transformers_layerwise import layer_groups, layered_chunk
@@ -423,24 +424,6 @@ def _stack_caches(caches: list[Any]) -> Any:
                         [o.recurrent_states[idx] for o in others]
                     )
     return out
-
-
-TENANT_PREFIX = "tenant:"
-
-
-def request_namespace(extra_key: str | None, tenant: str | None) -> str | None:
-    """The cache's ``extra_key`` of a request of ``tenant`` with ``extra_key``: ``extra_key``
-    itself without a tenant, else ``tenant:<tenant>`` (then a NUL and ``extra_key``, where
-    given). One-to-one: an ``extra_key`` may not start with :data:`TENANT_PREFIX` nor a
-    tenant hold a NUL, so two tenants, or a tenant and none, never share a namespace."""
-    if extra_key is not None and extra_key.startswith(TENANT_PREFIX):
-        raise ValueError(f"extra_key may not start with {TENANT_PREFIX!r}: pass tenant= instead")
-    if tenant is None:
-        return extra_key
-    if "\0" in tenant:
-        raise ValueError("a tenant name may not contain a NUL character")
-    suffix = "" if extra_key is None else "\0" + extra_key
-    return TENANT_PREFIX + tenant + suffix
 
 
 def check_chunk_tokens(chunk_tokens: int, page_size: int) -> None:

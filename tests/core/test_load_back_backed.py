@@ -20,8 +20,8 @@ class PartlyFailingBackups(FakeController):
     """Every backup copies its pages but reports failure: wait() is True only when every
     page is held, and a backup whose last part failed holds the parts before it."""
 
-    def backup(self, refs, ready_event=None):
-        super().backup(refs, ready_event)
+    def backup(self, refs, ready_event=None, tenant=None):
+        super().backup(refs, ready_event, tenant)
         return CompletedTransfer(False)
 
 

@@ -3,7 +3,8 @@ configs, random weights, fp32).
 
 Two models that differ only in hidden size (64 vs 48: the same head dim, KV heads and
 Mamba state shapes, so the same shapes on every tier) or only in their weights (another
-seed) share one LMDB directory, one remote store and one sidecar, and never hit each
+seed) share one LMDB directory, one remote store (in-process, and a cluster of
+redis-server processes behind one `hicache serve`) and one sidecar, and never hit each
 other's pages; two tenants sending the same prompt never hit each other's pages, on the
 device, the host or the disk. A build the sidecar refuses leaves nothing in /dev/shm.
 """
@@ -26,6 +27,7 @@ from hicache.controller.client.sidecar_client import SidecarController  # noqa: 
 from hicache.controller.config import ControllerConfig, RemoteWritePolicy  # noqa: E402
 from hicache.controller.store.local import LocalController  # noqa: E402
 from hicache.controller.tiers.remote_store import MemoryStore  # noqa: E402
+from hicache.controller.wire.protocol import Verb  # noqa: E402
 from hicache.controller_api import ControllerError  # noqa: E402
 from hicache.integrations.transformers import (  # noqa: E402
     PrefixCachedLM,
@@ -33,7 +35,8 @@ from hicache.integrations.transformers import (  # noqa: E402
     request_namespace,
 )
 from hicache.integrations.transformers_models import tiny_config  # noqa: E402
-from tests.support.sidecar import Sidecar, short_tmpdir  # noqa: E402
+from tests.support.cluster import LocalCluster  # noqa: E402
+from tests.support.sidecar import Sidecar, short_tmpdir, wait_for  # noqa: E402
 
 PS = 4
 CHUNK = 8
@@ -181,6 +184,82 @@ def test_models_differing_only_in_hidden_size_share_no_page_through_one_sidecar(
                        prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) as lm:  # fmt: skip
                 r = lm.generate(PROMPT + MORE, 2)
                 assert (r.hit_tokens, r.computed_tokens) == (0, len(PROMPT + MORE) + 1)
+                lm.cache.check_invariants()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Valkey/Redis Cluster of redis-server processes (skips without redis-server)."""
+    c = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3).start()
+    yield c
+    c.stop()
+
+
+def _settled(sidecar: Sidecar) -> None:
+    """Wait until the sidecar's disk writes and cluster writes are done."""
+    admin = sidecar.admin()
+    try:
+
+        def done() -> bool:
+            s = admin.call(Verb.STATS)
+            return (
+                s["disk"].get("pending_writes", 0) == 0
+                and s["remote_tier"]["write_queue_pages"] == 0
+            )
+
+        wait_for(done, 60, "disk and cluster writes")
+    finally:
+        admin.close()
+
+
+@pytest.mark.parametrize("differs_in", sorted(TWINS))
+def test_models_differing_only_in_one_thing_share_no_page_through_a_sidecar_and_a_cluster(
+    differs_in, cluster
+):
+    """One `hicache serve` with a host tier, an LMDB directory and a cluster of
+    redis-server processes: the first model's pages reach all three; the twin is refused
+    by that sidecar (host), then, first after a restart over the same LMDB directory and
+    cluster, hits nothing of them (disk, cluster). The first model, over the cluster
+    alone, hits its own pages there: they were in reach."""
+    workdir = short_tmpdir()
+    first, twin = nemotron(*BASE), nemotron(*TWINS[differs_in])
+    prefix = "iso" + differs_in.split()[0]
+    remote = ["--remote-url", cluster.url, "--set", f"remote_key_prefix={prefix}"]
+    wait = PrefetchPolicy.WAIT_COMPLETE
+    try:
+        with Sidecar(workdir, args=remote) as sidecar:
+            with build(first, SidecarController(sidecar.endpoint, "first", FAST),
+                       shared_memory=True) as lm:  # fmt: skip
+                lm.generate(PROMPT, 1)
+                lm.cache.flush_backups()
+                client = SidecarController(sidecar.endpoint, "twin", FAST)
+                try:
+                    with pytest.raises(ControllerError, match="one sidecar per layout"):
+                        build(twin, client, shared_memory=True)
+                finally:
+                    client.close()
+                assert lm.generate(PROMPT + MORE, 1).device_hit_tokens == len(PROMPT)
+            _settled(sidecar)
+        with Sidecar(workdir, args=remote) as sidecar:  # the twin first: its layout
+            client = SidecarController(sidecar.endpoint, "twin", FAST)
+            with build(twin, client, shared_memory=True, prefetch_policy=wait) as lm:
+                r = lm.generate(PROMPT + MORE, 2)
+                assert (r.hit_tokens, r.computed_tokens) == (0, len(PROMPT + MORE) + 1)
+                lm.cache.check_invariants()
+            admin = sidecar.admin()
+            try:
+                stats = admin.call(Verb.STATS)
+            finally:
+                admin.close()
+            assert stats["disk"]["foreign_pages"] > 0, "the first model's pages, not served"
+            assert stats["transfer"].get("remote_to_host", {}).get("pages", 0) == 0
+        with Sidecar(workdir, args=[*remote, "--no-disk"]) as sidecar:  # the cluster alone
+            client = SidecarController(sidecar.endpoint, "first", FAST)
+            with build(first, client, shared_memory=True, prefetch_policy=wait) as lm:
+                r = lm.generate(PROMPT + MORE, 2)
+                assert r.hit_tokens >= len(PROMPT), "the first model's pages are there"
                 lm.cache.check_invariants()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

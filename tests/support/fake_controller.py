@@ -112,7 +112,7 @@ class FakeController:
 
     # -- protocol ------------------------------------------------------------------------
 
-    def lookup(self, page_hashes: Sequence[bytes], components) -> LookupResult:
+    def lookup(self, page_hashes: Sequence[bytes], components, tenant=None) -> LookupResult:
         out = {}
         for c in components:
             p = np.zeros(len(page_hashes), dtype=np.uint8)
@@ -123,7 +123,9 @@ class FakeController:
             out[c] = p
         return LookupResult(out)
 
-    def backup(self, refs: Sequence[PageRef], ready_event=None) -> CompletedTransfer | LateTransfer:
+    def backup(
+        self, refs: Sequence[PageRef], ready_event=None, tenant=None
+    ) -> CompletedTransfer | LateTransfer:
         if self.fail_backups:
             return CompletedTransfer(False)
         self.backups += 1
