@@ -113,3 +113,39 @@ def test_sidecar_unmaps_an_engines_memory_once_the_engine_leaves(workdir):
             "the sidecar to unmap the engine's pools",
         )
         assert "left: said bye" in sidecar.log_text()
+
+
+def test_an_engine_loads_exactly_from_a_sidecar_restarted_after_a_kill_9(workdir):
+    """The sidecar is killed (no drain) and started again on the same LMDB; the engine,
+    never restarted, notices by itself (heartbeats), reconnects and registers again, and
+    its next load of the prefix — now only on disk — is exact (every byte checked)."""
+    sidecar = Sidecar(
+        workdir,
+        args=[
+            "--layout-file",
+            str(layout_file(workdir)),
+            "--backup-ack",
+            "disk",  # acknowledged means committed: a kill -9 loses none of it
+            "--set",
+            "heartbeat_interval_s=0.3",
+        ],
+    )
+    with sidecar.launch():
+        (a,) = _engines(sidecar, "engine-A")
+        try:
+            assert a.call("run", tokens=TOKENS)["backup_done"] >= 1
+            assert a.call("evict_all")["full_tokens"] >= PREFIX
+            sidecar.kill()
+            sidecar.start()
+            wait_for(
+                lambda: sidecar.log_text().count("engine engine-A registered cpu pools") == 2,
+                60,
+                "the engine to register with the restarted sidecar",
+            )
+            assert a.call("wait_available", timeout_s=60)["available"], a.stderr()
+            m = a.call("match", tokens=TOKENS)
+            assert m == {"prefix_len": 0, "host_hit_len": 0, "disk_hit_len": PREFIX}, m
+            assert a.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            assert a.call("status")["counters"]["connected"] == 2
+        finally:
+            a.close()
