@@ -52,6 +52,7 @@ DEVICE = "cuda"
 # ``--trace-dir``: where each sidecar and this process write their request stages
 # (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
 TRACE_DIR: pathlib.Path | None = None
+RESTART_DISK_HIT = False  # --restart-disk-hit
 TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
 SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
 
@@ -89,6 +90,12 @@ class SidecarProc:
             "--metrics-port", "0", "--host-pool-bytes", host_pool,
             "--disk-budget-bytes", disk_budget, "--ready-file", str(ready),
         ]  # fmt: skip
+        if DEVICE == "cpu":  # --dry-run: tiny models; a GPU run's pool need not fit here
+            from hicache.controller.settings import parse_size
+
+            pool = min(parse_size(host_pool, "host_pool_bytes"), 2 << 30)
+            argv[argv.index(host_pool)] = str(pool)
+            argv += ["--set", "host_populate=false"]
         # The sidecar role, optionally with the interpreter's thread switch interval set
         # first (how long a thread that wants the GIL may wait for it).
         run = f"role_sidecar({argv!r})"
@@ -591,8 +598,10 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         lm = engine(PrefetchPolicy.WAIT_COMPLETE)
         g = torch.Generator().manual_seed(1)
         lm.generate(warm + toks(SUFFIX, gw), 1)  # the first disk hit: readers, plans
+        prefixes = []
         for length, row in zip(lengths, rows):
             prefix = toks(length)
+            prefixes.append(prefix)
             s = {t: toks(SUFFIX) for t in ("none", "device", "host", "disk")}
             [toks(SUFFIX) for _ in range(2 * (REPEAT - 1))]  # as drawn in the first pass
             r = lm.generate(prefix + s["disk"], 1)
@@ -603,11 +612,47 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
             print(json.dumps({"model": family, "prompt": row["prompt"],
                               "ttft_disk_hit_ms": row["ttft_disk_hit_ms"],
                               "disk_hit_tokens": r.disk_hit_tokens}), flush=True)  # fmt: skip
+        if RESTART_DISK_HIT:
+            sidecar = first_disk_hits_after_restart(
+                lm, made[-1][1], sidecar, prefixes, rows, lambda: toks(SUFFIX)
+            )
     finally:
         for lm_c in made:
             lm_c[1].close()
         sidecar.stop()
     return rows
+
+
+def first_disk_hits_after_restart(lm, ctl, sidecar, prefixes, rows, suffix) -> SidecarProc:
+    """``--restart-disk-hit``: for each prompt length, the sidecar is stopped and started
+    again on its LMDB (the engine is not: its client reconnects by itself), the engine's
+    device tier is emptied, and the next request on the prefix is the first disk hit after
+    the restart, beside the warm disk hit of the same row. Returns the running sidecar."""
+    for prefix, row in zip(prefixes, rows):
+        lm.cache.flush_backups()
+        lm.cache.evict(full_tokens=10**9)  # the prefix is now on disk only
+        client = ctl._inner
+        connected = client.counters["connected"]
+        sidecar.stop()
+        sidecar = SidecarProc(sidecar.dir, "12GiB", "48GiB")
+        end = time.monotonic() + 120
+        while client.counters["connected"] == connected or not client.available:
+            if time.monotonic() > end:
+                raise RuntimeError("the engine did not reconnect to the restarted sidecar")
+            client.stats()  # the old session is refused: the client reconnects
+            time.sleep(0.05)
+        prompt = prefix + suffix()
+        r = lm.generate(prompt, 1)
+        row["restart_disk_hit_tokens"] = r.disk_hit_tokens
+        row["ttft_first_disk_hit_after_restart_ms"] = r.ttft_s * 1e3
+        row["load_back_first_disk_after_restart_ms"] = r.load_back_s * 1e3
+        row["first_disk_hit_over_warm"] = r.ttft_s * 1e3 / row["ttft_disk_hit_ms"]
+        row["first_disk_hit_over_no_hit"] = r.ttft_s * 1e3 / row["ttft_no_hit_ms"]
+        row["same_as_live_restart_disk"] = _same(lm, prompt, len(prefix), r)
+        print(json.dumps({k: row[k] for k in ("model", "prompt", "ttft_disk_hit_ms",
+                          "ttft_first_disk_hit_after_restart_ms", "first_disk_hit_over_warm",
+                          "restart_disk_hit_tokens")}), flush=True)  # fmt: skip
+    return sidecar
 
 
 # -- 3. the headline: an 8 B-class host hit through the sidecar ------------------------------
@@ -917,8 +962,14 @@ def main() -> int:
         "whole and layer by layer beside the cold prefill (--models, e.g. llama-8b,bamba)",
     )
     p.add_argument("--requests", type=int, default=5, help="host hits per --hit-fraction row")
+    p.add_argument(
+        "--restart-disk-hit",
+        action="store_true",
+        help="also the first disk hit after a sidecar restart, per length, beside the warm one",
+    )
     args = p.parse_args()
-    global DEVICE, TRACE_DIR
+    global DEVICE, TRACE_DIR, RESTART_DISK_HIT
+    RESTART_DISK_HIT = args.restart_disk_hit
     if args.dry_run:
         DEVICE = "cpu"
     import_hicache()
