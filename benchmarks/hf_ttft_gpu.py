@@ -740,6 +740,7 @@ def headline_rows(
             live.generate([*prefix, 7], 1)
             live.cache.flush_backups()
             device_ms, host_ms, same = [], [], None
+            stages: dict[str, list[float]] = {}
             for i in range(requests):
                 hosted.cache.flush_backups()
                 hosted.cache.evict(full_tokens=10**9)
@@ -752,6 +753,8 @@ def headline_rows(
                 r = hosted.generate(prompt, 1)
                 assert r.host_hit_tokens == prefix_len, r
                 host_ms.append(r.ttft_s * 1e3)
+                for stage in ("match_s", "load_back_s", "restore_s"):  # where a hit's time goes
+                    stages.setdefault(stage, []).append(getattr(r, stage) * 1e3)
                 if i == 0:  # the restored prefix continues as the live cache would
                     ref = hosted.reference(prompt, 1, prefix_len)
                     same = all(torch.equal(a, b) for a, b in zip(r.logits, ref))
@@ -772,6 +775,8 @@ def headline_rows(
                 "ttft_host_hit_median_ms": statistics.median(host_ms),
                 "same_as_live_host": same,
             }
+            for stage, ms in stages.items():
+                row[f"host_{stage[:-2]}_mean_ms"] = mean(ms)
             row["cache_share_mean_ms"] = mean(host_ms) - mean(device_ms)
             row["cache_share_p99_ms"] = _p99(host_ms) - _p99(device_ms)
             row["share_mean_vs_memcpy"] = row["cache_share_mean_ms"] / memcpy_ms
