@@ -25,6 +25,8 @@ from hicache.controller.store.page_entry import PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.types import ComponentType, Tier
 
+_UNQUEUED = [None, None, None]
+
 
 class TenantOps(StoreState):
     """Quota upkeep of a page store (the store's state is its own)."""
@@ -34,7 +36,8 @@ class TenantOps(StoreState):
         if entry.tenant != tenant:
             assert not entry.held, f"{entry} changes tenant while held"
             entry.tenant = tenant
-            entry.heap_key = [None, None, None]  # queued again, in its tenant's heaps too
+            if entry.heap_key != _UNQUEUED:
+                entry.heap_key = [None, None, None]  # queued again, in its tenant's heaps too
 
     def _refuse_locked(self, tenant: int, tier: Tier) -> bool:
         self._index.tenants.count(tenant, "quota_refused", tier.name.lower())
