@@ -74,6 +74,50 @@ def _median_s(fn: Callable[[int], object], repeat: int, device: torch.device) ->
     return statistics.median(times)
 
 
+class StageClock:
+    """Wall time of each stage of one store or load, stage by stage: the client's calls
+    (``begin_store``, ``commit_store``, ``pin``, ``prefetch``, ``unpin``), the copies'
+    launches (``copy_start``) and the waits for them (``copy_wait``). Installed on one
+    client and one engine's copies for the ``with`` block."""
+
+    CALLS = ("begin_store", "commit_store", "pin", "prefetch", "unpin")
+
+    def __init__(self, client: SidecarController, engine: EngineBlocks) -> None:
+        self.client, self.engine = client, engine
+        self.ms: dict[str, float] = {}
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return run
+
+    def __enter__(self) -> StageClock:
+        import hicache.integrations.engine_blocks as eb
+
+        self._wait = eb._wait_all
+        eb._wait_all = self._timed("copy_wait", eb._wait_all)
+        for name in self.CALLS:
+            setattr(self.client, name, self._timed(name, getattr(self.client, name)))
+        self._copies = [c for c in self.engine._copies_now() if c is not None]
+        for c in self._copies:
+            c.start = self._timed("copy_start", c.start)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import hicache.integrations.engine_blocks as eb
+
+        eb._wait_all = self._wait
+        for name in self.CALLS:
+            del self.client.__dict__[name]
+        for c in self._copies:
+            del c.__dict__["start"]
+
+
 def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]:
     """A copy of ``nbytes`` between the kinds of memory the paths move between."""
     if device.type == "cpu":
@@ -99,6 +143,10 @@ def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]
 
     out["both"] = _median_s(both, repeat, device)
     return out
+
+
+#: size -> {"store"|"load": {stage: ms}}: one store's and one load's stages (StageClock)
+STAGES: dict[int, dict[str, dict[str, float]]] = {}
 
 
 class Sidecar:
@@ -201,6 +249,16 @@ def engine_block_paths(
             def kernel_to_device(_: int, ids=ids, scratch=scratch, copy=copy) -> None:
                 copy.to_device(scratch, [blocks + i for i in ids])
 
+            stages = {}
+            for what, run in (("store", store), ("load", load)):
+                _sync(device)
+                with StageClock(client, engine) as clock:
+                    t0 = time.perf_counter()
+                    run(0)
+                    _sync(device)
+                    clock.ms["total"] = (time.perf_counter() - t0) * 1e3
+                stages[what] = clock.ms
+            STAGES[size] = stages
             out[size] = {
                 "copy_alone_to_host": _median_s(kernel_to_host, repeat, device),
                 "copy_alone_to_device": _median_s(kernel_to_device, repeat, device),
@@ -345,8 +403,19 @@ def main() -> int:
                          "memcpy_GBps": mgbps, "ratio": floor[kind] / seconds})  # fmt: skip
             ratio = floor[kind] / seconds
             print(f"  {path:22} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
+    print("one vLLM store and one load, stage by stage (ms; the stages of a chunked")
+    print("transfer overlap, so they may add up to more than its total):")
+    for size, stages in STAGES.items():
+        for what, ms in stages.items():
+            parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
+            print(f"  {size // MIB:6} MiB {what:5}  {parts}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+        doc = {
+            "device": name,
+            "rows": rows,
+            "stages": {str(k // MIB): v for k, v in STAGES.items()},
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 
