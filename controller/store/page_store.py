@@ -55,7 +55,7 @@ from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_host import TierHostOps
 from hicache.controller.tiers.disk_tier import DiskTier
 from hicache.controller.tiers.remote_tier import open_remote
-from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, P_REMOTE, ControllerError, PageKey
+from hicache.controller_api import ControllerError, PageKey
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
@@ -194,21 +194,17 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
     ) -> dict[ComponentType, list[int]]:
         """Per component, the ``Presence`` of each page of the chain as a plain int: the
         index's, then what the lower tiers add (asked without the lock). A lookup of
-        ``tenant`` counts its FULL pages' results to that tenant."""
+        ``tenant`` counts its FULL pages' results to that tenant, and makes the pages it
+        finds that belong to no tenant (found on disk at start) that tenant's."""
         rows: dict[ComponentType, list[int]] = {}
         with self._lock:
             for comp in components:
                 rows[comp] = self._index.presence(page_hashes, comp)
         for tier in self._tiers:
             tier.probe(page_hashes, rows)
-        full = rows.get(ComponentType.FULL)
-        if tenant is not None and full is not None:
+        if tenant is not None:
             with self._lock:
-                ledger = self._index.tenants
-                tid = ledger.intern(tenant)
-                for label, p in (("host", P_HOST), ("disk", P_DISK), ("remote", P_REMOTE)):
-                    ledger.count(tid, "lookup", label, full.count(p))
-                ledger.count(tid, "lookup", "miss", full.count(P_ABSENT))
+                self._tenant_lookup_locked(tenant, page_hashes, rows)
         return rows
 
     def tiers_of(self, keys: Sequence[PageKey]) -> list[frozenset[Tier]]:

@@ -11,6 +11,10 @@ every eviction — never another tenant's:
   evicted, so a tenant may stand over its disk quota by what it has queued until those
   writes commit; then its oldest committed pages go until it is within it again.
 
+Pages found on disk at start belong to no tenant until a lookup of a tenant finds them:
+only that tenant's requests name their hashes (its namespace seeds them), so they are its
+own from then on and count to its quotas (over one, its oldest pages go at its next store).
+
 A page larger than its tenant's quota is never stored on that tier. Each refusal is
 counted (``failures.tenant_quota`` and the tenant's ``quota_refused``). Nothing is ever
 served wrong: a page is stored whole or not at all.
@@ -20,9 +24,12 @@ the operations that store pages call them with the lock held.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hicache.controller.store.counters import Failure
 from hicache.controller.store.page_entry import PageEntry
 from hicache.controller.store.store_state import StoreState
+from hicache.controller_api import P_ABSENT, P_DISK, P_HOST, P_REMOTE
 from hicache.types import ComponentType, Tier
 
 _UNQUEUED = [None, None, None]
@@ -78,3 +85,25 @@ class TenantOps(StoreState):
                 return
             n = self._evict_disk_locked(victim, delete=True)
             ledger.count(tenant, "quota_evicted", "disk", n)
+
+    def _tenant_lookup_locked(
+        self, tenant: str, page_hashes: Sequence[bytes], rows: dict[ComponentType, list[int]]
+    ) -> None:
+        """Count a lookup of ``tenant`` (its FULL pages, by result) and, after a restart,
+        make the pages it found that belong to no tenant its own."""
+        ledger = self._index.tenants
+        tid = ledger.intern(tenant)
+        full = rows.get(ComponentType.FULL)
+        if full is not None:
+            for label, p in (("host", P_HOST), ("disk", P_DISK), ("remote", P_REMOTE)):
+                ledger.count(tid, "lookup", label, full.count(p))
+            ledger.count(tid, "lookup", "miss", full.count(P_ABSENT))
+        if not ledger.restored:
+            return
+        for comp, row in rows.items():
+            tag = bytes((int(comp),))
+            for h, p in zip(page_hashes, row, strict=True):
+                if p in (P_HOST, P_DISK):
+                    e = self._index.get(h + tag)
+                    if e is not None and not e.tenant and e.held:
+                        ledger.adopt(e, tid)

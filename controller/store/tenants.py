@@ -2,9 +2,10 @@
 bytes, its own eviction order, and the per-tenant numbers the sidecar reports.
 
 A page belongs to the tenant that stored it: the ``tenant`` named by the backup (or the
-engine's own store) that first made it present. A page stored without one, found on disk
-at start, or read from the remote tier belongs to no tenant (:data:`NO_TENANT`): it
-counts to no quota and is evicted by the tier's LRU order only. A tenant is an engine's
+engine's own store) that first made it present. A page stored without one, or read from
+the remote tier, belongs to no tenant (:data:`NO_TENANT`): it counts to no quota and is
+evicted by the tier's LRU order only. One found on disk at start belongs to none until a
+lookup of a tenant finds it (:meth:`TenantLedger.adopt`; tenant_ops.py). A tenant is an engine's
 label, not a credential: the sidecar trusts the engines it admits (docs/isolation.md).
 
 Bytes are payload bytes: a page counts its component's host page size on each tier that
@@ -72,6 +73,7 @@ class TenantLedger:
         self._by_id: dict[int, TenantRecord] = {}
         self._next_id = NO_TENANT + 1
         self._forget_at = _FORGET_MIN  # records past which the idle ones are dropped
+        self.restored = False  # pages were found on disk at start: they are no tenant's
         self.totals: dict[tuple[str, str], int] = dict.fromkeys(COUNTS, 0)
 
     @classmethod
@@ -129,6 +131,17 @@ class TenantLedger:
         rec = self._by_id[entry.tenant]
         rec.pages[tier] += delta
         rec.nbytes[tier] += delta * self.page_bytes[entry.component]
+
+    def adopt(self, entry: PageEntry, tid: int) -> None:
+        """``entry`` (held, of no tenant) is tenant ``tid``'s from now on: its bytes count
+        to it, and its current eviction items are queued in its heaps too."""
+        entry.tenant = tid
+        for tier in _TIERS:
+            if entry.present(tier):
+                self.charge(entry, tier, +1)
+                key = entry.heap_key[tier]
+                if key is not None:
+                    self.push(entry, tier, (key[0], key[1], entry))
 
     def count(self, tid: int, what: str, label: str, n: int = 1) -> None:
         """Add ``n`` to tenant ``tid``'s count ``(what, label)`` and to the total."""

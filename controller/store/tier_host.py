@@ -200,6 +200,7 @@ class TierHostOps(StoreState):
         index."""
         with self._lock:
             self._index.restore_disk(records)
+            self._index.tenants.restored = len(self._index) > 0
 
     def stored_bytes(self) -> int:
         """Bytes the index says the indexed tier holds committed."""

@@ -186,3 +186,34 @@ def test_tenant_quota_settings_are_checked():
         ControllerConfig(tenant_host_quota_bytes=0)
     with pytest.raises(ConfigError, match="tenant_metrics_top_k"):
         ControllerConfig(tenant_metrics_top_k=-1)
+
+
+def test_after_a_restart_a_tenants_pages_are_its_own_again_once_it_looks_them_up(tmp_path):
+    """Pages found on disk at start belong to no tenant; a lookup of their tenant (the only
+    one whose requests name their hashes) makes them its own, and its quota holds again:
+    its next store evicts its oldest pages, another tenant's stay."""
+    engine, ctl = _controller(tmp_path / "probe", disk_path=None)
+    page = _page_bytes(ctl)
+    ctl.close()
+    quota = dict(tenant_disk_quota_bytes=6 * page, tenant_quotas=["b:disk=none"])
+    engine, ctl = _controller(tmp_path, **quota)
+    mine, _ = _store(ctl, engine, 1, 6, "a")
+    theirs, _ = _store(ctl, engine, 2, 6, "b")
+    assert ctl.flush(30.0)
+    ctl.close()
+
+    ctl = LocalController(_config(tmp_path, **quota))
+    ctl.register(engine.layout, PAGE, engine.pools)
+    assert ctl.stats()["tenants"]["tenants"] == 0  # restored pages: no tenant's
+    assert ctl.lookup(mine.hashes, [FULL], tenant="a").leading(FULL) == 6
+    ctl.check_invariants()
+    assert _tenant(ctl, "a")["disk_bytes"] == 6 * page
+    newer, ok = _store(ctl, engine, 3, 2, "a")
+    assert ok and ctl.flush(30.0)
+    ctl.check_invariants(deep=True)
+    assert _tenant(ctl, "a")["disk_bytes"] == 6 * page
+    assert _tenant(ctl, "a")["quota_evicted"]["disk"] == 2
+    on_disk = [Tier.DISK in t for t in ctl.store.tiers_of(mine.page_keys((FULL,)))]
+    assert on_disk == [True] * 4 + [False] * 2  # its oldest went: the chain's tail
+    assert all(Tier.DISK in t for t in ctl.store.tiers_of(theirs.page_keys((FULL,))))
+    ctl.close()
