@@ -188,6 +188,10 @@ class ControllerConfig:
     disk_sync: bool = True  # fsync every commit: a crash loses nothing committed
     disk_verify_on_open: bool = False  # checksum every stored page at open (reads it all)
     disk_map_full_retries: int = 3  # evict-and-retry rounds before rejecting pages
+    # After a start, the most recently used disk pages are read back into free host pages
+    # up to this many bytes, hottest first, while serving (controller/tiers/prewarm.py).
+    # None: half of host_pool_bytes; 0: off (the default in-process; the sidecar's is None).
+    prewarm_bytes: int | None = 0
 
     # The writer commits up to this many pages / bytes per transaction, waiting at most
     # the flush interval for a batch to fill; reads run on reader_threads threads.
@@ -290,6 +294,11 @@ class ControllerConfig:
             raise ConfigError(
                 f"host_pool_bytes must be > 0, got {self.host_pool_bytes}; give the host tier "
                 "some memory, e.g. 4 GiB = 4294967296"
+            )
+        if self.prewarm_bytes is not None and self.prewarm_bytes < 0:
+            raise ConfigError(
+                f"prewarm_bytes must be >= 0 (0: no prewarm) or none (half the host pool), "
+                f"got {self.prewarm_bytes}"
             )
         for c in ComponentType:
             w = self.host_weight(c)

@@ -77,6 +77,13 @@ def _print_status(r: dict) -> None:
             f"  disk:      {_human_bytes(disk['live_bytes'])} live, file "
             f"{_human_bytes(disk['file_bytes'])}, budget {_human_bytes(disk['budget_bytes'])}"
         )
+        warm = disk.get("prewarm") or {}
+        if warm.get("state", "off") != "off":
+            print(
+                f"  prewarm:   {warm['state']}, {_human_bytes(warm['bytes_read'])} of "
+                f"{_human_bytes(warm['target_bytes'])} read back to host "
+                f"({warm['pages_read']} of {warm['target_pages']} pages)"
+            )
     print(f"  pages:     {r['entries']} indexed, {r['pins_active']} pins")
     print_remote_status(r.get("remote", {}))
 

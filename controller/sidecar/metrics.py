@@ -200,6 +200,7 @@ class ControllerCollector(Collector):
                 "Stored values dropped at open for bad headers or checksums.",
                 value=disk.get("invalid_dropped", 0),
             )
+            yield from prewarm_families(disk.get("prewarm") or {})
         yield GaugeMetricFamily(
             "hicache_pins_active", "Active pins.", value=s.get("pins_active", 0)
         )
@@ -211,6 +212,29 @@ class ControllerCollector(Collector):
         )
         yield from remote_families(s)
         yield from tenant_families(s.get("tenants") or {})
+
+
+def prewarm_families(p: dict[str, Any]) -> Iterator[Any]:
+    """The warm start's progress (controller/tiers/prewarm.py)."""
+    size = GaugeMetricFamily(
+        "hicache_prewarm_bytes",
+        "Bytes of the prewarm after the last start: planned (target) and read to host.",
+        labels=["kind"],
+    )
+    size.add_metric(["target"], p.get("target_bytes", 0))
+    size.add_metric(["read"], p.get("bytes_read", 0))
+    yield size
+    pages = GaugeMetricFamily(
+        "hicache_prewarm_pages", "Pages of the prewarm: planned and read.", labels=["kind"]
+    )
+    pages.add_metric(["target"], p.get("target_pages", 0))
+    pages.add_metric(["read"], p.get("pages_read", 0))
+    yield pages
+    yield GaugeMetricFamily(
+        "hicache_prewarm_running",
+        "1 while the prewarm reads pages back to host.",
+        value=1 if p.get("state") == "running" else 0,
+    )
 
 
 OTHER_TENANTS = "__other__"  # the label of every tenant outside the top K, summed

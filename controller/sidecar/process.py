@@ -189,6 +189,7 @@ def load_settings(
         layout = _layout_from(table, str(layout_file))
     ctl.setdefault("host_shared", True)  # the engines copy their load-backs themselves
     ctl.setdefault("host_populate", True)  # ready means ready: no first touch at a load
+    ctl.setdefault("prewarm_bytes", None)  # a warm start: half the host pool, hottest first
     return ServeSettings(SidecarConfig(**side), ControllerConfig(**ctl), layout)
 
 

@@ -71,6 +71,31 @@ class TierHostOps(StoreState):
         self._index.acquire(e)
         return e
 
+    def prewarm_fill(self, keys: Sequence[PageKey]) -> tuple[list[Future], int, int, bool]:
+        """Start reading those of ``keys`` held only by the indexed tier into free host
+        pages, evicting nothing: the futures of those reads, the pages and bytes started,
+        and False once a component had no free host page left."""
+        with self._lock:
+            cold: list[PageKey] = []
+            free = {c: p.free_pages for c, p in self._host.components.items()}
+            room, nbytes = True, 0
+            for k in keys:
+                e = self._index.get(k.storage_key())
+                if e is None or e.disk_state is not DiskState.READY:
+                    continue
+                if e.host_state is not HostState.NONE:
+                    continue
+                if free.get(k.component, 0) <= 0:
+                    room = False
+                    continue
+                free[k.component] -= 1
+                cold.append(k)
+                nbytes += e.disk_nbytes
+            if cold:
+                self._disk.fill_locked(cold)
+            fills = {id(f): f for f in (self._index.get(k.storage_key()).fill for k in cold)}
+        return [f for f in fills.values() if f is not None], len(cold), nbytes, room
+
     def fill_started_locked(self, pages: Sequence[PageEntry], fill: Future) -> None:
         """``fill`` resolves when the reads into ``pages`` end (True: all filled)."""
         for e in pages:

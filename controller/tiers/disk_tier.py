@@ -32,10 +32,11 @@ import numpy as np
 from hicache.controller.config import ControllerConfig, DiskWritePolicy
 from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.page_codec import HEADER_BYTES, ReadStatus
-from hicache.controller.store.page_entry import PageEntry
+from hicache.controller.store.page_entry import DiskState, PageEntry
 from hicache.controller.tiers import lmdb_fsck
-from hicache.controller.tiers.lmdb_tier import LmdbTier, WriteJob, WriteResult
+from hicache.controller.tiers.lmdb_tier import DiskRecord, LmdbTier, WriteJob, WriteResult
 from hicache.controller.tiers.lower_tier import FillResult, FsckResult, TierHost, flush_deletes
+from hicache.controller.tiers.prewarm import Prewarm, UseLog, prewarm_order
 from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
 
@@ -91,6 +92,8 @@ class DiskTier:
             evict=host.evict_stored,
             on_written=self._written,
         )
+        self.uses = UseLog(self.lmdb.path)
+        self.prewarm = Prewarm([], 0, host.prewarm_fill)
 
     @classmethod
     def open(
@@ -113,13 +116,33 @@ class DiskTier:
                 lmdb.close()
                 raise
             host.restore_stored(records)
+            order = tier._last_uses(records)
         over = host.stored_bytes() - config.disk_budget_bytes
         if over > 0:  # the budget shrank since the last run
             lmdb.submit_delete(host.evict_stored(over))
         lmdb.fault_hook = host.fault
         lmdb.start()
         log.info("LMDB tier %s: %d pages found", config.disk_path, len(records))
+        budget = config.prewarm_bytes
+        if budget is None:
+            budget = config.host_pool_bytes // 2
+        tier.prewarm = Prewarm(order, budget, host.prewarm_fill)
+        tier.uses.start()
+        tier.prewarm.start()
         return tier
+
+    def _last_uses(self, records: list[DiskRecord]) -> list[tuple[PageKey, int]]:
+        """The pages found, hottest first (:func:`prewarm_order`); the use log is reduced
+        to the pages still stored and rewritten."""
+        try:
+            uses = self.uses.read()
+            kept = {r.skey: uses[r.skey] for r in records if r.skey in uses}
+            if kept != uses:
+                self.uses.rewrite(kept)
+        except OSError as exc:  # the order of the prewarm only
+            log.warning("last-use records not read (%s): prewarm by write order", exc)
+            kept = {}
+        return prewarm_order(records, kept)
 
     # -- what it holds -------------------------------------------------------------------
 
@@ -209,7 +232,9 @@ class DiskTier:
             self._queue_locked(page, keep_copy=True)
 
     def on_served_locked(self, page: PageEntry) -> None:
-        """Nothing: which pages this tier keeps does not depend on loads."""
+        """Record the use of a page this tier holds (the order of the next prewarm)."""
+        if page.disk_state is DiskState.READY:
+            self.uses.record(page.skey)
 
     def on_close_locked(self) -> None:
         """Write-back keeps pages in memory only: queue every page held only on host, so
@@ -245,7 +270,7 @@ class DiskTier:
         return self.lmdb.flush(timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return self.lmdb.stats()
+        return {**self.lmdb.stats(), "prewarm": self.prewarm.stats()}
 
     def health(self, timeout_s: float) -> dict[str, Any]:
         """:meth:`stats`, and whether the writer thread (its only way in) is running."""
@@ -278,7 +303,10 @@ class DiskTier:
         assert not extra, f"{len(extra)} LMDB values unknown to the index"
 
     def close(self, timeout_s: float) -> bool:
-        """Drain the writer and close LMDB; True when drained."""
+        """Stop the prewarm, write the last uses, drain the writer and close LMDB; True
+        when drained."""
+        self.prewarm.stop()
+        self.uses.close()
         return self.lmdb.close(timeout_s)
 
 

@@ -157,6 +157,11 @@ class TierHost(Protocol):
         :meth:`finish_fills`); the page is indexed first if it is not (under
         ``parent_hash``, or provisionally when None). None when no host page is free."""
 
+    def prewarm_fill(self, keys: Sequence[PageKey]) -> tuple[list[Future], int, int, bool]:
+        """Start reading those of ``keys`` held only by the indexed tier into free host
+        pages, evicting nothing: the reads' futures, the pages and bytes started, and False
+        once the host tier had no free page left for one."""
+
     def fill_started_locked(self, pages: Sequence[PageEntry], fill: Future) -> None:
         """``fill`` resolves when the reads into ``pages`` end (True: all filled)."""
 

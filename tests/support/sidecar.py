@@ -125,6 +125,10 @@ class Sidecar:
             "8MiB",
             "--disk-budget-bytes",
             "64MiB",
+            # Pages found on disk at a start stay there (the tests of the disk path); a
+            # test of the prewarm sets its own (a later --set wins).
+            "--set",
+            "prewarm_bytes=0",
             *self.args,
         ]
 

@@ -115,37 +115,80 @@ def test_sidecar_unmaps_an_engines_memory_once_the_engine_leaves(workdir):
         assert "left: said bye" in sidecar.log_text()
 
 
+def _restartable(workdir, *args: str) -> Sidecar:
+    """A sidecar whose engines notice a restart quickly (heartbeats every 0.3 s)."""
+    layout = ["--layout-file", str(layout_file(workdir))]
+    return Sidecar(workdir, args=[*layout, "--set", "heartbeat_interval_s=0.3", *args])
+
+
+def _prefix_off_device(engine: EngineProc) -> None:
+    """The engine computes the prefix, backs it up, and drops it from its device tier."""
+    assert engine.call("run", tokens=TOKENS)["backup_done"] >= 1
+    assert engine.call("evict_all")["full_tokens"] >= PREFIX
+
+
+def _registered_again(sidecar: Sidecar, engine: EngineProc, engine_id: str) -> None:
+    """Wait until ``engine_id`` registered with the restarted sidecar (its second start)
+    and its client serves again."""
+    wait_for(
+        lambda: sidecar.log_text().count(f"engine {engine_id} registered cpu pools") == 2,
+        60,
+        "the engine to register with the restarted sidecar",
+    )
+    assert engine.call("wait_available", timeout_s=60)["available"], engine.stderr()
+
+
 def test_an_engine_loads_exactly_from_a_sidecar_restarted_after_a_kill_9(workdir):
     """The sidecar is killed (no drain) and started again on the same LMDB; the engine,
     never restarted, notices by itself (heartbeats), reconnects and registers again, and
     its next load of the prefix — now only on disk — is exact (every byte checked)."""
-    sidecar = Sidecar(
-        workdir,
-        args=[
-            "--layout-file",
-            str(layout_file(workdir)),
-            "--backup-ack",
-            "disk",  # acknowledged means committed: a kill -9 loses none of it
-            "--set",
-            "heartbeat_interval_s=0.3",
-        ],
-    )
+    # --backup-ack disk: acknowledged means committed, so a kill -9 loses none of it
+    sidecar = _restartable(workdir, "--backup-ack", "disk")
     with sidecar.launch():
         (a,) = _engines(sidecar, "engine-A")
         try:
-            assert a.call("run", tokens=TOKENS)["backup_done"] >= 1
-            assert a.call("evict_all")["full_tokens"] >= PREFIX
+            _prefix_off_device(a)
             sidecar.kill()
             sidecar.start()
-            wait_for(
-                lambda: sidecar.log_text().count("engine engine-A registered cpu pools") == 2,
-                60,
-                "the engine to register with the restarted sidecar",
-            )
-            assert a.call("wait_available", timeout_s=60)["available"], a.stderr()
+            _registered_again(sidecar, a, "engine-A")
             m = a.call("match", tokens=TOKENS)
             assert m == {"prefix_len": 0, "host_hit_len": 0, "disk_hit_len": PREFIX}, m
             assert a.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
             assert a.call("status")["counters"]["connected"] == 2
+        finally:
+            a.close()
+
+
+def test_a_restarted_sidecar_prewarms_the_prefix_and_hicachectl_shows_it(workdir, capsys):
+    """After a restart the sidecar reads the pages used last back to host while serving:
+    the engine's prefix, on disk only before, is a host hit once the prewarm is done, and
+    ``hicachectl status`` reports the prewarm."""
+    from hicache.controller.admin import cli as admin_cli
+    from hicache.controller.wire.protocol import Verb
+
+    sidecar = _restartable(workdir, "--set", "prewarm_bytes=4MiB")
+    with sidecar.launch():
+        (a,) = _engines(sidecar, "engine-A")
+        try:
+            _prefix_off_device(a)
+            assert sidecar.stop() == 0
+            sidecar.start()
+            admin = sidecar.admin()
+            try:
+
+                def prewarm() -> dict:
+                    return admin.call(Verb.STATUS)["disk"]["prewarm"]
+
+                wait_for(lambda: prewarm()["state"] == "done", 60, "the prewarm")
+                assert prewarm()["pages_read"] == prewarm()["target_pages"] > 0
+            finally:
+                admin.close()
+            _registered_again(sidecar, a, "engine-A")
+            m = a.call("match", tokens=TOKENS)
+            assert m == {"prefix_len": 0, "host_hit_len": PREFIX, "disk_hit_len": 0}, m
+            assert a.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            capsys.readouterr()
+            assert admin_cli.main(["--socket", str(sidecar.socket), "status"]) == 0
+            assert "prewarm:   done" in capsys.readouterr().out
         finally:
             a.close()

@@ -1,0 +1,128 @@
+"""The warm start: last uses recorded beside LMDB, and the hottest pages read back to host
+after a restart, never a page that fails its checksum."""
+
+from __future__ import annotations
+
+import time
+
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.tiers.prewarm import USE_LOG_NAME, UseLog
+from hicache.types import ComponentType, Tier
+from tests.support.controller import (
+    PAGE,
+    assert_same_bytes,
+    controller_config,
+    load_into,
+    registered_controller,
+)
+
+FULL = ComponentType.FULL
+
+
+def _prewarmed(ctl: LocalController, timeout_s: float = 30.0) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        stats = ctl.stats()["disk"]["prewarm"]
+        if stats["state"] in ("done", "off"):
+            return stats
+        time.sleep(0.01)
+    raise AssertionError(f"the prewarm did not end: {stats}")
+
+
+def _stored_bytes(ctl: LocalController, keys) -> int:
+    with ctl.store._disk.lmdb.env.begin() as txn:
+        return sum(len(txn.get(k.storage_key())) for k in keys)
+
+
+def _two_chains(tmp_path):
+    """Chain ``hot`` stored first and loaded later, chain ``cold`` stored after it and never
+    loaded: ``hot`` is the more recently used though ``cold`` was written last."""
+    layout, engine, ctl = registered_controller(tmp_path, host_pool_bytes=4 << 20)
+    hot = engine.write_chain(range(6 * PAGE))
+    assert ctl.backup(hot.refs()).wait(10.0)
+    cold = engine.write_chain(range(1000, 1000 + 6 * PAGE))
+    assert ctl.backup(cold.refs()).wait(10.0)
+    assert ctl.flush(10.0)
+    time.sleep(0.01)  # the load's use is later than every write
+    load_into(ctl, engine, hot)
+    ctl.check_invariants()
+    budget = _stored_bytes(ctl, hot.page_keys())
+    ctl.close()
+    assert (tmp_path / "lmdb" / USE_LOG_NAME).stat().st_size > 0
+    return layout, engine, hot, cold, budget
+
+
+def test_the_prewarm_brings_back_the_most_recently_used_pages_first(tmp_path):
+    layout, engine, hot, cold, budget = _two_chains(tmp_path)
+    snap = engine.snapshot(hot)
+
+    ctl = LocalController(controller_config(tmp_path, prewarm_bytes=budget))
+    ctl.register(layout, PAGE, engine.pools)
+    stats = _prewarmed(ctl)
+    ctl.check_invariants(deep=True)
+
+    assert stats["target_bytes"] == stats["bytes_read"] == budget
+    assert stats["pages_read"] == len(hot.page_keys())
+    assert all(Tier.HOST in t for t in ctl.store.tiers_of(hot.page_keys()))
+    assert not any(Tier.HOST in t for t in ctl.store.tiers_of(cold.page_keys()))
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, hot)), snap)  # host hits
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_without_recorded_uses_the_last_written_pages_come_first(tmp_path):
+    layout, engine, hot, cold, _ = _two_chains(tmp_path)
+    (tmp_path / "lmdb" / USE_LOG_NAME).unlink()
+    ctl = LocalController(controller_config(tmp_path, prewarm_bytes=1))
+    ctl.register(layout, PAGE, engine.pools)
+    assert _prewarmed(ctl)["target_pages"] == 0  # a budget smaller than a page: nothing
+    ctl.close()
+    ctl = LocalController(controller_config(tmp_path, prewarm_bytes=None))  # half the pool
+    ctl.register(layout, PAGE, engine.pools)
+    _prewarmed(ctl)
+    ctl.check_invariants(deep=True)
+    assert all(Tier.HOST in t for t in ctl.store.tiers_of(cold.page_keys()))
+    ctl.close()
+
+
+def test_the_prewarm_never_serves_a_page_that_fails_its_checksum(tmp_path):
+    import lmdb
+
+    layout, engine, hot, cold, budget = _two_chains(tmp_path)
+    bad = hot.refs([FULL])[2].key
+    env = lmdb.open(str(tmp_path / "lmdb"), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(bad.storage_key()))
+        value[HEADER_BYTES + 11] ^= 0x08
+        txn.put(bad.storage_key(), bytes(value))
+    env.close()
+
+    ctl = LocalController(controller_config(tmp_path, prewarm_bytes=budget))
+    ctl.register(layout, PAGE, engine.pools)
+    stats = _prewarmed(ctl)
+    ctl.check_invariants(deep=True)
+    assert stats["batches_failed"] == 1
+    assert ctl.stats()["failures"]["checksum"] == 1
+    assert ctl.store.tiers_of([bad]) == [frozenset()]  # dropped: a miss, never served
+    others = [k for k in hot.page_keys() if k != bad]
+    assert all(Tier.HOST in t for t in ctl.store.tiers_of(others))
+    assert ctl.pin(hot.page_keys(), 5.0) is None  # the chain is no longer whole
+    ctl.close()
+
+
+def test_the_use_log_keeps_the_newest_use_and_ignores_a_torn_record(tmp_path):
+    log = UseLog(tmp_path)
+    a, b = b"a" * 17, b"b" * 17
+    log.record(a)
+    log.flush()
+    time.sleep(0.001)
+    log.record(b)
+    log.record(a)
+    log.flush()
+    with open(log.path, "ab") as f:
+        f.write(b"torn")
+    uses = log.read()
+    assert set(uses) == {a, b} and uses[a] >= uses[b]
+    log.rewrite({a: uses[a]})
+    assert log.read() == {a: uses[a]}
