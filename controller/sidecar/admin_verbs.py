@@ -235,7 +235,7 @@ class AdminVerbs:
             out["lookups"] = [
                 {
                     "age_s": round(now - lk.at, 3),
-                    "pages": len(lk.page_hashes),
+                    "pages": lk.pages,
                     "first_miss": {
                         c.name.lower(): {"reason": r.value, "tier": tier_label(t)}
                         for c, (r, t) in lk.reasons.items()
@@ -243,7 +243,7 @@ class AdminVerbs:
                     "load_failures": [
                         {"reason": r.value, "tier": tier_label(t)} for r, t in lk.load_failures
                     ],
-                    "runs": store.explain(lk.page_hashes, list(lk.rows), rows=lk.rows),
+                    "runs": store.explain(lk.page_hashes, list(lk.presence), rows=lk.rows),
                 }
                 for lk in store.recent_lookups(a.engine, a.last or 1)
             ]

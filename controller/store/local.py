@@ -243,9 +243,7 @@ class LocalController:
         self._check_open()
         rows = self._store.presence(page_hashes, components, tenant)
         reasons = self._store.first_misses(page_hashes, rows)
-        self._store.remember_lookup(
-            engine_id, RecentLookup(time.monotonic(), page_hashes, rows, reasons, [])
-        )
+        self._store.remember_lookup(engine_id, RecentLookup.of(page_hashes, rows, reasons))
         for comp, row in rows.items():
             label = component_label(comp)
             self.counters.add(row.count(P_HOST), "lookup", "host", label)

@@ -26,9 +26,10 @@ import collections
 import enum
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.controller.store.counters import Counters, component_label
+from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, Tier
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
 #: The ``tier`` label of a reason that no tier is to blame for (never stored).
 NO_TIER = "none"
 _ENGINES_KEPT = 64  # engines whose last lookups are kept (an engine's id per connection)
+_PAGES_KEPT = 1024  # pages of one lookup kept for explain (a sidecar asks in such chunks)
 
 
 class MissReason(enum.Enum):
@@ -100,14 +102,38 @@ class Departure:
 
 @dataclass
 class RecentLookup:
-    """One lookup of an engine as it was answered (kept for ``explain --engine``): the
-    hashes asked, per component the presence row and the reason its first miss counted."""
+    """One lookup of an engine as it was answered (kept for ``explain --engine``): when,
+    how many pages, the reason its first miss counted per component, the loads that
+    failed after it, and, compactly, its first ``_PAGES_KEPT`` hashes (joined) and
+    presence rows (a byte per page)."""
 
     at: float
-    page_hashes: Sequence[bytes]
-    rows: dict[ComponentType, list[int]]
+    pages: int
     reasons: dict[ComponentType, tuple[MissReason, Tier | None]]
-    load_failures: list[tuple[MissReason, Tier | None]]
+    hashes: bytes
+    presence: dict[ComponentType, bytes]
+    load_failures: list[tuple[MissReason, Tier | None]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        page_hashes: Sequence[bytes],
+        rows: dict[ComponentType, list[int]],
+        reasons: dict[ComponentType, tuple[MissReason, Tier | None]],
+    ) -> RecentLookup:
+        """A lookup just answered (copies at most ``_PAGES_KEPT`` pages of it)."""
+        kept = page_hashes[:_PAGES_KEPT]
+        presence = {c: bytes(row[:_PAGES_KEPT]) for c, row in rows.items()}
+        return cls(time.monotonic(), len(page_hashes), reasons, b"".join(kept), presence)
+
+    @property
+    def page_hashes(self) -> list[bytes]:
+        h = self.hashes
+        return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
+
+    @property
+    def rows(self) -> dict[ComponentType, list[int]]:
+        return {c: list(row) for c, row in self.presence.items()}
 
 
 class MissLog:

@@ -297,9 +297,7 @@ class ClusterStore:
             else:  # the node failed, or outlasted the deadline: its keys fail, it is hinted
                 self._mark_failing(addr)
                 if job in late:
-                    log.warning(
-                        "remote node %s:%d outlasted a %.3f s deadline", *addr, timeout_s
-                    )
+                    log.warning("remote node %s:%d outlasted a %.3f s deadline", *addr, timeout_s)
                 for i in idxs:
                     out[i] = failed(KeyStatus.ERROR)
         return out
