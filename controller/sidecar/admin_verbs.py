@@ -243,7 +243,7 @@ class AdminVerbs:
                     "load_failures": [
                         {"reason": r.value, "tier": tier_label(t)} for r, t in lk.load_failures
                     ],
-                    "runs": store.explain(lk.page_hashes, list(lk.presence), rows=lk.rows),
+                    "runs": store.explain(lk.page_hashes, list(lk.rows), rows=lk.rows),
                 }
                 for lk in store.recent_lookups(a.engine, a.last or 1)
             ]

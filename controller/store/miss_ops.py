@@ -161,7 +161,8 @@ class MissOps(StoreState):
     ) -> list[dict[str, Any]]:
         """Page by page, where each page of the chain is per component and why an absent
         one is absent, as runs of pages alike (:func:`explain_runs`). ``rows``: the
-        presence as a lookup answered it (an engine's past lookup), else asked now. With
+        presence as a lookup answered it (an engine's past lookup; ``page_hashes`` may then
+        be empty when no page is absent), else asked now. With
         ``head`` (the prompt's tokens are known), pages never stored are told apart from
         a prompt stored under another namespace or layout. Counts nothing."""
         if rows is None:
@@ -170,11 +171,11 @@ class MissOps(StoreState):
         whys: dict[ComponentType, list[_Why | None]] = {}
         for comp, row in rows.items():
             out: list[_Why | None] = []
-            for h, p in zip(page_hashes, row, strict=True):
+            for i, p in enumerate(row):
                 if p != P_ABSENT:
                     out.append(None)
                     continue
-                why = self._why_absent(h + _TAG[comp])
+                why = self._why_absent(page_hashes[i] + _TAG[comp])
                 if elsewhere is not None and why.reason is MissReason.NEVER_STORED:
                     why = elsewhere
                 out.append(why)

@@ -44,7 +44,7 @@ __all__ = [
 
 #: The ``tier`` label of a reason that no tier is to blame for (never stored).
 NO_TIER = "none"
-_ENGINES_KEPT = 64  # engines whose last lookups are kept (an engine's id per connection)
+_ENGINES_KEPT = 32  # engines whose last lookups are kept (an engine's id per connection)
 _PAGES_KEPT = 1024  # pages of one lookup kept for explain (a sidecar asks in such chunks)
 
 
@@ -104,14 +104,15 @@ class Departure:
 class RecentLookup:
     """One lookup of an engine as it was answered (kept for ``explain --engine``): when,
     how many pages, the reason its first miss counted per component, the loads that
-    failed after it, and, compactly, its first ``_PAGES_KEPT`` hashes (joined) and
-    presence rows (a byte per page)."""
+    failed after it, its first ``_PAGES_KEPT`` presence rows (the lookup's own lists,
+    not copied) and, for a lookup that missed a page, those pages' hashes (joined: what
+    ``explain`` asks about the absent pages)."""
 
     at: float
     pages: int
     reasons: dict[ComponentType, tuple[MissReason, Tier | None]]
     hashes: bytes
-    presence: dict[ComponentType, bytes]
+    rows: dict[ComponentType, list[int]]
     load_failures: list[tuple[MissReason, Tier | None]] = field(default_factory=list)
 
     @classmethod
@@ -121,19 +122,18 @@ class RecentLookup:
         rows: dict[ComponentType, list[int]],
         reasons: dict[ComponentType, tuple[MissReason, Tier | None]],
     ) -> RecentLookup:
-        """A lookup just answered (copies at most ``_PAGES_KEPT`` pages of it)."""
-        kept = page_hashes[:_PAGES_KEPT]
-        presence = {c: bytes(row[:_PAGES_KEPT]) for c, row in rows.items()}
-        return cls(time.monotonic(), len(page_hashes), reasons, b"".join(kept), presence)
+        """A lookup just answered, whose ``rows`` nothing changes after (kept as they are,
+        cut to ``_PAGES_KEPT`` pages; the hashes copied only when it missed a page)."""
+        n = len(page_hashes)
+        if n > _PAGES_KEPT:
+            rows = {c: row[:_PAGES_KEPT] for c, row in rows.items()}
+        hashes = b"".join(page_hashes[:_PAGES_KEPT]) if reasons else b""
+        return cls(time.monotonic(), n, reasons, hashes, rows)
 
     @property
     def page_hashes(self) -> list[bytes]:
         h = self.hashes
         return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
-
-    @property
-    def rows(self) -> dict[ComponentType, list[int]]:
-        return {c: list(row) for c, row in self.presence.items()}
 
 
 class MissLog:
