@@ -45,6 +45,15 @@ class StoreReservation:
     host: WritableHostPages
 
 
+@dataclass(frozen=True)
+class PendingBegin:
+    """A ``store_begin`` sent and not yet answered (:meth:`EngineCopies.send_begin_store`)."""
+
+    request_id: int
+    generation: int
+    host: WritableHostPages
+
+
 class EngineCopies:
     """The engine-copied stores of :class:`SidecarController` (which sets the attributes
     below and the ``_call`` they go through)."""
@@ -59,6 +68,8 @@ class EngineCopies:
     _share: HostShare | None
 
     def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
+    def _call_failed(self, exc: Any) -> None: ...
+    def _succeeded(self) -> None: ...
 
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult: ...
 
@@ -115,6 +126,48 @@ class EngineCopies:
             np.frombuffer(res.host_pages, dtype="<i4").astype(np.int64),
             self._pages_generation,
             pages,
+        )
+
+    def send_begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> PendingBegin | None:
+        """:meth:`begin_store` in two halves: the request goes now, its reservation is
+        taken with :meth:`receive_begin_store`, so that the sidecar hands out the pages of
+        the next part of a store while this process copies the current one. None when
+        nothing was sent (as :meth:`begin_store` answers None). A request sent must be
+        received (a reservation nobody commits only expires)."""
+        pages = self._pages
+        if pages is None or self._pages_generation != self._channel.generation or not refs:
+            return None
+        if self._open:
+            return None
+        args = StoreBeginArgs(list(refs), float(ttl_s))
+        try:
+            rid = self._channel.send(Verb.STORE_BEGIN, args, self.config.request_timeout_s)
+        except ControllerError as exc:
+            log.debug("store_begin not sent: %s", exc)
+            return None
+        return PendingBegin(rid, self._pages_generation, pages)
+
+    def receive_begin_store(self, pending: PendingBegin) -> StoreReservation | None:
+        """The reservation a :meth:`send_begin_store` asked for; None when it failed."""
+        if pending.generation != self._channel.generation:
+            self._channel.forget(pending.request_id)
+            return None
+        try:
+            res = self._channel.wait(
+                pending.request_id,
+                self.config.request_timeout_s,
+                spin_s=self.config.reply_spin_s,
+            )
+        except ControllerError as exc:
+            self._call_failed(exc)
+            log.debug("store_begin failed: %s", exc)
+            return None
+        self._succeeded()
+        return StoreReservation(
+            res.store_id,
+            np.frombuffer(res.host_pages, dtype="<i4").astype(np.int64),
+            pending.generation,
+            pending.host,
         )
 
     def commit_store(self, store: StoreReservation, written: bool, wait: bool = True) -> int:

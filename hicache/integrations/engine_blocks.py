@@ -21,6 +21,7 @@ its lease lapses.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -121,21 +122,29 @@ class EngineBlocks:
     ) -> tuple[int, int]:
         """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
         written, pages not stored: no room, or no sidecar). ``on_copied`` runs once the
-        blocks are no longer read. Raises on a copy error (nothing of it becomes visible).
+        blocks are no longer read. Raises on a copy error: the parts copied before it are
+        published, no page of the part that failed (or of one after it) becomes visible,
+        and their host pages go back to the sidecar.
 
-        In chunks of ``chunk_bytes``: a chunk's pages are handed out and its copy started
-        while the previous chunk's copy ends and is committed, so the sidecar's
-        bookkeeping runs beside the copies instead of before and after them."""
+        In parts of ``chunk_bytes`` (the first smaller): the next part's pages are asked
+        for before this part's copy starts, and a part's copy runs while the one before it
+        is committed, so the sidecar's bookkeeping runs beside the copies instead of
+        before and after them."""
         copies = self._copies_now()
         if copies is None:
             return 0, len(refs)
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
         committed = not_stored = 0
         pending: list = []  # (reservation, events) started, not yet committed
+        parts = self._parts(len(refs))
+        asked = self.client.send_begin_store(refs[parts[0][0] : parts[0][1]], ttl_s)
         try:
-            for lo in range(0, len(refs), self.chunk_pages):
-                hi = min(lo + self.chunk_pages, len(refs))
-                store = self.client.begin_store(refs[lo:hi], ttl_s)
+            for i, (lo, hi) in enumerate(parts):
+                store = None if asked is None else self.client.receive_begin_store(asked)
+                asked = None
+                if i + 1 < len(parts):  # the sidecar hands out the next part's pages now
+                    nlo, nhi = parts[i + 1]
+                    asked = self.client.send_begin_store(refs[nlo:nhi], ttl_s)
                 if store is None:
                     not_stored += hi - lo
                     continue
@@ -144,23 +153,48 @@ class EngineBlocks:
                     events = self._start(copies, g_arr[lo:hi], b_arr[lo:hi], store.pages, True)
                 except Exception:
                     self.client.commit_store(store, False)
+                    committed += self._commit_copied(pending)  # the part before is whole
                     raise
-                while pending:  # the previous chunk: its copy ends while this one runs
-                    done, done_events = pending.pop()
-                    _wait_all(done_events)
-                    committed += self.client.commit_store(done, True, wait=False)
+                # the previous part: its copy ends while this one runs
+                committed += self._commit_copied(pending)
                 pending.append((store, events))
             for done, done_events in pending:  # the last: its answer covers the others
                 _wait_all(done_events)
                 committed += self.client.commit_store(done, True)
             pending = []
         finally:
+            if asked is not None:  # a part asked for and not copied: give its pages back
+                unused = self.client.receive_begin_store(asked)
+                if unused is not None:
+                    self.client.commit_store(unused, False)
             for done, done_events in pending:  # a copy failed: give the rest back
                 _wait_all(done_events, quiet=True)
                 self.client.commit_store(done, False)
             if on_copied is not None:
                 on_copied()
         return committed, not_stored
+
+    def _commit_copied(self, pending: list) -> int:
+        """Wait for the copies of the parts in ``pending`` and publish them (not waiting
+        for the answer), taking each out of ``pending`` only once its copy ended: one
+        whose copy failed stays there for the caller to give back."""
+        committed = 0
+        while pending:
+            done, done_events = pending[-1]
+            _wait_all(done_events)
+            pending.pop()
+            committed += self.client.commit_store(done, True, wait=False)
+        return committed
+
+    def _parts(self, n: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` of each part of a store of ``n`` pages: ``chunk_pages`` each, but
+        the first one an eighth of that, so that the first copy starts early and the
+        pipeline fills (a part's pages are handed out while the one before is copied)."""
+        first = max(1, self.chunk_pages // 8)
+        bounds = [0, min(n, first)]
+        while bounds[-1] < n:
+            bounds.append(min(n, bounds[-1] + self.chunk_pages))
+        return list(itertools.pairwise(bounds))
 
     def load(
         self, hashes: Sequence[bytes], groups: Sequence[int], blocks: Sequence[int],

@@ -130,3 +130,41 @@ def test_a_load_of_a_page_nobody_stored_is_a_miss_that_touches_no_block(sidecar)
         assert all(torch.equal(a, b) for a, b in zip(dst, before))
     finally:
         reader.client.close()
+
+
+def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar, monkeypatch):
+    """A store in parts (the first one page, then three): the third part's copy fails.
+    The two parts copied before it are published whole; the failed part and the part
+    already asked for behind it are given back: none of their pages is visible, none is
+    lost."""
+    writer, _ = _engine(sidecar, 6, chunk_pages=3)
+    reader, dst = _engine(sidecar, 7)
+    admin = sidecar.admin()
+    ids = list(range(200, 210))  # parts of 1, 3, 3, 3 pages
+    copy = writer._copies_now()[0]
+    started = []
+    real_start = copy.start
+
+    def start(blocks, pages, to_host):
+        started.append(len(blocks))
+        if len(started) == 3:
+            raise RuntimeError("the copy failed")
+        return real_start(blocks, pages, to_host)
+
+    monkeypatch.setattr(copy, "start", start)
+    try:
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            writer.store(_refs(ids), [0] * 10, [i - 200 for i in ids], ttl_s=30.0)
+        assert started == [1, 3, 3]
+        stats = admin.call(Verb.STATS)
+        # the first two parts (4 pages) are on host; the other six were handed back
+        assert stats["host"]["used_pages"]["full"] == 4
+        hits = reader.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
+        assert [int(p) != 0 for p in hits] == [True] * 4 + [False] * 6
+        assert reader.load([_hash(i) for i in ids[:4]], [0] * 4, [20, 21, 22, 23], 30.0, 30.0)
+        for s, d in zip(writer.groups[0][:2], dst):  # the bytes of the published parts
+            assert torch.equal(d[20:24], s.tensor[:4])
+    finally:
+        admin.close()
+        writer.client.close()
+        reader.client.close()
