@@ -54,6 +54,16 @@ class PendingBegin:
     host: WritableHostPages
 
 
+@dataclass(frozen=True)
+class PendingPin:
+    """A ``pin`` sent and not yet answered (:meth:`SidecarController.send_pin`)."""
+
+    request_id: int
+    generation: int
+    keys: list
+    ttl_s: float
+
+
 class EngineCopies:
     """The engine-copied stores of :class:`SidecarController` (which sets the attributes
     below and the ``_call`` they go through)."""

@@ -202,20 +202,25 @@ class EngineBlocks:
     ) -> bool:  # fmt: skip
         """Copy the pages ``hashes`` into block ``blocks[i]`` of group ``groups[i]``;
         True when every byte arrived (else the blocks are undefined: recompute them).
-        In chunks, a chunk pinned while the previous one's copy runs."""
+        In parts (as :meth:`store`), the next part pinned while this one's copy runs."""
         copies = self._copies_now()
         if copies is None:
             return False
         keys = [PageKey(self.component, h) for h in hashes]
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
         pending: list = []  # (pin, events, started)
+        parts = self._parts(len(keys))
+        asked = self.client.send_pin(keys[parts[0][0] : parts[0][1]], pin_ttl_s)
         ok = False
         try:
-            for lo in range(0, len(keys), self.chunk_pages):
-                hi = min(lo + self.chunk_pages, len(keys))
-                pin = self._pin_on_host(keys[lo:hi], pin_ttl_s, timeout_s)
+            for i, (lo, hi) in enumerate(parts):
+                pin = self._on_host(asked, keys[lo:hi], pin_ttl_s, timeout_s)
+                asked = None
                 if pin is None:
                     return False
+                if i + 1 < len(parts):  # the sidecar pins the next part meanwhile
+                    nlo, nhi = parts[i + 1]
+                    asked = self.client.send_pin(keys[nlo:nhi], pin_ttl_s)
                 t0 = time.perf_counter()
                 pages = np.asarray(pin.host_pages, dtype=np.int64)
                 try:
@@ -225,22 +230,28 @@ class EngineBlocks:
                     self.client.unpin(pin)
                     return False
                 while pending:
-                    done, done_events, started = pending.pop()
+                    done, done_events, started = pending[-1]
                     _wait_all(done_events)
+                    pending.pop()
                     self.client.unpin(done, loaded_s=time.perf_counter() - started)
                 pending.append((pin, events, t0))
             ok = True
             return True
         finally:
+            if asked is not None:  # a part pinned and not copied: let it go
+                unused = self.client.receive_pin(asked)
+                if unused is not None:
+                    self.client.unpin(unused)
             for done, done_events, started in pending:
                 _wait_all(done_events, quiet=not ok)
                 loaded = time.perf_counter() - started if ok else None
                 self.client.unpin(done, loaded_s=loaded)
 
-    def _pin_on_host(self, keys: list[PageKey], ttl_s: float, timeout_s: float):
-        """A pin of ``keys`` whose pages are all on host, reading the ones that are not
-        first (disk, remote); None when a page is gone or cannot be brought to host."""
-        pin = self.client.pin(keys, ttl_s)
+    def _on_host(self, asked, keys: list[PageKey], ttl_s: float, timeout_s: float):
+        """The pin of ``keys`` sent as ``asked`` (None: pinned now), once all its pages are
+        on host: the ones that are not (disk, remote) are read first; None when a page is
+        gone or cannot be brought to host."""
+        pin = self.client.receive_pin(asked) if asked is not None else self.client.pin(keys, ttl_s)
         if pin is not None and pin.host_pages is not None:
             missing = [k for k, p in zip(keys, pin.host_pages) if p < 0]
             if not missing:
