@@ -85,12 +85,6 @@ class TenantLedger:
         }
         return cls(default, parse_tenant_quotas(config.tenant_quotas), config.tenant_metrics_top_k)
 
-    @property
-    def has_quotas(self) -> bool:
-        return any(v is not None for v in self.default_quota.values()) or any(
-            v is not None for q in self.overrides.values() for v in q.values()
-        )
-
     # -- names and ids -------------------------------------------------------------------
 
     def intern(self, name: str | None) -> int:
@@ -114,9 +108,6 @@ class TenantLedger:
             self._by_name[name] = rec
             self._by_id[rec.tid] = rec
         return rec.tid
-
-    def get(self, tid: int) -> TenantRecord | None:
-        return self._by_id.get(tid)
 
     def forget_idle(self) -> None:
         """Drop the records of tenants that hold no page (their counts stay in the totals,
