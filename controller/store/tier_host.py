@@ -38,8 +38,15 @@ log = logging.getLogger("hicache.controller.store.page_store")
 # The parent of a chain's first page is the chain's seed, which a lookup does not see: a
 # page filled before its parent is known is indexed under this until its value tells.
 UNKNOWN_PARENT = bytes(HASH_BYTES)
-# A value read that failed its checks: why the page is gone (the tier it was read from).
+# A read that failed: why the page is missing (from the tier it was read from). A value
+# that failed its checks is gone; a tier not indexed here (remote) that no longer held it
+# evicted it, and one that did not answer in time (or failed) missed the read's deadline.
 _INVALID_REASON = {ReadStatus.CORRUPT: MissReason.CHECKSUM, ReadStatus.FOREIGN: MissReason.LAYOUT}
+_UNINDEXED_REASON = {
+    **_INVALID_REASON,
+    ReadStatus.MISSING: MissReason.EVICTED,
+    ReadStatus.ERROR: MissReason.DEADLINE,
+}
 
 
 class TierHostOps(StoreState):
@@ -128,8 +135,9 @@ class TierHostOps(StoreState):
                     continue
                 self._host[e.component].free(self._index.clear_host(e))
                 self._index.release(e)
-                if r.status in _INVALID_REASON:
-                    self._departed_locked(e, _INVALID_REASON[r.status], source)
+                why = (_INVALID_REASON if indexed else _UNINDEXED_REASON).get(r.status)
+                if why is not None:
+                    self._departed_locked(e, why, source)
                 if indexed and r.status is not ReadStatus.ERROR:
                     self._forget_invalid_locked(e, r.status)
                 self._index.discard_if_unused(e)

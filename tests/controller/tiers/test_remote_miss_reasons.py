@@ -1,7 +1,9 @@
 """Miss reasons of the remote tier, produced for real: a killed master (a one-master
 cluster of real ``redis-server`` processes) opens the breaker, and from then on a lookup
 that misses counts ``breaker_open``; a selective write policy never wrote a page that
-the host tier then evicted, so its miss counts ``write_policy``."""
+the host tier then evicted, so its miss counts ``write_policy``; a load-back from the
+remote tier fails on a corrupted value (``checksum``), a store slower than the read
+deadline (``deadline``) or a value gone since the lookup (``evicted``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 
 import pytest
 
+from hicache import Request
 from hicache.controller.config import RemoteWritePolicy
 from hicache.controller.tiers.remote_store import MemoryStore
 from hicache.types import ComponentType, Tier
@@ -71,3 +74,36 @@ def test_a_page_the_selective_policy_never_wrote_misses_as_write_policy_once_evi
     assert node.ctrl.store.explain(hashes, [FULL])[0]["why"]["full"]["tier"] == "remote"
     node.ctrl.check_invariants()
     node.ctrl.close()
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [("corrupt", "checksum"), ("slow", "deadline"), ("deleted", "evicted")],
+)
+def test_a_remote_load_back_that_fails_counts_why(fault, reason):
+    """Another node's pages, read from the remote tier: a value corrupted in the store
+    fails its checksum, a store slower than the read deadline misses it, a value gone
+    (evicted there) since the lookup found it is missing."""
+    store = MemoryStore()
+    a = MemoryNode(store)
+    tokens = seq(5 * 4, base=3)
+    a.compute(tokens)
+    b = MemoryNode(store, remote_read_timeout_s=0.1)
+    req = Request("b")
+    m = b.cache.match_prefix(tokens, req=req)
+    assert m.remote_hit_len == tokens.size
+    if fault == "corrupt":
+        for key, (head, body) in list(store._values.items()):
+            # The payload's last byte (its tail travels after the header): one bit off.
+            store._values[key] = (head[:-1] + bytes([head[-1] ^ 0x10]), body)
+    elif fault == "slow":
+        store.delay_s = 0.5
+    else:
+        store.delete(store.keys(), 1.0)
+    assert not b.cache.load_back(m.load_node, req=req)
+    store.delay_s = 0.0
+    assert _misses(b.ctrl)[(reason, "remote")] >= 1
+    b.cache.check_invariants()
+    b.ctrl.check_invariants()
+    b.ctrl.close()
+    a.ctrl.close()
