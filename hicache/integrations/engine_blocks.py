@@ -11,7 +11,12 @@ the worker moves the bytes itself, once:
   A store that fails is given back, and nothing of it was visible;
 * a **load** pins the pages with their host page numbers, has the sidecar read the ones
   that are only on disk (or the remote tier) into host pages first, copies each page's
-  segments into its block, and unpins, telling the sidecar the copy was served.
+  segments into its block, and unpins, telling the sidecar the copy was served;
+* a **layer-wise load** (:meth:`EngineBlocks.start_layer_load`) pins the same way, then
+  starts one copy per layer (that layer's segments of every block), in layer order, and
+  returns at once: :meth:`BlockLayerLoad.wait` makes the caller's stream wait for one
+  layer's copy (on a CPU a copy thread copies layer after layer), so that the layers the
+  engine computes first are there first.
 
 No staging buffer sits between the engine's memory and the host pool. The engine writes
 only pages the sidecar handed it for a store in flight; a page becomes visible only at
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +80,9 @@ class EngineBlocks:
         self._copies: list[SegmentCopy | None] = []
         page_bytes = max((sum(s.nbytes for s in g) for g in self.groups), default=1)
         self.chunk_pages = max(1, chunk_bytes // max(page_bytes, 1))
+        self._layer_copies: dict[str, SegmentCopy] = {}
+        self._layers_host = None
+        self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
 
     def _copies_now(self) -> list[SegmentCopy | None] | None:
         """The group copies over the current session's host pages (built again after a
@@ -247,6 +257,59 @@ class EngineBlocks:
                 loaded = time.perf_counter() - started if ok else None
                 self.client.unpin(done, loaded_s=loaded)
 
+    def _layer_copies_now(
+        self, layers: dict[str, tuple[int, Sequence[int]]]
+    ) -> dict[str, SegmentCopy] | None:
+        """Per layer name, the copy of that layer's segments (``layers[name]``: its group
+        and the indices of its segments there) over the current session's host pages."""
+        host = self.client.map_host_pages(self.device)
+        if host is None:
+            return None
+        if host is not self._layers_host:
+            rows = host.pages[self.component]
+            self._layer_copies = {
+                name: SegmentCopy(
+                    [
+                        Segment(s.tensor, s.src_offset, s.nbytes, s.dst_offset)
+                        for s in (self.groups[g][i] for i in idx)
+                    ],
+                    rows,
+                    payload_offset=host.payload_offset,
+                )
+                for name, (g, idx) in layers.items()
+            }
+            self._layers_host = host
+        return self._layer_copies
+
+    def start_layer_load(
+        self, hashes: Sequence[bytes], groups: Sequence[int], blocks: Sequence[int],
+        layers: dict[str, tuple[int, Sequence[int]]], pin_ttl_s: float, timeout_s: float,
+    ) -> BlockLayerLoad:  # fmt: skip
+        """:meth:`load` started layer by layer (``layers``: each layer's group and
+        segment indices, in the order the engine computes them) without waiting for the
+        copies. A load that fails before its copies (no mapping, a page gone) fails every
+        layer."""
+        copies = self._layer_copies_now(layers)
+        keys = [PageKey(self.component, h) for h in hashes]
+        pin = None if copies is None else self._on_host(None, keys, pin_ttl_s, timeout_s)
+        load = BlockLayerLoad(self.client, pin, list(layers))
+        if pin is None:
+            return load
+        g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+        pages = np.asarray(pin.host_pages, dtype=np.int64)
+        work = [(name, *_mine(g_arr, b_arr, pages, g)) for name, (g, _) in layers.items()]
+
+        def copy(name: str, b: np.ndarray, p: np.ndarray) -> object:
+            return copies[name].start(b, p, False) if b.size else None
+
+        if self.device.type != "cuda":
+            if self._layer_thread is None:
+                self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
+            self._layer_thread.submit(load.run, work, copy)
+        else:
+            load.run(work, copy)  # issued on the copy's stream, each layer with its event
+        return load
+
     def _on_host(self, asked, keys: list[PageKey], ttl_s: float, timeout_s: float):
         """The pin of ``keys`` sent as ``asked`` (None: pinned now), once all its pages are
         on host: the ones that are not (disk, remote) are read first; None when a page is
@@ -265,6 +328,76 @@ class EngineBlocks:
         if pin is not None:
             self.client.unpin(pin)
         return None
+
+
+def _mine(groups: np.ndarray, blocks: np.ndarray, pages: np.ndarray, g: int):
+    """The blocks of group ``g`` and their pages."""
+    mine = groups == g
+    return blocks[mine], pages[mine]
+
+
+class BlockLayerLoad:
+    """A layer-wise load of engine blocks (:meth:`EngineBlocks.start_layer_load`):
+    :meth:`wait` for a layer, :meth:`finish` once the engine no longer needs any."""
+
+    def __init__(self, client: SidecarController, pin, layers: list[str]) -> None:
+        self._client = client
+        self._pin = pin
+        self._t0 = time.perf_counter()
+        self._ready = {name: threading.Event() for name in layers}
+        self._events: dict[str, object] = {}
+        self._ended = threading.Event()
+        self.ok = pin is not None
+        self._finished: bool | None = None
+        if pin is None:
+            for ev in self._ready.values():
+                ev.set()
+            self._ended.set()
+
+    def run(self, work: list, copy: Callable) -> None:
+        """Copy (on a CPU) or issue (on a GPU) each layer in order, marking it ready."""
+        try:
+            for name, blocks, pages in work:
+                if self.ok:
+                    try:
+                        self._events[name] = copy(name, blocks, pages)
+                    except Exception as exc:
+                        log.error("layer %s of a load failed: %s", name, exc)
+                        self.ok = False
+                self._ready[name].set()
+        finally:
+            for ev in self._ready.values():
+                ev.set()
+            self._ended.set()
+
+    def wait(self, layer: str) -> bool:
+        """Wait until ``layer``'s blocks may be read by the caller's next work (on a GPU:
+        its current stream waits for the layer's copy); False when the load failed (a
+        layer this load does not know is ready at once)."""
+        ready = self._ready.get(layer)
+        if ready is None:
+            return self.ok
+        ready.wait()
+        event = self._events.get(layer)
+        if event is not None and self.ok:
+            torch.cuda.current_stream(event.device).wait_event(event)
+        return self.ok
+
+    def finish(self) -> bool:
+        """Wait for every copy, unpin (telling the sidecar it was served), and say whether
+        every byte arrived; a second call returns the first's answer."""
+        if self._finished is None:
+            self._ended.wait()
+            try:
+                _wait_all(list(self._events.values()))
+            except Exception as exc:
+                log.error("a layer-wise copy failed: %s", exc)
+                self.ok = False
+            if self._pin is not None:
+                loaded = time.perf_counter() - self._t0 if self.ok else None
+                self._client.unpin(self._pin, loaded_s=loaded)
+            self._finished = self.ok
+        return self._finished
 
 
 def _wait_all(events: list, quiet: bool = False) -> None:

@@ -20,7 +20,12 @@ which loads failed, so that it recomputes them)::
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}}'
 
 Every option (``kv_connector_extra_config``, prefixed ``hicache_``) is a field of
-:class:`HiCacheVllmConfig`; docs/integrations/vllm.md explains them. vLLM is imported
+:class:`HiCacheVllmConfig`; docs/integrations/vllm.md explains them. With
+``hicache_layerwise`` the connector also implements vLLM's layer-wise hooks: a hit is
+scheduled at once and loaded inside the step that computes the rest of the prompt
+(``start_load_kv`` starts every layer's copy, ``wait_for_layer_load`` waits for one
+layer's, ``wait_for_save`` ends the step's loads; a failed one is reported by its blocks,
+``get_block_ids_with_load_errors``, and vLLM recomputes them). vLLM is imported
 here only: ``import hicache`` never needs it.
 """
 
@@ -31,6 +36,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -192,8 +198,60 @@ class HiCacheConnector(OffloadingConnector):
                 transfer.kv_load_failure_policy,
             )
         model = describe_model(vllm_config.model_config)
-        with building_with_groups(describe_groups(kv_cache_config), model):
+        groups = describe_groups(kv_cache_config)
+        # Layer-wise loads run inside the step; vLLM can recompute a failed one only by
+        # its block ids, which name blocks of one KV cache group alone.
+        self._layerwise = HiCacheVllmConfig.from_extra_config(extra).layerwise
+        if self._layerwise and len(groups) != 1:
+            log.warning("hicache_layerwise needs one KV cache group: whole-block loads run")
+            self._layerwise = False
+        self._layer_names = [
+            kv_cache_config.kv_cache_groups[g.group_id].layer_names for g in groups
+        ]
+        self._load_errors: set[int] = set()
+        with building_with_groups(groups, model):
             super().__init__(vllm_config, role, kv_cache_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return HiCacheVllmConfig.from_extra_config(extra_config).layerwise
+
+    # -- layer-wise loads (hicache_layerwise) ---------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """As the offloading connector; layer-wise, a hit is loaded inside the step that
+        computes the rest of the prompt (not asynchronously, before it)."""
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (hit, False) if self._layerwise else (hit, load_async)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """As the offloading connector, which loads into the blocks vLLM has not cached
+        yet; a hit loaded inside the step has its blocks cached at once, so they are shown
+        to it as not cached (the blocks of the hit are the ones past the local prefix)."""
+        if self._layerwise and num_external_tokens:
+            blocks = SimpleNamespace(blocks=tuple([_Uncached(b) for b in g] for g in blocks.blocks))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        transfers = self.connector_worker.worker if self.connector_worker else None
+        if self._layerwise and not transfers.enable_layerwise(self._layer_names):
+            log.warning("hicache_layerwise: no layer-wise copies here; hits are recomputed")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layerwise:
+            self.connector_worker.worker.wait_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._layerwise:  # the step's forward is done: its loads end here
+            self._load_errors |= self.connector_worker.worker.finish_layered()
+        super().wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def update_connector_output(self, connector_output: Any) -> None:
         manager = self.connector_scheduler.manager if self.connector_scheduler else None
@@ -207,9 +265,22 @@ class HiCacheConnector(OffloadingConnector):
         # Which request each load job serves, before the base class forgets finished ones.
         load_jobs = dict(worker._load_jobs) if worker is not None else {}
         results = super().get_transfer_results(finished_req_ids)
+        if self._layerwise:  # loads inside a step: their requests never waited for them
+            results.finished_recving.difference_update(load_jobs.values())
         transfers = None if worker is None else worker.worker
         if transfers is not None and hasattr(transfers, "take_failed_loads"):
             for job_id in transfers.take_failed_loads():
                 if job_id in load_jobs:
                     results.failed_recving.add(load_jobs[job_id])
         return results
+
+
+class _Uncached:
+    """A KV cache block as the offloading scheduler reads it (id, null or not), shown as
+    not cached yet: where a hit loaded inside the step goes."""
+
+    __slots__ = ("block_id", "is_null")
+    block_hash = None
+
+    def __init__(self, block: Any) -> None:
+        self.block_id, self.is_null = block.block_id, block.is_null

@@ -30,7 +30,11 @@ class HiCacheVllmConfig:
     * ``store_timeout_s``: one store's acknowledgement; past it the store is dropped;
     * ``staging_bytes``: the shared staging area each worker registers with the sidecar;
       a store larger than its free part is cut (the rest dropped and counted), a load is
-      done in parts.
+      done in parts;
+    * ``layerwise``: a hit is loaded inside the step that computes the request's suffix,
+      each attention layer waiting only for its own blocks (vLLM's ``wait_for_layer_load``),
+      instead of whole before the request is scheduled (default off; only for a model with
+      one KV cache group and a local sidecar, else the whole-block path runs).
     """
 
     socket: str | None = None
@@ -42,11 +46,12 @@ class HiCacheVllmConfig:
     load_timeout_s: float = 10.0
     store_timeout_s: float = 10.0
     staging_bytes: int = 256 << 20
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("socket", "engine_id") and not value > 0:
+            if f.name not in ("socket", "engine_id", "layerwise") and not value > 0:
                 raise ConfigError(f"hicache_{f.name} must be > 0, got {value!r}")
 
     @classmethod
@@ -62,6 +67,9 @@ class HiCacheVllmConfig:
                 known = ", ".join(_EXTRA_PREFIX + n for n in fields)
                 raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
             kind = fields[name].type
+            if kind == "bool":
+                values[name] = _flag(key, value)
+                continue
             try:
                 if "int" in kind and "float" not in kind:
                     values[name] = int(value)
@@ -72,3 +80,15 @@ class HiCacheVllmConfig:
             except (TypeError, ValueError):
                 raise ConfigError(f"{key} must be a number, got {value!r}") from None
         return cls(**values)
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean option given as a JSON boolean or as ``true``/``false``, ``1``/``0``."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key} must be true or false, got {value!r}")

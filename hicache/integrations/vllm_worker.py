@@ -54,7 +54,7 @@ from hicache import (
     unsettled_load,
 )
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
-from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
+from hicache.integrations.engine_blocks import BlockLayerLoad, BlockSegment, EngineBlocks
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
@@ -75,6 +75,7 @@ class _Segment:
     nbytes: int
     half: int
     dst_offset: int
+    ref: int  # the index of its layer's data ref in the group
 
 
 class HiCacheOffloadingWorker(OffloadingWorker):
@@ -139,6 +140,9 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self._failed: set[int] = set()
         self._reported_failed: set[int] = set()
         self._released: dict[int, threading.Event] = {}
+        self.layerwise = False  # loads inside the step (see enable_layerwise)
+        self._layers: dict[str, tuple[int, list[int]]] = {}
+        self._layered: dict[int, tuple[BlockLayerLoad, list[int], float]] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-store")
 
@@ -163,7 +167,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                     f"scheduler's {group.layer_page_bytes} (packed KV layouts are not supported)"
                 )
             segments, offset = [], 0
-            for ref in refs:
+            for ref_index, ref in enumerate(refs):
                 tensor = kv_caches.tensors[ref.tensor_idx].tensor
                 if tensor.dtype not in (torch.int8, torch.uint8) or tensor.stride(1) != 1:
                     raise ConfigError("vLLM's canonical KV tensors must be byte rows")
@@ -172,7 +176,14 @@ class HiCacheOffloadingWorker(OffloadingWorker):
                     which = start // half
                     stop = min(end, (which + 1) * half)
                     segments.append(
-                        _Segment(tensor, start - offset, stop - start, which, start - which * half)
+                        _Segment(
+                            tensor,
+                            start - offset,
+                            stop - start,
+                            which,
+                            start - which * half,
+                            ref_index,
+                        )
                     )
                     start = stop
                 offset = end
@@ -348,8 +359,66 @@ class HiCacheOffloadingWorker(OffloadingWorker):
     # -- loads ----------------------------------------------------------------------------
 
     def submit_load(self, job_id: int, src_spec: object, dst_spec: GPULoadStoreSpec) -> bool:
-        self._loads.submit(self._load, job_id, src_spec, dst_spec)
+        if self.layerwise:
+            self._start_layered(job_id, src_spec, dst_spec)
+        else:
+            self._loads.submit(self._load, job_id, src_spec, dst_spec)
         return True
+
+    # -- layer-wise loads (hicache_layerwise) ---------------------------------------------
+
+    def enable_layerwise(self, layer_names: Sequence[Sequence[str]]) -> bool:
+        """Load inside the step, layer by layer, from now on (the scheduler schedules a
+        hit at once): ``layer_names[g]`` are group ``g``'s layers, in the order of their
+        data refs. False where it cannot copy layer by layer (the host pages not mapped, a
+        layer's refs not told apart): every load then fails, and vLLM recomputes."""
+        self.layerwise = True
+        if self.blocks is None or len(layer_names) != len(self._segments):
+            return False
+        layers: dict[str, tuple[int, list[int]]] = {}
+        for g, (names, segments) in enumerate(zip(layer_names, self._segments)):
+            refs = 1 + max((s.ref for s in segments), default=-1)
+            if not names or refs % len(names):
+                return False
+            per = refs // len(names)
+            for i, name in enumerate(names):
+                mine = [j for j, s in enumerate(segments) if s.ref // per == i]
+                layers[name] = (g, mine)
+        self._layers = layers
+        return True
+
+    def _start_layered(self, job_id: int, src: HiCacheLoadSpec, dst: GPULoadStoreSpec) -> None:
+        """Start a load's copies layer by layer, in this (the step's) thread."""
+        t0 = time.perf_counter()
+        pairs = self._pairs(dst, src.keys, None)
+        if pairs is None or not self._layers:  # a failed load: vLLM recomputes
+            self.counters["load_mismatched" if self._layers else "load_not_layerwise"] += 1
+            load = BlockLayerLoad(self.client, None, [])
+        else:
+            hashes = [self.namespace.page_hash(src.keys[k], self.rank) for k, _, _ in pairs]
+            load = self.blocks.start_layer_load(
+                hashes, [p for _, p, _ in pairs], [b for _, _, b in pairs], self._layers,
+                self.config.pin_ttl_s, self.config.load_timeout_s,
+            )  # fmt: skip
+        self._layered[job_id] = (load, dst.block_ids.tolist(), t0)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Return once ``layer_name``'s blocks of every load of this step may be read."""
+        for load, _, _ in self._layered.values():
+            load.wait(layer_name)
+
+    def finish_layered(self) -> set[int]:
+        """End this step's layer-wise loads; the blocks of those that failed."""
+        failed: set[int] = set()
+        for job_id, (load, blocks, t0) in self._layered.items():
+            ok = load.finish()
+            moved = len(blocks) * self.namespace.page_bytes if ok else 0
+            self.counters["loads" if ok else "loads_failed"] += 1
+            self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0))
+            if not ok:
+                failed.update(blocks)
+        self._layered.clear()
+        return failed
 
     def _load(self, job_id: int, src: HiCacheLoadSpec, dst: GPULoadStoreSpec) -> None:
         t0 = time.perf_counter()

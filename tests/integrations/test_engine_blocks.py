@@ -168,3 +168,39 @@ def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar,
         admin.close()
         writer.client.close()
         reader.client.close()
+
+
+# Each layer's segments of a block of group 0 (see _engine): layer 0's K and V halves, then
+# layer 1's, in the order the engine computes them.
+LAYERS = {"layer.0": (0, [0, 2]), "layer.1": (0, [1, 3])}
+
+
+def test_a_layer_wise_load_brings_each_layer_once_waited_for(sidecar):
+    writer, src = _engine(sidecar, 6)
+    reader, dst = _engine(sidecar, 7)
+    try:
+        ids = list(range(200, 206))
+        assert writer.store(_refs(ids), [0] * 6, [i - 200 for i in ids], 30.0)[0] == 6
+        targets = [60, 50, 40, 30, 20, 10]
+        load = reader.start_layer_load(
+            [_hash(i) for i in ids], [0] * 6, targets, LAYERS, 30.0, 30.0
+        )
+        for j, name in enumerate(LAYERS):
+            assert load.wait(name)
+            assert torch.equal(dst[j][targets], src[j][:6])  # this layer is in
+        assert load.finish() and load.finish()
+    finally:
+        writer.client.close()
+        reader.client.close()
+
+
+def test_a_layer_wise_load_of_a_page_nobody_stored_fails_every_layer_and_touches_nothing(sidecar):
+    reader, dst = _engine(sidecar, 8)
+    before = [t.clone() for t in dst]
+    try:
+        load = reader.start_layer_load([_hash(990), _hash(991)], [0, 0], [0, 1], LAYERS, 5.0, 5.0)
+        assert not load.wait("layer.0") and not load.wait("layer.1")
+        assert load.finish() is False
+        assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    finally:
+        reader.client.close()
