@@ -225,8 +225,7 @@ class TransferEngine:
         """Issue the copy of host pages into device pages/slots group of layers by group
         (see :class:`LayerCopies`). ``on_finish(ok)`` runs once every copy issued has
         ended; ``fault(g)`` (tests) makes group ``g``'s copy raise."""
-        cuda = buffers.device.type == "cuda"
-        load = LayerCopies(groups, on_finish, cuda)
+        load = LayerCopies(groups, on_finish, buffers.device)
 
         def copy_group(g: int) -> None:
             if fault is not None and fault(g):
@@ -236,7 +235,7 @@ class TransferEngine:
                 if span is not None and len(host_pages):
                     self._plan(comp, buffers, False, span)(device_index, host_pages)
 
-        if not cuda:
+        if buffers.device.type != "cuda":
             if self._layer_thread is None:
                 self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
             self._layer_thread.submit(load.run_cpu, copy_group)
@@ -267,15 +266,18 @@ class LayerCopies:
     blocks until that group's copy has ended. A group that fails fails every later one.
     """
 
-    def __init__(self, groups: LayerGroups, on_finish: Callable[[bool], None], cuda: bool) -> None:
+    def __init__(
+        self, groups: LayerGroups, on_finish: Callable[[bool], None], device: torch.device
+    ) -> None:
         self.groups = groups
+        self.device = device
         self.events: list[Any] = []  # CUDA: one per group issued
         self._ready = [threading.Event() for _ in range(len(groups))]
         self._ended = threading.Event()
         self._failed_from = len(groups)  # the first group that failed
         self._on_finish = on_finish
         self._result: LoadResult | None = None
-        if cuda:
+        if device.type == "cuda":
             self._ended.set()  # every copy is issued in the caller's thread
 
     def failed_at(self, group: int, exc: Exception) -> None:
@@ -303,7 +305,7 @@ class LayerCopies:
         if self.events:
             if group >= len(self.events):
                 return False
-            torch.cuda.current_stream(self.events[group].device).wait_event(self.events[group])
+            self.events[group].wait(torch.cuda.current_stream(self.device))
             return True
         self._ready[group].wait()
         return group < self._failed_from

@@ -292,7 +292,7 @@ class EngineBlocks:
         copies = self._layer_copies_now(layers)
         keys = [PageKey(self.component, h) for h in hashes]
         pin = None if copies is None else self._on_host(None, keys, pin_ttl_s, timeout_s)
-        load = BlockLayerLoad(self.client, pin, list(layers))
+        load = BlockLayerLoad(self.client, pin, list(layers), self.device)
         if pin is None:
             return load
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
@@ -340,8 +340,11 @@ class BlockLayerLoad:
     """A layer-wise load of engine blocks (:meth:`EngineBlocks.start_layer_load`):
     :meth:`wait` for a layer, :meth:`finish` once the engine no longer needs any."""
 
-    def __init__(self, client: SidecarController, pin, layers: list[str]) -> None:
+    def __init__(
+        self, client: SidecarController, pin, layers: list[str], device: torch.device | None = None
+    ) -> None:
         self._client = client
+        self._device = device
         self._pin = pin
         self._t0 = time.perf_counter()
         self._ready = {name: threading.Event() for name in layers}
@@ -380,7 +383,7 @@ class BlockLayerLoad:
         ready.wait()
         event = self._events.get(layer)
         if event is not None and self.ok:
-            torch.cuda.current_stream(event.device).wait_event(event)
+            event.wait(torch.cuda.current_stream(self._device))
         return self.ok
 
     def finish(self) -> bool:

@@ -15,15 +15,7 @@ from __future__ import annotations
 import lmdb
 import pytest
 from conftest import Instance, sidecar_stats
-from test_vllm_tiers import (
-    BLOCK_TOKENS,
-    CACHED,
-    PROMPT_TOKENS,
-    disk_keys,
-    max_diff,
-    prompt,
-    wait_committed,
-)
+from test_vllm_tiers import CACHED, max_diff, prompt, serve_first
 
 from hicache.controller.store.page_codec import HEADER_BYTES
 from hicache.controller.wire.protocol import Verb
@@ -37,23 +29,12 @@ def test_layer_wise_hits_equal_the_native_hit_and_a_failed_load_recomputes(
     tiny_model, sidecar_dir
 ) -> None:
     p, q, r = prompt(1), prompt(2), prompt(3)
-    pages_per_prompt = PROMPT_TOKENS // BLOCK_TOKENS
     sidecar = Sidecar(sidecar_dir).start()
     instances: list[Instance] = []
     try:
-        a = Instance(
-            sidecar_dir, "A", tiny_model, [[p], [p], [q], [r]], sidecar.socket, pause_before=(3,)
+        (a_cold_p, a_native_p, a_q, a_r), keys_r = serve_first(
+            sidecar_dir, tiny_model, sidecar, instances, p, q, r
         )
-        instances.append(a)
-        a.wait_paused(3)
-        wait_committed(sidecar, 2 * pages_per_prompt)
-        keys_pq = disk_keys(sidecar)
-        a.resume(3)
-        a_cold_p, a_native_p, a_q, a_r = (rnd["results"][0] for rnd in a.result())
-        assert a_native_p["num_cached_tokens"] == CACHED
-        wait_committed(sidecar, 3 * pages_per_prompt)
-        keys_r = disk_keys(sidecar) - keys_pq
-        assert len(keys_r) == pages_per_prompt
         copied = sidecar_stats(sidecar).get("load.engine_copied", 0)
 
         b = Instance(

@@ -59,6 +59,26 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def serve_first(sidecar_dir, model, sidecar: Sidecar, instances: list, p, q, r):
+    """Instance A serves P cold, P again (vLLM's native hit), Q and R, its connector storing
+    them: A's four results, and the disk keys of R's pages."""
+    pages_per_prompt = PROMPT_TOKENS // BLOCK_TOKENS
+    a = Instance(sidecar_dir, "A", model, [[p], [p], [q], [r]], sidecar.socket, pause_before=(3,))
+    instances.append(a)
+    a.wait_paused(3)
+    wait_committed(sidecar, 2 * pages_per_prompt)
+    keys_pq = disk_keys(sidecar)
+    a.resume(3)
+    results = [rnd["results"][0] for rnd in a.result()]
+    a_cold_p, a_native_p = results[:2]
+    assert a_cold_p["num_cached_tokens"] == 0 and a_native_p["num_cached_tokens"] == CACHED
+    assert a_native_p["tokens"] == a_cold_p["tokens"]
+    wait_committed(sidecar, 3 * pages_per_prompt)
+    keys_r = disk_keys(sidecar) - keys_pq
+    assert len(keys_r) == pages_per_prompt
+    return results, keys_r
+
+
 @pytest.mark.timeout(2400)  # three vLLM starts of 1-2 minutes each on a busy machine
 def test_instances_share_the_host_tier_then_the_disk_tier(tiny_model, sidecar_dir) -> None:
     p, q, r = prompt(1), prompt(2), prompt(3)
@@ -66,20 +86,9 @@ def test_instances_share_the_host_tier_then_the_disk_tier(tiny_model, sidecar_di
     sidecar = Sidecar(sidecar_dir).start()
     instances: list[Instance] = []
     try:
-        a = Instance(
-            sidecar_dir, "A", tiny_model, [[p], [p], [q], [r]], sidecar.socket, pause_before=(3,)
+        (a_cold_p, a_native_p, a_q, a_r), keys_r = serve_first(
+            sidecar_dir, tiny_model, sidecar, instances, p, q, r
         )
-        instances.append(a)
-        a.wait_paused(3)
-        wait_committed(sidecar, 2 * pages_per_prompt)
-        keys_pq = disk_keys(sidecar)
-        a.resume(3)
-        a_cold_p, a_native_p, a_q, a_r = (rnd["results"][0] for rnd in a.result())
-        assert a_cold_p["num_cached_tokens"] == 0 and a_native_p["num_cached_tokens"] == CACHED
-        assert a_native_p["tokens"] == a_cold_p["tokens"]
-        wait_committed(sidecar, 3 * pages_per_prompt)
-        keys_r = disk_keys(sidecar) - keys_pq
-        assert len(keys_r) == pages_per_prompt
 
         b = Instance(sidecar_dir, "B", tiny_model, [[p], [q]], sidecar.socket, pause_before=(1,))
         instances.append(b)
