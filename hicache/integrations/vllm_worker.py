@@ -56,6 +56,7 @@ from hicache import (
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
 from hicache.integrations.engine_blocks import BlockLayerLoad, BlockSegment, EngineBlocks
 from hicache.integrations.vllm_config import HiCacheVllmConfig
+from hicache.integrations.vllm_layerwise import LayerwiseLoads
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
 from hicache.kernels import merge_runs, move_runs
@@ -78,7 +79,7 @@ class _Segment:
     ref: int  # the index of its layer's data ref in the group
 
 
-class HiCacheOffloadingWorker(OffloadingWorker):
+class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
     """``OffloadingWorker`` over the sidecar (see the module docstring)."""
 
     def __init__(
@@ -140,7 +141,7 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         self._failed: set[int] = set()
         self._reported_failed: set[int] = set()
         self._released: dict[int, threading.Event] = {}
-        self.layerwise = False  # loads inside the step (see enable_layerwise)
+        self.layerwise = False  # loads inside the step (vllm_layerwise.py)
         self._layers: dict[str, tuple[int, list[int]]] = {}
         self._layered: dict[int, tuple[BlockLayerLoad, list[int], float]] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
@@ -364,61 +365,6 @@ class HiCacheOffloadingWorker(OffloadingWorker):
         else:
             self._loads.submit(self._load, job_id, src_spec, dst_spec)
         return True
-
-    # -- layer-wise loads (hicache_layerwise) ---------------------------------------------
-
-    def enable_layerwise(self, layer_names: Sequence[Sequence[str]]) -> bool:
-        """Load inside the step, layer by layer, from now on (the scheduler schedules a
-        hit at once): ``layer_names[g]`` are group ``g``'s layers, in the order of their
-        data refs. False where it cannot copy layer by layer (the host pages not mapped, a
-        layer's refs not told apart): every load then fails, and vLLM recomputes."""
-        self.layerwise = True
-        if self.blocks is None or len(layer_names) != len(self._segments):
-            return False
-        layers: dict[str, tuple[int, list[int]]] = {}
-        for g, (names, segments) in enumerate(zip(layer_names, self._segments)):
-            refs = 1 + max((s.ref for s in segments), default=-1)
-            if not names or refs % len(names):
-                return False
-            per = refs // len(names)
-            for i, name in enumerate(names):
-                mine = [j for j, s in enumerate(segments) if s.ref // per == i]
-                layers[name] = (g, mine)
-        self._layers = layers
-        return True
-
-    def _start_layered(self, job_id: int, src: HiCacheLoadSpec, dst: GPULoadStoreSpec) -> None:
-        """Start a load's copies layer by layer, in this (the step's) thread."""
-        t0 = time.perf_counter()
-        pairs = self._pairs(dst, src.keys, None)
-        if pairs is None or not self._layers:  # a failed load: vLLM recomputes
-            self.counters["load_mismatched" if self._layers else "load_not_layerwise"] += 1
-            load = BlockLayerLoad(self.client, None, [])
-        else:
-            hashes = [self.namespace.page_hash(src.keys[k], self.rank) for k, _, _ in pairs]
-            load = self.blocks.start_layer_load(
-                hashes, [p for _, p, _ in pairs], [b for _, _, b in pairs], self._layers,
-                self.config.pin_ttl_s, self.config.load_timeout_s,
-            )  # fmt: skip
-        self._layered[job_id] = (load, dst.block_ids.tolist(), t0)
-
-    def wait_layer(self, layer_name: str) -> None:
-        """Return once ``layer_name``'s blocks of every load of this step may be read."""
-        for load, _, _ in self._layered.values():
-            load.wait(layer_name)
-
-    def finish_layered(self) -> set[int]:
-        """End this step's layer-wise loads; the blocks of those that failed."""
-        failed: set[int] = set()
-        for job_id, (load, blocks, t0) in self._layered.items():
-            ok = load.finish()
-            moved = len(blocks) * self.namespace.page_bytes if ok else 0
-            self.counters["loads" if ok else "loads_failed"] += 1
-            self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0))
-            if not ok:
-                failed.update(blocks)
-        self._layered.clear()
-        return failed
 
     def _load(self, job_id: int, src: HiCacheLoadSpec, dst: GPULoadStoreSpec) -> None:
         t0 = time.perf_counter()
