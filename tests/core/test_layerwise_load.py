@@ -19,10 +19,10 @@ from tests.support.cache import MIXES, kv_marker, state_marker
 MIX = "full+swa+mamba"  # model layers: 0 full attention, 1 sliding window, 2 Mamba
 
 
-def host_prefix(tmp_path, mix: str = MIX, pages: int = 6, device_pages: int = 2):
+def host_prefix(tmp_path, mix: str = MIX, pages: int = 6, device_pages: int = 2, **config):
     """A cache whose ``tokens`` lie ``device_pages`` on the device, the rest on host."""
     ctrl = controller(tmp_path / "lmdb")
-    cache, engine = tiered(mix, ctrl)
+    cache, engine = tiered(mix, ctrl, **config)
     tokens = seq(pages * PS)
     engine.run(tokens)
     engine.run(tokens[: device_pages * PS])
@@ -44,7 +44,7 @@ def layer_holds_prefix(cache, load, before: np.ndarray, tokens: np.ndarray, laye
     kind = layout.layer_kinds[layer]
     if kind is LayerKind.FULL:
         i = layout.full_layers.index(layer)
-        got = pools.full.buffer[0, i, slots, 0, 0]
+        got = pools.full.buffer[0, i, slots, 0, 0].cpu()  # read after the wait, in order
         return bool((got == kv_marker(tokens[:n], 0)).all())
     if kind is LayerKind.SWA:
         i = layout.swa_layers.index(layer)
@@ -52,10 +52,10 @@ def layer_holds_prefix(cache, load, before: np.ndarray, tokens: np.ndarray, laye
         pages = slots[lo:n] // PS
         swa = [load.view.swa_pages.get(p, int(pools.full_to_swa[p])) for p in pages.tolist()]
         swa_slots = np.asarray(swa) * PS + slots[lo:n] % PS
-        got = pools.swa.buffer[0, i, swa_slots, 0, 0]
+        got = pools.swa.buffer[0, i, swa_slots, 0, 0].cpu()
         return bool((got == kv_marker(tokens[lo:n], lo)).all())
     i = layout.mamba_layers.index(layer)
-    conv = pools.mamba.conv[i, load.view.state_slot]
+    conv = pools.mamba.conv[i, load.view.state_slot].cpu()
     return bool((conv == state_marker(tokens[:n])).all())
 
 
