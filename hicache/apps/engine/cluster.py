@@ -35,6 +35,9 @@ class SidecarSettings:
 
     host_pool_bytes: int = 256 << 20
     disk_budget_bytes: int = 512 << 20
+    # ``hicache serve`` reads the hottest disk pages back to host at a start (a warm
+    # start); the demo's restart phase shows the disk tier serving instead, so it is off.
+    prewarm_bytes: int = 0
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 120.0
 
@@ -82,6 +85,8 @@ class SidecarProcess:
             str(self.settings.host_pool_bytes),
             "--disk-budget-bytes",
             str(self.settings.disk_budget_bytes),
+            "--set",
+            f"prewarm_bytes={self.settings.prewarm_bytes}",
             "--metrics-port",
             "0",
             "--log-level",
