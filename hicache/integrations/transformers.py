@@ -45,7 +45,11 @@ from hicache import (
     request_namespace,
 )
 from hicache.integrations.transformers_identity import model_identity, weights_digest
-from hicache.integrations.transformers_layerwise import layer_groups, layered_chunk
+from hicache.integrations.transformers_layerwise import (
+    decoder_layers,
+    layer_groups,
+    layered_chunk,
+)
 from hicache.integrations.transformers_layout import HFLayerMap, hf_layout
 from hicache.integrations.transformers_state import (
     CacheCodec,
@@ -122,6 +126,7 @@ class PrefixCachedLM:
         # Host hits loaded layer by layer while the suffix's first chunk computes
         # (transformers_layerwise.py), in groups of ``layer_group_size`` layers.
         self.layer_groups = layer_groups(hf_map, layer_group_size) if layerwise else None
+        self.decoder_layers = decoder_layers(model) if layerwise else None  # checked now
         self._rids = 0
         self._closed = False
 

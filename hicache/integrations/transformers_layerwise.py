@@ -93,7 +93,7 @@ def layered_chunk(lm: Any, run: Any, load: LayeredLoadBack, use_cache: bool) -> 
 
         return hook
 
-    layers = decoder_layers(lm.model)
+    layers = lm.decoder_layers
     handles = [
         layers[j].register_forward_pre_hook(before_layer(j)) for j in range(load.groups.num_layers)
     ]
