@@ -627,7 +627,9 @@ def first_disk_hits_after_restart(lm, ctl, sidecar, prefixes, rows, suffix) -> S
     """``--restart-disk-hit``: for each prompt length, the sidecar is stopped and started
     again on its LMDB (the engine is not: its client reconnects by itself), the engine's
     device tier is emptied, and the next request on the prefix is the first disk hit after
-    the restart, beside the warm disk hit of the same row. Returns the running sidecar."""
+    the restart, beside the warm disk hit of the same row; the engine reports its prefill
+    rate, so the cost rule recomputes where the disk is slower (``restart_disk_hit_tokens``
+    0). Returns the running sidecar."""
     for prefix, row in zip(prefixes, rows):
         lm.cache.flush_backups()
         lm.cache.evict(full_tokens=10**9)  # the prefix is now on disk only
@@ -641,6 +643,9 @@ def first_disk_hits_after_restart(lm, ctl, sidecar, prefixes, rows, suffix) -> S
                 raise RuntimeError("the engine did not reconnect to the restarted sidecar")
             client.stats()  # the old session is refused: the client reconnects
             time.sleep(0.05)
+        # The engine's prefill rate, from its own cold prefill: the sidecar's cost rule
+        # then loads the prefix from disk only if that beats computing it again.
+        client.prefill_rate = len(prefix) / (row["ttft_no_hit_ms"] / 1e3)
         prompt = prefix + suffix()
         r = lm.generate(prompt, 1)
         row["restart_disk_hit_tokens"] = r.disk_hit_tokens

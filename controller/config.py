@@ -192,6 +192,9 @@ class ControllerConfig:
     # up to this many bytes, hottest first, while serving (controller/tiers/prewarm.py).
     # None: half of host_pool_bytes; 0: off (the default in-process; the sidecar's is None).
     prewarm_bytes: int | None = 0
+    # Offer a disk page only where loading it beats the engine's own prefill of it (the
+    # rate an engine reports with its lookups; controller/store/cost_rule.py).
+    cost_rule: bool = True
 
     # The writer commits up to this many pages / bytes per transaction, waiting at most
     # the flush interval for a batch to fill; reads run on reader_threads threads.

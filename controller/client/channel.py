@@ -87,6 +87,10 @@ class SidecarClientConfig:
     # Map the sidecar's shared host pages (an ipc:// sidecar whose host_shared is on) and
     # copy load-backs of pages on host here (controller/client/host_share.py).
     engine_copies: bool = True
+    # This engine's prefill rate, tokens per second, sent with its lookups for the
+    # sidecar's cost rule (None: not reported; the client's ``prefill_rate`` attribute
+    # changes it at run time).
+    prefill_tokens_per_s: float | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tcp_token_file: str | Path | None = None
     curve_server_public_key_file: str | Path | None = None

@@ -136,6 +136,7 @@ class SidecarController(EngineCopies):
         self._wake = threading.Event()
         self._start_heartbeats = start_heartbeats
         self._thread: threading.Thread | None = None
+        self.prefill_rate = self.config.prefill_tokens_per_s  # tokens/s, sent with lookups
 
     # -- breaker -------------------------------------------------------------------------
 
@@ -337,7 +338,7 @@ class SidecarController(EngineCopies):
                 chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
                 res = self._call(
                     Verb.LOOKUP,
-                    LookupArgs(b"".join(chunk), list(components), tenant),
+                    LookupArgs(b"".join(chunk), list(components), tenant, self.prefill_rate),
                     self.config.lookup_timeout_s,
                     spin=True,
                 )

@@ -209,6 +209,7 @@ class VerbHandlers(AdminVerbs):
                 a.components,
                 engine_id=call.conn.engine_id,
                 tenant=a.tenant,
+                prefill_tokens_per_s=a.prefill_tokens_per_s,
             )
             for c in a.components:
                 rows[c].append(res.presence[c])

@@ -50,6 +50,7 @@ import numpy as np
 
 from hicache.controller.config import BackupAck, ControllerConfig
 from hicache.controller.store.copy_ops import ClaimState
+from hicache.controller.store.cost_rule import CostRule
 from hicache.controller.store.counters import Counters, Failure, component_label
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.miss_reasons import RecentLookup
@@ -114,7 +115,9 @@ class LocalController:
         self._layout: ModelLayout | None = None
         self._fingerprint: bytes | None = None
         self._copies: PageCopies | None = None
+        self._page_size = 0
         self._closed = False
+        self.cost_rule = CostRule(self.config.cost_rule)
         if layout is not None:
             if page_size is None:
                 raise ControllerError("give page_size together with layout")
@@ -144,6 +147,7 @@ class LocalController:
             transfer = TransferEngine(host)
             self._copies = PageCopies(self._store, transfer, self.counters, self.config)
             self._layout, self._fingerprint = layout, fp
+            self._page_size = page_size
 
     @property
     def faults(self) -> FaultPlan | None:
@@ -190,6 +194,7 @@ class LocalController:
         self._store.reap_backups(block=False)
         with self._lock:
             self._engines.pop(engine_id, None)
+        self.cost_rule.forget(engine_id)
         n = self._store.release_engine(engine_id)
         if n:
             self.counters.add(n, "pins", "released_with_engine")
@@ -236,12 +241,28 @@ class LocalController:
         components: Sequence[ComponentType],
         engine_id: str = DEFAULT_ENGINE,
         tenant: str | None = None,
+        prefill_tokens_per_s: float | None = None,
     ) -> LookupResult:
         """Presence per component of each page of the chain; only the index (and a remote
         tier's probe) is read. ``tenant``: whose lookup it is (its results are counted to
-        it; the pages found are the chain's, whoever stored them)."""
+        it; the pages found are the chain's, whoever stored them).
+        ``prefill_tokens_per_s``: the engine's prefill rate, for the cost rule
+        (controller/store/cost_rule.py: pages slower to load than to recompute are
+        reported absent); kept until the engine reports another."""
         self._check_open()
+        if prefill_tokens_per_s is not None:
+            self.cost_rule.report_rate(engine_id, prefill_tokens_per_s)
         rows = self._store.presence(page_hashes, components, tenant)
+        self.cost_rule.apply(
+            engine_id,
+            rows,
+            self._page_size,
+            self._store.host_page_bytes(),
+            self._store.read_cost,
+            lambda reason, tier, comp, n: self._store.count_miss(
+                reason, tier, comp, n, engine_id=engine_id
+            ),
+        )
         reasons = self._store.first_misses(page_hashes, rows)
         self._store.remember_lookup(engine_id, RecentLookup.of(page_hashes, rows, reasons))
         for comp, row in rows.items():
@@ -250,6 +271,13 @@ class LocalController:
             self.counters.add(row.count(P_DISK), "lookup", "disk", label)
             self.counters.add(row.count(P_ABSENT), "lookup", "miss", label)
         return LookupResult({c: np.array(row, dtype=np.int8) for c, row in rows.items()})
+
+    def report_prefill_rate(
+        self, tokens_per_s: float | None, engine_id: str = DEFAULT_ENGINE
+    ) -> None:
+        """``engine_id`` prefills ``tokens_per_s`` tokens per second (None: unknown): its
+        lookups then offer lower-tier pages only where loading beats recomputing."""
+        self.cost_rule.report_rate(engine_id, tokens_per_s)
 
     def backup(
         self,

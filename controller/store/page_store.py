@@ -59,6 +59,7 @@ from hicache.controller_api import ControllerError, PageKey
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
+    from hicache.controller.store.cost_rule import ReadCost
     from hicache.controller.store.tier_events import TierEvents
     from hicache.controller.tiers.lower_tier import LowerTier
     from hicache.controller.tiers.remote_store import RemoteStore
@@ -221,6 +222,13 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
                     tiers.add(Tier.DISK)
                 out.append(frozenset(tiers))
         return out
+
+    def read_cost(self, tier: Tier) -> ReadCost | None:
+        """What reading from ``tier`` costs, as measured (None: not a tier that reads)."""
+        for t in self._tiers:
+            if t.tier is tier:
+                return t.read_cost()
+        return None
 
     def host_page_bytes(self) -> dict[ComponentType, int]:
         """Bytes of one host page, per component of the layout."""

@@ -39,6 +39,7 @@ class SharedController(Protocol):
         engine_id: str = ...,
         tenant: str | None = None,
     ) -> LookupResult: ...
+    def report_prefill_rate(self, tokens_per_s: float | None, engine_id: str = ...) -> None: ...
     def backup(
         self,
         refs: Sequence[PageRef],
@@ -83,6 +84,10 @@ class EngineSession:
         return self.controller.lookup(
             page_hashes, components, engine_id=self.engine_id, tenant=tenant
         )
+
+    def report_prefill_rate(self, tokens_per_s: float | None) -> None:
+        """This engine prefills ``tokens_per_s`` tokens per second (the cost rule)."""
+        self.controller.report_prefill_rate(tokens_per_s, engine_id=self.engine_id)
 
     def backup(
         self, refs: Sequence[PageRef], ready_event: Any = None, tenant: str | None = None

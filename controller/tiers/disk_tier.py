@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from hicache.controller.config import ControllerConfig, DiskWritePolicy
+from hicache.controller.store.cost_rule import ReadCost
 from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.page_codec import HEADER_BYTES, ReadStatus
 from hicache.controller.store.page_entry import DiskState, PageEntry
@@ -93,6 +94,7 @@ class DiskTier:
             on_written=self._written,
         )
         self.uses = UseLog(self.lmdb.path)
+        self._read_cost = ReadCost(config.reader_threads)
         self.prewarm = Prewarm([], 0, host.prewarm_fill)
 
     @classmethod
@@ -204,6 +206,7 @@ class DiskTier:
             if skeys:
                 for i, status in zip(stored, self.lmdb.read_many(skeys, dsts)):
                     statuses[i] = status
+                self._read_cost.observe(sum(d.nbytes for d in dsts), time.perf_counter() - t0)
         except Exception:
             log.exception("disk read of %d pages failed", len(pages))
         results = [FillResult(p, st) for p, st in zip(pages, statuses)]
@@ -217,6 +220,10 @@ class DiskTier:
         return served == len(pages)
 
     # -- writes --------------------------------------------------------------------------
+
+    def read_cost(self) -> ReadCost:
+        """Seconds per byte of the reads of a load, measured on every batch."""
+        return self._read_cost
 
     def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
         """Write-through: queue a page that reached host from a device (or, with
@@ -270,7 +277,7 @@ class DiskTier:
         return self.lmdb.flush(timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.lmdb.stats(), "prewarm": self.prewarm.stats()}
+        return {**self.lmdb.stats(), **self._read_cost.stats(), "prewarm": self.prewarm.stats()}
 
     def health(self, timeout_s: float) -> dict[str, Any]:
         """:meth:`stats`, and whether the writer thread (its only way in) is running."""

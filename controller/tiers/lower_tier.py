@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
+    from hicache.controller.store.cost_rule import ReadCost
     from hicache.controller.store.counters import Failure
     from hicache.controller.store.faults import FaultPlan
     from hicache.controller.store.page_codec import ReadStatus
@@ -99,6 +100,10 @@ class LowerTier(Protocol):
         """Start reading ``keys`` into host pages (:meth:`TierHost.begin_fill_locked`):
         pages it offers, or, for the indexed tier, pages the index has only there. False
         when one could not be started (the reads already started go on)."""
+
+    def read_cost(self) -> ReadCost | None:
+        """What reading from this tier costs, as measured on its reads (None: not known;
+        the cost rule then offers its pages as they are)."""
 
     def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
         """``page`` is ready on host, from ``source`` (DEVICE: a backup; a lower tier: a

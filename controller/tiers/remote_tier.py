@@ -256,6 +256,10 @@ class RemoteTier:
 
     # -- writes --------------------------------------------------------------------------
 
+    def read_cost(self) -> None:
+        """Not measured: the cost rule offers this tier's pages as they are."""
+        return None
+
     def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
         """A backup put ``page`` on host (write-through); a fill from below is not sent."""
         policy = self.config.remote_write_policy

@@ -105,6 +105,8 @@ class LookupArgs:
     hashes: bytes = wire(Hashes(MAX_LOOKUP_HASHES))  # 16-byte hashes, one column
     components: list[ComponentType] = wire(Components())
     tenant: str | None = wire(Str(), optional=True)  # whose lookup (counted to it)
+    # The engine's prefill rate, tokens per second (the cost rule; kept until the next)
+    prefill_tokens_per_s: float | None = wire(Float(0.0, 1e12), optional=True)
 
 
 @dataclass(frozen=True)
