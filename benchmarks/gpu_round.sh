@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One run on a lent GPU (the device tool): install the carried wheels (.whl: pyzmq, lmdb
 # for the machine's Python) and hicache itself, then run the given benchmarks, writing
-# their JSON to $OUT. Usage: bash benchmarks/gpu_round.sh data_plane [ttft] [headline] [restart] [layerwise] ...
-set -euo pipefail
+# their JSON to $OUT; one that fails is reported and the next still runs. Usage:
+#   bash benchmarks/gpu_round.sh data_plane [ttft] [headline] [restart] [layerwise] ...
+set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir . >/dev/null
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir . >/dev/null || exit 1
 nvidia-smi --query-gpu=name,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
@@ -20,8 +21,20 @@ for what in "$@"; do
             --lengths 4096 --restart-disk-hit --json "$out/restart.json" ;;
         layerwise) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b,bamba \
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 5 --json "$out/layerwise.json" ;;
+        layerwise_8b) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
+            --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_8b.json" ;;
+        layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
+            --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
+        gpu_tests)  # the tests marked gpu, against the installed hicache (not the checkout's)
+            rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests pyproject.toml /tmp/gt/ &&
+                (cd /tmp/gt && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+                    tests 2>&1 | tail -40) ;;
         data_plane_quick) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
+    rc=$?
+    # one that fails is reported, and the next still runs
+    if [ "$rc" -ne 0 ]; then echo "FAILED: $what (exit $rc)" >&2; failed=1; fi
 done
+exit "${failed:-0}"
