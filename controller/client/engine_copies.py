@@ -138,7 +138,9 @@ class EngineCopies:
             pages,
         )
 
-    def send_begin_store(self, refs: Sequence[PageRef], ttl_s: float) -> PendingBegin | None:
+    def send_begin_store(
+        self, refs: Sequence[PageRef], ttl_s: float, tenant: str | None = None
+    ) -> PendingBegin | None:
         """:meth:`begin_store` in two halves: the request goes now, its reservation is
         taken with :meth:`receive_begin_store`, so that the sidecar hands out the pages of
         the next part of a store while this process copies the current one. None when
@@ -149,7 +151,7 @@ class EngineCopies:
             return None
         if self._open:
             return None
-        args = StoreBeginArgs(list(refs), float(ttl_s))
+        args = StoreBeginArgs(list(refs), float(ttl_s), tenant)
         try:
             rid = self._channel.send(Verb.STORE_BEGIN, args, self.config.request_timeout_s)
         except ControllerError as exc:

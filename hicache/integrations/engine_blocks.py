@@ -129,12 +129,14 @@ class EngineBlocks:
         blocks: Sequence[int],
         ttl_s: float,
         on_copied: Callable[[], object] | None = None,
+        tenant: str | None = None,
     ) -> tuple[int, int]:
         """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
         written, pages not stored: no room, or no sidecar). ``on_copied`` runs once the
-        blocks are no longer read. Raises on a copy error: the parts copied before it are
-        published, no page of the part that failed (or of one after it) becomes visible,
-        and their host pages go back to the sidecar.
+        blocks are no longer read; new pages are ``tenant``'s (the sidecar's quotas).
+        Raises on a copy error: the parts copied before it are published, no page of the
+        part that failed (or of one after it) becomes visible, and their host pages go
+        back to the sidecar.
 
         In parts of ``chunk_bytes`` (the first smaller): the next part's pages are asked
         for before this part's copy starts, and a part's copy runs while the one before it
@@ -147,14 +149,14 @@ class EngineBlocks:
         committed = not_stored = 0
         pending: list = []  # (reservation, events) started, not yet committed
         parts = self._parts(len(refs))
-        asked = self.client.send_begin_store(refs[parts[0][0] : parts[0][1]], ttl_s)
+        asked = self.client.send_begin_store(refs[parts[0][0] : parts[0][1]], ttl_s, tenant)
         try:
             for i, (lo, hi) in enumerate(parts):
                 store = None if asked is None else self.client.receive_begin_store(asked)
                 asked = None
                 if i + 1 < len(parts):  # the sidecar hands out the next part's pages now
                     nlo, nhi = parts[i + 1]
-                    asked = self.client.send_begin_store(refs[nlo:nhi], ttl_s)
+                    asked = self.client.send_begin_store(refs[nlo:nhi], ttl_s, tenant)
                 if store is None:
                     not_stored += hi - lo
                     continue

@@ -13,7 +13,8 @@ those blocks to the node's ``hicache serve``:
   vLLM's KV tensors and that area, for every group, Mamba state pages included.
 
 Use it through :class:`HiCacheConnector` (an ``OffloadingConnector`` that also tells vLLM
-which loads failed, so that it recomputes them)::
+which loads failed, so that it recomputes them, and tells the sidecar each request's
+tenant, named by its ``cache_salt``)::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
         "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
@@ -211,6 +212,14 @@ class HiCacheConnector(OffloadingConnector):
         self._load_errors: set[int] = set()
         with building_with_groups(groups, model):
             super().__init__(vllm_config, role, kv_cache_config)
+
+    def on_new_request(self, request: Any) -> None:
+        """As the offloading connector; first tells the manager the request's tenant (its
+        ``cache_salt``), which vLLM's ``ReqContext`` does not carry."""
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        if hasattr(manager, "note_request"):
+            manager.note_request(request)
+        super().on_new_request(request)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -12,6 +12,12 @@ the sidecar from ``prepare_load`` to ``complete_load``; the worker pins them aga
 own session for the copy itself, so a pin that failed or expired costs a hit, not bytes.
 ``prepare_store`` leaves out the keys the sidecar said it holds; the sidecar's backup
 skips what it holds anyway, so a stale answer costs a copy, never a page.
+
+A request with a ``cache_salt`` is its tenant's (:func:`~hicache.integrations.vllm_pages.
+tenant_label`): the connector tells this manager of each new request
+(:meth:`HiCacheOffloadingManager.note_request`), its lookup names the tenant and its store
+spec carries it to the worker, whose stores name it: the sidecar's per-tenant quotas and
+metrics apply (docs/isolation.md).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -42,7 +49,7 @@ from hicache import P_ABSENT, P_DISK, P_HOST, ComponentType, PageKey, PinReceipt
 from hicache.controller import SidecarController
 from hicache.controller.client import SidecarClientConfig
 from hicache.integrations.vllm_config import HiCacheVllmConfig
-from hicache.integrations.vllm_pages import PageNamespace
+from hicache.integrations.vllm_pages import PageNamespace, tenant_label
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +69,35 @@ class HiCacheLoadSpec(LoadStoreSpec):
 
 class HiCacheStoreSpec(LoadStoreSpec):
     """The pages a store writes: keys (group by group, block order), each with its parent
-    in its group's chain (None for a group's first block) and its block index."""
+    in its group's chain (None for a group's first block) and its block index; and the
+    tenant whose pages they are (None: no tenant)."""
 
     def __init__(
         self,
         keys: Sequence[OffloadKey],
         parents: Sequence[OffloadKey | None],
         blocks: Sequence[int],
+        tenant: str | None = None,
     ) -> None:
         self.keys = list(keys)
         self.parents = list(parents)
         self.block_indices = list(blocks)
+        self.tenant = tenant
 
     def __repr__(self) -> str:
         return f"HiCacheStoreSpec({len(self.keys)} pages)"
+
+
+@dataclass(frozen=True)
+class RequestTenant:
+    """A request's tenant, kept in its ``ReqContext`` (``get_state``)."""
+
+    name: str
+
+
+def _tenant(req_context: ReqContext) -> str | None:
+    state = req_context.get_state(RequestTenant)
+    return None if state is None else state.name
 
 
 @dataclass
@@ -104,6 +126,7 @@ class HiCacheOffloadingManager(OffloadingManager):
         self._ranks = range(namespace.tp_size)
         self._requests: dict[str, _RequestLookups] = {}
         self._pins: dict[str, list[tuple[frozenset, Future]]] = {}
+        self._arriving: dict[str, str] = {}  # req id -> tenant, until on_new_request
         self._lock = threading.Lock()
         # One thread: lookups, pins and unpins reach the sidecar in the order they were made.
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-scheduler")
@@ -121,11 +144,12 @@ class HiCacheOffloadingManager(OffloadingManager):
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def _presence(self, keys: list[OffloadKey]) -> np.ndarray:
+    def _presence(self, keys: list[OffloadKey], tenant: str | None) -> np.ndarray:
         """For each key, the slowest tier holding every TP rank's page (0: some rank's
-        page is absent)."""
+        page is absent); the sidecar counts the lookup to ``tenant``."""
         hashes = [self.namespace.page_hash(k, r) for r in self._ranks for k in keys]
-        rows = self.client.lookup(hashes, [FULL]).presence[FULL].reshape(len(self._ranks), -1)
+        rows = self.client.lookup(hashes, [FULL], tenant).presence[FULL]
+        rows = rows.reshape(len(self._ranks), -1)
         absent = (rows == P_ABSENT).any(axis=0)
         return np.where(absent, P_ABSENT, rows.max(axis=0))
 
@@ -165,7 +189,8 @@ class HiCacheOffloadingManager(OffloadingManager):
             keys = [key, *(k for k in req_context._offload_key_positions if k != key)]
             state.pending_keys = [k for k in keys if k not in state.answers]
             state.deadline = time.monotonic() + self.config.lookup_deadline_ms / 1000
-            state.pending = self._calls.submit(self._presence, state.pending_keys)
+            tenant = _tenant(req_context)
+            state.pending = self._calls.submit(self._presence, state.pending_keys, tenant)
             wait_futures([state.pending], timeout=self.config.lookup_wait_ms / 1000)
             self._settle(state)
             tier = state.answers.get(key)
@@ -250,13 +275,23 @@ class HiCacheOffloadingManager(OffloadingManager):
             parents.append(by_position.get((group, end - tokens)))
         return PrepareStoreOutput(
             keys_to_store=to_store,
-            store_spec=HiCacheStoreSpec(to_store, parents, blocks),
+            store_spec=HiCacheStoreSpec(to_store, parents, blocks, _tenant(req_context)),
             evicted_keys=[],
         )
 
     # -- requests -------------------------------------------------------------------------
 
+    def note_request(self, request: Any) -> None:
+        """A vLLM ``Request`` is about to reach :meth:`on_new_request` (the connector
+        calls this first): its tenant, from its ``cache_salt``."""
+        tenant = tenant_label(getattr(request, "cache_salt", None))
+        if tenant is not None:
+            self._arriving[request.request_id] = tenant
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        tenant = self._arriving.pop(req_context.req_id, None)
+        if tenant is not None:
+            req_context.set_state(RequestTenant(tenant))
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:

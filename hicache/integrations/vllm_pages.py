@@ -14,7 +14,10 @@ names pages by 16-byte hashes in a chain, under one layout per sidecar. Here:
   Two deployments that differ in any of these never name the same page, and the
   namespace is also the layout's ``model_id``, so a sidecar serving one refuses the
   other's workers. The TP ranks of one deployment share the layout (and a sidecar); each
-  rank's pages are its own shard, named with its rank.
+  rank's pages are its own shard, named with its rank;
+* a request's ``cache_salt`` is already in its block hashes (vLLM seeds the chain with
+  it), so it separates pages as it is; the sidecar is told the request's tenant for its
+  quotas and metrics as :func:`tenant_label` of the salt, never the salt itself.
 """
 
 from __future__ import annotations
@@ -29,6 +32,25 @@ from hicache import HASH_BYTES, ModelLayout
 #: its two halves (K, V).
 PAGE_ALIGN_BYTES = 8
 _STAGE_DTYPE = "float32"
+
+
+#: The prefix of a tenant named by a request's ``cache_salt`` (:func:`tenant_label`).
+SALT_TENANT_PREFIX = "salt-"
+
+
+def tenant_label(cache_salt: str | None) -> str | None:
+    """The tenant the sidecar is told for a request of ``cache_salt`` (None or empty: no
+    salt in vLLM's block hashes, no tenant): ``salt-`` and 16 hex digits of a keyed
+    BLAKE2b of the salt. The same salt is the same tenant in every deployment; the label
+    does not show the salt (metrics, stats and ``hicachectl`` print labels), so a
+    per-tenant quota names the label::
+
+        python -c 'from hicache.integrations.vllm_pages import tenant_label as t; print(t("SALT"))'
+    """
+    if not cache_salt:
+        return None
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, key=b"hicache-vllm-tenant")
+    return SALT_TENANT_PREFIX + digest.hexdigest()
 
 
 @dataclass(frozen=True)

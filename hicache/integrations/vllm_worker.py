@@ -307,7 +307,7 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
             moved = self._copy(pairs, pages, to_stage=True)
             released.set()  # vLLM's blocks are no longer read
             refs = self._store_refs(pairs, dst, pages.tolist())
-            handle = self.client.backup(refs)
+            handle = self.client.backup(refs, tenant=dst.tenant)
             ok = handle.wait(self.config.store_timeout_s)
             self.staging.free(FULL, pages, handle)
             self.counters["store_pages" if ok else "store_pages_failed"] += len(refs)
@@ -351,7 +351,7 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
         groups = [pos for _, pos, _ in pairs]
         blocks = [b for _, _, b in pairs]
         stored, no_room = self.blocks.store(
-            refs, groups, blocks, self.config.store_timeout_s, on_copied=released.set
+            refs, groups, blocks, self.config.store_timeout_s, released.set, dst.tenant
         )
         self.counters["store_pages"] += stored
         self.counters["store_pages_dropped_host_full"] += no_room

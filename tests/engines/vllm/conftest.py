@@ -72,9 +72,10 @@ class Instance:
         workdir: Path,
         name: str,
         model: Path,
-        rounds: list[list[list[int]]],
+        rounds: list[list[Any]],
         socket: Path | None,
         pause_before: tuple[int, ...] = (),
+        reset_before: tuple[int, ...] = (),
         extra: dict[str, Any] | None = None,
         max_tokens: int = 4,
         kv_events: str | None = None,
@@ -105,6 +106,8 @@ class Instance:
             cmd += ["--kv-events", kv_events]
         for n in pause_before:
             cmd += ["--pause-before", str(n)]
+        for n in reset_before:
+            cmd += ["--reset-before", str(n)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
         self.log = self.dir / "instance.log"
         with open(self.log, "w") as log:

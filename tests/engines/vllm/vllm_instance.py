@@ -6,8 +6,10 @@
 It builds a ``vllm.LLM`` over the tiny model (eager, float32, no tokenizer), with
 hicache's connector when ``--socket`` is given (and vLLM's own KV event publisher on
 ``--kv-events``), serves the prompts of ``--requests``
-(JSON: a list of rounds, each a list of token-id prompts, served in order;
-``--pause-before N`` waits for the test before round N) and writes, per round, each
+(JSON: a list of rounds, each a list of prompts, served in order: a prompt is a list of
+token ids, or ``{"tokens": [...], "cache_salt": "..."}``; ``--pause-before N`` waits for
+the test before round N, ``--reset-before N`` empties vLLM's own prefix cache before it,
+so that round's hits are the connector's) and writes, per round, each
 prompt's generated tokens, their logprobs, its cached tokens and the round's time to
 ``--out`` (JSON), and what the engine decided about its KV cache to ``--out`` with the
 suffix ``.engine.json``.
@@ -127,6 +129,13 @@ def pause(directory: Path, round_index: int, timeout_s: float = 600.0) -> None:
         time.sleep(0.05)
 
 
+def token_prompt(make, prompt: list[int] | dict) -> object:
+    """vLLM's ``TokensPrompt`` of one prompt of ``--requests``."""
+    if isinstance(prompt, dict):
+        return make(prompt_token_ids=prompt["tokens"], cache_salt=prompt["cache_salt"])
+    return make(prompt_token_ids=prompt)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -144,6 +153,13 @@ def main() -> None:
         help="before this round, write <pause-dir>/ready-N and wait for go-N",
     )
     p.add_argument("--pause-dir")
+    p.add_argument(
+        "--reset-before",
+        type=int,
+        action="append",
+        default=[],
+        help="before this round, empty vLLM's prefix cache (reset_prefix_cache)",
+    )
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import SamplingParams
@@ -164,8 +180,10 @@ def main() -> None:
     for i, prompts in enumerate(rounds):
         if i in a.pause_before:
             pause(Path(a.pause_dir), i)
+        if i in a.reset_before and not llm.reset_prefix_cache():
+            raise SystemExit(f"vLLM did not reset its prefix cache before round {i}")
         t0 = time.perf_counter()
-        results = llm.generate([TokensPrompt(prompt_token_ids=t) for t in prompts], params)
+        results = llm.generate([token_prompt(TokensPrompt, t) for t in prompts], params)
         seconds = time.perf_counter() - t0
         served = []
         for r in results:
