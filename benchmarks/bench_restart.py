@@ -7,8 +7,9 @@ For each page size, a real ``hicache serve`` (a subprocess with its own LMDB dir
 under a temporary directory) is filled by an engine — pools registered through the public
 :class:`SidecarController`, shared-memory tensors on a CPU, CUDA tensors on a GPU — whose
 backups are written through to disk; the sidecar is stopped (SIGTERM: every queued write
-committed) and started again on the same LMDB, and the same engine, never restarted,
-loads the whole prefix back (pin, load, unpin) once its client has reconnected by itself.
+committed) and started again on the same LMDB (its warm start off: ``prewarm_bytes=0``,
+so that every load below reads disk), and the same engine, never restarted, loads the
+whole prefix back (pin, load, unpin) once its client has reconnected by itself.
 Timed, each as GB/s:
 
 * ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left
@@ -87,6 +88,8 @@ class Sidecar:
                 "--disk-budget-bytes", str(4 * self.host_bytes), "--metrics-port", "0",
                 "--host-pool-bytes", str(self.host_bytes), "--layout-file", str(self.layout_file),
                 "--ready-file", str(ready), "--log-level", "warning",
+                # The disk path is what is timed: no warm start reading pages back to host.
+                "--set", "prewarm_bytes=0",
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
         )  # fmt: skip
