@@ -40,7 +40,7 @@ from hicache.controller.client.channel import (
     SidecarUnavailable,
     result_of,
 )
-from hicache.controller.client.engine_copies import EngineCopies, PendingPin
+from hicache.controller.client.engine_copies import EngineCopies
 from hicache.controller.client.inflight import (
     LOAD_PINS,
     RemoteTransfer,
@@ -62,7 +62,6 @@ from hicache.controller.wire.verbs import (
     KeysArgs,
     LookupArgs,
     NoArgs,
-    PinArgs,
     RegisterArgs,
     UnpinArgs,
 )
@@ -417,56 +416,6 @@ class SidecarController(EngineCopies):
             log.debug("pin failed: %s", exc)
             return None
         return self._receipt(res, keys, ttl_s, self._channel.generation)
-
-    def send_pin(self, keys: Sequence[PageKey], ttl_s: float) -> PendingPin | None:
-        """:meth:`pin` in two halves, for an engine that pins the next part of a load
-        while it copies this one: the request goes now, :meth:`receive_pin` takes its
-        receipt. None when nothing was sent (``pin_at_load``, too many keys, no session):
-        the caller pins with :meth:`pin`. A request sent must be received (a pin nobody
-        takes only lapses at its deadline)."""
-        if len(keys) > MAX_PIN_KEYS or self.config.pin_at_load or self._open:
-            return None
-        try:
-            args = self._pin_args(keys, ttl_s)
-            rid = self._channel.send(Verb.PIN, args, self.config.request_timeout_s)
-        except ControllerError as exc:
-            log.debug("pin not sent: %s", exc)
-            return None
-        return PendingPin(rid, self._channel.generation, list(keys), float(ttl_s))
-
-    def receive_pin(self, pending: PendingPin) -> PinReceipt | None:
-        """The receipt of a :meth:`send_pin`; None when a page is absent or it failed."""
-        if pending.generation != self._channel.generation:
-            self._channel.forget(pending.request_id)
-            return None
-        try:
-            res = self._channel.wait(
-                pending.request_id, self.config.request_timeout_s, spin_s=self.config.reply_spin_s
-            )
-        except ControllerError as exc:
-            self._call_failed(exc)
-            log.debug("pin failed: %s", exc)
-            return None
-        self._succeeded()
-        return self._receipt(res, pending.keys, pending.ttl_s, pending.generation)
-
-    def _pin_args(self, keys: Sequence[PageKey], ttl_s: float) -> PinArgs:
-        wants_pages = self._share is not None or self._pages is not None
-        return PinArgs(list(keys), float(ttl_s), True if wants_pages else None)
-
-    @staticmethod
-    def _receipt(res: Any, keys: Sequence[PageKey], ttl_s: float, generation: int):
-        if res.pin_id is None:
-            return None
-        deadline = time.monotonic() + (ttl_s if res.ttl_s is None else res.ttl_s)
-        pages = None if res.host_pages is None else np.frombuffer(res.host_pages, np.int32)
-        return PinReceipt(
-            res.pin_id,
-            list(keys),
-            deadline,
-            generation=generation,
-            host_pages=None if pages is None else pages.tolist(),
-        )
 
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult:
         """``ok`` when every page was copied: here, from the sidecar's shared host pages,
