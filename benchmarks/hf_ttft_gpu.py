@@ -89,6 +89,7 @@ class SidecarProc:
             "--socket", str(self.socket), "--disk-path", str(self.dir / "lmdb"),
             "--metrics-port", "0", "--host-pool-bytes", host_pool,
             "--disk-budget-bytes", disk_budget, "--ready-file", str(ready),
+            "--set", "prewarm_bytes=0",  # a disk hit after a restart reads disk, not host
         ]  # fmt: skip
         if DEVICE == "cpu":  # --dry-run: tiny models; a GPU run's pool need not fit here
             from hicache.controller.settings import parse_size
