@@ -26,6 +26,9 @@ from tests.support.sidecar import Sidecar
 BLOCK_TOKENS = 32
 PROMPT_TOKENS = 300  # nine whole blocks and a tail: far past the 64-token window
 SHARED_TOKENS = 4 * BLOCK_TOKENS
+# The hits are what is tested, not their latency: on a loaded machine a lookup answered
+# after the default deadline would be a miss, so the deadline is long here.
+PATIENT = {"hicache_lookup_deadline_ms": 60000}
 
 
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
@@ -47,7 +50,9 @@ def test_a_sliding_window_model_hits_through_the_sidecar_bit_for_bit(
     sidecar = Sidecar(sidecar_dir).start()
     instances: list[Instance] = []
     try:
-        a = Instance(sidecar_dir, "A", tiny_gemma3, [[p], [p], [branch]], sidecar.socket)
+        a = Instance(
+            sidecar_dir, "A", tiny_gemma3, [[p], [p], [branch]], sidecar.socket, extra=PATIENT
+        )
         instances.append(a)
         a_cold, a_native, a_branch = (rnd["results"][0] for rnd in a.result())
         assert a_cold["num_cached_tokens"] == 0
@@ -60,7 +65,7 @@ def test_a_sliding_window_model_hits_through_the_sidecar_bit_for_bit(
         stats = sidecar_stats(sidecar)
         assert stats["engine_stores.pages_committed"] > 0
 
-        b = Instance(sidecar_dir, "B", tiny_gemma3, [[p], [branch]], sidecar.socket)
+        b = Instance(sidecar_dir, "B", tiny_gemma3, [[p], [branch]], sidecar.socket, extra=PATIENT)
         instances.append(b)
         b_p, b_branch = (rnd["results"][0] for rnd in b.result())
         # Connector hits of both groups, from the host tier: what vLLM's own prefix
