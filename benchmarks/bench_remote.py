@@ -234,8 +234,10 @@ def main() -> int:
           f"   ratio {f['put_ratio']:.2f}")  # fmt: skip
     print(f"  get:    tier {f['tier_get']:7.0f} MiB/s   raw pipeline {f['raw_get']:7.0f} MiB/s"
           f"   ratio {f['get_ratio']:.2f}")  # fmt: skip
-    print(f"  lookup of {args.pages} pages: p50 {f['lookup_p50']:.2f} ms, p99 "
-          f"{f['lookup_p99']:.2f} ms (raw pipelined EXISTS p50 {f['raw_exists_p50']:.2f} ms)")
+    print(
+        f"  lookup of {args.pages} pages: p50 {f['lookup_p50']:.2f} ms, p99 "
+        f"{f['lookup_p99']:.2f} ms (raw pipelined EXISTS p50 {f['raw_exists_p50']:.2f} ms)"
+    )
     print(f"  memory per page: {mem['hash']:.3f} x the page as stored (one hash, two fields), "
           f"{mem['string']:.3f} x as one string of header and payload")  # fmt: skip
     return 0

@@ -72,10 +72,14 @@ def main() -> None:
 
     tmp = tempfile.TemporaryDirectory()
     hf = sgl.file_backend(tmp.name, pool)
-    car = Sidecar(short_tmpdir("hcbench"),
-                  args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]).start()
-    opts = {"hicache_staging_pages": pages, "hicache_backup_timeout_s": 60.0,
-            "hicache_load_timeout_s": 60.0}
+    car = Sidecar(
+        short_tmpdir("hcbench"), args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]
+    ).start()
+    opts = {
+        "hicache_staging_pages": pages,
+        "hicache_backup_timeout_s": 60.0,
+        "hicache_load_timeout_s": 60.0,
+    }
     copy_path = sgl.hicache_backend(car.endpoint, pool, hicache_engine_copies=False, **opts)
     zero_copy = sgl.hicache_backend(car.endpoint, shm_pool, hicache_engine_copies=False, **opts)
     engine = sgl.hicache_backend(car.endpoint, pool, **opts)
@@ -131,12 +135,16 @@ def main() -> None:
 
     best = {name: (min(t[0]), min(t[1])) for name, t in times.items()}
     base_set, base_get = best["memcpy"]
-    print(f"{pages} pages of {page_bytes / 1024:.0f} KiB ({total / 2**20:.1f} MiB), best of "
-          f"{args.rounds} interleaved rounds")
+    print(
+        f"{pages} pages of {page_bytes / 1024:.0f} KiB ({total / 2**20:.1f} MiB), best of "
+        f"{args.rounds} interleaved rounds"
+    )
     print(f"{'':30s} {'set GB/s':>9s} {'x memcpy':>9s} {'get GB/s':>9s} {'x memcpy':>9s}")
     for name, (s, g) in best.items():
-        print(f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
-              f"{total / g / 1e9:9.2f} {base_get / g:9.3f}")
+        print(
+            f"{name:30s} {total / s / 1e9:9.2f} {base_set / s:9.3f} "
+            f"{total / g / 1e9:9.2f} {base_get / g:9.3f}"
+        )
     f_set, f_get = best["HiCacheFile"]
     for label in (
         "hicache sidecar, copy path",
@@ -144,8 +152,10 @@ def main() -> None:
         "hicache sidecar, engine copies",
     ):
         hc_set, hc_get = best[label]
-        print(f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
-              f"get {f_get / hc_get:.2f}x")
+        print(
+            f"{label} / HiCacheFile throughput: set {f_set / hc_set:.2f}x, "
+            f"get {f_get / hc_get:.2f}x"
+        )
 
 
 if __name__ == "__main__":

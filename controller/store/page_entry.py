@@ -10,6 +10,9 @@ from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
 
 _TIERS = (Tier.HOST, Tier.DISK)
+_HOST = Tier.HOST
+# A component's tag byte in storage keys (PageKey.storage_key), made once.
+TAGS = {c: bytes((int(c),)) for c in ComponentType}
 
 
 class HostState(enum.IntEnum):
@@ -22,6 +25,10 @@ class DiskState(enum.IntEnum):
     NONE = 0
     PENDING = 1  # queued to the LMDB writer, not committed yet
     READY = 2  # committed
+
+
+_HOST_NONE = HostState.NONE
+_DISK_NONE = DiskState.NONE
 
 
 class PageEntry:
@@ -54,10 +61,10 @@ class PageEntry:
         self.component = component
         self.page_hash = page_hash
         self.parent_hash = parent_hash
-        self.skey = page_hash + bytes((int(component),))
+        self.skey = page_hash + TAGS[component]
         self.host_page = -1
-        self.host_state = HostState.NONE
-        self.disk_state = DiskState.NONE
+        self.host_state = _HOST_NONE
+        self.disk_state = _DISK_NONE
         self.disk_nbytes = 0
         self.pins = 0
         self.busy = 0
@@ -83,14 +90,14 @@ class PageEntry:
         return PageKey(self.component, self.page_hash)
 
     def present(self, tier: Tier) -> bool:
-        if tier is Tier.HOST:
-            return self.host_state is not HostState.NONE
-        return self.disk_state is not DiskState.NONE
+        if tier is _HOST:
+            return self.host_state is not _HOST_NONE
+        return self.disk_state is not _DISK_NONE
 
     @property
     def held(self) -> bool:
         """Whether the controller can serve this page (from host, or through a disk read)."""
-        return self.host_state is not HostState.NONE or self.disk_state is not DiskState.NONE
+        return self.host_state is not _HOST_NONE or self.disk_state is not _DISK_NONE
 
     def __repr__(self) -> str:
         return (

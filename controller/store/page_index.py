@@ -36,7 +36,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from hicache.controller.store.lazy_heap import remove_at as _remove_at
 from hicache.controller.store.miss_reasons import ChainRoots
-from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
+from hicache.controller.store.page_entry import (
+    TAGS,
+    DiskRecordLike,
+    DiskState,
+    HostState,
+    PageEntry,
+)
 from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
@@ -44,14 +50,18 @@ from hicache.types import ComponentType, Tier
 
 __all__ = ["DiskState", "HostState", "PageEntry", "PageIndex"]
 
-_FULL_TAG = bytes((int(ComponentType.FULL),))
+# Enum members bound once: a class attribute lookup of one costs several times a global's,
+# and these run several times per page of every store, pin and eviction.
+_FULL = ComponentType.FULL
+_FULL_TAG = TAGS[_FULL]
 _AUX = (ComponentType.SWA, ComponentType.MAMBA)
-_TIERS = (Tier.HOST, Tier.DISK)
+_HOST, _DISK = Tier.HOST, Tier.DISK
+_TIERS = (_HOST, _DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
 _SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
 
-_HOST_READY = HostState.READY
-_DISK_NONE = DiskState.NONE
+_HOST_NONE, _HOST_FILLING, _HOST_READY = HostState.NONE, HostState.FILLING, HostState.READY
+_DISK_NONE, _DISK_READY = DiskState.NONE, DiskState.READY
 
 
 class PageIndex:
@@ -71,6 +81,9 @@ class PageIndex:
         # (a restart, a re-backup of a dropped page) count them.
         self._children_of: dict[bytes, set[PageEntry]] = {}
         self._host_heaps: dict[ComponentType, list] = {c: [] for c in ComponentType}
+        # The tags of the SWA/Mamba components that have had an entry, in ``_AUX`` order:
+        # a FULL-only layout never looks for a FULL page's SWA/Mamba pages.
+        self._aux_tags: tuple[bytes, ...] = ()
         self._disk_heap: list = []
         self._seq = itertools.count(1)
         self._sweep_at: dict[int, int] = {}  # per heap (by id): where the stale sweep is
@@ -97,7 +110,7 @@ class PageIndex:
         else disk when stored or queued, else absent). One pass, no per-page calls: a
         lookup asks this for every page of a chain."""
         get = self._entries.get
-        tag = bytes((int(component),))
+        tag = TAGS[component]
         row = []
         for h in page_hashes:
             e = get(h + tag)
@@ -111,15 +124,11 @@ class PageIndex:
                 row.append(P_ABSENT)
         return row
 
-    def full_of(self, entry: PageEntry) -> PageEntry | None:
-        """The FULL entry of the same hash (the one an SWA/Mamba page hangs off)."""
-        return self._entries.get(entry.page_hash + _FULL_TAG)
-
     def aux_in(self, entry: PageEntry, tier: Tier) -> list[PageEntry]:
         """SWA/Mamba entries of a FULL entry's hash that are present in ``tier``."""
         out = []
-        for c in _AUX:
-            aux = self._entries.get(entry.page_hash + bytes((int(c),)))
+        for tag in self._aux_tags:
+            aux = self._entries.get(entry.page_hash + tag)
             if aux is not None and aux.present(tier):
                 out.append(aux)
         return out
@@ -128,13 +137,17 @@ class PageIndex:
         """Whether ``entry`` may lose its copy in ``tier`` now (see the module docstring)."""
         if entry.pins or entry.busy or entry.children[tier]:
             return False
-        if tier is Tier.HOST:
-            if entry.host_state is not HostState.READY:
+        if tier is _HOST:
+            if entry.host_state is not _HOST_READY:
                 return False
-        elif entry.disk_state is not DiskState.READY:
+        elif entry.disk_state is not _DISK_READY:
             return False
-        if entry.component is ComponentType.FULL:
-            return not any(a.pins or a.busy for a in self.aux_in(entry, tier))
+        if entry.component is _FULL and self._aux_tags:
+            get, h = self._entries.get, entry.page_hash
+            for tag in self._aux_tags:  # held while one of its SWA/Mamba pages is
+                a = get(h + tag)
+                if a is not None and (a.pins or a.busy) and a.present(tier):
+                    return False
         return True
 
     # -- the logical clock ---------------------------------------------------------------
@@ -151,11 +164,19 @@ class PageIndex:
 
     def touch(self, entry: PageEntry) -> None:
         """Mark ``entry`` most recently used."""
-        entry.last_access = self.tick()
+        self._clock += 1
+        entry.last_access = self._clock
         if entry.pins or entry.busy:
             return  # not evictable now; pushed when released
-        for tier in _TIERS:
-            self._maybe_push(entry, tier)
+        self._push_ready(entry)
+
+    def _push_ready(self, entry: PageEntry) -> None:
+        """:meth:`_maybe_push` in each tier where ``entry`` is ready (in no other is it
+        evictable)."""
+        if entry.host_state is _HOST_READY:
+            self._maybe_push(entry, _HOST)
+        if entry.disk_state is _DISK_READY:
+            self._maybe_push(entry, _DISK)
 
     # -- entries -------------------------------------------------------------------------
 
@@ -168,7 +189,9 @@ class PageIndex:
         entry.attached = True
         entry.last_access = last_access or self.tick()
         self._entries[entry.skey] = entry
-        if component is ComponentType.FULL:
+        if component is not _FULL and entry.skey[-1:] not in self._aux_tags:
+            self._note_aux(component)
+        if component is _FULL:
             self._children_of.setdefault(parent_hash, set()).add(entry)
             if parent_hash + _FULL_TAG not in self._entries:
                 self.roots.note(parent_hash)
@@ -177,6 +200,11 @@ class PageIndex:
                 for tier in _TIERS:
                     entry.children[tier] = sum(1 for k in kids if k.present(tier))
         return entry
+
+    def _note_aux(self, component: ComponentType) -> None:
+        """An entry of SWA/Mamba ``component`` exists: FULL pages look for theirs now."""
+        seen = {*self._aux_tags, TAGS[component]}
+        self._aux_tags = tuple(TAGS[c] for c in _AUX if TAGS[c] in seen)
 
     def restore_disk(self, records: Iterable[DiskRecordLike]) -> None:
         """Index the pages found on disk at start, oldest first, into an empty index.
@@ -196,8 +224,10 @@ class PageIndex:
             self._clock += 1
             e.last_access = self._clock
             entries[e.skey] = e
-            if e.component is ComponentType.FULL:
+            if e.component is _FULL:
                 children_of.setdefault(e.parent_hash, set()).add(e)
+            elif e.skey[-1:] not in self._aux_tags:
+                self._note_aux(e.component)
             e.disk_state = DiskState.READY
             e.disk_nbytes = r.nbytes
             live += r.nbytes
@@ -240,7 +270,7 @@ class PageIndex:
             return False
         del self._entries[entry.skey]
         entry.attached = False
-        if entry.component is ComponentType.FULL:
+        if entry.component is _FULL:
             siblings = self._children_of[entry.parent_hash]
             siblings.discard(entry)
             if not siblings:
@@ -251,32 +281,33 @@ class PageIndex:
 
     def set_host(self, entry: PageEntry, page: int, ready: bool) -> None:
         """Give ``entry`` host page ``page``, filled (ready) or being filled."""
-        assert entry.host_state is HostState.NONE, f"{entry} already has a host page"
+        assert entry.host_state is _HOST_NONE, f"{entry} already has a host page"
         entry.host_page = page
-        entry.host_state = HostState.READY if ready else HostState.FILLING
-        self._presence_changed(entry, Tier.HOST, +1)
+        entry.host_state = _HOST_READY if ready else _HOST_FILLING
+        self._presence_changed(entry, _HOST, +1)
         if ready:  # a filling page is never evictable; mark_host_ready queues it
-            self._maybe_push(entry, Tier.HOST)
+            self._maybe_push(entry, _HOST)
             if self.events is not None:
-                self.events.stored(Tier.HOST, (entry,))
+                self.events.stored(_HOST, (entry,))
 
     def mark_host_ready(self, entry: PageEntry) -> None:
-        assert entry.host_state is HostState.FILLING, f"{entry} is not being filled"
-        entry.host_state = HostState.READY
-        self._maybe_push(entry, Tier.HOST)
+        assert entry.host_state is _HOST_FILLING, f"{entry} is not being filled"
+        entry.host_state = _HOST_READY
+        if not (entry.pins or entry.busy):  # else not evictable: pushed when released
+            self._maybe_push(entry, _HOST)
         if self.events is not None:
-            self.events.stored(Tier.HOST, (entry,))
+            self.events.stored(_HOST, (entry,))
 
     def clear_host(self, entry: PageEntry) -> int:
         """Take the host page away from ``entry``; returns the page id to free."""
-        assert entry.host_state is not HostState.NONE, f"{entry} has no host page"
+        assert entry.host_state is not _HOST_NONE, f"{entry} has no host page"
         page = entry.host_page
-        was_ready = entry.host_state is HostState.READY
+        was_ready = entry.host_state is _HOST_READY
         entry.host_page = -1
-        entry.host_state = HostState.NONE
-        self._presence_changed(entry, Tier.HOST, -1)
+        entry.host_state = _HOST_NONE
+        self._presence_changed(entry, _HOST, -1)
         if was_ready and self.events is not None:
-            self.events.removed(Tier.HOST, (entry,))
+            self.events.removed(_HOST, (entry,))
         return page
 
     def set_disk(self, entry: PageEntry, state: DiskState, nbytes: int = 0) -> None:
@@ -315,14 +346,15 @@ class PageIndex:
     def _presence_changed(self, entry: PageEntry, tier: Tier, delta: int) -> None:
         if entry.tenant:
             self.tenants.charge(entry, tier, delta)
-        if entry.component is ComponentType.FULL:
+        if entry.component is _FULL:
             parent = self._entries.get(entry.parent_hash + _FULL_TAG)
             if parent is not None:
-                parent.children[tier] += delta
-                if parent.children[tier] == 0:
+                children = parent.children
+                children[tier] += delta
+                if children[tier] == 0:
                     self._maybe_push(parent, tier)
         else:
-            full = self.full_of(entry)
+            full = self._entries.get(entry.page_hash + _FULL_TAG)
             if full is not None:
                 self._maybe_push(full, tier)
 
@@ -350,29 +382,29 @@ class PageIndex:
     def _released(self, entry: PageEntry) -> None:
         if not entry.attached or entry.pins or entry.busy:
             return  # still held: nothing became evictable
-        for tier in _TIERS:
-            self._maybe_push(entry, tier)
-        if entry.component is not ComponentType.FULL:
-            full = self.full_of(entry)
+        self._push_ready(entry)
+        if entry.component is not _FULL:
+            full = self._entries.get(entry.page_hash + _FULL_TAG)
             if full is not None:
-                for tier in _TIERS:
-                    self._maybe_push(full, tier)
+                self._push_ready(full)
 
     # -- LRU heaps -----------------------------------------------------------------------
-
-    def _heap(self, entry: PageEntry, tier: Tier) -> list:
-        return self._host_heaps[entry.component] if tier is Tier.HOST else self._disk_heap
 
     def _maybe_push(self, entry: PageEntry, tier: Tier) -> None:
         if not entry.attached or not self.evictable(entry, tier):
             return
-        current = entry.heap_key[tier]
-        key = self._order_key(entry, tier)
+        heap_key = entry.heap_key
+        current = heap_key[tier]
+        if tier is _HOST:  # the order key (_order_key)
+            key = entry.last_access + entry.retain
+            heap = self._host_heaps[entry.component]
+        else:
+            key = entry.last_access
+            heap = self._disk_heap
         if current is not None and current[0] == key:
             return  # its newest heap item is still valid
         seq = next(self._seq)
-        entry.heap_key[tier] = (key, seq)
-        heap = self._heap(entry, tier)
+        heap_key[tier] = (key, seq)
         heapq.heappush(heap, (key, seq, entry))
         if entry.tenant:
             self.tenants.push(entry, tier, (key, seq, entry))
@@ -416,19 +448,21 @@ class PageIndex:
         The entry leaves the heap; the caller evicts it (if it does not, the next change
         that makes it evictable pushes it again).
         """
-        if tier is Tier.HOST:
+        host = tier is _HOST
+        if host:
             assert component is not None, "host victims are chosen per component"
             heap = self._host_heaps[component]
         else:
             heap = self._disk_heap
+        pop, evictable = heapq.heappop, self.evictable
         while heap:
-            _, seq, entry = heapq.heappop(heap)
+            _, seq, entry = pop(heap)
             key = entry.heap_key[tier]
             if not entry.attached or key is None or key[1] != seq:
                 continue  # stale: a newer item (or none) stands for this entry
             entry.heap_key[tier] = None
-            if self.evictable(entry, tier):
-                if tier is Tier.HOST:
+            if evictable(entry, tier):
+                if host:
                     self._host_victims += 1
                     age = self._clock - entry.last_access
                     weight = 1.0 / min(self._host_victims, _TURNOVER_WINDOW)
