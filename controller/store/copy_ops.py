@@ -27,13 +27,16 @@ from hicache.controller.store.counters import Failure
 from hicache.controller.store.engine_stores import HELD, NO_ROOM, Reservation
 from hicache.controller.store.fills import QueuedBackup
 from hicache.controller.store.miss_reasons import MissReason
+from hicache.controller.store.page_entry import TAGS as _TAG
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.controller_api import ControllerError, PageKey, PageRef
-from hicache.types import ComponentType, Tier
+from hicache.types import Tier
 
-# PageKey.storage_key() without building a PageKey: this runs once per page per call.
-_TAG = {c: bytes((int(c),)) for c in ComponentType}
+# PageKey.storage_key() without building a PageKey is ``page_hash + _TAG[component]``:
+# this runs once per page per call. Enum members are bound once for the same reason.
+_READY = HostState.READY
+_FROM_DEVICE = Tier.DEVICE
 
 
 class ClaimState(enum.Enum):
@@ -91,12 +94,13 @@ class CopyOps(StoreState):
         """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
         transfer and keep the pages as any page that served a load-back."""
         nbytes = 0
+        served, tiers, page_bytes = self._index.served, self._tiers, self.host_page_bytes()
         for e in entries:
-            if e.host_state is HostState.READY:
-                self._index.served(e)
-                for tier in self._tiers:
+            if e.host_state is _READY:
+                served(e)
+                for tier in tiers:
                     tier.on_served_locked(e)
-                nbytes += self._host[e.component].page_bytes
+                nbytes += page_bytes[e.component]
         self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
         self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
 
@@ -168,12 +172,13 @@ class CopyOps(StoreState):
         """A copy of held ``entries`` to a device has ended: release them; ``served``
         (every byte arrived) makes them most recently used, kept as pages that served."""
         with self._lock:
+            release, tiers = self._index.release, self._tiers
             for e in entries:
                 e.copies -= 1
-                self._index.release(e)
+                release(e)
                 if served:
                     self._index.served(e)
-                    for tier in self._tiers:
+                    for tier in tiers:
                         tier.on_served_locked(e)
 
     def _hold_locked(self, e: PageEntry) -> None:
@@ -237,13 +242,15 @@ class CopyOps(StoreState):
         filling under ``fill`` and held until published or aborted. The pages of one part,
         or one engine's store, are published or aborted at once, so they share ``fill``
         (one future per page cost more than the rest of a page's bookkeeping)."""
+        index = self._index
         if e is None:
-            e = self._index.create(ref.component, ref.page_hash, ref.parent_hash)
+            e = index.create(ref.component, ref.page_hash, ref.parent_hash)
         if ref.engine_key is not None:
             e.engine_key = ref.engine_key
-        self._own_locked(e, tenant)
-        self._index.set_host(e, page, ready=False)
-        self._index.acquire(e)
+        if e.tenant != tenant:
+            self._own_locked(e, tenant)
+        index.set_host(e, page, ready=False)
+        e.busy += 1  # index.acquire(e)
         e.fill = fill
         return e
 
@@ -274,15 +281,20 @@ class CopyOps(StoreState):
         backup.published = True
         backup.source = None  # the copy has ended: the engine's memory may go
         nbytes = 0
+        index, tiers, page_bytes = self._index, self._tiers, self.host_page_bytes()
+        ready, release = index.mark_host_ready, index.release
+        stored: dict[int, int] = {}  # pages per tenant
         for e, _ in backup.plan:
-            self._index.mark_host_ready(e)
-            self._index.release(e)
+            ready(e)
+            release(e)
             e.fill = None
-            for tier in self._tiers:
-                tier.on_host_ready_locked(e, Tier.DEVICE)
-            nbytes += self._host[e.component].page_bytes
+            for tier in tiers:
+                tier.on_host_ready_locked(e, _FROM_DEVICE)
+            nbytes += page_bytes[e.component]
             if e.tenant:
-                self._index.tenants.count(e.tenant, "stored", "host")
+                stored[e.tenant] = stored.get(e.tenant, 0) + 1
+        for tid, n in stored.items():
+            index.tenants.count(tid, "stored", "host", n)
         backup.fill.set_result(True)
         n = len(backup.plan)
         self._counters.add(n, "backup", "stored_pages")
@@ -307,34 +319,41 @@ class CopyOps(StoreState):
         plan: list[tuple[PageEntry, PageRef]] = []
         fill: Future = Future()
         seen: set[bytes] = set()
+        deduped = full = 0
         with self._lock:
             self._abort_reservations_locked(self._engine_stores.expired_locked(now))
             tid = self._index.tenants.intern(tenant)
+            get, touch, alloc = self._index.get, self._index.touch, self._alloc_host_locked
+            begin_copy = self._begin_copy_locked
             for ref in refs:
                 skey = ref.page_hash + _TAG[ref.component]
                 if skey in seen:
                     pages.append(HELD)
                     continue
                 seen.add(skey)
-                e = self._index.get(skey)
+                e = get(skey)
                 if e is not None and e.held:
-                    self._index.touch(e)
-                    self._counters.inc("backup", "deduped_pages")
+                    touch(e)
+                    deduped += 1
                     pages.append(HELD)
                     continue
                 if tid and not self._tenant_room_locked(tid, ref.component):
                     pages.append(NO_ROOM)
                     continue
-                page = self._alloc_host_locked(ref.component)
+                page = alloc(ref.component)
                 if page is None:
-                    self._counters.fail(Failure.HOST_FULL)
+                    full += 1
                     pages.append(NO_ROOM)
                     continue
-                plan.append((self._begin_copy_locked(e, ref, page, fill, tid), ref))
+                plan.append((begin_copy(e, ref, page, fill, tid), ref))
                 pages.append(page)
             store_id = self._engine_stores.add_locked(engine_id, plan, fill, now + ttl_s, t0)
             if not plan:
                 fill.set_result(True)
+        if deduped:
+            self._counters.add(deduped, "backup", "deduped_pages")
+        if full:
+            self._counters.fail(Failure.HOST_FULL, full)
         self._counters.add(len(plan), "engine_stores", "pages_handed")
         return store_id, pages
 

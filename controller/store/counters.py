@@ -99,7 +99,8 @@ class Counters:
             self._values[key] += amount
 
     def inc(self, *key: str) -> None:
-        self.add(1, *key)
+        with self._lock:
+            self._values[key] += 1
 
     def fail(self, reason: Failure, n: int = 1) -> None:
         self.add(n, "failures", reason.value)

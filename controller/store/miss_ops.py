@@ -12,6 +12,7 @@ from typing import Any
 
 from hicache.controller.config import DiskWritePolicy, RemoteWritePolicy
 from hicache.controller.store.miss_reasons import MissReason, RecentLookup, tier_label
+from hicache.controller.store.page_entry import TAGS as _TAG
 from hicache.controller.store.page_index import DiskState, PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.controller_api import P_ABSENT, PageKey
@@ -20,10 +21,10 @@ from hicache.types import ComponentType, Tier
 
 __all__ = ["ExplainHead", "MissOps", "explain_runs"]
 
-_TAG = {c: bytes((int(c),)) for c in ComponentType}
 _WHERE = {0: "absent", 1: "host", 2: "disk", 3: "remote"}  # by Presence value
 _SOME_OR_NONE = (RemoteWritePolicy.SELECTIVE, RemoteWritePolicy.OFF)
 _KEPT_REASONS = (MissReason.WRITE_FAILED, MissReason.CHECKSUM, MissReason.LAYOUT)
+_EVICTED = MissReason.EVICTED
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,12 @@ class MissOps(StoreState):
         before = self._misses.departure(e.skey)
         if before is not None and before.reason in _KEPT_REASONS:
             return
-        declined = self._declined_by()
-        if declined is not None and reason is MissReason.EVICTED:
-            self._misses.departed(e.skey, MissReason.WRITE_POLICY, declined)
-        else:
-            self._misses.departed(e.skey, reason, Tier.HOST)
+        if reason is _EVICTED:
+            declined = self._declined_by()
+            if declined is not None:
+                self._misses.departed(e.skey, MissReason.WRITE_POLICY, declined)
+                return
+        self._misses.departed(e.skey, reason, Tier.HOST)
 
     def _declined_by(self) -> Tier | None:
         """The lower tier whose write policy left a page held only on host unstored: the

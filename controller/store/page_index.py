@@ -363,11 +363,25 @@ class PageIndex:
     def pin(self, entry: PageEntry) -> None:
         entry.pins += 1
 
+    def pin_all(self, entries: Iterable[PageEntry]) -> None:
+        """:meth:`pin` each of ``entries`` (one listed twice is pinned twice)."""
+        for e in entries:
+            e.pins += 1
+
     def unpin(self, entry: PageEntry) -> None:
         assert entry.pins > 0, f"unpin of {entry} that is not pinned"
         entry.pins -= 1
         if entry.pins == 0:
             self._released(entry)
+
+    def unpin_all(self, entries: Iterable[PageEntry]) -> None:
+        """:meth:`unpin` each of ``entries``, in order."""
+        released = self._released
+        for e in entries:
+            assert e.pins > 0, f"unpin of {e} that is not pinned"
+            e.pins -= 1
+            if e.pins == 0:
+                released(e)
 
     def acquire(self, entry: PageEntry) -> None:
         """Hold ``entry`` against eviction while an operation is in flight on it."""

@@ -48,6 +48,7 @@ from hicache.controller.store.fills import FillHandle, FillTracker
 from hicache.controller.store.host_pool import HostPool, SharedHostPages
 from hicache.controller.store.miss_ops import MissOps
 from hicache.controller.store.miss_reasons import MissLog, MissReason
+from hicache.controller.store.page_entry import TAGS
 from hicache.controller.store.page_index import DiskState, HostState, PageEntry, PageIndex
 from hicache.controller.store.pins import PinRecord, PinTable
 from hicache.controller.store.tenant_ops import TenantOps
@@ -68,6 +69,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.controller.store.local")
 
 _PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
+# Bound once: these run per page of every store and eviction.
+_HOST = Tier.HOST
+_FULL = ComponentType.FULL
+_LABEL = {c: component_label(c) for c in ComponentType}
 
 
 class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
@@ -255,8 +260,9 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
                 entries = []
                 offered: list[PageKey] = []  # held by a lower tier only: read below
                 absent = False
+                get = self._index.get
                 for k in keys[start : start + _PIN_CHUNK_KEYS]:
-                    e = self._index.get(k.storage_key())
+                    e = get(k.page_hash + TAGS[k.component])  # k.storage_key()
                     if e is not None and e.held:
                         entries.append(e)
                     elif self._offering(k) is not None:
@@ -269,13 +275,14 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
                     if rec is not None:
                         self._pins.release(rec.pin_id)
                     return Failure.PIN_ABSENT
-                entries += [self._index.get(k.storage_key()) for k in offered]
+                entries += [get(k.storage_key()) for k in offered]
                 if rec is None:
                     rec = self._pins.add(engine_id, entries, time.monotonic() + ttl_s)
                 else:
                     self._pins.extend(rec, entries)
+                touch = self._index.touch
                 for e in entries:
-                    self._index.touch(e)
+                    touch(e)
         return rec
 
     def unpin(self, pin_id: int, engine_id: str, loaded_s: float | None = None) -> None:
@@ -362,30 +369,32 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
         page = pool.alloc()
         if page is None:
             self._expire_pins_locked()  # a lapsed pin must not keep its pages from eviction
-        while page is None:
-            victim = self._index.pop_victim(Tier.HOST, component)
-            if victim is None:
-                return None
-            self._evict_host_locked(victim)
-            page = pool.alloc()
+            pop_victim, evict = self._index.pop_victim, self._evict_host_locked
+            while page is None:
+                victim = pop_victim(_HOST, component)
+                if victim is None:
+                    return None
+                evict(victim)
+                page = pool.alloc()
         return page
 
     def _evict_host_locked(self, entry: PageEntry, reason: MissReason = MissReason.EVICTED) -> int:
         """Drop ``entry``'s host page (and, for FULL, its SWA/Mamba pages on host);
         ``reason``: why, as a miss will tell it (evicted, or cleared by an admin). The
         pages dropped."""
+        index = self._index
         group = [entry]
-        if entry.component is ComponentType.FULL:
-            group = [*self._index.aux_in(entry, Tier.HOST), entry]
+        if entry.component is _FULL:
+            group = [*index.aux_in(entry, _HOST), entry]
         for e in group:
             for tier in self._tiers:
                 tier.on_host_evict_locked(e)
             self._host_departure_locked(e, reason)
-            self._host[e.component].free(self._index.clear_host(e))
-            self._counters.inc("evictions", "host", component_label(e.component))
+            self._host[e.component].free(index.clear_host(e))
+            self._counters.inc("evictions", "host", _LABEL[e.component])
             if e.tenant:
-                self._index.tenants.count(e.tenant, "evicted", "host")
-            self._index.discard_if_unused(e)
+                index.tenants.count(e.tenant, "evicted", "host")
+            index.discard_if_unused(e)
         return len(group)
 
     def _drop_locked(self, key: PageKey, host_only: bool) -> None:

@@ -42,8 +42,7 @@ class PinTable:
         rec = PinRecord(
             next(self._ids), engine_id, entries, frozenset(e.skey for e in entries), deadline
         )
-        for e in entries:
-            self._index.pin(e)
+        self._index.pin_all(entries)
         self._pins[rec.pin_id] = rec
         heapq.heappush(self._deadlines, (deadline, rec.pin_id))
         if len(self._deadlines) > 2 * len(self._pins) + 1024:
@@ -53,8 +52,7 @@ class PinTable:
 
     def extend(self, rec: PinRecord, entries: list[PageEntry]) -> None:
         """Pin ``entries`` too, under the same pin (a large pin is made in chunks)."""
-        for e in entries:
-            self._index.pin(e)
+        self._index.pin_all(entries)
         rec.entries += entries
         rec.skeys = rec.skeys | {e.skey for e in entries}
 
@@ -71,8 +69,7 @@ class PinTable:
         rec = self._pins.pop(pin_id, None)
         if rec is None:
             return False
-        for e in rec.entries:
-            self._index.unpin(e)
+        self._index.unpin_all(rec.entries)
         return True
 
     def expire(self, now: float) -> int:
