@@ -282,11 +282,10 @@ class CopyOps(StoreState):
         backup.source = None  # the copy has ended: the engine's memory may go
         nbytes = 0
         index, tiers, page_bytes = self._index, self._tiers, self.host_page_bytes()
-        ready, release = index.mark_host_ready, index.release
+        entries = [e for e, _ in backup.plan]
+        index.host_filled(entries)  # ready, and released
         stored: dict[int, int] = {}  # pages per tenant
-        for e, _ in backup.plan:
-            ready(e)
-            release(e)
+        for e in entries:
             e.fill = None
             for tier in tiers:
                 tier.on_host_ready_locked(e, _FROM_DEVICE)

@@ -27,6 +27,7 @@ import enum
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hicache.controller.store.counters import Counters, component_label
 from hicache.keys import HASH_BYTES
@@ -91,9 +92,9 @@ class ChainRoots:
         return iter(list(self._roots))
 
 
-@dataclass(frozen=True)
-class Departure:
-    """Why a page left its last tier, which tier, and when (``time.monotonic``)."""
+class Departure(NamedTuple):
+    """Why a page left its last tier, which tier, and when (``time.monotonic``). A named
+    tuple: one is made per page evicted, in a third of a frozen dataclass's time."""
 
     reason: MissReason
     tier: Tier | None

@@ -290,6 +290,21 @@ class PageIndex:
             if self.events is not None:
                 self.events.stored(_HOST, (entry,))
 
+    def host_filled(self, entries: Sequence[PageEntry]) -> None:
+        """The fills of ``entries``, each held (:meth:`acquire`) for its fill, ended:
+        :meth:`mark_host_ready` and :meth:`release` of each, in order, in one pass, and
+        the listener told of them in one call."""
+        released = self._released
+        for e in entries:
+            assert e.host_state is _HOST_FILLING, f"{e} is not being filled"
+            assert e.busy > 0, f"release of {e} that is not held"
+            e.host_state = _HOST_READY
+            e.busy -= 1  # held until now: mark_host_ready would have pushed nothing
+            if e.busy == 0:
+                released(e)
+        if self.events is not None and entries:
+            self.events.stored(_HOST, entries)
+
     def mark_host_ready(self, entry: PageEntry) -> None:
         assert entry.host_state is _HOST_FILLING, f"{entry} is not being filled"
         entry.host_state = _HOST_READY
