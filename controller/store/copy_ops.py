@@ -78,29 +78,28 @@ class CopyOps(StoreState):
         shared."""
         if self._host is None or not self._host.shared:
             return None
-        out = np.full(len(keys), -1, dtype=np.int32)
+        out = [-1] * len(keys)
         with self._lock:
             rec = self._pins.get(pin_id)
-            if rec is None:
-                return out
-            for i, k in enumerate(keys):
-                skey = k.page_hash + _TAG[k.component]
-                e = self._index.get(skey) if skey in rec.skeys else None
-                if e is not None and e.host_state is HostState.READY:
-                    out[i] = e.host_page
-        return out
+            if rec is not None:
+                skeys, get = rec.skeys, self._index.get
+                for i, k in enumerate(keys):
+                    skey = k.page_hash + _TAG[k.component]
+                    e = get(skey) if skey in skeys else None
+                    if e is not None and e.host_state is _READY:
+                        out[i] = e.host_page
+        return np.array(out, dtype=np.int32)
 
     def _served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
         """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
         transfer and keep the pages as any page that served a load-back."""
-        nbytes = 0
-        served, tiers, page_bytes = self._index.served, self._tiers, self.host_page_bytes()
-        for e in entries:
-            if e.host_state is _READY:
-                served(e)
-                for tier in tiers:
-                    tier.on_served_locked(e)
-                nbytes += page_bytes[e.component]
+        ready = [e for e in entries if e.host_state is _READY]
+        self._index.served_all(ready)
+        for tier in self._tiers:
+            for e in ready:
+                tier.on_served_locked(e)
+        page_bytes = self.host_page_bytes()
+        nbytes = sum(page_bytes[e.component] for e in ready)
         self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
         self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
 

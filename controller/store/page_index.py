@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from hicache.controller.store.lazy_heap import remove_at as _remove_at
 from hicache.controller.store.miss_reasons import ChainRoots
@@ -77,6 +77,9 @@ class PageIndex:
         self.host_turnover = 0.0  # running mean of a host victim's ticks since its use
         self._host_victims = 0
         self._entries: dict[bytes, PageEntry] = {}
+        # The entry of a storage key, None when absent: the dict's own ``get`` (no frame
+        # of ours around it), as a lookup, a pin and a store call it for every page.
+        self.get: Callable[[bytes], PageEntry | None] = self._entries.get
         # FULL entries by their parent hash: lets a parent created after its children
         # (a restart, a re-backup of a dropped page) count them.
         self._children_of: dict[bytes, set[PageEntry]] = {}
@@ -101,9 +104,6 @@ class PageIndex:
 
     def __iter__(self) -> Iterator[PageEntry]:
         return iter(list(self._entries.values()))
-
-    def get(self, skey: bytes) -> PageEntry | None:
-        return self._entries.get(skey)
 
     def presence(self, page_hashes: Sequence[bytes], component: ComponentType) -> list[int]:
         """Per page of ``component``: ``Presence`` as a plain int (host when ready there,
@@ -161,6 +161,24 @@ class PageIndex:
         kept ``host_hit_retention`` host turnovers longer than an unused page."""
         entry.retain = int(self.host_hit_retention * self.host_turnover)
         self.touch(entry)
+
+    def served_all(self, entries: Iterable[PageEntry]) -> None:
+        """:meth:`served` of each of ``entries``, in order."""
+        retain = int(self.host_hit_retention * self.host_turnover)  # the same for each
+        for e in entries:
+            e.retain = retain
+            self._clock += 1
+            e.last_access = self._clock
+            if not (e.pins or e.busy):
+                self._push_ready(e)
+
+    def touch_all(self, entries: Iterable[PageEntry]) -> None:
+        """:meth:`touch` each of ``entries``, in order."""
+        for e in entries:
+            self._clock += 1
+            e.last_access = self._clock
+            if not (e.pins or e.busy):
+                self._push_ready(e)
 
     def touch(self, entry: PageEntry) -> None:
         """Mark ``entry`` most recently used."""

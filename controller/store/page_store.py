@@ -280,9 +280,7 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
                     rec = self._pins.add(engine_id, entries, time.monotonic() + ttl_s)
                 else:
                     self._pins.extend(rec, entries)
-                touch = self._index.touch
-                for e in entries:
-                    touch(e)
+                self._index.touch_all(entries)
         return rec
 
     def unpin(self, pin_id: int, engine_id: str, loaded_s: float | None = None) -> None:
