@@ -34,15 +34,10 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from hicache.controller.store.lazy_heap import remove_at as _remove_at
+from hicache.controller.store.index_checks import check_index
+from hicache.controller.store.lazy_heap import compact, sweep
 from hicache.controller.store.miss_reasons import ChainRoots
-from hicache.controller.store.page_entry import (
-    TAGS,
-    DiskRecordLike,
-    DiskState,
-    HostState,
-    PageEntry,
-)
+from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
 from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_events import TierEvents
 from hicache.controller_api import P_ABSENT, P_DISK, P_HOST
@@ -53,12 +48,12 @@ __all__ = ["DiskState", "HostState", "PageEntry", "PageIndex"]
 # Enum members bound once: a class attribute lookup of one costs several times a global's,
 # and these run several times per page of every store, pin and eviction.
 _FULL = ComponentType.FULL
-_FULL_TAG = TAGS[_FULL]
+_TAG = {c: bytes((int(c),)) for c in ComponentType}  # of storage keys, as PageEntry's
+_FULL_TAG = _TAG[_FULL]
 _AUX = (ComponentType.SWA, ComponentType.MAMBA)
 _HOST, _DISK = Tier.HOST, Tier.DISK
 _TIERS = (_HOST, _DISK)
 _TURNOVER_WINDOW = 1024  # host victims over which the turnover is averaged
-_SWEEP_ITEMS = 4  # heap items checked for staleness per push, once a heap has grown
 
 _HOST_NONE, _HOST_FILLING, _HOST_READY = HostState.NONE, HostState.FILLING, HostState.READY
 _DISK_NONE, _DISK_READY = DiskState.NONE, DiskState.READY
@@ -110,7 +105,7 @@ class PageIndex:
         else disk when stored or queued, else absent). One pass, no per-page calls: a
         lookup asks this for every page of a chain."""
         get = self._entries.get
-        tag = TAGS[component]
+        tag = _TAG[component]
         row = []
         for h in page_hashes:
             e = get(h + tag)
@@ -162,15 +157,12 @@ class PageIndex:
         entry.retain = int(self.host_hit_retention * self.host_turnover)
         self.touch(entry)
 
-    def served_all(self, entries: Iterable[PageEntry]) -> None:
+    def served_all(self, entries: Sequence[PageEntry]) -> None:
         """:meth:`served` of each of ``entries``, in order."""
         retain = int(self.host_hit_retention * self.host_turnover)  # the same for each
         for e in entries:
             e.retain = retain
-            self._clock += 1
-            e.last_access = self._clock
-            if not (e.pins or e.busy):
-                self._push_ready(e)
+        self.touch_all(entries)
 
     def touch_all(self, entries: Iterable[PageEntry]) -> None:
         """:meth:`touch` each of ``entries``, in order."""
@@ -221,8 +213,8 @@ class PageIndex:
 
     def _note_aux(self, component: ComponentType) -> None:
         """An entry of SWA/Mamba ``component`` exists: FULL pages look for theirs now."""
-        seen = {*self._aux_tags, TAGS[component]}
-        self._aux_tags = tuple(TAGS[c] for c in _AUX if TAGS[c] in seen)
+        seen = {*self._aux_tags, _TAG[component]}
+        self._aux_tags = tuple(_TAG[c] for c in _AUX if _TAG[c] in seen)
 
     def restore_disk(self, records: Iterable[DiskRecordLike]) -> None:
         """Index the pages found on disk at start, oldest first, into an empty index.
@@ -326,8 +318,7 @@ class PageIndex:
     def mark_host_ready(self, entry: PageEntry) -> None:
         assert entry.host_state is _HOST_FILLING, f"{entry} is not being filled"
         entry.host_state = _HOST_READY
-        if not (entry.pins or entry.busy):  # else not evictable: pushed when released
-            self._maybe_push(entry, _HOST)
+        self._maybe_push(entry, _HOST)
         if self.events is not None:
             self.events.stored(_HOST, (entry,))
 
@@ -456,38 +447,16 @@ class PageIndex:
         if entry.tenant:
             self.tenants.push(entry, tier, (key, seq, entry))
         if 2 * len(heap) > 3 * len(self._entries) + 2048:
-            self._sweep(heap, tier)
+            self._sweep_at[id(heap)] = sweep(heap, self._sweep_at.get(id(heap), 0), tier)
             if len(heap) > 2 * len(self._entries) + 1024:
                 self._compact(heap, tier)
-
-    def _sweep(self, heap: list, tier: Tier) -> None:
-        """Look at the next ``_SWEEP_ITEMS`` items of ``heap`` (a cursor cycles through it)
-        and remove the stale ones. A push makes at most one item stale, so a heap that has
-        grown past 1.5 items per entry shrinks a little with every push and never reaches
-        the whole compaction below, which stalled the controller for a second at a
-        million pages."""
-        pos = self._sweep_at.get(id(heap), 0)
-        for _ in range(_SWEEP_ITEMS):
-            if pos >= len(heap):
-                pos = 0
-            _, seq, e = heap[pos]
-            key = e.heap_key[tier]
-            if e.attached and key is not None and key[1] == seq:
-                pos += 1
-            else:
-                _remove_at(heap, pos)  # the item moved into ``pos`` is looked at next
-        self._sweep_at[id(heap)] = pos
 
     @staticmethod
     def _order_key(entry: PageEntry, tier: Tier) -> int:
         """Where ``entry`` stands in ``tier``'s eviction order (lowest goes first)."""
         return entry.last_access + entry.retain if tier is Tier.HOST else entry.last_access
 
-    @staticmethod
-    def _compact(heap: list, tier: Tier) -> None:
-        live = [it for it in heap if it[2].attached and it[2].heap_key[tier] == it[:2]]
-        heap[:] = live
-        heapq.heapify(heap)
+    _compact = staticmethod(compact)
 
     def pop_victim(self, tier: Tier, component: ComponentType | None = None) -> PageEntry | None:
         """The least recently used evictable entry of ``tier`` (host: of ``component``).
@@ -501,14 +470,13 @@ class PageIndex:
             heap = self._host_heaps[component]
         else:
             heap = self._disk_heap
-        pop, evictable = heapq.heappop, self.evictable
         while heap:
-            _, seq, entry = pop(heap)
+            _, seq, entry = heapq.heappop(heap)
             key = entry.heap_key[tier]
             if not entry.attached or key is None or key[1] != seq:
                 continue  # stale: a newer item (or none) stands for this entry
             entry.heap_key[tier] = None
-            if evictable(entry, tier):
+            if self.evictable(entry, tier):
                 if host:
                     self._host_victims += 1
                     age = self._clock - entry.last_access
@@ -527,44 +495,5 @@ class PageIndex:
     # -- checks --------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Recompute every derived number and compare; raises AssertionError on a mismatch."""
-        live = 0
-        pages = dict.fromkeys(ComponentType, 0)
-        heap_seqs = {
-            Tier.HOST: {it[1] for h in self._host_heaps.values() for it in h},
-            Tier.DISK: {it[1] for it in self._disk_heap},
-        }
-        for heap in (*self._host_heaps.values(), self._disk_heap):
-            for i in range(1, len(heap)):
-                assert heap[(i - 1) // 2][:2] <= heap[i][:2], f"heap order broken at {i}"
-        for skey, e in self._entries.items():
-            assert e.attached and e.skey == skey, f"{e} filed under the wrong key"
-            assert e.held or e.busy, f"{e} is in no tier yet still indexed"
-            assert e.pins >= 0 and e.busy >= 0, f"{e} has a negative count"
-            assert (e.host_page >= 0) == (e.host_state is not HostState.NONE), f"{e} host page"
-            if e.disk_state is DiskState.READY:
-                live += e.disk_nbytes
-                pages[e.component] += 1
-            if e.component is ComponentType.FULL:
-                assert e in self._children_of.get(e.parent_hash, ()), f"{e} not in its chain"
-                kids = self._children_of.get(e.page_hash, ())
-                for tier in _TIERS:
-                    want = sum(1 for k in kids if k.present(tier))
-                    assert e.children[tier] == want, (
-                        f"{e}: {tier.name} children {e.children[tier]} != {want}"
-                    )
-            else:
-                assert e.children == [0, 0, 0], f"{e}: an SWA/Mamba page has children"
-            for tier in _TIERS:
-                if self.evictable(e, tier):
-                    key = e.heap_key[tier]
-                    assert key is not None and key[0] == self._order_key(e, tier), (
-                        f"{e} is evictable from {tier.name} but not queued at its order key"
-                    )
-                    assert key[1] in heap_seqs[tier], f"{e}: its {tier.name} heap item is gone"
-        for parent, kids in self._children_of.items():
-            for k in kids:
-                assert k.attached and k.parent_hash == parent, f"{k} in a wrong chain set"
-        assert live == self.disk_live_bytes, f"disk live bytes {self.disk_live_bytes} != {live}"
-        assert pages == self.disk_pages, f"disk pages {self.disk_pages} != {pages}"
-        self.tenants.check_invariants(self._entries.values(), self.evictable)
+        """Recompute every derived number and compare (index_checks.py); AssertionError."""
+        check_index(self)

@@ -69,9 +69,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.controller.store.local")
 
 _PIN_CHUNK_KEYS = 1024  # keys pinned per hold of the lock (about a millisecond)
-# Bound once: these run per page of every store and eviction.
-_HOST = Tier.HOST
-_FULL = ComponentType.FULL
+_HOST, _FULL = Tier.HOST, ComponentType.FULL  # bound once: used per page evicted
 _LABEL = {c: component_label(c) for c in ComponentType}
 
 
@@ -367,13 +365,12 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
         page = pool.alloc()
         if page is None:
             self._expire_pins_locked()  # a lapsed pin must not keep its pages from eviction
-            pop_victim, evict = self._index.pop_victim, self._evict_host_locked
-            while page is None:
-                victim = pop_victim(_HOST, component)
-                if victim is None:
-                    return None
-                evict(victim)
-                page = pool.alloc()
+        while page is None:
+            victim = self._index.pop_victim(_HOST, component)
+            if victim is None:
+                return None
+            self._evict_host_locked(victim)
+            page = pool.alloc()
         return page
 
     def _evict_host_locked(self, entry: PageEntry, reason: MissReason = MissReason.EVICTED) -> int:

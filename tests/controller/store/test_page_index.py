@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache.controller.store.page_index import DiskState, PageEntry, PageIndex, _remove_at
+from hicache.controller.store.lazy_heap import remove_at as _remove_at
+from hicache.controller.store.page_index import DiskState, PageEntry, PageIndex
 from hicache.controller.store.pins import PinTable
 from hicache.types import ComponentType, Tier
 
