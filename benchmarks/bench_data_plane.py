@@ -75,13 +75,22 @@ def _median_s(fn: Callable[[int], object], repeat: int, device: torch.device) ->
 
 
 class StageClock:
-    """Wall time of each stage of one store or load, stage by stage: the client's calls
-    (``send_begin_store`` and ``receive_begin_store``, ``commit_store``, ``pin``,
-    ``prefetch``, ``unpin``), the copies'
-    launches (``copy_start``) and the waits for them (``copy_wait``). Installed on one
-    client and one engine's copies for the ``with`` block."""
+    """Wall time of each stage of one store or load: the client's calls
+    (``send_begin_store`` and ``receive_begin_store``, ``commit_store``, ``send_pin`` and
+    ``receive_pin`` or ``pin``, ``prefetch``, ``unpin``), the copies' launches
+    (``copy_start``) and the waits for them (``copy_wait``). Installed on one client and
+    one engine's copies for the ``with`` block."""
 
-    CALLS = ("send_begin_store", "receive_begin_store", "commit_store", "pin", "prefetch", "unpin")
+    CALLS = (
+        "send_begin_store",
+        "receive_begin_store",
+        "commit_store",
+        "send_pin",
+        "receive_pin",
+        "pin",
+        "prefetch",
+        "unpin",
+    )
 
     def __init__(self, client: SidecarController, engine: EngineBlocks) -> None:
         self.client, self.engine = client, engine
