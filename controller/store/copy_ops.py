@@ -35,7 +35,8 @@ from hicache.types import Tier
 
 # PageKey.storage_key() without building a PageKey is ``page_hash + _TAG[component]``:
 # this runs once per page per call. Enum members are bound once for the same reason.
-_READY = HostState.READY
+_READY, _FILLING = HostState.READY, HostState.FILLING
+_DISK_NONE = DiskState.NONE
 _FROM_DEVICE = Tier.DEVICE
 
 
@@ -203,10 +204,12 @@ class CopyOps(StoreState):
         waits: list[Future] = []
         all_held = True
         page_bytes = self.host_page_bytes()
-        planned = 0
+        planned = deduped = full = 0
         i, n = start, len(refs)
         with self._lock:
             tid = self._index.tenants.intern(tenant)
+            get, touch, alloc = self._index.get, self._index.touch, self._alloc_host_locked
+            begin_copy = self._begin_copy_locked
             while i < n and planned < max_bytes:
                 ref = refs[i]
                 i += 1
@@ -214,24 +217,28 @@ class CopyOps(StoreState):
                 if skey in seen:
                     continue
                 seen.add(skey)
-                e = self._index.get(skey)
+                e = get(skey)
                 if e is not None and e.held:
-                    self._index.touch(e)
-                    self._counters.inc("backup", "deduped_pages")
-                    if e.host_state is HostState.FILLING and e.disk_state is DiskState.NONE:
+                    touch(e)
+                    deduped += 1
+                    if e.host_state is _FILLING and e.disk_state is _DISK_NONE:
                         # Held only once another copy into it succeeds: wait for it.
                         waits.append(e.fill)
                     continue
                 if tid and not self._tenant_room_locked(tid, ref.component):
                     all_held = False
                     continue
-                page = self._alloc_host_locked(ref.component)
+                page = alloc(ref.component)
                 if page is None:
-                    self._counters.fail(Failure.HOST_FULL)
+                    full += 1
                     all_held = False
                     continue
-                plan.append((self._begin_copy_locked(e, ref, page, fill, tid), ref))
+                plan.append((begin_copy(e, ref, page, fill, tid), ref))
                 planned += page_bytes[ref.component]
+        if deduped:
+            self._counters.add(deduped, "backup", "deduped_pages")
+        if full:
+            self._counters.fail(Failure.HOST_FULL, full)
         return BackupPart(plan, waits, i, all_held)
 
     def _begin_copy_locked(
