@@ -23,8 +23,11 @@ __all__ = ["ExplainHead", "MissOps", "explain_runs"]
 
 _WHERE = {0: "absent", 1: "host", 2: "disk", 3: "remote"}  # by Presence value
 _SOME_OR_NONE = (RemoteWritePolicy.SELECTIVE, RemoteWritePolicy.OFF)
+_WRITE_THROUGH = DiskWritePolicy.WRITE_THROUGH
 _KEPT_REASONS = (MissReason.WRITE_FAILED, MissReason.CHECKSUM, MissReason.LAYOUT)
-_EVICTED = MissReason.EVICTED
+# Bound once (a class attribute lookup of an enum member costs several globals'): these
+# run for every page evicted from host.
+_EVICTED, _HOST, _DISK_NONE = MissReason.EVICTED, Tier.HOST, DiskState.NONE
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ class MissOps(StoreState):
         """``e`` leaves the host tier for ``reason`` (evicted, cleared). Where no tier
         below keeps it because of its write policy, that is the reason it is gone; a
         write that failed, or a value dropped below, stays the reason."""
-        if e.disk_state is not DiskState.NONE:
-            self._misses.departed(e.skey, reason, Tier.HOST)
+        if e.disk_state is not _DISK_NONE:
+            self._misses.departed(e.skey, reason, _HOST)
             return
         before = self._misses.departure(e.skey)
         if before is not None and before.reason in _KEPT_REASONS:
@@ -137,7 +140,7 @@ class MissOps(StoreState):
             if declined is not None:
                 self._misses.departed(e.skey, MissReason.WRITE_POLICY, declined)
                 return
-        self._misses.departed(e.skey, reason, Tier.HOST)
+        self._misses.departed(e.skey, reason, _HOST)
 
     def _declined_by(self) -> Tier | None:
         """The lower tier whose write policy left a page held only on host unstored: the
@@ -146,7 +149,7 @@ class MissOps(StoreState):
         remote tier that writes selectively or not at all."""
         cfg = self._config
         if self._disk is not None:
-            return Tier.DISK if cfg.disk_write_policy is DiskWritePolicy.WRITE_THROUGH else None
+            return Tier.DISK if cfg.disk_write_policy is _WRITE_THROUGH else None
         remote = [t for t in self._tiers if t.tier is Tier.REMOTE]
         if remote and cfg.remote_write_policy in _SOME_OR_NONE:
             return Tier.REMOTE
