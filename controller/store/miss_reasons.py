@@ -137,6 +137,11 @@ class RecentLookup:
         return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
 
 
+# ``Departure(...)`` without the Python-level ``__new__`` of a named tuple: once per page
+# evicted from host.
+_new_tuple = tuple.__new__
+
+
 class MissLog:
     """Recent departures (bounded, oldest forgotten first), the counts of miss reasons,
     and each engine's last lookups. Called with the page store's lock held where it
@@ -159,7 +164,7 @@ class MissLog:
         if self._limit <= 0:
             return
         d = self._departures
-        d[skey] = Departure(reason, tier, time.monotonic())
+        d[skey] = _new_tuple(Departure, (reason, tier, time.monotonic()))  # Departure(…)
         d.move_to_end(skey)
         if len(d) > self._limit:
             d.popitem(last=False)
