@@ -25,6 +25,7 @@ for what in "$@"; do
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_8b.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
+        page_ops) python3 benchmarks/bench_page_ops.py --rounds 9 --json "$out/page_ops.json" ;;
         gpu_tests)  # the tests marked gpu, against the installed hicache (not the checkout's)
             rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests pyproject.toml /tmp/gt/ &&
                 (cd /tmp/gt && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
