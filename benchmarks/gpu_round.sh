@@ -27,9 +27,9 @@ for what in "$@"; do
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
         page_ops) python3 benchmarks/bench_page_ops.py --rounds 9 --json "$out/page_ops.json" ;;
         gpu_tests)  # the tests marked gpu, against the installed hicache (not the checkout's)
-            rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests pyproject.toml /tmp/gt/ &&
+            rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests benchmarks pyproject.toml /tmp/gt/ &&
                 (cd /tmp/gt && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-                    tests 2>&1 | tail -40) ;;
+                    $(grep -rl "mark.gpu" tests) 2>&1 | tail -40) ;;
         data_plane_quick) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
