@@ -56,8 +56,25 @@ def test_a_salts_quota_holds_and_the_other_salt_keeps_its_hits(tiny_model, sidec
     try:
         instance = Instance(
             sidecar_dir, "A", tiny_model, rounds, sidecar.socket,
-            pause_before=(last,), reset_before=(last,),
+            pause_before=tuple(range(1, last + 1)), reset_before=(last,),
         )  # fmt: skip
+
+        # Each round's pages are on disk before the next one comes: a page still being
+        # written cannot be evicted, and the flood would then be refused, not evicted.
+        def stored(tenant: str, pages: int) -> bool:
+            stats = sidecar_stats(sidecar)
+            return (
+                stats.get(f"tenants.top.{tenant}.stored.host", 0) >= pages
+                and stats["disk.pending_writes"] == 0
+            )
+
+        for r in range(1, last):
+            instance.wait_paused(r)
+            tenant, pages = (gold, PAGES) if r == 1 else (free, (r - 1) * PAGES)
+            wait_for(
+                lambda t=tenant, n=pages: stored(t, n), 120, f"round {r - 1}'s pages", every_s=0.1
+            )
+            instance.resume(r)
         instance.wait_paused(last)
 
         def settled() -> bool:
