@@ -308,7 +308,9 @@ def test_disk_write_error_keeps_pages_on_host_only(tmp_path):
     engine = Engine(layout)
     ctl = LocalController(controller_config(tmp_path))
     ctl.register(layout, PAGE, engine.pools)
-    ctl.faults = FaultPlan(disk_write=1)
+    # Every writer transaction fails: the nine pages may reach the writer in one batch or
+    # in several, as the backup's parts are published.
+    ctl.faults = FaultPlan(disk_write=1000)
     chain = engine.write_chain(range(3 * PAGE))
     assert ctl.backup(chain.refs()).wait(5.0)
     ctl.flush()
