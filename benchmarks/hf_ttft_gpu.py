@@ -677,6 +677,15 @@ LLAMA_8B = {
 }
 
 
+def _close_all(made: list, sidecar: SidecarProc) -> None:
+    """Close every engine's client and pools in ``made`` ((lm, client) pairs), then the
+    sidecar."""
+    for lm, c in made:
+        c.close()
+        lm.cache.pools.close()
+    sidecar.stop()
+
+
 def _p99(xs: list[float]) -> float:
     import numpy as np
 
@@ -790,10 +799,7 @@ def headline_rows(
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for lm, c in made:
-            c.close()
-            lm.cache.pools.close()
-        sidecar.stop()
+        _close_all(made, sidecar)
     return rows
 
 
@@ -931,10 +937,7 @@ def hit_fraction_rows(
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        for lm, c in made:
-            c.close()
-            lm.cache.pools.close()
-        sidecar.stop()
+        _close_all(made, sidecar)
     return rows
 
 

@@ -25,10 +25,23 @@ import time
 from pathlib import Path
 
 
+def _save_random(model_class, config, path: Path, seed: int) -> Path:
+    """``model_class(config)`` with weights normal(0, 0.05), saved with
+    ``save_pretrained`` at ``path`` (vLLM's dummy loader gives degenerate output)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A random-weight Llama (hidden 256, head_dim 64, 2 layers, weights normal(0, 0.05)),
     saved with ``save_pretrained``: vLLM's dummy loader gives degenerate output."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -42,20 +55,13 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    return path
+    return _save_random(LlamaForCausalLM, config, path, seed)
 
 
 def make_tiny_gemma3(path: Path, seed: int = 0) -> Path:
     """A random-weight Gemma 3 text model: 4 layers, sliding windows of 64 tokens on
     layers 0, 1 and 3, full attention on layer 2 (vLLM's hybrid allocator gives it two
     KV cache groups), saved with ``save_pretrained``."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -77,13 +83,7 @@ def make_tiny_gemma3(path: Path, seed: int = 0) -> Path:
         query_pre_attn_scalar=64,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    return path
+    return _save_random(Gemma3ForCausalLM, config, path, seed)
 
 
 def build_llm(model: str, socket: str | None, extra: dict, kv_events: str | None = None) -> object:
