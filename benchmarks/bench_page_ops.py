@@ -92,9 +92,11 @@ def case(lib: str, op: str, n: int, calls: int, rounds: int) -> Callable[[], lis
     """A round of ``op`` on ``n`` pages: ``calls`` timed calls, seconds each, on one
     controller kept across the ``rounds`` rounds (its host pool holds every page stored on
     a free pool, and two calls' pages otherwise)."""
-    if op == "store_free":
-        s = Setup(lib, host_pages=(rounds * calls + 1) * n, device_pages=1)
-        s.store(s.chain(n))
+    if op in ("store_free", "store_full"):
+        free = op == "store_free"
+        s = Setup(lib, host_pages=(rounds * calls + 1) * n if free else 2 * n, device_pages=1)
+        for _ in range(1 if free else 2):  # a full pool: each page stored next evicts one
+            s.store(s.chain(n))
 
         def run() -> list[float]:
             out = []
@@ -108,21 +110,6 @@ def case(lib: str, op: str, n: int, calls: int, rounds: int) -> Callable[[], lis
 
         return run
     s = Setup(lib, host_pages=2 * n, device_pages=n if op == "backup" else 1)
-    if op == "store_full":
-        s.store(s.chain(n))
-        s.store(s.chain(n))  # full now: each page stored next evicts one
-
-        def run() -> list[float]:
-            out = []
-            for _ in range(calls):
-                refs = s.chain(n)
-                t0 = time.perf_counter()
-                s.store(refs)
-                out.append(time.perf_counter() - t0)
-            s.ctl.check_invariants()
-            return out
-
-        return run
     if op in ("pin", "lookup"):
         refs = s.chain(n)
         s.store(refs)
