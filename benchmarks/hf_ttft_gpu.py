@@ -677,6 +677,14 @@ LLAMA_8B = {
 }
 
 
+def _cold_ms(lm, prefix: list[int], suffix, runs: int) -> list[float]:
+    """TTFT in ms of ``runs`` prefills of ``prefix`` + ``suffix()`` with no cache, after one
+    more that pays its shapes' first-call costs."""
+    return [
+        lm.generate(prefix + suffix(), 1, use_cache=False).ttft_s * 1e3 for _ in range(runs + 1)
+    ][1:]
+
+
 def _close_all(made: list, sidecar: SidecarProc) -> None:
     """Close every engine's client and pools in ``made`` ((lm, client) pairs), then the
     sidecar."""
@@ -748,10 +756,7 @@ def headline_rows(
         memcpy_ms = pinned_memcpy_ms(nbytes)
         for suffix_len in suffixes:
             prefix = toks(prefix_len)
-            cold = [
-                live.generate(prefix + toks(suffix_len), 1, use_cache=False).ttft_s * 1e3
-                for _ in range(4)
-            ][1:]  # the first pays its shapes' first-call costs
+            cold = _cold_ms(live, prefix, lambda n=suffix_len: toks(n), 3)
             live.generate([*prefix, 7], 1)
             live.cache.flush_backups()
             device_ms, host_ms, same = [], [], None
@@ -888,10 +893,7 @@ def hit_fraction_rows(
                 if lay.has_mamba:
                     nbytes += lay.mamba_state_bytes
                 memcpy_ms = pinned_memcpy_ms(nbytes)
-                cold = [
-                    whole.generate(prefix + toks(suffix_len), 1, use_cache=False).ttft_s * 1e3
-                    for _ in range(3)
-                ][1:]  # the first pays its shapes' first-call costs
+                cold = _cold_ms(whole, prefix, lambda n=suffix_len: toks(n), 2)
                 whole.generate([*prefix, 7], 1)
                 whole.cache.flush_backups()
                 times: dict[str, list[float]] = {"whole": [], "layerwise": [], "device": []}
