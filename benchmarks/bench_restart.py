@@ -1,7 +1,7 @@
 """Loads from the disk tier after a sidecar restart, against a raw read of the same bytes.
 
     python benchmarks/bench_restart.py [--device cpu|cuda] [--sizes-kib 32,256,1024,8192]
-        [--total-mib 128] [--repeat 3] [--json OUT]
+        [--total-mib 128] [--repeat 3] [--json OUT] [--sample-stacks]
 
 For each page size, a real ``hicache serve`` (a subprocess with its own LMDB directory
 under a temporary directory) is filled by an engine — pools registered through the public
@@ -27,6 +27,10 @@ Printed ratios: ``first_warm / steady`` (seconds: the one-time cost; the goal is
 1.2), ``steady ÷ raw_warm`` and ``first_cold ÷ raw_cold`` (throughput: how close a load
 through the sidecar comes to the file system). Every load's bytes are checked against the
 engine's originals: a benchmark of wrong bytes measures nothing.
+
+``--sample-stacks``: the restarted sidecar runs under ``benchmarks/stack_sampler.py`` and
+the engine samples its own threads too; printed for the first load after the first restart
+and for the next steady load, where each process's busy threads spent that time.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from stack_sampler import Sampler, summary  # beside this script
 
 from hicache import CacheConfig, DevicePools, ModelLayout, PageRef
 from hicache.controller.client import SidecarClientConfig, SidecarController
@@ -55,6 +60,7 @@ from hicache.keys import page_hashes
 from hicache.types import ComponentType
 
 FULL = ComponentType.FULL
+SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
 KIB, MIB = 1 << 10, 1 << 20
 
 
@@ -69,6 +75,7 @@ class Sidecar:
 
     def __init__(self, work: Path, layout: ModelLayout, host_bytes: int, disk: Path) -> None:
         self.work, self.disk = work, disk
+        self.stacks: Path | None = None  # set: the next start runs under the stack sampler
         self.socket = work / "restart.sock"
         self.layout_file = work / "layout.json"
         self.layout_file.write_text(json.dumps({**layout.to_dict(), "page_size": 1}))
@@ -81,9 +88,10 @@ class Sidecar:
         ready = self.work / "ready.json"
         ready.unlink(missing_ok=True)
         t0 = time.perf_counter()
+        sampler = [] if self.stacks is None else [str(SAMPLER), str(self.stacks)]
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "hicache.controller.sidecar.process",
+                sys.executable, *sampler, "-m", "hicache.controller.sidecar.process",
                 "--socket", str(self.socket), "--disk-path", str(self.disk),
                 "--disk-budget-bytes", str(4 * self.host_bytes), "--metrics-port", "0",
                 "--host-pool-bytes", str(self.host_bytes), "--layout-file", str(self.layout_file),
@@ -171,6 +179,7 @@ class Engine:
         self.src = self.pools.alloc_kv_pages(pages)
         self.dst = self.pools.alloc_kv_pages(pages)
         self.device = device
+        self.window = (0.0, 0.0)  # the last load's start and end, wall clock
         hs = page_hashes(list(range(pages)), layout.fingerprint(1), 1)
         self.hashes = hs
         self.refs_src = [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, int(s))
@@ -203,7 +212,7 @@ class Engine:
         buf[:, :, torch.as_tensor(self.dst, device=buf.device)] = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+        t0, self.window = time.perf_counter(), (time.time(), 0.0)
         pin = self.client.pin([r.key for r in self.refs_dst], 600.0)
         assert pin is not None, "the prefix is not held"
         res = self.client.load(self.refs_dst, pin, 600.0)
@@ -211,6 +220,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
+        self.window = (self.window[0], time.time())  # wall clock, for the stack samples
         assert res is LoadResult.LOADED, res
         src = torch.as_tensor(self.src, device=buf.device)
         dst = torch.as_tensor(self.dst, device=buf.device)
@@ -223,7 +233,9 @@ class Engine:
         self.pools.close()
 
 
-def run_size(work: Path, page_bytes: int, total: int, device: torch.device, repeat: int) -> dict:
+def run_size(
+    work: Path, page_bytes: int, total: int, device: torch.device, repeat: int, sample: bool
+) -> dict:
     pages = total // page_bytes
     total = pages * page_bytes
     layout = layout_for(page_bytes)
@@ -235,10 +247,29 @@ def run_size(work: Path, page_bytes: int, total: int, device: torch.device, repe
     try:
         engine.fill()
         sidecar.stop()
+        here = None
+        if sample:
+            sidecar.stacks = work / "sidecar_stacks.json"
+            here = Sampler().start()
         out["ready_s"] = sidecar.start()
         out["reconnect_s"] = engine.wait_connected()
         out["first_warm_s"] = engine.load_s()
+        windows = {"first load after the restart": engine.window}
+        if sample:  # a second load of the same sidecar's life, from disk again
+            admin = sidecar.admin()
+            admin.clear(("host",), all_namespaces=True)
+            admin.close()
+            out["second_warm_s"] = engine.load_s()
+            windows["the next load, from disk again"] = engine.window
         sidecar.stop()
+        if here is not None:
+            here.stop()
+            here.write(work / "engine_stacks.json")
+            for what, (a, b) in windows.items():
+                for proc in ("sidecar", "engine"):
+                    print(f"{page_bytes // KIB} KiB pages, {what}, {proc}:")
+                    print("\n".join(summary(work / f"{proc}_stacks.json", a, b)))
+            sidecar.stacks = None
         out["drop"] = drop_page_cache(disk)
         out["raw_cold_s"] = raw_read_s(disk / "data.mdb", total, page_bytes)
         drop_page_cache(disk)
@@ -273,6 +304,9 @@ def main() -> int:
     p.add_argument("--total-mib", type=int, default=128, help="bytes loaded per page size")
     p.add_argument("--repeat", type=int, default=3, help="steady loads (the median is shown)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="where the sidecar's and the engine's time goes in the first load "
+                   "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
     args = p.parse_args()
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
@@ -286,7 +320,7 @@ def main() -> int:
                 "first/steady", "steady×raw", "cold×raw")  # fmt: skip
         print("  " + " ".join(f"{h:>12}" for h in head))
         for size in sizes:
-            r = run_size(work, size, args.total_mib * MIB, device, args.repeat)
+            r = run_size(work, size, args.total_mib * MIB, device, args.repeat, args.sample_stacks)
             rows.append(r)
             cells = [r["page_KiB"], r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
                      r["raw_warm_GBps"], r["raw_cold_GBps"], r["first_warm_over_steady"],

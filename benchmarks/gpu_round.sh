@@ -25,6 +25,8 @@ for what in "$@"; do
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_8b.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
+        restart_stacks) python3 benchmarks/bench_restart.py --device cuda --sizes-kib 256,4096 \
+            --total-mib 256 --repeat 2 --sample-stacks --json "$out/restart_stacks.json" ;;
         page_ops) python3 benchmarks/bench_page_ops.py --rounds 9 --json "$out/page_ops.json" ;;
         gpu_tests)  # the tests marked gpu, against the installed hicache (not the checkout's)
             rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests benchmarks pyproject.toml /tmp/gt/ &&
