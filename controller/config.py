@@ -192,9 +192,13 @@ class ControllerConfig:
     # up to this many bytes, hottest first, while serving (controller/tiers/prewarm.py).
     # None: half of host_pool_bytes; 0: off (the default in-process; the sidecar's is None).
     prewarm_bytes: int | None = 0
-    # Offer a disk page only where loading it beats the engine's own prefill of it (the
-    # rate an engine reports with its lookups; controller/store/cost_rule.py).
+    # Offer a disk or remote page only where loading it beats the engine's own prefill
+    # of it (the rate an engine reports, or its integration measures, sent with its
+    # lookups; controller/store/cost_rule.py). A tier whose pages are cut is let through
+    # once per cost_rule_recheck_s seconds since its last read, to be measured again
+    # (0: never).
     cost_rule: bool = True
+    cost_rule_recheck_s: float = 30.0
 
     # The writer commits up to this many pages / bytes per transaction, waiting at most
     # the flush interval for a batch to fill; reads run on reader_threads threads.
@@ -297,6 +301,10 @@ class ControllerConfig:
             raise ConfigError(
                 f"host_pool_bytes must be > 0, got {self.host_pool_bytes}; give the host tier "
                 "some memory, e.g. 4 GiB = 4294967296"
+            )
+        if self.cost_rule_recheck_s < 0:
+            raise ConfigError(
+                f"cost_rule_recheck_s must be >= 0 (0: never), got {self.cost_rule_recheck_s}"
             )
         if self.prewarm_bytes is not None and self.prewarm_bytes < 0:
             raise ConfigError(

@@ -135,7 +135,28 @@ class SidecarController(EngineCopies):
         self._wake = threading.Event()
         self._start_heartbeats = start_heartbeats
         self._thread: threading.Thread | None = None
-        self.prefill_rate = self.config.prefill_tokens_per_s  # tokens/s, sent with lookups
+        # Tokens/s, sent with lookups (the sidecar's cost rule): the rate the engine
+        # reported (config or ``prefill_rate``), else the one its integration measured.
+        self._reported_rate = self.config.prefill_tokens_per_s
+        self._measured_rate: float | None = None
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """The prefill rate sent with lookups: the one the engine reported, else the
+        one measured from its prefills (hicache/prefill_rate.py); None: neither."""
+        return self._reported_rate if self._reported_rate is not None else self._measured_rate
+
+    @prefill_rate.setter
+    def prefill_rate(self, tokens_per_s: float | None) -> None:
+        self._reported_rate = tokens_per_s
+
+    def report_prefill_rate(self, tokens_per_s: float | None, measured: bool = False) -> None:
+        """This engine prefills ``tokens_per_s`` tokens per second (None: unknown), sent
+        with its next lookups; a ``measured`` rate counts only while none is reported."""
+        if measured:
+            self._measured_rate = tokens_per_s
+        else:
+            self._reported_rate = tokens_per_s
 
     # -- breaker -------------------------------------------------------------------------
 

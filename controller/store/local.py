@@ -117,7 +117,7 @@ class LocalController:
         self._copies: PageCopies | None = None
         self._page_size = 0
         self._closed = False
-        self.cost_rule = CostRule(self.config.cost_rule)
+        self.cost_rule = CostRule(self.config.cost_rule, self.config.cost_rule_recheck_s)
         if layout is not None:
             if page_size is None:
                 raise ControllerError("give page_size together with layout")
@@ -273,11 +273,12 @@ class LocalController:
         return LookupResult({c: np.array(row, dtype=np.int8) for c, row in rows.items()})
 
     def report_prefill_rate(
-        self, tokens_per_s: float | None, engine_id: str = DEFAULT_ENGINE
+        self, tokens_per_s: float | None, engine_id: str = DEFAULT_ENGINE, measured: bool = False
     ) -> None:
         """``engine_id`` prefills ``tokens_per_s`` tokens per second (None: unknown): its
-        lookups then offer lower-tier pages only where loading beats recomputing."""
-        self.cost_rule.report_rate(engine_id, tokens_per_s)
+        lookups then offer lower-tier pages only where loading beats recomputing. A
+        ``measured`` rate (hicache/prefill_rate.py) counts only while none is reported."""
+        self.cost_rule.report_rate(engine_id, tokens_per_s, measured)
 
     def backup(
         self,
@@ -469,6 +470,7 @@ class LocalController:
         with self._lock:
             out["engines"] = len(self._engines)
         out["kernels"] = None if self._copies is None else self._copies.transfer.source
+        out["cost_rule"] = self.cost_rule.stats()
         return out
 
     def check_invariants(self, deep: bool = False) -> None:

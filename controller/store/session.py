@@ -39,7 +39,9 @@ class SharedController(Protocol):
         engine_id: str = ...,
         tenant: str | None = None,
     ) -> LookupResult: ...
-    def report_prefill_rate(self, tokens_per_s: float | None, engine_id: str = ...) -> None: ...
+    def report_prefill_rate(
+        self, tokens_per_s: float | None, engine_id: str = ..., measured: bool = False
+    ) -> None: ...
     def backup(
         self,
         refs: Sequence[PageRef],
@@ -85,9 +87,10 @@ class EngineSession:
             page_hashes, components, engine_id=self.engine_id, tenant=tenant
         )
 
-    def report_prefill_rate(self, tokens_per_s: float | None) -> None:
-        """This engine prefills ``tokens_per_s`` tokens per second (the cost rule)."""
-        self.controller.report_prefill_rate(tokens_per_s, engine_id=self.engine_id)
+    def report_prefill_rate(self, tokens_per_s: float | None, measured: bool = False) -> None:
+        """This engine prefills ``tokens_per_s`` tokens per second (the cost rule);
+        ``measured``: by its integration, counted only while it reports none."""
+        self.controller.report_prefill_rate(tokens_per_s, self.engine_id, measured)
 
     def backup(
         self, refs: Sequence[PageRef], ready_event: Any = None, tenant: str | None = None

@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from hicache.controller.config import RemoteWritePolicy
+from hicache.controller.store.cost_rule import ReadCost
 from hicache.controller.store.counters import Counters, component_label
 from hicache.controller.store.page_codec import (
     HEADER_BYTES,
@@ -93,6 +94,8 @@ class RemoteTier:
             config.remote_breaker_failures, config.remote_breaker_cooldown_s
         )
         self._fills = ThreadPoolExecutor(config.remote_io_threads, "hicache-remote-fill")
+        # The cost rule's figures: latency from existence checks, bytes per second from fills.
+        self._read_cost = ReadCost(config.remote_io_threads)
         self._queue: deque[tuple[PageEntry, Any]] = deque()
         self._queued: set[bytes] = set()
         self._cv = threading.Condition()
@@ -122,7 +125,10 @@ class RemoteTier:
             return None
         t0 = time.perf_counter()
         results = fn()
-        self.counters.add(time.perf_counter() - t0, "remote", "seconds", op)
+        took = time.perf_counter() - t0
+        self.counters.add(took, "remote", "seconds", op)
+        if op == "exists" and KeyStatus.ERROR not in results:
+            self._read_cost.observe_round_trip(took)  # no payload: the tier's latency
         statuses = [r.status if isinstance(r, Fetched) else r for r in results]
         for status in set(statuses):
             self.counters.add(statuses.count(status), "remote", "ops", op, status.value)
@@ -218,6 +224,7 @@ class RemoteTier:
         try:
             timeout = self.config.remote_read_timeout_s
             fetched = self._call("get", len(keys), lambda: self.remote_store.get(keys, timeout))
+            read = 0
             for n, ((e, _), got) in enumerate(zip(batch, fetched or (), strict=False)):
                 if got.status is KeyStatus.MISSING:
                     statuses[n] = ReadStatus.MISSING
@@ -227,6 +234,8 @@ class RemoteTier:
                     statuses[n] = verify_into(head, parts, int(e.component), self._digest, dst)
                     if statuses[n] is ReadStatus.OK:
                         parents[n] = read_header(head)[5]
+                        read += len(got.head) + len(got.body)
+            self._read_cost.observe(read, time.perf_counter() - t0)  # checks included
         except Exception:  # a bug must fail the fills, never leave them filling
             log.exception("remote fill of %d pages failed", len(batch))
         invalid = [keys[n] for n, s in enumerate(statuses) if s in _INVALID]
@@ -256,9 +265,9 @@ class RemoteTier:
 
     # -- writes --------------------------------------------------------------------------
 
-    def read_cost(self) -> None:
-        """Not measured: the cost rule offers this tier's pages as they are."""
-        return None
+    def read_cost(self) -> ReadCost:
+        """Latency measured on existence checks, seconds per byte on every fill batch."""
+        return self._read_cost
 
     def on_host_ready_locked(self, page: PageEntry, source: Tier) -> None:
         """A backup put ``page`` on host (write-through); a fill from below is not sent."""
@@ -438,6 +447,7 @@ class RemoteTier:
             "write_queue_limit_pages": self.config.remote_write_queue_pages,
             "presence_hints": len(self.hints),
             "failure_hints": getattr(self.remote_store, "failure_hints", 0),
+            **self._read_cost.stats(),
         }
 
     def health(self, timeout_s: float) -> dict[str, Any]:
