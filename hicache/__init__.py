@@ -46,6 +46,8 @@ _EXPORTS = {
     "LockReceipt": "hicache.records",
     "MatchResult": "hicache.records",
     "Request": "hicache.records",
+    "PrefillMeter": "hicache.prefill_rate",
+    "StepTimer": "hicache.prefill_rate",
     "resumable_pages": "hicache.resume",
     "window_pages": "hicache.resume",
     "ComponentType": "hicache.types",

@@ -8,11 +8,13 @@ measure it from the engine's own calls with a :class:`PrefillMeter` and hand it 
 controller as a *measured* rate, which a reported one always overrides:
 
 * :meth:`PrefillMeter.observe` takes one prefill (or one engine step that prefilled):
-  the tokens it computed and its wall time. Prefills of fewer than ``min_tokens`` tokens
-  are ignored (their time is mostly fixed per-call cost, not per-token work).
-* The rate is the median of the last ``window`` rates observed: one prefill slowed down
-  by something else (a page fault storm, a compile, a preemption) moves it not at all,
-  and a lasting change of rate takes over once it is half the window.
+  the tokens it computed and its wall time, and hands the new rate to the controller.
+  Prefills of fewer than ``min_tokens`` tokens are ignored (their time is mostly fixed
+  per-call cost, not per-token work).
+* The rate is the median of the last ``window`` rates observed (the lower middle one of
+  an even count): one prefill slowed down by something else (a page fault storm, a
+  compile, a preemption) moves it not at all, and a lasting change of rate takes over
+  once it is half the window.
 * :class:`StepTimer` times engine steps that may overlap (a scheduler that plans step
   N+1 while step N runs): a step's time runs from when it was planned or the previous
   step ended, whichever is later, to when its output came back.
@@ -41,12 +43,15 @@ class PrefillMeter:
 
     def __init__(
         self,
+        controller: Any = None,
         min_tokens: int = DEFAULT_MIN_TOKENS,
         window: int = DEFAULT_WINDOW,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``controller``: where each new rate goes (:func:`report_measured_rate`)."""
         if min_tokens < 1 or window < 1:
             raise ValueError(f"min_tokens and window must be >= 1, got {min_tokens}, {window}")
+        self.controller = controller
         self.min_tokens = min_tokens
         self.clock = clock
         self._rates: deque[float] = deque(maxlen=window)
@@ -63,13 +68,16 @@ class PrefillMeter:
         with self._lock:
             self._rates.append(tokens / seconds)
             self.observed += 1
-            return statistics.median(self._rates)
+            rate = statistics.median_low(self._rates)
+        if self.controller is not None:
+            report_measured_rate(self.controller, rate)
+        return rate
 
     @property
     def rate(self) -> float | None:
         """Tokens per second (the median of the recent prefills); None: none observed."""
         with self._lock:
-            return statistics.median(self._rates) if self._rates else None
+            return statistics.median_low(self._rates) if self._rates else None
 
 
 class StepTimer:

@@ -135,28 +135,16 @@ class SidecarController(EngineCopies):
         self._wake = threading.Event()
         self._start_heartbeats = start_heartbeats
         self._thread: threading.Thread | None = None
-        # Tokens/s, sent with lookups (the sidecar's cost rule): the rate the engine
-        # reported (config or ``prefill_rate``), else the one its integration measured.
-        self._reported_rate = self.config.prefill_tokens_per_s
-        self._measured_rate: float | None = None
-
-    @property
-    def prefill_rate(self) -> float | None:
-        """The prefill rate sent with lookups: the one the engine reported, else the
-        one measured from its prefills (hicache/prefill_rate.py); None: neither."""
-        return self._reported_rate if self._reported_rate is not None else self._measured_rate
-
-    @prefill_rate.setter
-    def prefill_rate(self, tokens_per_s: float | None) -> None:
-        self._reported_rate = tokens_per_s
+        self.prefill_rate = self.config.prefill_tokens_per_s  # tokens/s, sent with lookups
+        self.measured_prefill_rate: float | None = None  # sent while prefill_rate is None
 
     def report_prefill_rate(self, tokens_per_s: float | None, measured: bool = False) -> None:
-        """This engine prefills ``tokens_per_s`` tokens per second (None: unknown), sent
-        with its next lookups; a ``measured`` rate counts only while none is reported."""
+        """Tokens/s, sent with the next lookups (the sidecar's cost rule); a ``measured``
+        one (hicache/prefill_rate.py) counts only while ``prefill_rate`` is None."""
         if measured:
-            self._measured_rate = tokens_per_s
+            self.measured_prefill_rate = tokens_per_s
         else:
-            self._reported_rate = tokens_per_s
+            self.prefill_rate = tokens_per_s
 
     # -- breaker -------------------------------------------------------------------------
 
@@ -354,11 +342,12 @@ class SidecarController(EngineCopies):
         str): whose lookup it is (the sidecar counts it to that tenant)."""
         try:
             parts: dict[ComponentType, list[np.ndarray]] = {c: [] for c in components}
+            rate = self.prefill_rate or self.measured_prefill_rate
             for start in range(0, max(len(page_hashes), 1), MAX_LOOKUP_HASHES):
                 chunk = page_hashes[start : start + MAX_LOOKUP_HASHES]
                 res = self._call(
                     Verb.LOOKUP,
-                    LookupArgs(b"".join(chunk), list(components), tenant, self.prefill_rate),
+                    LookupArgs(b"".join(chunk), list(components), tenant, rate),
                     self.config.lookup_timeout_s,
                     spin=True,
                 )

@@ -17,6 +17,10 @@ controller (``None``, :class:`~hicache.controller.store.local.LocalController`,
    recurrent state, so requests of different lengths decode apart);
 4. what was computed (prompt and every generated token but the last) is cached.
 
+The computed suffix of each prompt (the part after the layer-wise first chunk, where that
+runs) is timed, and the engine's prefill rate measured from it goes to the controller
+for its cost rule (``prefill_meter``: hicache/prefill_rate.py).
+
 A restored prefix holds the very bytes the live cache object held, so the continuation is
 bit-identical to one from the live object; against a one-shot prefill of the whole prompt
 the logits differ by the reordering of sums that chunking brings (Mamba2 chunked scans).
@@ -40,6 +44,7 @@ from hicache import (
     DevicePools,
     LayeredLoadBack,
     PoolExhaustedError,
+    PrefillMeter,
     Request,
     UnifiedRadixCache,
     request_namespace,
@@ -127,6 +132,9 @@ class PrefixCachedLM:
         # (transformers_layerwise.py), in groups of ``layer_group_size`` layers.
         self.layer_groups = layer_groups(hf_map, layer_group_size) if layerwise else None
         self.decoder_layers = decoder_layers(model) if layerwise else None  # checked now
+        # The engine's prefill rate, measured on each prompt's computed suffix and handed
+        # to the controller for its cost rule (hicache/prefill_rate.py).
+        self.prefill_meter = PrefillMeter(cache.controller)
         self._rids = 0
         self._closed = False
 
@@ -336,11 +344,17 @@ class PrefixCachedLM:
         logits = None
         if run.pending is not None:
             logits, run.pending = layered_chunk(self, run, run.pending, use_cache), None
+        meter, start = self.prefill_meter, req.computed_len
+        t0 = meter.clock()
         for end in self.chunk_ends(req.computed_len, len(seq)):
             logits = self._step(run, seq[req.computed_len : end], use_cache)
             if end < len(seq) and use_cache:
                 with contextlib.suppress(PoolExhaustedError):
                     self.cache.cache_unfinished_req(req)
+        if len(seq) - start >= meter.min_tokens:  # timed to the end of its kernels
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            meter.observe(len(seq) - start, meter.clock() - t0)
         return logits[0]
 
     def _step(self, run: _Run, tokens: list[int], use_cache: bool) -> torch.Tensor:

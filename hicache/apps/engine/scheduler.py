@@ -15,7 +15,9 @@ Per request the scheduler does what a serving engine does with a prefix cache:
    every generated token but the last.
 
 Each step runs one ``forward_batch`` holding every prefill chunk of the step (up to
-``max_prefill_tokens_per_step``) and one decode token of every decoding request.
+``max_prefill_tokens_per_step``) and one decode token of every decoding request. A step
+that prefills at least ``prefill_meter.min_tokens`` tokens is timed: the engine's prefill
+rate goes to the controller for its cost rule (hicache/prefill_rate.py).
 
 Pool pressure: ``alloc_tokens`` evicts cached prefixes itself. A request it still cannot
 serve waits (admission stops while any request waits); when no request can move at all,
@@ -41,6 +43,7 @@ import torch
 
 from hicache.apps.engine.model import HybridModel, SequenceChunk, page_boundaries
 from hicache.cache import UnifiedRadixCache
+from hicache.prefill_rate import PrefillMeter
 from hicache.records import Request
 from hicache.types import ConfigError, PoolExhaustedError
 
@@ -199,6 +202,9 @@ class Scheduler:
                 "one TinyHybrid (tiny_hybrid(...).build())"
             )
         self.stats = SchedulerStats()
+        # The prefill rate of this engine, measured on its steps that prefill at least
+        # ``min_tokens`` tokens, for the controller's cost rule (hicache/prefill_rate.py).
+        self.prefill_meter = PrefillMeter(cache.controller)
         self._waiting: deque[_Running] = deque()
         self._running: list[_Running] = []
         self._rids: set[str] = set()
@@ -410,8 +416,13 @@ class Scheduler:
                     snapshots,
                 )
             )
+        t0 = self.prefill_meter.clock()
         outputs = self.model.forward_batch(self.pools, chunks)
+        if self.pools.full.buffer.is_cuda:  # timed to the end of its kernels
+            torch.cuda.synchronize(self.pools.full.buffer.device)
+        took = self.prefill_meter.clock() - t0
         self.stats.steps += 1
+        prefilled = self.stats.prefill_tokens
         finished = []
         for p, out in zip(planned, outputs):
             run, req = p.run, p.run.req
@@ -434,6 +445,8 @@ class Scheduler:
             if len(run.generated) == run.spec.max_new_tokens:
                 self._running.remove(run)
                 finished.append(self._finish(run, insert=self.config.reuse_prefixes))
+        if self.stats.prefill_tokens - prefilled >= self.prefill_meter.min_tokens:
+            self.prefill_meter.observe(sum(p.end - p.start for p in planned), took)
         return finished
 
     def _record(self, run: _Running, p: _Planned, snapshots: dict) -> None:
