@@ -86,7 +86,8 @@ class StepTimer:
 
     def __init__(self, meter: PrefillMeter) -> None:
         self.meter = meter
-        self._planned: deque[tuple[float, int, int]] = deque()
+        # Bounded: a step whose output never comes back is forgotten after a while.
+        self._planned: deque[tuple[float, int, int]] = deque(maxlen=16)
         self._last_end: float | None = None
 
     def planned(self, tokens: int, prefill_tokens: int) -> None:

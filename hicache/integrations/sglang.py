@@ -71,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
     "hicache_engine_copies": True,  # copy pages straight to/from a local sidecar's host pages
     "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
+    # This engine's prefill rate (tokens/s) for the sidecar's cost rule: SGLang's storage
+    # calls do not show its prefills, so this backend cannot measure it. None: not sent.
+    "hicache_prefill_tokens_per_s": None,
 }
 
 
@@ -81,6 +84,11 @@ def _options(storage_config: HiCacheStorageConfig, extra_config: Any) -> dict[st
     for source in (storage_config.extra_config or {}, extra_config or {}):
         opts.update({k: v for k, v in source.items() if k in DEFAULTS})
     return opts
+
+
+def _rate(value: Any) -> float | None:
+    """``hicache_prefill_tokens_per_s`` as a number (None: not given)."""
+    return None if value is None else float(value)
 
 
 #: Server arguments besides the model's name that change the bytes of its pages (the
@@ -174,6 +182,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
             backup_timeout_s=o["hicache_backup_timeout_s"],
             connect_timeout_s=o["hicache_connect_timeout_s"],
             reconnect_interval_s=o["hicache_reconnect_interval_s"],
+            prefill_tokens_per_s=_rate(o["hicache_prefill_tokens_per_s"]),
         )
         self.controller = SidecarController(o["hicache_endpoint"], config=config)
         fd = pool_memfd(self.mem_pool_host) if o["hicache_zero_copy"] else None

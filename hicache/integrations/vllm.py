@@ -26,8 +26,10 @@ Every option (``kv_connector_extra_config``, prefixed ``hicache_``) is a field o
 scheduled at once and loaded inside the step that computes the rest of the prompt
 (``start_load_kv`` starts every layer's copy, ``wait_for_layer_load`` waits for one
 layer's, ``wait_for_save`` ends the step's loads; a failed one is reported by its blocks,
-``get_block_ids_with_load_errors``, and vLLM recomputes them). vLLM is imported
-here only: ``import hicache`` never needs it.
+``get_block_ids_with_load_errors``, and vLLM recomputes them). The scheduler side times
+vLLM's steps into the prefill rate it sends with its lookups, for the sidecar's cost
+rule (:mod:`hicache.integrations.vllm_prefill`). vLLM is imported here only: ``import
+hicache`` never needs it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from hicache import ConfigError
 from hicache.integrations.transformers_identity import config_digest
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_pages import GroupPages, PageNamespace
+from hicache.integrations.vllm_prefill import StepRate
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +215,12 @@ class HiCacheConnector(OffloadingConnector):
         self._load_errors: set[int] = set()
         with building_with_groups(groups, model):
             super().__init__(vllm_config, role, kv_cache_config)
+        # The scheduler's steps timed into its client's prefill rate (vllm_prefill.py).
+        self._steps: StepRate | None = None
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        options = HiCacheVllmConfig.from_extra_config(extra)
+        if hasattr(manager, "client") and options.prefill_tokens_per_s is None:
+            self._steps = StepRate(manager.client, options.prefill_min_tokens)
 
     def on_new_request(self, request: Any) -> None:
         """As the offloading connector; first tells the manager the request's tenant (its
@@ -262,7 +271,15 @@ class HiCacheConnector(OffloadingConnector):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._steps is not None:  # the step runs next
+            self._steps.planned(scheduler_output)
+        return meta
+
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._steps is not None:  # the step's output is back
+            self._steps.finished()
         manager = self.connector_scheduler.manager if self.connector_scheduler else None
         if hasattr(manager, "load_failed"):
             for req_id in connector_output.failed_recving or ():

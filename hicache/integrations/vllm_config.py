@@ -34,7 +34,10 @@ class HiCacheVllmConfig:
     * ``layerwise``: a hit is loaded inside the step that computes the request's suffix,
       each attention layer waiting only for its own blocks (vLLM's ``wait_for_layer_load``),
       instead of whole before the request is scheduled (default off; only for a model with
-      one KV cache group and a local sidecar, else the whole-block path runs).
+      one KV cache group and a local sidecar, else the whole-block path runs);
+    * ``prefill_tokens_per_s``: this engine's prefill rate, sent with its lookups for the
+      sidecar's cost rule; unset, the scheduler measures it from its own steps that
+      compute at least ``prefill_min_tokens`` prompt tokens (hicache/prefill_rate.py).
     """
 
     socket: str | None = None
@@ -47,11 +50,15 @@ class HiCacheVllmConfig:
     store_timeout_s: float = 10.0
     staging_bytes: int = 256 << 20
     layerwise: bool = False
+    prefill_tokens_per_s: float | None = None
+    prefill_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("socket", "engine_id", "layerwise") and not value > 0:
+            if f.name in ("socket", "engine_id", "layerwise") or value is None:
+                continue
+            if not value > 0:
                 raise ConfigError(f"hicache_{f.name} must be > 0, got {value!r}")
 
     @classmethod
@@ -67,6 +74,9 @@ class HiCacheVllmConfig:
                 known = ", ".join(_EXTRA_PREFIX + n for n in fields)
                 raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
             kind = fields[name].type
+            if value is None and "None" in kind:
+                values[name] = None
+                continue
             if kind == "bool":
                 values[name] = _flag(key, value)
                 continue
@@ -76,7 +86,7 @@ class HiCacheVllmConfig:
                 elif "float" in kind:
                     values[name] = float(value)
                 else:
-                    values[name] = None if value is None else str(value)
+                    values[name] = str(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{key} must be a number, got {value!r}") from None
         return cls(**values)

@@ -138,6 +138,7 @@ class HiCacheOffloadingManager(OffloadingManager):
                 request_timeout_s=config.request_timeout_s,
                 lookup_timeout_s=config.lookup_deadline_ms / 1000,
                 connect_timeout_s=config.request_timeout_s,
+                prefill_tokens_per_s=config.prefill_tokens_per_s,
             ),
         )
         self.client.attach(namespace.layout(), 1)

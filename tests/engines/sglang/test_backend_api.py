@@ -1,5 +1,6 @@
 """The rest of SGLang's storage interface on hicache's backend: the generic per-key calls,
-clear, get_stats, and bad input answered without an exception."""
+clear, get_stats, bad input answered without an exception, and the prefill rate of its
+extra config sent with its lookups."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from sglang_support import (
     mha_host_pool,
     page_keys,
 )
+
+from hicache.controller.wire.protocol import Verb
 
 
 @pytest.fixture
@@ -74,3 +77,24 @@ def test_bad_input_is_a_counted_failure_never_an_exception(instance):
         keys, [PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
     )
     assert res.kv_hit_pages == 0 and res.extra_pool_hit_pages == {PoolName.KV: 2}
+
+
+def test_a_prefill_rate_given_in_the_extra_config_reaches_the_sidecars_cost_rule(
+    sidecar_per_layout, token_base
+):
+    """SGLang's storage calls do not show its prefills: the rate is the operator's to give
+    (``hicache_prefill_tokens_per_s``), and the backend's lookups carry it."""
+    sidecar = sidecar_per_layout("layer_first")
+    pool = mha_host_pool()
+    backend = hicache_backend(sidecar.endpoint, pool, hicache_prefill_tokens_per_s=900)
+    try:
+        assert backend.controller.prefill_rate == 900.0
+        backend.batch_exists(page_keys(list(range(token_base, token_base + PAGE_SIZE))))
+        admin = sidecar.admin()
+        try:
+            rates = admin.call(Verb.STATS)["cost_rule"]["prefill_tokens_per_s"]
+        finally:
+            admin.close()
+        assert rates[backend.controller.engine_id] == 900
+    finally:
+        backend.close()
