@@ -27,6 +27,7 @@ torch, transformers 5.x, numpy, pyzmq, msgpack, lmdb, xxhash, prometheus-client)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -53,6 +54,7 @@ DEVICE = "cuda"
 # (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
 TRACE_DIR: pathlib.Path | None = None
 RESTART_DISK_HIT = False  # --restart-disk-hit
+LAYER_GRIDS: list[int] = []  # --layer-grid: layer-wise rows again with these copy grids
 TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
 SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
 
@@ -833,6 +835,25 @@ def hit_fraction_model(family: str):
     return model, cfg, page, chunk
 
 
+@contextlib.contextmanager
+def layer_grid(grid: int | None):
+    """Layer-wise loads' copies launched on ``grid`` programs (0: two per SM, as a whole
+    load's) inside the block; None: the default (``LAYER_COPY_TUNING``)."""
+    import dataclasses
+
+    from hicache.controller.store.transfer_engine import TransferEngine
+
+    if grid is None:
+        yield
+        return
+    default = TransferEngine.layer_tuning
+    TransferEngine.layer_tuning = dataclasses.replace(default, grid_limit=grid)
+    try:
+        yield
+    finally:
+        TransferEngine.layer_tuning = default
+
+
 def hit_fraction_rows(
     work: pathlib.Path, family: str, lengths: list[int], fractions: list[float], requests: int
 ) -> list[dict[str, Any]]:
@@ -896,16 +917,20 @@ def hit_fraction_rows(
                 cold = _cold_ms(whole, prefix, lambda n=suffix_len: toks(n), 2)
                 whole.generate([*prefix, 7], 1)
                 whole.cache.flush_backups()
-                times: dict[str, list[float]] = {"whole": [], "layerwise": [], "device": []}
+                runs = [("whole", whole, None), ("layerwise", layered, None)]
+                runs += [(f"layerwise_grid{g}", layered, g) for g in LAYER_GRIDS]
+                times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+                times["device"] = []
                 same: dict[str, bool | None] = {}
                 for i in range(requests):
-                    for name, lm in (("whole", whole), ("layerwise", layered)):
+                    for name, lm, grid in runs:
                         for other in (whole, layered):
                             other.cache.flush_backups()
                             other.cache.evict(full_tokens=10**9)
                         sync()
                         prompt = prefix + toks(suffix_len)
-                        r = lm.generate(prompt, 1)
+                        with layer_grid(grid):
+                            r = lm.generate(prompt, 1)
                         assert r.host_hit_tokens == prefix_len, (name, r)
                         times[name].append(r.ttft_s * 1e3)
                         if i == 0:
@@ -936,6 +961,9 @@ def hit_fraction_rows(
                     "same_as_live_whole": same.get("whole"),
                     "same_as_live_layerwise": same.get("layerwise"),
                 }
+                for g in LAYER_GRIDS:  # the same layer-wise load, its copies on g programs
+                    row[f"ttft_host_layerwise_grid{g}_ms"] = med[f"layerwise_grid{g}"]
+                    row[f"layerwise_grid{g}_vs_bound"] = med[f"layerwise_grid{g}"] / bound
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -983,13 +1011,20 @@ def main() -> int:
     )
     p.add_argument("--requests", type=int, default=5, help="host hits per --hit-fraction row")
     p.add_argument(
+        "--layer-grid",
+        default="",
+        help="--hit-fraction: the layer-wise rows again with their copies on each of these "
+        "numbers of programs (comma-separated; 0: two per SM, as a whole load's)",
+    )
+    p.add_argument(
         "--restart-disk-hit",
         action="store_true",
         help="also the first disk hit after a sidecar restart, per length, beside the warm one",
     )
     args = p.parse_args()
-    global DEVICE, TRACE_DIR, RESTART_DISK_HIT
+    global DEVICE, TRACE_DIR, RESTART_DISK_HIT, LAYER_GRIDS
     RESTART_DISK_HIT = args.restart_disk_hit
+    LAYER_GRIDS = [int(x) for x in args.layer_grid.split(",") if x]
     if args.dry_run:
         DEVICE = "cpu"
     import_hicache()

@@ -43,7 +43,8 @@ def max_programs(device: torch.device, tuning: TransferTuning) -> int:
     if device.type != "cuda":
         return tuning.interpreter_programs
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuning.programs_per_sm * _sm_count(index)
+    programs = tuning.programs_per_sm * _sm_count(index)
+    return min(programs, tuning.grid_limit) if tuning.grid_limit else programs
 
 
 def require_device_mapped(name: str, host: torch.Tensor, device: torch.device) -> None:

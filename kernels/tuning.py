@@ -48,6 +48,13 @@ class TransferTuning:
     per SM they serialise); ``interpreter_programs`` is the grid on CPU tensors, small so
     that the persistent loop runs several tiles per program under test too.
 
+    ``grid_limit`` (0: none) caps the persistent grid below ``programs_per_sm`` times the
+    SMs: a copy that runs beside the engine's own kernels (a layer-wise load, while the
+    suffix computes) holds only that many SMs, since a kernel's block that fills an SM's
+    registers (a GEMM's) cannot share one with a copy's block, and a copy on every SM would
+    run ahead of the compute instead of beside it. A few programs keep enough bytes in
+    flight to reach PCIe speed (:data:`LAYER_COPY_TUNING`).
+
     ``copy_engine_min_item_bytes_*``: items (a KV page across all layers, one Mamba state
     tensor of a slot) at least this large go to the copy engines, smaller ones to Triton.
     Issuing one 2-D memcpy costs 3-7 microseconds of host time, so the copy engines only
@@ -80,6 +87,7 @@ class TransferTuning:
     tile_bytes: int = 16384
     num_warps: int = 4
     programs_per_sm: int = 2
+    grid_limit: int = 0
     scatter_block_bytes: int = 8192
     interpreter_programs: int = 3
     copy_engine_min_item_bytes_to_host: int = 4 << 20
@@ -107,6 +115,8 @@ class TransferTuning:
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"TransferTuning.{name} must be >= 1, got {getattr(self, name)}")
+        if self.grid_limit < 0:
+            raise ValueError(f"TransferTuning.grid_limit must be >= 0, got {self.grid_limit}")
 
     def auto_backend(
         self, item_bytes: int, to_host: bool, *, transfer_bytes: int = 0, dma_bytes: int = 0
@@ -136,6 +146,9 @@ class TransferTuning:
 
 
 DEFAULT_TUNING = TransferTuning()
+#: A layer-wise load's copies, which run while the engine computes: 16 programs on a GPU
+#: (an eighth of an H100's SMs or fewer).
+LAYER_COPY_TUNING = TransferTuning(grid_limit=16)
 
 
 def parse_backend(backend: Backend | str | None) -> Backend | None:

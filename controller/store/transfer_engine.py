@@ -30,6 +30,7 @@ import torch
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller_api import ControllerError, LayerGroups, LoadResult
 from hicache.kernels import PreparedTransfer
+from hicache.kernels.tuning import DEFAULT_TUNING, LAYER_COPY_TUNING, TransferTuning
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
 
@@ -91,6 +92,8 @@ class TransferEngine:
 
     #: Where the copies come from, as reported by the controller's stats.
     source = "hicache.kernels"
+    #: How the copies of a layer-wise load are launched (beside the engine's compute).
+    layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
         self.host_pool = host_pool
@@ -103,7 +106,10 @@ class TransferEngine:
         """(load stream, backup stream) of a CUDA device, created on first use."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if idx not in self._streams:
-            self._streams[idx] = (torch.cuda.Stream(idx), torch.cuda.Stream(idx))
+            # Loads at the device's highest priority: a load is what a request waits for,
+            # and a layer-wise load's copies must be scheduled between the compute's
+            # blocks, not after them.
+            self._streams[idx] = (torch.cuda.Stream(idx, priority=-1), torch.cuda.Stream(idx))
         return self._streams[idx]
 
     def _plan(
@@ -116,10 +122,13 @@ class TransferEngine:
         plans = self._plans.get(buffers)
         if plans is None:
             plans = self._plans.setdefault(buffers, {})
-        key = (component, to_host, layers)
+        tuning = DEFAULT_TUNING if layers is None else self.layer_tuning
+        key = (
+            (component, to_host, layers) if layers is None else (component, to_host, layers, tuning)
+        )
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = self._prepare(component, buffers, to_host, layers)
+            plan = plans[key] = self._prepare(component, buffers, to_host, layers, tuning)
         return plan
 
     def _prepare(
@@ -127,7 +136,8 @@ class TransferEngine:
         component: ComponentType,
         buffers: EngineBuffers,
         to_host: bool,
-        layers: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None,
+        tuning: TransferTuning,
     ) -> PreparedTransfer:
         if component is ComponentType.MAMBA:
             if buffers.mamba_conv is None or buffers.mamba_ssm is None:
@@ -139,12 +149,15 @@ class TransferEngine:
                 self.host_pool.ssm(),
                 to_host=to_host,
                 layers=layers,
+                tuning=tuning,
             )
         dev = buffers.full_kv if component is ComponentType.FULL else buffers.swa_kv
         if dev is None:
             raise ControllerError("this engine registered no sliding-window pool")
         host = self.host_pool.kv(component)
-        return PreparedTransfer.kv(dev, host, buffers.page_size, to_host=to_host, layers=layers)
+        return PreparedTransfer.kv(
+            dev, host, buffers.page_size, to_host=to_host, layers=layers, tuning=tuning
+        )
 
     def to_host(
         self,

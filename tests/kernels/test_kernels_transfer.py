@@ -413,3 +413,21 @@ def test_copy_engine_plan_moves_the_reference_bytes(layer_slice: slice) -> None:
 
     with pytest.raises(IndexError, match="destination index is outside its 6 items"):
         plan_2d_copies(copy, host_pages.numpy(), np.array([0, 6, 1]))
+
+
+def test_grid_limit_caps_the_persistent_grid_on_a_gpu(monkeypatch) -> None:
+    """A layer-wise load's copies hold at most ``grid_limit`` programs (the SMs left to
+    the engine's compute); without a limit the grid is ``programs_per_sm`` per SM, and a
+    negative limit is refused."""
+    from hicache.kernels import launch
+    from hicache.kernels.tuning import LAYER_COPY_TUNING
+
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    assert launch.max_programs(gpu, kernels.TransferTuning()) == 264
+    assert launch.max_programs(gpu, LAYER_COPY_TUNING) == LAYER_COPY_TUNING.grid_limit < 264
+    assert launch.max_programs(gpu, kernels.TransferTuning(grid_limit=1000)) == 264
+    cpu = torch.device("cpu")
+    assert launch.max_programs(cpu, LAYER_COPY_TUNING) == LAYER_COPY_TUNING.interpreter_programs
+    with pytest.raises(ValueError, match="grid_limit"):
+        kernels.TransferTuning(grid_limit=-1)
