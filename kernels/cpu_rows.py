@@ -85,7 +85,8 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _executor(threads: int) -> ThreadPoolExecutor:
+def copy_pool(threads: int) -> ThreadPoolExecutor:
+    """The shared pool of (at least ``threads``) CPU copy threads."""
     global _pool, _pool_threads
     with _pool_lock:
         if _pool is None or _pool_threads < threads:
@@ -151,7 +152,7 @@ def copy_items_strided(
         _copy_items(copy, src_list, dst_list)
         return total
     bounds = np.linspace(0, len(src_list), workers + 1).astype(int).tolist()
-    pool = _executor(workers)
+    pool = copy_pool(workers)
     futures = [
         pool.submit(_copy_items, copy, src_list[lo:hi], dst_list[lo:hi])
         for lo, hi in itertools.pairwise(bounds)
@@ -193,7 +194,7 @@ def move_runs(
     # Split the runs into contiguous slices of about equal bytes, one per worker.
     bounds = np.searchsorted(np.cumsum(nbytes), np.arange(1, workers) * (total / workers))
     edges = [0, *sorted(set(int(x) + 1 for x in bounds if 0 <= x < nbytes.size - 1)), nbytes.size]
-    pool = _executor(workers)
+    pool = copy_pool(workers)
     futures = [
         pool.submit(_move, dst[lo:hi].tolist(), src[lo:hi].tolist(), nbytes[lo:hi].tolist())
         for lo, hi in itertools.pairwise(edges)

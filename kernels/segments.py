@@ -9,8 +9,9 @@ copy then moves ``blocks[i] <-> pages[i]`` for every segment:
 
 * on a GPU, one launch of a Triton kernel that reads the engine's tensors and writes the
   host pages through their device-mapped address (or the reverse): no staging buffer;
-* on a CPU, one ``memmove`` per run of bytes contiguous on both sides
-  (:func:`hicache.kernels.cpu_rows.move_runs`);
+* on a CPU, a strided numpy copy per segment for runs of consecutive blocks going to
+  consecutive pages, else a ``memmove`` per segment and block, split across threads for
+  large copies;
 * :meth:`SegmentCopy.reference`, plain tensor indexing, for tests.
 
 The segments' tensors may be separate allocations: the kernel addresses each from the
@@ -21,6 +22,8 @@ tensor is skipped by the kernel, never written.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,13 +31,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hicache.kernels.cpu_rows import merge_runs, move_runs
+from hicache.kernels.cpu_rows import copy_pool
 from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
 # A run of at least this many consecutive blocks to consecutive pages is copied as one
 # strided copy per segment on a CPU, rather than one memmove per segment and block.
 MIN_STRIDED_RUN = 4
+
+_memmove = ctypes.memmove
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class SegmentCopy:
         self._tuning = tuning
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._gpu = None
+        self._np_pages: np.ndarray | None = None  # the CPU copy's views (_prepare_cpu)
         if use_kernel if use_kernel is not None else device.type == "cuda":
             require_device_mapped("host pages", pages, device)
             self._gpu = self._prepare_gpu()
@@ -214,40 +220,100 @@ class SegmentCopy:
             num_warps=self._tuning.num_warps,
         )
 
+    def _prepare_cpu(self) -> None:
+        """What a CPU copy reuses: the segments with neighbours merged (contiguous in the
+        same rows on both sides), each as a numpy view of its tensor (numpy's strided copy
+        moves rows at memory speed and releases the GIL) and as raw addresses."""
+        self._np_pages = self.pages.numpy()
+        self._host_addr = self.pages.data_ptr()
+        merged: list[list] = []  # [tensor, src_offset, dst_offset, nbytes]
+        for seg in self.segments:
+            dst = self.payload_offset + seg.dst_offset
+            last = merged[-1] if merged else None
+            if (
+                last is not None
+                and last[0] is seg.tensor
+                and last[1] + last[3] == seg.src_offset
+                and last[2] + last[3] == dst
+            ):
+                last[3] += seg.nbytes
+            else:
+                merged.append([seg.tensor, seg.src_offset, dst, seg.nbytes])
+        views = {id(t): t.detach().view(torch.uint8).numpy() for t, *_ in merged}
+        self._np_segments = [(views[id(t)], s0, s0 + n, d0, n) for t, s0, d0, n in merged]
+        self._raw_segments = [(t.data_ptr() + s0, t.stride(0), d0, n) for t, s0, d0, n in merged]
+
     def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        """Runs of consecutive blocks going to consecutive pages move as one strided
-        ``copy_`` per segment (torch spreads its rows over threads); what is left of
-        scattered blocks as one ``memmove`` per run of contiguous bytes."""
-        breaks = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(pages) != 1)) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [blocks.size]))
-        long_runs = (ends - starts) >= MIN_STRIDED_RUN
-        if long_runs.any():
-            p0 = self.payload_offset
-            for a, b in zip(starts[long_runs].tolist(), ends[long_runs].tolist()):
-                b0, h0, n = int(blocks[a]), int(pages[a]), b - a
-                for s in self.segments:
-                    dev = s.tensor[b0 : b0 + n, s.src_offset : s.src_offset + s.nbytes]
-                    col = p0 + s.dst_offset
-                    host = self.pages[h0 : h0 + n, col : col + s.nbytes]
-                    (host.copy_(dev) if to_host else dev.copy_(host))
-            rest = np.concatenate(
-                [np.arange(a, b) for a, b in zip(starts[~long_runs], ends[~long_runs])]
-                or [np.empty(0, dtype=np.int64)]
-            )
-            blocks, pages = blocks[rest], pages[rest]
-            if not blocks.size:
-                return
-        host = self.pages.data_ptr() + pages * self.pages.stride(0) + self.payload_offset
-        dev_addr, host_addr, nbytes = [], [], []
-        for s in self.segments:
-            t = s.tensor
-            dev_addr.append(t.data_ptr() + blocks * t.stride(0) + s.src_offset)
-            host_addr.append(host + s.dst_offset)
-            nbytes.append(np.full(blocks.size, s.nbytes, dtype=np.int64))
-        dev, hst = np.concatenate(dev_addr), np.concatenate(host_addr)
-        dst, src = (hst, dev) if to_host else (dev, hst)
-        move_runs(*merge_runs(dst, src, np.concatenate(nbytes)))
+        """Runs of ``MIN_STRIDED_RUN`` or more consecutive blocks going to consecutive
+        pages move as one strided numpy copy per segment, other blocks as one ``memmove``
+        per segment. A copy of the tuning's ``cpu_parallel_min_bytes`` or more is split
+        across its ``cpu_copy_threads`` threads (both kinds release the GIL). No torch
+        ``copy_`` here: its intra-op threads wait at a barrier for one another, which on
+        a busy host made a 2 MiB strided copy take milliseconds."""
+        if self._np_pages is None:
+            self._prepare_cpu()
+        runs = []  # (first block, first page, blocks) of each long run
+        single_blocks, single_pages = blocks.tolist(), pages.tolist()
+        if blocks.size >= MIN_STRIDED_RUN:
+            breaks = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(pages) != 1)) + 1
+            starts = [0, *breaks.tolist()]
+            ends = [*starts[1:], blocks.size]
+            if max(e - s for s, e in zip(starts, ends)) >= MIN_STRIDED_RUN:
+                rest = []
+                for lo, hi in zip(starts, ends):
+                    if hi - lo >= MIN_STRIDED_RUN:
+                        runs.append((single_blocks[lo], single_pages[lo], hi - lo))
+                    else:
+                        rest.extend(range(lo, hi))
+                single_blocks = [single_blocks[i] for i in rest]
+                single_pages = [single_pages[i] for i in rest]
+        threads = self._tuning.cpu_copy_threads or torch.get_num_threads()
+        if blocks.size * self.page_bytes < self._tuning.cpu_parallel_min_bytes or threads < 2:
+            self._copy_runs(runs, 0, len(self._np_segments), to_host)
+            self._move_blocks(single_blocks, single_pages, to_host)
+            return
+        # Each thread takes a share of every run's segments and of the other blocks.
+        jobs = []
+        if runs:
+            cut = np.linspace(0, len(self._np_segments), threads + 1).astype(int).tolist()
+            jobs += [(self._copy_runs, runs, lo, hi, to_host) for lo, hi in itertools.pairwise(cut)]
+        if single_blocks:
+            cut = np.linspace(0, len(single_blocks), threads + 1).astype(int).tolist()
+            jobs += [
+                (self._move_blocks, single_blocks[lo:hi], single_pages[lo:hi], to_host)
+                for lo, hi in itertools.pairwise(cut)
+            ]
+        pool = copy_pool(threads)
+        futures = [pool.submit(*job) for job in jobs[1:]]
+        jobs[0][0](*jobs[0][1:])
+        for f in futures:
+            f.result()
+
+    def _copy_runs(self, runs: list, seg_lo: int, seg_hi: int, to_host: bool) -> None:
+        """Segments ``[seg_lo, seg_hi)`` of each run ``(first block, first page, blocks)``
+        as one strided numpy copy each."""
+        pages = self._np_pages
+        for b0, h0, n in runs:
+            for t, s0, s1, d0, nb in self._np_segments[seg_lo:seg_hi]:
+                dev = t[b0 : b0 + n, s0:s1]
+                host = pages[h0 : h0 + n, d0 : d0 + nb]
+                if to_host:
+                    np.copyto(host, dev)
+                else:
+                    np.copyto(dev, host)
+
+    def _move_blocks(self, blocks: list[int], pages: list[int], to_host: bool) -> None:
+        """Each block ``blocks[i]`` <-> page ``pages[i]``, one ``memmove`` per segment."""
+        base, row = self._host_addr, self.pages.stride(0)
+        segs = self._raw_segments
+        for b, p in zip(blocks, pages):
+            host = base + p * row
+            if to_host:
+                for src, stride, dst, n in segs:
+                    _memmove(host + dst, src + b * stride, n)
+            else:
+                for src, stride, dst, n in segs:
+                    _memmove(src + b * stride, host + dst, n)
 
     def reference(self, blocks: Sequence[int], pages: Sequence[int], to_host: bool) -> None:
         """The same copy by tensor indexing (tests compare the others with it)."""
