@@ -19,7 +19,12 @@ CPU; pinned host ↔ device on a GPU, each way):
   them from the shared host pages);
 * ``in_process_load``: the same load-back by a :class:`LocalController` in this process.
 
-The timed figure of each is the median of ``--repeat`` runs after one warm-up.
+The timed figure of each is the median of ``--repeat`` runs after one warm-up. The
+memcpy of each size is timed before and after the paths and the faster kept (on a CPU,
+the faster of torch's ``copy_`` and numpy's single-threaded copy). Then, for one page
+(the 1 MiB size): each path's time in ms beside the copy alone and a one-page lookup (a
+round trip to the sidecar), and the stages of one store and one load of each size
+(the mean of ``--repeat`` runs).
 """
 
 from __future__ import annotations
@@ -75,13 +80,14 @@ def _median_s(fn: Callable[[int], object], repeat: int, device: torch.device) ->
 
 
 class StageClock:
-    """Wall time of each stage of one store or load: the client's calls
-    (``send_begin_store`` and ``receive_begin_store``, ``commit_store``, ``send_pin`` and
-    ``receive_pin`` or ``pin``, ``prefetch``, ``unpin``), the copies' launches
+    """Wall time of each stage of stores or loads: the client's calls (``begin_store``
+    or ``send_begin_store`` and ``receive_begin_store``, ``commit_store``, ``send_pin``
+    and ``receive_pin`` or ``pin``, ``prefetch``, ``unpin``), the copies' launches
     (``copy_start``) and the waits for them (``copy_wait``). Installed on one client and
     one engine's copies for the ``with`` block."""
 
     CALLS = (
+        "begin_store",
         "send_begin_store",
         "receive_begin_store",
         "commit_store",
@@ -133,7 +139,11 @@ def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]
     if device.type == "cpu":
         a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
         b = torch.empty_like(a).fill_(2)
-        s = _median_s(lambda _: b.copy_(a), repeat, device)
+        a_np, b_np = a.numpy(), b.numpy()
+        s = min(
+            _median_s(lambda _: b.copy_(a), repeat, device),
+            _median_s(lambda _: np.copyto(b_np, a_np), repeat, device),
+        )
         return {"to_host": s, "to_device": s, "both": s}
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
     host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
@@ -155,8 +165,10 @@ def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]
     return out
 
 
-#: size -> {"store"|"load": {stage: ms}}: one store's and one load's stages (StageClock)
+#: size -> {"store"|"load": {stage: ms}}: a store's and a load's stages (StageClock)
 STAGES: dict[int, dict[str, dict[str, float]]] = {}
+#: a lookup of one page through the sidecar (a round trip), seconds
+ROUND_TRIP_S: list[float] = []
 
 
 class Sidecar:
@@ -264,10 +276,11 @@ def engine_block_paths(
                 _sync(device)
                 with StageClock(client, engine) as clock:
                     t0 = time.perf_counter()
-                    run(0)
-                    _sync(device)
+                    for i in range(repeat):
+                        run(i)
+                        _sync(device)
                     clock.ms["total"] = (time.perf_counter() - t0) * 1e3
-                stages[what] = clock.ms
+                stages[what] = {k: v / repeat for k, v in clock.ms.items()}
             STAGES[size] = stages
             out[size] = {
                 "copy_alone_to_host": _median_s(kernel_to_host, repeat, device),
@@ -278,6 +291,10 @@ def engine_block_paths(
             }
             for t in layers:  # the bytes that came back are the bytes stored
                 assert torch.equal(t[targets], t[ids]), "a load did not restore the bytes"
+        one = [refs(1, -1)[0].page_hash]
+        ROUND_TRIP_S.append(
+            _median_s(lambda _: client.lookup(one, [FULL]), max(repeat, 21), device)
+        )
         client.close()
     finally:
         sidecar.stop()
@@ -385,6 +402,7 @@ def main() -> int:
     default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
     sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
     check_segments(device)
+    floors = {size: memcpy_s(size, device, args.repeat) for size in sizes}
     work = Path(tempfile.mkdtemp(prefix="hcdp", dir="/tmp"))
     try:
         paths = engine_block_paths(work, sizes, device, args.repeat)
@@ -392,6 +410,9 @@ def main() -> int:
             paths[size].update(figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for size in sizes:  # the faster of the two memcpys: the load may have changed meanwhile
+        after = memcpy_s(size, device, args.repeat)
+        floors[size] = {k: min(v, after[k]) for k, v in floors[size].items()}
     floor_of = {
         "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
         "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
@@ -403,7 +424,7 @@ def main() -> int:
     print(f"data plane on {name}: GB/s, and the ratio to a memcpy of the same bytes")
     print(f"  {'path':22} {'MiB':>6} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}")
     for size in sizes:
-        floor = memcpy_s(size, device, args.repeat)
+        floor = floors[size]
         for path, seconds in paths[size].items():
             kind = floor_of[path]
             # a store and a load at once move the bytes twice
@@ -413,8 +434,22 @@ def main() -> int:
                          "memcpy_GBps": mgbps, "ratio": floor[kind] / seconds})  # fmt: skip
             ratio = floor[kind] / seconds
             print(f"  {path:22} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
-    print("one vLLM store and one load, stage by stage (ms; the stages of a chunked")
-    print("transfer overlap, so they may add up to more than its total):")
+    one_page = {}
+    if PAGE_BYTES in paths:
+        one_page = {k: v * 1e3 for k, v in paths[PAGE_BYTES].items()}
+        one_page["memcpy_to_host"] = floors[PAGE_BYTES]["to_host"] * 1e3
+        one_page["memcpy_to_device"] = floors[PAGE_BYTES]["to_device"] * 1e3
+        one_page["lookup_round_trip"] = ROUND_TRIP_S[0] * 1e3
+        print("one page (1 MiB), ms, and over the copy alone the same way:")
+        for path, ms in one_page.items():
+            alone = {"to_host": "copy_alone_to_host", "to_device": "copy_alone_to_device"}
+            kind = floor_of.get(path)
+            over = ""
+            if kind in alone and not path.startswith("copy_alone"):
+                over = f"  +{ms - one_page[alone[kind]]:.3f}"
+            print(f"  {path:22} {ms:8.3f}{over}")
+    print("a vLLM store and a load, stage by stage (ms, the mean of --repeat; the stages of")
+    print("a chunked transfer overlap, so they may add up to more than its total):")
     for size, stages in STAGES.items():
         for what, ms in stages.items():
             parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
@@ -424,6 +459,7 @@ def main() -> int:
             "device": name,
             "rows": rows,
             "stages": {str(k // MIB): v for k, v in STAGES.items()},
+            "one_page_ms": one_page,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0

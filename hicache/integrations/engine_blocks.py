@@ -115,6 +115,11 @@ class EngineBlocks:
         to_host: bool,
     ) -> list:  # fmt: skip
         """Begin the copies of one chunk, a launch per group; their events."""
+        if groups.size and groups[0] == groups[-1] and (groups == groups[0]).all():
+            mine = pages >= 0  # one group (a model without hybrid groups): one launch
+            if mine.all():
+                return [copies[int(groups[0])].start(blocks, pages, to_host)]
+            return [copies[int(groups[0])].start(blocks[mine], pages[mine], to_host)]
         events = []
         for g in np.unique(groups).tolist():
             mine = (groups == g) & (pages >= 0)
@@ -146,9 +151,11 @@ class EngineBlocks:
         if copies is None:
             return 0, len(refs)
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+        parts = self._parts(len(refs))
+        if len(parts) == 1:
+            return self._store_whole(copies, refs, g_arr, b_arr, ttl_s, on_copied, tenant)
         committed = not_stored = 0
         pending: list = []  # (reservation, events) started, not yet committed
-        parts = self._parts(len(refs))
         asked = self.client.send_begin_store(refs[parts[0][0] : parts[0][1]], ttl_s, tenant)
         try:
             for i, (lo, hi) in enumerate(parts):
@@ -186,6 +193,26 @@ class EngineBlocks:
                 on_copied()
         return committed, not_stored
 
+    def _store_whole(
+        self, copies: list, refs: Sequence[PageRef], groups: np.ndarray, blocks: np.ndarray,
+        ttl_s: float, on_copied: Callable[[], object] | None, tenant: str | None,
+    ) -> tuple[int, int]:  # fmt: skip
+        """:meth:`store` of one part: its pages asked for, copied, committed; nothing to
+        overlap, so no request goes before its answer is needed."""
+        try:
+            store = self.client.begin_store(refs, ttl_s, tenant)
+            if store is None:
+                return 0, len(refs)
+            try:
+                _wait_all(self._start(copies, groups, blocks, store.pages, True))
+            except Exception:
+                self.client.commit_store(store, False)
+                raise
+        finally:
+            if on_copied is not None:  # the blocks are no longer read
+                on_copied()
+        return self.client.commit_store(store, True), int((store.pages == -2).sum())
+
     def _commit_copied(self, pending: list) -> int:
         """Wait for the copies of the parts in ``pending`` and publish them (not waiting
         for the answer), taking each out of ``pending`` only once its copy ended: one
@@ -220,8 +247,10 @@ class EngineBlocks:
             return False
         keys = [PageKey(self.component, h) for h in hashes]
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
-        pending: list = []  # (pin, events, started)
         parts = self._parts(len(keys))
+        if len(parts) == 1:
+            return self._load_whole(copies, keys, g_arr, b_arr, pin_ttl_s, timeout_s)
+        pending: list = []  # (pin, events, started)
         asked = self.client.send_pin(keys[parts[0][0] : parts[0][1]], pin_ttl_s)
         ok = False
         try:
@@ -258,6 +287,26 @@ class EngineBlocks:
                 _wait_all(done_events, quiet=not ok)
                 loaded = time.perf_counter() - started if ok else None
                 self.client.unpin(done, loaded_s=loaded)
+
+    def _load_whole(
+        self, copies: list, keys: list[PageKey], groups: np.ndarray, blocks: np.ndarray,
+        pin_ttl_s: float, timeout_s: float,
+    ) -> bool:  # fmt: skip
+        """:meth:`load` of one part: pinned (the answer names the host pages), copied,
+        unpinned without waiting for the answer."""
+        pin = self._on_host(None, keys, pin_ttl_s, timeout_s)
+        if pin is None:
+            return False
+        t0 = time.perf_counter()
+        pages = np.asarray(pin.host_pages, dtype=np.int64)
+        try:
+            _wait_all(self._start(copies, groups, blocks, pages, False))
+        except Exception as exc:
+            log.error("load from the shared host pages failed: %s", exc)
+            self.client.unpin(pin)
+            return False
+        self.client.unpin(pin, loaded_s=time.perf_counter() - t0)
+        return True
 
     def _layer_copies_now(
         self, layers: dict[str, tuple[int, Sequence[int]]]

@@ -170,6 +170,38 @@ def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar,
         reader.client.close()
 
 
+def test_a_store_of_one_part_whose_copy_fails_gives_every_page_back(sidecar, monkeypatch):
+    """A store small enough for one part (no pipelining): its copy fails, the error
+    reaches the caller, the engine's blocks are released, and no page is visible or
+    lost; the next store of the same pages succeeds."""
+    writer, _ = _engine(sidecar, 8)
+    reader, _ = _engine(sidecar, 9)
+    admin = sidecar.admin()
+    ids = [300, 301]
+    copy = writer._copies_now()[0]
+    real_start = copy.start
+    released = []
+
+    def failing(blocks, pages, to_host):
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(copy, "start", failing)
+    try:
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            writer.store(_refs(ids), [0, 0], [0, 1], 30.0, lambda: released.append(1))
+        assert released == [1]
+        assert admin.call(Verb.STATS)["host"]["used_pages"]["full"] == 0
+        hits = reader.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
+        assert [int(p) for p in hits] == [0, 0]
+        monkeypatch.setattr(copy, "start", real_start)
+        assert writer.store(_refs(ids), [0, 0], [0, 1], 30.0) == (2, 0)
+        assert admin.call(Verb.STATS)["host"]["used_pages"]["full"] == 2
+    finally:
+        admin.close()
+        writer.client.close()
+        reader.client.close()
+
+
 # Each layer's segments of a block of group 0 (see _engine): layer 0's K and V halves, then
 # layer 1's, in the order the engine computes them.
 LAYERS = {"layer.0": (0, [0, 2]), "layer.1": (0, [1, 3])}
