@@ -134,35 +134,69 @@ class StageClock:
             del c.__dict__["start"]
 
 
-def memcpy_s(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]:
-    """A copy of ``nbytes`` between the kinds of memory the paths move between."""
-    if device.type == "cpu":
-        a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-        b = torch.empty_like(a).fill_(2)
-        a_np, b_np = a.numpy(), b.numpy()
-        s = min(
-            _median_s(lambda _: b.copy_(a), repeat, device),
-            _median_s(lambda _: np.copyto(b_np, a_np), repeat, device),
-        )
-        return {"to_host": s, "to_device": s, "both": s}
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
-    host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
-    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
-    out = {
-        "to_host": _median_s(lambda _: host.copy_(dev, non_blocking=True), repeat, device),
-        "to_device": _median_s(lambda _: dev.copy_(host, non_blocking=True), repeat, device),
-    }
-    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+#: which memcpy each path is compared with
+FLOOR_OF = {
+    "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
+    "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
+    "sidecar_load": "to_device", "in_process_load": "to_device",
+    "vllm_store_and_load": "both",
+}  # fmt: skip
 
-    def both(_: int) -> None:
-        with torch.cuda.stream(s1):
-            host.copy_(dev, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev2.copy_(host2, non_blocking=True)
 
-    out["both"] = _median_s(both, repeat, device)
-    return out
+class Memcpy:
+    """Copies of ``nbytes`` between the kinds of memory the paths move between, by kind
+    (``to_host``, ``to_device``, ``both``): on a CPU, host to host by torch's ``copy_``
+    and by numpy's single-threaded copy (whichever is faster is the memcpy); on a GPU,
+    pinned host <-> device, and both ways at once on two streams."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        if device.type == "cpu":
+            a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+            b = torch.empty_like(a).fill_(2)
+            a_np, b_np = a.numpy(), b.numpy()
+            host = [lambda: b.copy_(a), lambda: np.copyto(b_np, a_np)]
+            self.kinds = {"to_host": host, "to_device": host, "both": host}
+            return
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
+        host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                host.copy_(dev, non_blocking=True)
+            with torch.cuda.stream(s2):
+                dev2.copy_(host2, non_blocking=True)
+
+        self.kinds = {
+            "to_host": [lambda: host.copy_(dev, non_blocking=True)],
+            "to_device": [lambda: dev.copy_(host, non_blocking=True)],
+            "both": [both],
+        }
+
+
+def _beside(
+    fn: Callable[[int], object], path: str, memcpy: Memcpy, repeat: int, device: torch.device
+) -> tuple[float, float]:
+    """The median seconds of ``fn`` over ``repeat`` runs after a warm-up, and of its
+    memcpy (``FLOOR_OF[path]``; the fastest where there are several), each memcpy run
+    right after a run of ``fn``: a host whose load changes during the benchmark moves
+    both figures alike."""
+    copies = memcpy.kinds[FLOOR_OF[path]]
+    fn(-1)
+    for c in copies:
+        c()
+    times: list[list[float]] = [[] for _ in range(1 + len(copies))]
+    for i in range(repeat):
+        for k, run in enumerate([lambda i=i: fn(i), *copies]):
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    medians = [statistics.median(t) for t in times]
+    return medians[0], min(medians[1:])
 
 
 #: size -> {"store"|"load": {stage: ms}}: a store's and a load's stages (StageClock)
@@ -209,7 +243,7 @@ def _client(endpoint: str, name: str) -> SidecarController:
 
 def engine_block_paths(
     work: Path, sizes: list[int], device: torch.device, repeat: int
-) -> dict[int, dict[str, float]]:
+) -> dict[int, dict[str, tuple[float, float]]]:
     """vLLM's paths: block tensors of the engine's own ↔ host pages, one copy each way."""
     half = PAGE_BYTES // 2
     layout = ModelLayout(("full",), num_kv_heads=1, head_dim=half // 4, dtype="float32",
@@ -234,7 +268,7 @@ def engine_block_paths(
             hs = [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
             return [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, 0) for i, h in enumerate(hs)]
 
-        out: dict[int, dict[str, float]] = {}
+        out: dict[int, dict[str, tuple[float, float]]] = {}
         for size in sizes:
             n = size // PAGE_BYTES
             ids = list(range(n))
@@ -271,6 +305,7 @@ def engine_block_paths(
             def kernel_to_device(_: int, ids=ids, scratch=scratch, copy=copy) -> None:
                 copy.to_device(scratch, [blocks + i for i in ids])
 
+            memcpy = Memcpy(size, device)
             stages = {}
             for what, run in (("store", store), ("load", load)):
                 _sync(device)
@@ -282,13 +317,15 @@ def engine_block_paths(
                     clock.ms["total"] = (time.perf_counter() - t0) * 1e3
                 stages[what] = {k: v / repeat for k, v in clock.ms.items()}
             STAGES[size] = stages
-            out[size] = {
-                "copy_alone_to_host": _median_s(kernel_to_host, repeat, device),
-                "copy_alone_to_device": _median_s(kernel_to_device, repeat, device),
-                "vllm_store": _median_s(store, repeat, device),
-                "vllm_load": _median_s(load, repeat, device),
-                "vllm_store_and_load": _median_s(store_and_load, repeat, device),
+            runs = {
+                "copy_alone_to_host": kernel_to_host,
+                "copy_alone_to_device": kernel_to_device,
+                "vllm_store": store,
+                "vllm_load": load,
+                "vllm_store_and_load": store_and_load,
             }
+            out[size] = {k: _beside(f, k, memcpy, repeat, device) for k, f in runs.items()}
+            del memcpy
             for t in layers:  # the bytes that came back are the bytes stored
                 assert torch.equal(t[targets], t[ids]), "a load did not restore the bytes"
         one = [refs(1, -1)[0].page_hash]
@@ -303,7 +340,7 @@ def engine_block_paths(
 
 def pool_paths(
     work: Path, sizes: list[int], device: torch.device, repeat: int
-) -> dict[int, dict[str, float]]:
+) -> dict[int, dict[str, tuple[float, float]]]:
     """Load-backs and backups of registered pools: through the sidecar and in-process."""
     layout = ModelLayout(("full",) * LAYERS, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                          model_id="bench-pools")  # fmt: skip
@@ -325,7 +362,7 @@ def pool_paths(
         return [PageRef(FULL, h, hs[i - 1] if i else b"\0" * 16, int(s))
                 for i, (h, s) in enumerate(zip(hs, slots[:n]))]  # fmt: skip
 
-    out: dict[int, dict[str, float]] = {s: {} for s in sizes}
+    out: dict[int, dict[str, tuple[float, float]]] = {s: {} for s in sizes}
     sidecar = Sidecar(work, layout, TOKENS, host_bytes)
     try:
         client = _client(sidecar.endpoint, "bench-pools")
@@ -336,9 +373,12 @@ def pool_paths(
                 ctl.register(layout, TOKENS, pools)
             for size in sizes:
                 n = size // page_bytes
+                memcpy = Memcpy(size, device)
                 if where == "sidecar":
-                    out[size]["backup"] = _median_s(
+                    out[size]["backup"] = _beside(
                         lambda _, n=n, ctl=ctl: ctl.backup(refs(src, n, next(counter))).wait(600),
+                        "backup",
+                        memcpy,
                         repeat,
                         device,
                     )
@@ -348,12 +388,15 @@ def pool_paths(
                         for r, d in zip(held, dst[:n])]  # fmt: skip
                 pin = ctl.pin([r.key for r in into], 600.0)
                 assert pin is not None
-                out[size][f"{where}_load"] = _median_s(
+                out[size][f"{where}_load"] = _beside(
                     lambda _, into=into, pin=pin, ctl=ctl: ctl.load(into, pin, 600.0),
+                    f"{where}_load",
+                    memcpy,
                     repeat,
                     device,
                 )
                 ctl.unpin(pin)
+                del memcpy
             ctl.close()
     finally:
         sidecar.stop()
@@ -402,7 +445,6 @@ def main() -> int:
     default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
     sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
     check_segments(device)
-    floors = {size: memcpy_s(size, device, args.repeat) for size in sizes}
     work = Path(tempfile.mkdtemp(prefix="hcdp", dir="/tmp"))
     try:
         paths = engine_block_paths(work, sizes, device, args.repeat)
@@ -410,40 +452,28 @@ def main() -> int:
             paths[size].update(figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for size in sizes:  # the faster of the two memcpys: the load may have changed meanwhile
-        after = memcpy_s(size, device, args.repeat)
-        floors[size] = {k: min(v, after[k]) for k, v in floors[size].items()}
-    floor_of = {
-        "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
-        "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
-        "sidecar_load": "to_device", "in_process_load": "to_device",
-        "vllm_store_and_load": "both",
-    }  # fmt: skip
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"data plane on {name}: GB/s, and the ratio to a memcpy of the same bytes")
     print(f"  {'path':22} {'MiB':>6} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}")
+    one_page: dict[str, float] = {}
     for size in sizes:
-        floor = floors[size]
-        for path, seconds in paths[size].items():
-            kind = floor_of[path]
+        for path, (seconds, floor) in paths[size].items():
             # a store and a load at once move the bytes twice
             moved = 2 * size if path == "vllm_store_and_load" else size
-            gbps, mgbps = moved / seconds / 1e9, moved / floor[kind] / 1e9
+            gbps, mgbps, ratio = moved / seconds / 1e9, moved / floor / 1e9, floor / seconds
             rows.append({"path": path, "MiB": size // MIB, "GBps": gbps,
-                         "memcpy_GBps": mgbps, "ratio": floor[kind] / seconds})  # fmt: skip
-            ratio = floor[kind] / seconds
+                         "memcpy_GBps": mgbps, "ratio": ratio})  # fmt: skip
             print(f"  {path:22} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
-    one_page = {}
-    if PAGE_BYTES in paths:
-        one_page = {k: v * 1e3 for k, v in paths[PAGE_BYTES].items()}
-        one_page["memcpy_to_host"] = floors[PAGE_BYTES]["to_host"] * 1e3
-        one_page["memcpy_to_device"] = floors[PAGE_BYTES]["to_device"] * 1e3
+            if size == PAGE_BYTES:
+                one_page[path] = seconds * 1e3
+                one_page[f"memcpy_{FLOOR_OF[path]}"] = floor * 1e3
+    if one_page:
         one_page["lookup_round_trip"] = ROUND_TRIP_S[0] * 1e3
         print("one page (1 MiB), ms, and over the copy alone the same way:")
+        alone = {"to_host": "copy_alone_to_host", "to_device": "copy_alone_to_device"}
         for path, ms in one_page.items():
-            alone = {"to_host": "copy_alone_to_host", "to_device": "copy_alone_to_device"}
-            kind = floor_of.get(path)
+            kind = FLOOR_OF.get(path)
             over = ""
             if kind in alone and not path.startswith("copy_alone"):
                 over = f"  +{ms - one_page[alone[kind]]:.3f}"
