@@ -251,6 +251,19 @@ class PreparedTransfer:
 
                 kv_staged(copy, cpu[0], cpu[1], self.to_host, self.tuning)
 
+    def warm(self) -> None:
+        """Compile (or load) the kernel of every copy that a transfer of a few pages would
+        launch, moving nothing: one launch whose only row names no item (a row outside its
+        tensor is skipped). A fresh process then pays its kernels' one-time cost here, not
+        in its first transfer. Only CUDA copies by Triton launch anything."""
+        if self.device.type != "cuda" or self.backend not in (None, Backend.TRITON):
+            return
+        none = torch.full((2, 1), -1, dtype=torch.int64, device=self.device).unbind(0)
+        for i, copy in enumerate(self.copies):
+            chosen = self.tuning.auto_backend(copy.item_bytes, self.to_host)
+            if self.backend is Backend.TRITON or chosen is Backend.TRITON:
+                self._launch(i, copy, none)
+
     def _launch(self, i: int, copy: RowCopy, on_device: tuple[torch.Tensor, ...]) -> None:
         launcher = self._launchers[i]
         if launcher is None:

@@ -14,7 +14,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# What changes from one call to the next (the index tensors, which may start anywhere in
+# a table, and the row and tile counts) is not specialised on: one compiled variant
+# serves every call, so a fresh process compiles or loads it once, at its first copy.
+@triton.jit(do_not_specialize=["block_ptr", "page_ptr", "num_rows", "num_tiles"])
 def copy_segments_kernel(
     dev_ptr,
     host_ptr,

@@ -17,7 +17,10 @@ from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
 
-@triton.jit
+# What changes from one call to the next (the index tensors, which may start anywhere in
+# a table, and the row and tile counts) is not specialised on: one compiled variant
+# serves every call, so a fresh process compiles or loads it once, at its first copy.
+@triton.jit(do_not_specialize=["src_items_ptr", "dst_items_ptr", "num_rows", "num_tiles"])
 def _copy_rows_kernel(
     src_ptr,
     dst_ptr,

@@ -127,6 +127,7 @@ class HostShare:
                 registered.append(ptr)
         pool = HostPool(layout, page_size, None, mapped=mapped)
         share = cls(pool, registered, generation, buffers)
+        share._engine.warm(buffers)  # the copies' plans and kernels now, not at a first load
         share.open_s = time.perf_counter() - t0
         log.info(
             "mapped the sidecar's host pages (%.1f GiB, %.2f s): load-backs of host pages "

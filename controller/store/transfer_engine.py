@@ -159,6 +159,27 @@ class TransferEngine:
             dev, host, buffers.page_size, to_host=to_host, layers=layers, tuning=tuning
         )
 
+    def warm(self, buffers: EngineBuffers) -> None:
+        """Build the plans of ``buffers``' components both ways and launch each of their
+        kernels once, moving nothing (:meth:`PreparedTransfer.warm`), so that the first
+        copy into or out of a newly registered engine costs what later ones do. Nothing to
+        do on a CPU; a failure is logged, and the first copy then pays as before."""
+        if buffers.device.type != "cuda":
+            return
+        load, backup = self._streams_for(buffers.device)
+        components = [ComponentType.FULL]
+        components += [ComponentType.SWA] if buffers.swa_kv is not None else []
+        components += [ComponentType.MAMBA] if buffers.mamba_conv is not None else []
+        try:
+            for component in components:
+                for to_host, stream in ((False, load), (True, backup)):
+                    with torch.cuda.stream(stream):
+                        self._plan(component, buffers, to_host).warm()
+            load.synchronize()
+            backup.synchronize()
+        except Exception as exc:  # an optimisation: the copies still run without it
+            log.warning("the copy kernels could not be prepared ahead: %s", exc)
+
     def to_host(
         self,
         component: ComponentType,

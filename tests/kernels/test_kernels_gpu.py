@@ -75,3 +75,26 @@ def test_large_transfer_of_consecutive_host_pages_is_staged_and_exact() -> None:
     paged = target.view(2, 8, 256, 16, 8, 128)
     original = device_kv.view(2, 8, 256, 16, 8, 128)
     assert torch.equal(paged[:, :, back.cuda()], original[:, :, pages.cuda()])
+
+
+def test_warming_a_prepared_transfer_moves_nothing_and_later_copies_are_exact() -> None:
+    """``PreparedTransfer.warm`` (what a sidecar runs when an engine registers) launches the
+    kernels of both directions over rows that name no item: neither side changes, and the
+    copies that follow move the right bytes."""
+    from hicache.kernels import PreparedTransfer
+
+    device_kv = torch.randn(2, 4, 256, 8, 128, device="cuda").bfloat16()
+    host_kv = torch.randn(8, 2, 4, 16, 8, 128).bfloat16().pin_memory()
+    before_dev, before_host = device_kv.clone(), host_kv.clone()
+    load = PreparedTransfer.kv(device_kv, host_kv, 16, to_host=False, backend="triton")
+    backup = PreparedTransfer.kv(device_kv, host_kv, 16, to_host=True, backend="triton")
+    for plan in (load, backup):
+        plan.warm()
+    torch.cuda.synchronize()
+    assert torch.equal(device_kv, before_dev) and torch.equal(host_kv, before_host)
+    backup([3, 9], [7, 0])
+    load([7], [15])
+    torch.cuda.synchronize()
+    paged = device_kv.view(2, 4, 16, 16, 8, 128)
+    assert torch.equal(paged[:, :, 15], before_dev.view(2, 4, 16, 16, 8, 128)[:, :, 3])
+    assert torch.equal(host_kv[0].cuda(), paged[:, :, 9])
