@@ -11,7 +11,8 @@ destination, in one of two ways:
   (``ctypes.memmove`` releases the GIL, so a transfer of ``parallel_min_bytes`` or more is
   split across ``threads`` threads by bytes);
 * any other item (a KV page is one row per layer and K/V, far apart in the engine's
-  pool) is one strided ``Tensor.copy_`` between two views of it. One call per item
+  pool) is one strided ``Tensor.copy_`` between two views of it, unless its rows are
+  ``RUN_MIN_ROW_BYTES`` or longer: those are moved a ``memmove`` a row, as above. One call per item
   instead of one per row: on the 2-core development box this moved 512 KiB KV pages to
   the host at 9.2–10.5 GB/s against 6.7–7.1 GB/s for per-row ``memmove``, and 2 KiB rows
   (page size 1) at 2.0–2.4 against 0.9–1.0 GB/s (``benchmarks/bench_cpu_copy.py``).
@@ -35,6 +36,13 @@ import torch
 from hicache.kernels.geometry import RowCopy, RowSide
 
 _memmove = ctypes.memmove
+# Rows of at least this many bytes are moved one ``memmove`` each (merged into runs where
+# they touch), whatever the items' layout: a row this long costs its call less than the
+# strided ``copy_`` of its item costs in torch's overhead. On the 2-core development box,
+# KV pages of one layer (two rows each) into an engine's pool: 16 KiB rows 5.7-7.0 µs a
+# page by ``memmove`` against 12.8-21.1 µs by strided ``copy_``, 128 KiB rows 27-30 against
+# 43-107 µs; 2 KiB rows 25-27 against 14-17 µs, 4 KiB rows about even.
+RUN_MIN_ROW_BYTES = 8 << 10
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
@@ -118,7 +126,8 @@ def copy_rows_cpu(
     if isinstance(dst_items, torch.Tensor):
         dst_items = dst_items.cpu().numpy()
     src_items, dst_items = np.asarray(src_items), np.asarray(dst_items)
-    if not (_dense_items(copy.src, copy) and _dense_items(copy.dst, copy)):
+    dense = _dense_items(copy.src, copy) and _dense_items(copy.dst, copy)
+    if not dense and copy.row_bytes < RUN_MIN_ROW_BYTES:
         return copy_items_strided(
             copy, src_items, dst_items, threads=threads, parallel_min_bytes=parallel_min_bytes
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -104,11 +104,19 @@ class CopyOps(StoreState):
         self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
         self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
 
-    def claim(self, refs: Sequence[PageRef], pin_id: int, engine_id: str, inline: bool) -> Claim:
+    def claim(
+        self,
+        refs: Sequence[PageRef],
+        pin_id: int,
+        engine_id: str,
+        inline: bool,
+        then: Callable[[list[PageEntry]], None] | None = None,
+    ) -> Claim:
         """Check a load of ``refs`` (checked against the engine already) under pin
         ``pin_id``, and hold its pages for the copy when all are on host (HELD). Otherwise
-        start the reads that bring them there (READING), or, ``inline``, change nothing
-        (NOT_ON_HOST). FAILED (counted) when the load fails at once; raises
+        start the reads that bring them there (READING; ``then`` is handed the pages of
+        each read as it ends, see ``LowerTier.fill_locked``), or, ``inline``, change
+        nothing (NOT_ON_HOST). FAILED (counted) when the load fails at once; raises
         ControllerError for one that can never succeed (a page outside the pin, another
         engine's pin)."""
         if refs and self._faults is not None:
@@ -151,7 +159,7 @@ class CopyOps(StoreState):
                 return Claim(ClaimState.NOT_ON_HOST)
             # Only once every page is known to be held: a doomed load reads nothing.
             cold = [e.key for e in entries if e.host_state is HostState.NONE]
-            if cold and not self._disk.fill_locked(cold):
+            if cold and not self._disk.fill_locked(cold, then):
                 return Claim(ClaimState.FAILED)
             fills = list({id(e.fill): e.fill for e in entries if e.fill is not None}.values())
         return Claim(ClaimState.READING, entries, fills)

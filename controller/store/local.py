@@ -383,21 +383,26 @@ class LocalController:
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         check_refs(refs, buffers, self._layout)
-        claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False)
-        if claim.state is ClaimState.FAILED:
-            return LoadResult.FAILED
-        if claim.state is ClaimState.READING:
-            filled = self._store.wait_fills(claim.fills, deadline)
-            if filled is None:
-                self.counters.fail(Failure.LOAD_TIMEOUT)
-                self._store.load_fell_short(claim.entries, engine_id, timed_out=True)
+        # The pages read from disk for this load are copied on as each read ends.
+        early = self._copies.copy_as_read(refs, buffers)
+        try:
+            claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False, then=early)
+            if claim.state is ClaimState.FAILED:
                 return LoadResult.FAILED
-            if not filled or not self._store.hold_for_copy(claim.entries):
-                # the read counted its failure; why the page is gone counts here
-                self._store.load_fell_short(claim.entries, engine_id)
-                return LoadResult.FAILED
-        loaded = self._copies.to_device(refs, claim.entries, buffers)
-        return LoadResult.LOADED if loaded else LoadResult.FAILED
+            if claim.state is ClaimState.READING:
+                filled = self._store.wait_fills(claim.fills, deadline)
+                if filled is None:
+                    self.counters.fail(Failure.LOAD_TIMEOUT)
+                    self._store.load_fell_short(claim.entries, engine_id, timed_out=True)
+                    return LoadResult.FAILED
+                if not filled or not self._store.hold_for_copy(claim.entries):
+                    # the read counted its failure; why the page is gone counts here
+                    self._store.load_fell_short(claim.entries, engine_id)
+                    return LoadResult.FAILED
+            loaded = self._copies.to_device(refs, claim.entries, buffers, early)
+            return LoadResult.LOADED if loaded else LoadResult.FAILED
+        finally:
+            early.close()  # nothing writes into the engine's slots after the return
 
     def start_layer_load(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from typing import Any
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.fills import QueuedBackup
+from hicache.controller.store.page_entry import TAGS as _TAG
 from hicache.controller.store.page_index import PageEntry
 from hicache.controller.store.page_store import PageStore
 from hicache.controller.store.transfer_engine import (
@@ -137,22 +139,44 @@ class PageCopies:
         """A load's copy has ended: its host pages are released (see DeviceLoad)."""
         self._store.release_load(entries, served)
 
+    def copy_as_read(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> CopyAsRead:
+        """The copies of a load's pages into the engine's slots as its reads end (see
+        :class:`CopyAsRead`); hand it to the load's claim, and to :meth:`to_device`."""
+        return CopyAsRead(self, refs, buffers)
+
     def to_device(
-        self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
+        self,
+        refs: Sequence[PageRef],
+        entries: list[PageEntry],
+        buffers: EngineBuffers,
+        early: CopyAsRead | None = None,
     ) -> bool:
         """Copy held host pages into the engine's slots and release them; True once the
-        bytes are there."""
-        return self.start_to_device(refs, entries, buffers).finish()
+        bytes are there. Pages ``early`` copied already are not copied again."""
+        return self.start_to_device(refs, entries, buffers, early).finish()
 
     def start_to_device(
-        self, refs: Sequence[PageRef], entries: list[PageEntry], buffers: EngineBuffers
+        self,
+        refs: Sequence[PageRef],
+        entries: list[PageEntry],
+        buffers: EngineBuffers,
+        early: CopyAsRead | None = None,
     ) -> DeviceLoad:
         """Issue the copy of held host pages into the engine's slots without waiting for
-        it; the pages stay held until the returned load's :meth:`DeviceLoad.finish`."""
+        it (but those ``early`` copied: its copies are waited for with these); the pages
+        stay held until the returned load's :meth:`DeviceLoad.finish`."""
         load = DeviceLoad(self, entries, buffers, time.perf_counter())
         page_bytes = self._store.host_page_bytes()
+        plan = list(zip(entries, refs))
+        if early is not None:
+            done = early.close()
+            load.events += done.events
+            load.nbytes += done.nbytes
+            if done.error is not None:
+                load.failed(done.error)
+            if done.copied:
+                plan = [(e, r) for e, r in plan if e.skey not in done.copied]
         try:
-            plan = list(zip(entries, refs))
             for comp, group in _by_component(plan).items():
                 if self._store.fault("copy_to_device"):
                     raise RuntimeError("injected host-to-device copy failure")
@@ -203,6 +227,99 @@ class PageCopies:
                 return faults.take_layer(g * size, (g + 1) * size)
 
         return self.transfer.start_layers_to_device(buffers, plan, groups, finished, fault)
+
+
+class CopyAsRead:
+    """A load's copies into the engine's slots of the pages that its own disk reads bring
+    to host, each issued on the reader thread as soon as its read has checked it (the
+    host page still held by the read: see ``LowerTier.fill_locked``), so that the copies
+    run beside the reads still to come instead of after the last one. The load copies
+    the rest (pages on host already, or read by another request) when its reads have
+    ended, as before.
+
+    :meth:`close` ends it: no copy starts after, and every copy issued has ended when it
+    returns, so that a load that gives up (its reads too slow) leaves nothing writing
+    into the engine's slots.
+    """
+
+    def __init__(self, copies: PageCopies, refs: Sequence[PageRef], buffers: EngineBuffers):
+        self._copies = copies
+        self._buffers: EngineBuffers | None = buffers
+        # The slot of each page the load names once (a page named twice is copied at the
+        # end, into each of its slots).
+        slots: dict[bytes, int] = {}
+        twice: set[bytes] = set()
+        for r in refs:
+            skey = r.page_hash + _TAG[r.component]
+            if skey in slots:
+                twice.add(skey)
+            slots[skey] = r.device_index
+        for skey in twice:
+            del slots[skey]
+        self._slots = slots
+        self._lock = threading.Condition()
+        self._running = 0  # copies under way on reader threads
+        self.copied: set[bytes] = set()
+        self.events: list[Any] = []  # CUDA: one per copy issued
+        self.nbytes = 0
+        self.error: Exception | None = None
+
+    def __call__(self, pages: list[PageEntry]) -> None:
+        """Copy ``pages`` (checked, their host pages held) into their slots: a reader thread."""
+        slots = self._slots
+        plan: dict[ComponentType, tuple[list[int], list[int]]] = {}
+        named = []
+        for e in pages:
+            slot = slots.get(e.skey)
+            if slot is not None:
+                host, dev = plan.setdefault(e.component, ([], []))
+                host.append(e.host_page)
+                dev.append(slot)
+                named.append(e.skey)
+        if not named:
+            return
+        copies = self._copies
+        with self._lock:
+            buffers = self._buffers
+            if buffers is None or self.error is not None:
+                return
+            self._running += 1  # close() waits for this copy (readers copy in parallel)
+        events: list[Any] = []
+        nbytes = 0
+        error = None
+        try:
+            page_bytes = copies._store.host_page_bytes()
+            for comp, (host, dev) in plan.items():
+                if copies._store.fault("copy_to_device"):
+                    raise RuntimeError("injected host-to-device copy failure")
+                event = copies.transfer.start_to_device(comp, buffers, host, dev)
+                if event is not None:
+                    events.append(event)
+                nbytes += len(host) * page_bytes[comp]
+        except Exception as exc:
+            error = exc
+        with self._lock:
+            self.events += events
+            self.nbytes += nbytes
+            if error is not None:
+                self.error = self.error or error
+            else:
+                self.copied.update(named)
+            self._running -= 1
+            self._lock.notify_all()
+
+    def close(self) -> CopyAsRead:
+        """No copy starts from now on; wait for those issued (CUDA). Returns itself."""
+        with self._lock:
+            self._buffers = None
+            self._lock.wait_for(lambda: not self._running)
+        for event in self.events:
+            try:
+                event.synchronize()
+            except Exception as exc:  # a broken device: the copy has ended, badly
+                if self.error is None:
+                    self.error = exc
+        return self
 
 
 class DeviceLoad:

@@ -43,9 +43,10 @@ from hicache.types import ComponentType, Tier
 
 log = logging.getLogger(__name__)
 
-# The most bytes one reader reads in one transaction for a load (see ``read_batches``).
+# The most bytes one reader reads in one transaction for a load (see ``fill_locked``).
 READ_BATCH_BYTES = 8 << 20
 
+_OK = ReadStatus.OK
 _READ_FAILURES = {
     ReadStatus.CORRUPT: Failure.CHECKSUM,
     ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
@@ -95,6 +96,7 @@ class DiskTier:
         )
         self.uses = UseLog(self.lmdb.path)
         self._read_cost = ReadCost(config.reader_threads)
+        self._value_bytes = {c: HEADER_BYTES + n for c, n in page_bytes.items()}
         self.prewarm = Prewarm([], 0, host.prewarm_fill)
 
     @classmethod
@@ -166,26 +168,49 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def fill_locked(self, keys: Sequence[PageKey]) -> bool:
+    def fill_locked(
+        self, keys: Sequence[PageKey], then: Callable[[list[PageEntry]], None] | None = None
+    ) -> bool:
         """Read each of ``keys`` (on this tier only) into a host page on the reader pool,
-        in batches (:func:`read_batches`); False when one found no host page (counted:
-        the others are still read)."""
+        in batches that keep every reader busy, each at most ``READ_BATCH_BYTES`` and
+        submitted as soon as its host pages are reserved (the first reads run while the
+        rest are reserved); ``then``: see :meth:`LowerTier.fill_locked`. False when one
+        found no host page (counted: the others are still read)."""
+        sizes = self._value_bytes
+        total = sum(sizes[k.component] for k in keys)
+        target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
         ok = True
-        pages: list[PageEntry] = []
+        begin = self._host.begin_fill_locked
+        batch: list[PageEntry] = []
+        size = 0
         for key in keys:
-            page = self._host.begin_fill_locked(key, None)
+            page = begin(key, None)
             if page is None:
                 self._counters.fail(Failure.HOST_FULL)
                 ok = False
                 continue
-            pages.append(page)
-        for batch in read_batches(pages, self.config.reader_threads):
-            self._host.fill_started_locked(batch, self.lmdb.submit_read(self._read, batch))
+            if size and size + page.disk_nbytes > target:
+                self._submit_locked(batch, then)
+                batch, size = [], 0
+            batch.append(page)
+            size += page.disk_nbytes
+        if batch:
+            self._submit_locked(batch, then)
         return ok
 
-    def _read(self, pages: list[PageEntry]) -> bool:
+    def _submit_locked(
+        self, pages: list[PageEntry], then: Callable[[list[PageEntry]], None] | None
+    ) -> None:
+        # A reader settles its pages under the store's lock, which the caller holds: the
+        # fill is recorded on them before any can be settled.
+        self._host.fill_started_locked(pages, self.lmdb.submit_read(self._read, pages, then))
+
+    def _read(
+        self, pages: list[PageEntry], then: Callable[[list[PageEntry]], None] | None = None
+    ) -> bool:
         """Fill the host pages of ``pages`` with their stored bytes (a reader thread, one
-        LMDB transaction); True when every one is served."""
+        LMDB transaction), hand ``then`` those read well, and settle them; True when
+        every one is served."""
         t0 = time.perf_counter()
         statuses = [ReadStatus.ERROR] * len(pages)
         try:
@@ -209,6 +234,10 @@ class DiskTier:
                 self._read_cost.observe(sum(d.nbytes for d in dsts), time.perf_counter() - t0)
         except Exception:
             log.exception("disk read of %d pages failed", len(pages))
+        if then is not None:
+            good = [p for p, st in zip(pages, statuses) if st is _OK]
+            if good:
+                then(good)
         results = [FillResult(p, st) for p, st in zip(pages, statuses)]
         nbytes = self._host.finish_fills(results, Tier.DISK)
         for status in statuses:
@@ -315,25 +344,6 @@ class DiskTier:
         self.prewarm.stop()
         self.uses.close()
         return self.lmdb.close(timeout_s)
-
-
-def read_batches(pages: list[PageEntry], readers: int) -> list[list[PageEntry]]:
-    """``pages`` cut into runs for the reader pool: every reader busy, each run at most
-    ``READ_BATCH_BYTES`` (so that a load's copies can start on the first runs while the
-    others are read), and at least one page."""
-    if not pages:
-        return []
-    total = sum(p.disk_nbytes for p in pages)
-    target = max(1, min(READ_BATCH_BYTES, -(-total // readers)))
-    out: list[list[PageEntry]] = [[]]
-    size = 0
-    for p in pages:
-        if size and size + p.disk_nbytes > target:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.disk_nbytes
-    return out
 
 
 def _stored(result: WriteResult) -> int | Failure:

@@ -96,10 +96,15 @@ class LowerTier(Protocol):
         """Whether this tier holds, as a value of another layout, the first page of a
         chain whose hash under a chain seed ``r`` is ``first_hash(r)`` (lock held)."""
 
-    def fill_locked(self, keys: Sequence[PageKey]) -> bool:
+    def fill_locked(
+        self, keys: Sequence[PageKey], then: Callable[[list[PageEntry]], None] | None = None
+    ) -> bool:
         """Start reading ``keys`` into host pages (:meth:`TierHost.begin_fill_locked`):
         pages it offers, or, for the indexed tier, pages the index has only there. False
-        when one could not be started (the reads already started go on)."""
+        when one could not be started (the reads already started go on). ``then(pages)``,
+        where the tier supports it, is called on the reading thread with the pages of each
+        read that passed every check, before they are settled (their host pages held by
+        the read, their bytes final): a load copies them on from there."""
 
     def read_cost(self) -> ReadCost | None:
         """What reading from this tier costs, as measured on its reads (None: not known;

@@ -188,10 +188,13 @@ class RemoteTier:
         """Not known: values are checked only when read."""
         return False
 
-    def fill_locked(self, keys: Sequence[PageKey]) -> bool:
+    def fill_locked(
+        self, keys: Sequence[PageKey], then: Callable[[list[PageEntry]], None] | None = None
+    ) -> bool:
         """Start reading ``keys`` (held by no local tier) into host pages; False, with
         nothing started, when one is not hinted present or the breaker is open; False
-        too when host pages ran out (the fills already started complete on their own)."""
+        too when host pages ran out (the fills already started complete on their own).
+        ``then`` is not called: a load copies these pages once they are settled."""
         hinted = [self.hints.get(self.key(k.page_hash, k.component)) for k in keys]
         if not all(h for h, _ in hinted) or self.breaker.state is BreakerState.OPEN:
             return False
