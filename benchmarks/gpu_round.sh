@@ -2,7 +2,7 @@
 # One run on a lent GPU (the device tool): install the carried wheels (.whl: pyzmq, lmdb
 # for the machine's Python) and hicache itself, then run the given benchmarks, writing
 # their JSON to $OUT; one that fails is reported and the next still runs. Usage:
-#   bash benchmarks/gpu_round.sh data_plane [ttft] [headline] [restart] [layerwise] ...
+#   bash benchmarks/gpu_round.sh data_plane [ttft] [headline] [restart] [layerwise] [cost_rule] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -31,6 +31,8 @@ for what in "$@"; do
         restart_stacks) python3 benchmarks/bench_restart.py --device cuda --sizes-kib 256,4096 \
             --total-mib 256 --repeat 2 --sample-stacks --json "$out/restart_stacks.json" ;;
         page_ops) python3 benchmarks/bench_page_ops.py --rounds 9 --json "$out/page_ops.json" ;;
+        cost_rule) python3 benchmarks/bench_cost_rule.py --device cuda --prefix 4096 \
+            --host-mib 4096 --json "$out/cost_rule.json" ;;
         gpu_tests)  # the tests marked gpu, against the installed hicache (not the checkout's)
             rm -rf /tmp/gt && mkdir -p /tmp/gt && cp -r tests benchmarks pyproject.toml /tmp/gt/ &&
                 (cd /tmp/gt && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -19,11 +19,13 @@ them beats computing them again.
   the rule lets one lookup's run through (offered, and measured again if it is loaded),
   then cuts again until the next interval ends.
 
-Loading a run costs ``latency + bytes × seconds_per_byte / readers`` (its batches are
-read in parallel); computing it ``tokens / rate``. Loading a longer run only pays off
-more (the latency is paid once), and computing grows with the run, so a run that is
-worth loading is worth loading whole: the rule keeps or cuts each run after the host
-pages.
+Loading a run costs ``latency + bytes × seconds_per_byte / readers`` where the tier cuts
+a load into one batch per reader (the disk tier); where it reads batches of a fixed
+number of pages (the remote tier, ``remote_read_batch_pages`` on ``remote_io_threads``),
+a latency per round of batches and the bytes over the readers that have a batch.
+Computing the run costs ``tokens / rate``. Both grow with the run and loading's fixed
+costs spread over it, so the rule keeps or cuts each run after the host pages whole
+(what follows a cut run is unusable anyway: a hit is a prefix).
 """
 
 from __future__ import annotations
@@ -47,10 +49,19 @@ _LOCAL = (P_ABSENT, P_HOST)  # presences that no lower tier reads
 class ReadCost:
     """What reading from one tier costs, measured (see the module docstring)."""
 
-    def __init__(self, readers: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        readers: int,
+        batch_pages: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``batch_pages``: the tier reads a load in batches of that many pages, one per
+        reader at a time (None: it cuts every load into one batch per reader)."""
         self.readers = max(1, readers)
+        self.batch_pages = batch_pages
         self.seconds_per_byte: float | None = None  # one reader's; None: nothing read yet
         self.latency_s = 0.0  # a round trip without payload; 0 until one is measured
+        self.round_trips = 0  # measured
         self.clock = clock
         self.read_at: float | None = None  # when the last read batch was measured
         self._rechecked_at: float | None = None
@@ -71,12 +82,23 @@ class ReadCost:
         if seconds <= 0:
             return
         with self._lock:
-            self.latency_s += _SMOOTHING * (seconds - self.latency_s)
+            if self.round_trips == 0:
+                self.latency_s = seconds
+            else:
+                self.latency_s += _SMOOTHING * (seconds - self.latency_s)
+            self.round_trips += 1
 
-    def seconds(self, nbytes: int) -> float | None:
-        """How long reading ``nbytes`` takes with every reader at work; None: unknown."""
+    def seconds(self, nbytes: int, pages: int = 1) -> float | None:
+        """How long reading ``nbytes`` in ``pages`` pages takes, its batches on the
+        readers (a round trip per round of batches); None: unknown."""
         s = self.seconds_per_byte
-        return None if s is None else self.latency_s + nbytes * s / self.readers
+        if s is None:
+            return None
+        if self.batch_pages is None:
+            return self.latency_s + nbytes * s / self.readers
+        batches = -(-max(1, pages) // self.batch_pages)
+        rounds = -(-batches // self.readers)
+        return rounds * self.latency_s + nbytes * s / min(batches, self.readers)
 
     def recheck_due(self, interval_s: float) -> bool:
         """Whether a run this rule would cut is to be let through, to be measured again:
@@ -164,12 +186,14 @@ class CostRule:
                 continue
             # A run of pages some component of which only one lower tier holds.
             tier = lower[0]
-            start, nbytes = i, 0
+            start, nbytes, items = i, 0, 0
             while i < n and (lower := self._lower(rows, full, i)) and lower[0] is tier:
-                nbytes += sum(page_bytes.get(c, 0) for c, r in rows.items() if r[i] not in _LOCAL)
+                below = [c for c, r in rows.items() if r[i] not in _LOCAL]
+                nbytes += sum(page_bytes.get(c, 0) for c in below)
+                items += len(below)
                 i += 1
             measured = cost(tier)
-            load_s = None if measured is None else measured.seconds(nbytes)
+            load_s = None if measured is None else measured.seconds(nbytes, items)
             if load_s is not None and load_s > (i - start) * page_tokens / rate:
                 if measured.recheck_due(self.recheck_s):
                     continue  # offered this once: a load measures the tier again

@@ -195,3 +195,20 @@ def test_a_remote_tier_faster_than_the_engine_is_loaded_exactly():
     b.cache.check_invariants()
     b.ctrl.check_invariants()
     b.ctrl.close()
+
+
+def test_a_tier_read_in_fixed_batches_costs_a_round_trip_per_round_of_batches():
+    """The remote tier's shape: batches of ``batch_pages`` pages, one per reader at a
+    time; a run of fewer batches than readers is read at the rate of those it has."""
+    from hicache.controller.store.cost_rule import ReadCost
+
+    cost = ReadCost(readers=4, batch_pages=16)
+    cost.observe_round_trip(0.01)
+    cost.observe(1 << 20, 0.01 + 0.1)  # one reader: 1 MiB in 0.1 s past the latency
+    assert cost.seconds_per_byte == pytest.approx(0.1 / (1 << 20))
+    assert cost.seconds(1 << 20, pages=16) == pytest.approx(0.01 + 0.1)  # one batch
+    assert cost.seconds(4 << 20, pages=64) == pytest.approx(0.01 + 0.1)  # four at once
+    assert cost.seconds(8 << 20, pages=128) == pytest.approx(2 * 0.01 + 0.2)  # two rounds
+    spread = ReadCost(readers=4)  # the disk tier's shape: one batch per reader
+    spread.observe(1 << 20, 0.1)
+    assert spread.seconds(1 << 20, pages=1) == pytest.approx(0.1 / 4)
