@@ -162,16 +162,16 @@ class CostRule:
         engine_id: str,
         rows: dict[ComponentType, list[int]],
         page_tokens: int,
-        page_bytes: dict[ComponentType, int],
-        cost: Callable[[Tier], ReadCost | None],
-        count: Callable[[MissReason, Tier, ComponentType, int], None],
+        store: Any,
     ) -> None:
         """Cut ``rows`` (presence per component, one entry per page) where the engine
-        would wait longer for a lower tier than it would compute; ``count`` the pages cut,
-        per tier and component."""
+        would wait longer for a lower tier than it would compute. ``store``: the page
+        store, asked ``host_page_bytes``, ``read_cost`` of a tier and ``count_miss``
+        (the pages cut, per tier and component, to the engine)."""
         rate = self.rate(engine_id)
         if not self.enabled or rate is None or not rows:
             return
+        page_bytes = store.host_page_bytes()
         n = min(len(r) for r in rows.values())
         # The hit ends where FULL (the backbone) does; another component may lack a page
         # inside it (SWA outside its window, Mamba states between checkpoints).
@@ -192,12 +192,12 @@ class CostRule:
                 nbytes += sum(page_bytes.get(c, 0) for c in below)
                 items += len(below)
                 i += 1
-            measured = cost(tier)
+            measured = store.read_cost(tier)
             load_s = None if measured is None else measured.seconds(nbytes, items)
             if load_s is not None and load_s > (i - start) * page_tokens / rate:
                 if measured.recheck_due(self.recheck_s):
                     continue  # offered this once: a load measures the tier again
-                self._cut(rows, start, n, tier, count)
+                self._cut(rows, start, n, tier, store, engine_id)
                 return
 
     @staticmethod
@@ -217,11 +217,13 @@ class CostRule:
         start: int,
         n: int,
         tier: Tier,
-        count: Callable[[MissReason, Tier, ComponentType, int], None],
+        store: Any,
+        engine_id: str,
     ) -> None:
         """Report every page from ``start`` on absent; count those a tier held."""
         for comp, row in rows.items():
             held = sum(1 for p in row[start:n] if p != P_ABSENT)
             row[start:n] = [P_ABSENT] * (n - start)
             if held:
-                count(MissReason.SLOWER_THAN_RECOMPUTE, tier, comp, held)
+                reason = MissReason.SLOWER_THAN_RECOMPUTE
+                store.count_miss(reason, tier, comp, held, engine_id=engine_id)

@@ -254,16 +254,7 @@ class LocalController:
         if prefill_tokens_per_s is not None:
             self.cost_rule.report_rate(engine_id, prefill_tokens_per_s)
         rows = self._store.presence(page_hashes, components, tenant)
-        self.cost_rule.apply(
-            engine_id,
-            rows,
-            self._page_size,
-            self._store.host_page_bytes(),
-            self._store.read_cost,
-            lambda reason, tier, comp, n: self._store.count_miss(
-                reason, tier, comp, n, engine_id=engine_id
-            ),
-        )
+        self.cost_rule.apply(engine_id, rows, self._page_size, self._store)
         reasons = self._store.first_misses(page_hashes, rows)
         self._store.remember_lookup(engine_id, RecentLookup.of(page_hashes, rows, reasons))
         for comp, row in rows.items():

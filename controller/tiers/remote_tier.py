@@ -94,7 +94,6 @@ class RemoteTier:
             config.remote_breaker_failures, config.remote_breaker_cooldown_s
         )
         self._fills = ThreadPoolExecutor(config.remote_io_threads, "hicache-remote-fill")
-        # The cost rule's figures: latency from existence checks, bytes per second from fills.
         self._read_cost = ReadCost(config.remote_io_threads, config.remote_read_batch_pages)
         self._queue: deque[tuple[PageEntry, Any]] = deque()
         self._queued: set[bytes] = set()
