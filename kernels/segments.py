@@ -245,24 +245,35 @@ class SegmentCopy:
 
     def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         """Runs of ``MIN_STRIDED_RUN`` or more consecutive blocks going to consecutive
-        pages move as one strided numpy copy per segment, other blocks as one ``memmove``
-        per segment. A copy of the tuning's ``cpu_parallel_min_bytes`` or more is split
-        across its ``cpu_copy_threads`` threads (both kinds release the GIL). No torch
-        ``copy_`` here: its intra-op threads wait at a barrier for one another, which on
+        pages (ascending or descending) move as one strided numpy copy per segment, other
+        blocks as one ``memmove`` per segment. A copy of the tuning's
+        ``cpu_parallel_min_bytes`` or more is split across its ``cpu_copy_threads``
+        threads (both kinds release the GIL). No torch ``copy_`` here: its intra-op
+        threads wait at a barrier for one another, which on
         a busy host made a 2 MiB strided copy take milliseconds."""
         if self._np_pages is None:
             self._prepare_cpu()
-        runs = []  # (first block, first page, blocks) of each long run
+        runs = []  # (first block, lowest page, blocks, pages descending) of each long run
         single_blocks, single_pages = blocks.tolist(), pages.tolist()
         if blocks.size >= MIN_STRIDED_RUN:
-            breaks = np.flatnonzero((np.diff(blocks) != 1) | (np.diff(pages) != 1)) + 1
+            # The link from block i to i+1: +1 or -1 where the next block's page is the
+            # next or the previous page (the host pool hands out pages freed by an
+            # eviction from a chain's tail in descending order), else 0. A run's links
+            # all have one sign.
+            dp = np.diff(pages)
+            link = np.where(np.diff(blocks) == 1, np.where(np.abs(dp) == 1, dp, 0), 0)
+            turn = np.zeros(link.size, dtype=bool)
+            turn[1:] = (link[:-1] != 0) & (link[1:] != link[:-1])
+            breaks = np.flatnonzero((link == 0) | turn) + 1
             starts = [0, *breaks.tolist()]
             ends = [*starts[1:], blocks.size]
             if max(e - s for s, e in zip(starts, ends)) >= MIN_STRIDED_RUN:
                 rest = []
                 for lo, hi in zip(starts, ends):
                     if hi - lo >= MIN_STRIDED_RUN:
-                        runs.append((single_blocks[lo], single_pages[lo], hi - lo))
+                        down = bool(link[lo] < 0)
+                        first = single_pages[hi - 1] if down else single_pages[lo]
+                        runs.append((single_blocks[lo], first, hi - lo, down))
                     else:
                         rest.extend(range(lo, hi))
                 single_blocks = [single_blocks[i] for i in rest]
@@ -290,13 +301,16 @@ class SegmentCopy:
             f.result()
 
     def _copy_runs(self, runs: list, seg_lo: int, seg_hi: int, to_host: bool) -> None:
-        """Segments ``[seg_lo, seg_hi)`` of each run ``(first block, first page, blocks)``
-        as one strided numpy copy each."""
+        """Segments ``[seg_lo, seg_hi)`` of each run ``(first block, lowest page, blocks,
+        pages descending)`` as one strided numpy copy each."""
         pages = self._np_pages
-        for b0, h0, n in runs:
+        for b0, h0, n, down in runs:
+            rows = pages[h0 : h0 + n]
+            if down:
+                rows = rows[::-1]
             for t, s0, s1, d0, nb in self._np_segments[seg_lo:seg_hi]:
                 dev = t[b0 : b0 + n, s0:s1]
-                host = pages[h0 : h0 + n, d0 : d0 + nb]
+                host = rows[:, d0 : d0 + nb]
                 if to_host:
                     np.copyto(host, dev)
                 else:

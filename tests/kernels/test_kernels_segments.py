@@ -85,12 +85,14 @@ def test_a_segment_that_does_not_fit_is_refused():
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "cpu-runs"])
 def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(use_kernel):
-    """Consecutive blocks to consecutive pages (one strided copy per segment on a CPU)
-    beside scattered ones (memmove runs): the reference's bytes both ways."""
-    tensors = _engine(3, blocks=24)
+    """Consecutive blocks to consecutive pages, ascending or descending (one strided copy
+    per segment on a CPU), beside scattered ones (memmove runs), a run turning round on
+    one page: the reference's bytes both ways."""
+    tensors = _engine(3, blocks=40)
     segs = _segments(tensors, unaligned=True)
-    blocks, pages = [*range(2, 10), 20, 15, *range(11, 16)], [*range(4, 12), 0, 22, *range(16, 21)]
-    got = torch.zeros(24, 512, dtype=torch.uint8)
+    blocks = [*range(2, 10), 20, 15, *range(11, 16), *range(24, 30), *range(31, 36)]
+    pages = [*range(4, 12), 0, 22, *range(16, 21), *range(35, 29, -1), 23, 24, 25, 26, 27]
+    got = torch.zeros(40, 512, dtype=torch.uint8)
     want = torch.zeros_like(got)
     SegmentCopy(segs, got, PAYLOAD, use_kernel=use_kernel).to_host(blocks, pages)
     SegmentCopy(segs, want, PAYLOAD).reference(blocks, pages, True)
