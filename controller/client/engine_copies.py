@@ -71,6 +71,9 @@ class EngineCopies:
     """The engine-copied stores of :class:`SidecarController` (which sets the attributes
     below and the ``_call`` they go through)."""
 
+    #: the most pages one pin names (an engine's copied loads go in parts of at most this)
+    max_pin_keys = MAX_PIN_KEYS
+
     endpoint: str
     config: SidecarClientConfig
     _channel: Channel

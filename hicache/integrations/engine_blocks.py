@@ -68,10 +68,14 @@ class EngineBlocks:
         groups: Sequence[Sequence[BlockSegment]],
         device: torch.device,
         component,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int | None = None,
     ) -> None:
         """``chunk_bytes``: how much of a store or a load is handed out, copied and
-        committed at a time (see :meth:`store`)."""
+        committed at a time (see :meth:`store`); by default 64 MiB on a GPU, and on a
+        CPU all of it (up to the most pages a pin names): there the copy runs in the
+        calling thread, so parts overlap nothing of the engine's and only add messages
+        (on the 2-core development box, a 256 MiB store took 0.71 of a memcpy in parts
+        of 64 MiB and 0.96 whole)."""
         self.client = client
         self.groups = [list(g) for g in groups]
         self.device = device
@@ -79,7 +83,13 @@ class EngineBlocks:
         self._host = None
         self._copies: list[SegmentCopy | None] = []
         page_bytes = max((sum(s.nbytes for s in g) for g in self.groups), default=1)
-        self.chunk_pages = max(1, chunk_bytes // max(page_bytes, 1))
+        whole = client.max_pin_keys
+        if chunk_bytes is None and device.type == "cuda":
+            chunk_bytes = 64 << 20
+        pages = whole if chunk_bytes is None else chunk_bytes // max(page_bytes, 1)
+        self.chunk_pages = max(1, min(whole, pages))
+        # The first part an eighth of the others, so that a GPU's first copy starts early.
+        self._first_pages = self.chunk_pages if chunk_bytes is None else self.chunk_pages // 8
         self._layer_copies: dict[str, SegmentCopy] = {}
         self._layers_host = None
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
@@ -227,9 +237,9 @@ class EngineBlocks:
 
     def _parts(self, n: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` of each part of a store of ``n`` pages: ``chunk_pages`` each, but
-        the first one an eighth of that, so that the first copy starts early and the
-        pipeline fills (a part's pages are handed out while the one before is copied)."""
-        first = max(1, self.chunk_pages // 8)
+        in parts the first one an eighth of that, so that the first copy starts early and
+        the pipeline fills (a part's pages are handed out while the one before is copied)."""
+        first = max(1, self._first_pages)
         bounds = [0, min(n, first)]
         while bounds[-1] < n:
             bounds.append(min(n, bounds[-1] + self.chunk_pages))

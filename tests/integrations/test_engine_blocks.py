@@ -50,7 +50,7 @@ def sidecar():
 
 
 def _engine(
-    sidecar: Sidecar, seed: int, chunk_pages: int = 64
+    sidecar: Sidecar, seed: int, chunk_pages: int | None = 64
 ) -> tuple[EngineBlocks, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     # Two layers, each its own allocation of byte rows (as vLLM's per-layer tensors are);
@@ -67,7 +67,8 @@ def _engine(
     ]
     client = SidecarController(sidecar.endpoint, engine_id=f"blocks-{seed}")
     client.attach(_layout(), 1)
-    engine = EngineBlocks(client, [segments], torch.device("cpu"), FULL, 2 * HALF * chunk_pages)
+    chunk_bytes = None if chunk_pages is None else 2 * HALF * chunk_pages  # None: the default
+    engine = EngineBlocks(client, [segments], torch.device("cpu"), FULL, chunk_bytes)
     return engine, layers
 
 
@@ -97,6 +98,35 @@ def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar, chun
         assert reader.load([_hash(i) for i in ids], [0] * 10, targets, 30.0, 30.0)
         for s, d in zip(src, dst):
             assert torch.equal(d[targets], s[ids])
+    finally:
+        writer.client.close()
+        reader.client.close()
+
+
+def test_on_a_cpu_a_store_and_a_load_go_whole_by_default(sidecar, monkeypatch):
+    """A CPU engine's copy runs in its own thread: by default a store or a load is one
+    part (one copy, one reservation or pin), and the bytes arrive."""
+    writer, src = _engine(sidecar, 10, chunk_pages=None)
+    reader, dst = _engine(sidecar, 11, chunk_pages=None)
+    starts = []
+
+    def counted(real):
+        def start(blocks, pages, to_host):
+            starts.append(len(blocks))
+            return real(blocks, pages, to_host)
+
+        return start
+
+    for engine in (writer, reader):
+        copy = engine._copies_now()[0]
+        monkeypatch.setattr(copy, "start", counted(copy.start))
+    try:
+        ids = list(range(400, 440))
+        assert writer.store(_refs(ids), [0] * 40, list(range(40)), 30.0) == (40, 0)
+        assert reader.load([_hash(i) for i in ids], [0] * 40, list(range(40)), 30.0, 30.0)
+        assert starts == [40, 40]
+        for s, d in zip(src, dst):
+            assert torch.equal(d[:40], s[:40])
     finally:
         writer.client.close()
         reader.client.close()
