@@ -13,7 +13,7 @@ CPU; pinned host ↔ device on a GPU, each way):
   into host pages the sidecar hands out and loaded back from host pages, one copy each
   way (hicache/integrations/engine_blocks.py, what the vLLM worker runs);
 * ``vllm_store_and_load``: a store and a load at once (GPU: against two concurrent
-  memcpys, one each way);
+  memcpys, one each way; CPU: against two memcpys, one after the other);
 * ``backup``: the sidecar copies registered engine pools into host pages;
 * ``sidecar_load``: a load-back through the sidecar of pages on host (the engine copies
   them from the shared host pages);
@@ -146,8 +146,9 @@ FLOOR_OF = {
 class Memcpy:
     """Copies of ``nbytes`` between the kinds of memory the paths move between, by kind
     (``to_host``, ``to_device``, ``both``): on a CPU, host to host by torch's ``copy_``
-    and by numpy's single-threaded copy (whichever is faster is the memcpy); on a GPU,
-    pinned host <-> device, and both ways at once on two streams."""
+    and by numpy's single-threaded copy (whichever is faster is the memcpy; ``both``: two
+    of them, one after the other); on a GPU, pinned host <-> device, and both ways at
+    once on two streams."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         if device.type == "cpu":
@@ -155,7 +156,11 @@ class Memcpy:
             b = torch.empty_like(a).fill_(2)
             a_np, b_np = a.numpy(), b.numpy()
             host = [lambda: b.copy_(a), lambda: np.copyto(b_np, a_np)]
-            self.kinds = {"to_host": host, "to_device": host, "both": host}
+            twice = [
+                lambda: (b.copy_(a), a.copy_(b)),
+                lambda: (np.copyto(b_np, a_np), np.copyto(a_np, b_np)),
+            ]
+            self.kinds = {"to_host": host, "to_device": host, "both": twice}
             return
         host = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
         host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory().fill_(1)
