@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.controller.wire.fields import MAX_PIN_KEYS
+from hicache.controller.wire.fields import INLINE_MAX_PAGES, MAX_PIN_KEYS
 from hicache.controller.wire.protocol import Verb
 from hicache.controller.wire.verbs import PinArgs, StoreBeginArgs, StoreCommitArgs
 from hicache.controller_api import (
@@ -71,8 +71,9 @@ class EngineCopies:
     """The engine-copied stores of :class:`SidecarController` (which sets the attributes
     below and the ``_call`` they go through)."""
 
-    #: the most pages one pin names (an engine's copied loads go in parts of at most this)
-    max_pin_keys = MAX_PIN_KEYS
+    #: pages in one ``store_begin`` or pin that the sidecar's I/O thread answers without
+    #: holding up other engines' lookups for long (a larger one is better sent in parts)
+    io_part_pages = INLINE_MAX_PAGES
 
     endpoint: str
     config: SidecarClientConfig

@@ -72,10 +72,11 @@ class EngineBlocks:
     ) -> None:
         """``chunk_bytes``: how much of a store or a load is handed out, copied and
         committed at a time (see :meth:`store`); by default 64 MiB on a GPU, and on a
-        CPU all of it (up to the most pages a pin names): there the copy runs in the
-        calling thread, so parts overlap nothing of the engine's and only add messages
-        (on the 2-core development box, a 256 MiB store took 0.71 of a memcpy in parts
-        of 64 MiB and 0.96 whole)."""
+        CPU as many pages as the sidecar answers at once on its I/O thread
+        (``client.io_part_pages``), with no smaller first part: there the copy runs in
+        the calling thread, so parts overlap nothing of the engine's and only add
+        messages (on the 2-core development box, a 256 MiB store of 1 MiB pages took 0.71
+        of a memcpy in parts of 64 MiB and 0.96 whole)."""
         self.client = client
         self.groups = [list(g) for g in groups]
         self.device = device
@@ -83,13 +84,14 @@ class EngineBlocks:
         self._host = None
         self._copies: list[SegmentCopy | None] = []
         page_bytes = max((sum(s.nbytes for s in g) for g in self.groups), default=1)
-        whole = client.max_pin_keys
         if chunk_bytes is None and device.type == "cuda":
             chunk_bytes = 64 << 20
-        pages = whole if chunk_bytes is None else chunk_bytes // max(page_bytes, 1)
-        self.chunk_pages = max(1, min(whole, pages))
-        # The first part an eighth of the others, so that a GPU's first copy starts early.
-        self._first_pages = self.chunk_pages if chunk_bytes is None else self.chunk_pages // 8
+        if chunk_bytes is None:
+            self.chunk_pages = self._first_pages = client.io_part_pages
+        else:
+            self.chunk_pages = max(1, chunk_bytes // max(page_bytes, 1))
+            # The first part an eighth of the others: the first copy starts early.
+            self._first_pages = self.chunk_pages // 8
         self._layer_copies: dict[str, SegmentCopy] = {}
         self._layers_host = None
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads

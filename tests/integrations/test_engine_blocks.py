@@ -104,8 +104,9 @@ def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar, chun
 
 
 def test_on_a_cpu_a_store_and_a_load_go_whole_by_default(sidecar, monkeypatch):
-    """A CPU engine's copy runs in its own thread: by default a store or a load is one
-    part (one copy, one reservation or pin), and the bytes arrive."""
+    """A CPU engine's copy runs in its own thread: by default a store or a load of up to
+    ``io_part_pages`` pages is one part (one copy, one reservation or pin), and the bytes
+    arrive."""
     writer, src = _engine(sidecar, 10, chunk_pages=None)
     reader, dst = _engine(sidecar, 11, chunk_pages=None)
     starts = []
