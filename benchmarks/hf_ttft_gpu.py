@@ -918,7 +918,7 @@ def hit_fraction_rows(
                 whole.generate([*prefix, 7], 1)
                 whole.cache.flush_backups()
                 runs = [("whole", whole, None), ("layerwise", layered, None)]
-                runs += [(f"layerwise_grid{g}", layered, g) for g in LAYER_GRIDS]
+                runs += [(f"layerwise_grid{n}", layered, n) for n in LAYER_GRIDS]
                 times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
                 times["device"] = []
                 same: dict[str, bool | None] = {}
@@ -961,9 +961,9 @@ def hit_fraction_rows(
                     "same_as_live_whole": same.get("whole"),
                     "same_as_live_layerwise": same.get("layerwise"),
                 }
-                for g in LAYER_GRIDS:  # the same layer-wise load, its copies on g programs
-                    row[f"ttft_host_layerwise_grid{g}_ms"] = med[f"layerwise_grid{g}"]
-                    row[f"layerwise_grid{g}_vs_bound"] = med[f"layerwise_grid{g}"] / bound
+                for n in LAYER_GRIDS:  # the same layer-wise load, its copies on n programs
+                    row[f"ttft_host_layerwise_grid{n}_ms"] = med[f"layerwise_grid{n}"]
+                    row[f"layerwise_grid{n}_vs_bound"] = med[f"layerwise_grid{n}"] / bound
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:

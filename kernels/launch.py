@@ -24,6 +24,23 @@ def _interpreted(kernel: Any) -> Any:
     return InterpretedFunction(kernel.fn)
 
 
+def jit_per_call(*varying: str, pointers: tuple[str, ...] = ()) -> Any:
+    """``triton.jit`` for a kernel whose arguments ``varying`` (integers) and ``pointers``
+    (index tensors, which may start anywhere in a table) change from one call to the next:
+    neither is specialised on (integers equal to 1 or divisible by 16, pointers aligned to
+    16 bytes), so one compiled variant serves every call and a fresh process compiles or
+    loads it once. Triton releases without ``do_not_specialize_on_alignment`` specialise
+    the pointers still (a copy plan's warm-up then launches both alignments)."""
+    import inspect
+
+    import triton
+
+    options: dict[str, Any] = {"do_not_specialize": [*varying, *pointers]}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = list(pointers)
+    return triton.jit(**options)
+
+
 def kernel_for(kernel: Any, device: torch.device) -> Any:
     """``kernel`` as it must be launched for tensors on ``device``."""
     from triton.runtime.interpreter import InterpretedFunction

@@ -258,11 +258,14 @@ class PreparedTransfer:
         in its first transfer. Only CUDA copies by Triton launch anything."""
         if self.device.type != "cuda" or self.backend not in (None, Backend.TRITON):
             return
-        none = torch.full((2, 1), -1, dtype=torch.int64, device=self.device).unbind(0)
+        # Index tables of an odd and an even length: the second row of a [2, n] table is
+        # 16-byte aligned only for an even n, which Triton may specialise on.
+        tables = [torch.full((2, n), -1, dtype=torch.int64, device=self.device) for n in (1, 2)]
         for i, copy in enumerate(self.copies):
             chosen = self.tuning.auto_backend(copy.item_bytes, self.to_host)
             if self.backend is Backend.TRITON or chosen is Backend.TRITON:
-                self._launch(i, copy, none)
+                for table in tables:
+                    self._launch(i, copy, table.unbind(0))
 
     def _launch(self, i: int, copy: RowCopy, on_device: tuple[torch.Tensor, ...]) -> None:
         launcher = self._launchers[i]

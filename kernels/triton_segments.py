@@ -10,14 +10,13 @@ page is outside its tensor is skipped, never written.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from hicache.kernels.launch import jit_per_call
 
-# What changes from one call to the next (the index tensors, which may start anywhere in
-# a table, and the row and tile counts) is not specialised on: one compiled variant
-# serves every call, so a fresh process compiles or loads it once, at its first copy.
-@triton.jit(do_not_specialize=["block_ptr", "page_ptr", "num_rows", "num_tiles"])
+
+# What changes from one call to the next is not specialised on (launch.jit_per_call).
+@jit_per_call("num_rows", "num_tiles", pointers=("block_ptr", "page_ptr"))
 def copy_segments_kernel(
     dev_ptr,
     host_ptr,

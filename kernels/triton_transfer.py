@@ -9,18 +9,21 @@ load and a backup on two streams resident side by side.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from hicache.kernels.geometry import RowCopy
-from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
+from hicache.kernels.launch import (
+    jit_per_call,
+    kernel_for,
+    max_programs,
+    next_pow2,
+    require_device_mapped,
+)
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
 
-# What changes from one call to the next (the index tensors, which may start anywhere in
-# a table, and the row and tile counts) is not specialised on: one compiled variant
-# serves every call, so a fresh process compiles or loads it once, at its first copy.
-@triton.jit(do_not_specialize=["src_items_ptr", "dst_items_ptr", "num_rows", "num_tiles"])
+# What changes from one call to the next is not specialised on (launch.jit_per_call).
+@jit_per_call("num_rows", "num_tiles", pointers=("src_items_ptr", "dst_items_ptr"))
 def _copy_rows_kernel(
     src_ptr,
     dst_ptr,
