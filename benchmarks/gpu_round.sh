@@ -23,9 +23,9 @@ for what in "$@"; do
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 5 --json "$out/layerwise.json" ;;
         layerwise_8b) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_8b.json" ;;
-        layerwise_grid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
-            --lengths 8192,32768 --hit-fraction 0.9 --requests 3 --layer-grid 0,8,32 \
-            --json "$out/layerwise_grid.json" ;;
+        layerwise_copies) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
+            --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies dma,16,0 \
+            --json "$out/layerwise_copies.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
         restart_stacks) python3 benchmarks/bench_restart.py --device cuda --sizes-kib 256,4096 \

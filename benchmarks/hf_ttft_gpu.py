@@ -54,7 +54,7 @@ DEVICE = "cuda"
 # (sidecar_trace.py); rows then carry the monotonic windows their timings ran in.
 TRACE_DIR: pathlib.Path | None = None
 RESTART_DISK_HIT = False  # --restart-disk-hit
-LAYER_GRIDS: list[int] = []  # --layer-grid: layer-wise rows again with these copy grids
+LAYER_COPIES: list[str] = []  # --layer-copies: layer-wise rows again, copied these ways
 TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
 SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
 
@@ -836,22 +836,25 @@ def hit_fraction_model(family: str):
 
 
 @contextlib.contextmanager
-def layer_grid(grid: int | None):
-    """Layer-wise loads' copies launched on ``grid`` programs (0: two per SM, as a whole
-    load's) inside the block; None: the default (``LAYER_COPY_TUNING``)."""
+def layer_copies(how: str | None):
+    """Layer-wise loads copied ``how`` inside the block: ``dma`` (one batched copy per
+    layer group on the copy engines) or a kernel on that many programs (``0``: two per
+    SM, as a whole load's); None: the default."""
     import dataclasses
 
     from hicache.controller.store.transfer_engine import TransferEngine
 
-    if grid is None:
+    if how is None:
         yield
         return
-    default = TransferEngine.layer_tuning
-    TransferEngine.layer_tuning = dataclasses.replace(default, grid_limit=grid)
+    saved = TransferEngine.layer_dmas, TransferEngine.layer_tuning
+    TransferEngine.layer_dmas = how == "dma"
+    if how != "dma":
+        TransferEngine.layer_tuning = dataclasses.replace(saved[1], grid_limit=int(how))
     try:
         yield
     finally:
-        TransferEngine.layer_tuning = default
+        TransferEngine.layer_dmas, TransferEngine.layer_tuning = saved
 
 
 def hit_fraction_rows(
@@ -918,18 +921,18 @@ def hit_fraction_rows(
                 whole.generate([*prefix, 7], 1)
                 whole.cache.flush_backups()
                 runs = [("whole", whole, None), ("layerwise", layered, None)]
-                runs += [(f"layerwise_grid{n}", layered, n) for n in LAYER_GRIDS]
+                runs += [(f"layerwise_{how}", layered, how) for how in LAYER_COPIES]
                 times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
                 times["device"] = []
                 same: dict[str, bool | None] = {}
                 for i in range(requests):
-                    for name, lm, grid in runs:
+                    for name, lm, how in runs:
                         for other in (whole, layered):
                             other.cache.flush_backups()
                             other.cache.evict(full_tokens=10**9)
                         sync()
                         prompt = prefix + toks(suffix_len)
-                        with layer_grid(grid):
+                        with layer_copies(how):
                             r = lm.generate(prompt, 1)
                         assert r.host_hit_tokens == prefix_len, (name, r)
                         times[name].append(r.ttft_s * 1e3)
@@ -961,9 +964,9 @@ def hit_fraction_rows(
                     "same_as_live_whole": same.get("whole"),
                     "same_as_live_layerwise": same.get("layerwise"),
                 }
-                for n in LAYER_GRIDS:  # the same layer-wise load, its copies on n programs
-                    row[f"ttft_host_layerwise_grid{n}_ms"] = med[f"layerwise_grid{n}"]
-                    row[f"layerwise_grid{n}_vs_bound"] = med[f"layerwise_grid{n}"] / bound
+                for how in LAYER_COPIES:  # the same layer-wise load, copied another way
+                    row[f"ttft_host_layerwise_{how}_ms"] = med[f"layerwise_{how}"]
+                    row[f"layerwise_{how}_vs_bound"] = med[f"layerwise_{how}"] / bound
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -1011,10 +1014,11 @@ def main() -> int:
     )
     p.add_argument("--requests", type=int, default=5, help="host hits per --hit-fraction row")
     p.add_argument(
-        "--layer-grid",
+        "--layer-copies",
         default="",
-        help="--hit-fraction: the layer-wise rows again with their copies on each of these "
-        "numbers of programs (comma-separated; 0: two per SM, as a whole load's)",
+        help="--hit-fraction: the layer-wise rows again, copied each of these ways "
+        "(comma-separated): dma (a batched copy per layer group on the copy engines) or N "
+        "(a kernel on N programs; 0: two per SM, as a whole load's)",
     )
     p.add_argument(
         "--restart-disk-hit",
@@ -1022,9 +1026,9 @@ def main() -> int:
         help="also the first disk hit after a sidecar restart, per length, beside the warm one",
     )
     args = p.parse_args()
-    global DEVICE, TRACE_DIR, RESTART_DISK_HIT, LAYER_GRIDS
+    global DEVICE, TRACE_DIR, RESTART_DISK_HIT, LAYER_COPIES
     RESTART_DISK_HIT = args.restart_disk_hit
-    LAYER_GRIDS = [int(x) for x in args.layer_grid.split(",") if x]
+    LAYER_COPIES = [x for x in args.layer_copies.split(",") if x]
     if args.dry_run:
         DEVICE = "cpu"
     import_hicache()

@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import torch
 
-from hicache.kernels.geometry import RowCopy
+from hicache.kernels.geometry import RowCopy, RowSide
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 _CUDA_STREAM_NON_BLOCKING = 1  # no implicit sync with the legacy default stream
@@ -117,6 +117,28 @@ def plan_2d_copies(
         for src_off, dst_off in runs
         for s, d in zip(src_base.tolist(), dst_base.tolist())
     ]
+
+
+def plan_row_dmas(
+    copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One 1-D copy per row of items ``src_items[i] -> dst_items[i]``, as (destination
+    addresses, source addresses, sizes in bytes), uint64, item by item and row ``(a, b)``
+    by row within an item: what a batched copy (``Copies1D``) takes, with no 2-D copy
+    per item to issue. Raises IndexError for an item outside its tensor."""
+    for name, idx, side in (("source", src_items, copy.src), ("destination", dst_items, copy.dst)):
+        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
+            raise IndexError(f"a {name} index is outside its {side.num_items} items")
+    elem = copy.src.tensor.element_size()
+    a, b = np.arange(copy.rows_a, dtype=np.int64), np.arange(copy.rows_b, dtype=np.int64)
+
+    def addresses(side: RowSide, items: np.ndarray) -> np.ndarray:
+        rows = (a[:, None] * side.a_stride + b[None, :] * side.b_stride).ravel()
+        offsets = items.astype(np.int64)[:, None] * side.item_stride + rows[None, :]
+        return (side.tensor.data_ptr() + offsets.ravel() * elem).astype(np.uint64)
+
+    dsts, srcs = addresses(copy.dst, dst_items), addresses(copy.src, src_items)
+    return dsts, srcs, np.full(dsts.size, copy.row_bytes, dtype=np.uint64)
 
 
 def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: torch.Tensor) -> None:

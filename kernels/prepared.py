@@ -251,6 +251,20 @@ class PreparedTransfer:
 
                 kv_staged(copy, cpu[0], cpu[1], self.to_host, self.tuning)
 
+    def row_dmas(
+        self, device_items: Indices, host_items: Indices
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This transfer as 1-D copies, one per row of every item of every copy:
+        (destination addresses, source addresses, sizes), uint64, for a batched copy on
+        the copy engines (``Copies1D``), which takes no SM from kernels running meanwhile.
+        The indices are checked as :meth:`__call__` checks them."""
+        from hicache.kernels.copy_engine import plan_row_dmas
+
+        idx = self._indices(device_items, host_items)
+        src, dst = (idx[0], idx[1]) if self.to_host else (idx[1], idx[0])
+        parts = [plan_row_dmas(copy, src, dst) for copy in self.copies]
+        return tuple(np.concatenate(arrays) for arrays in zip(*parts))  # type: ignore[return-value]
+
     def warm(self) -> None:
         """Compile (or load) the kernel of every copy that a transfer of a few pages would
         launch, moving nothing: one launch whose only row names no item (a row outside its

@@ -25,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller_api import ControllerError, LayerGroups, LoadResult
 from hicache.kernels import PreparedTransfer
+from hicache.kernels.copy_engine import Copies1D, batched_copy_available
 from hicache.kernels.tuning import DEFAULT_TUNING, LAYER_COPY_TUNING, TransferTuning
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -92,7 +94,10 @@ class TransferEngine:
 
     #: Where the copies come from, as reported by the controller's stats.
     source = "hicache.kernels"
-    #: How the copies of a layer-wise load are launched (beside the engine's compute).
+    #: How the copies of a layer-wise load are launched (beside the engine's compute):
+    #: on a GPU whose runtime has batched copies, one per layer group on the copy engines,
+    #: which take no SM from the compute; else by kernel, on ``layer_tuning``'s grid.
+    layer_dmas: bool = True
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
@@ -260,16 +265,26 @@ class TransferEngine:
         (see :class:`LayerCopies`). ``on_finish(ok)`` runs once every copy issued has
         ended; ``fault(g)`` (tests) makes group ``g``'s copy raise."""
         load = LayerCopies(groups, on_finish, buffers.device)
+        on_gpu = buffers.device.type == "cuda"
+        dmas = on_gpu and self.layer_dmas and batched_copy_available()
 
         def copy_group(g: int) -> None:
             if fault is not None and fault(g):
                 raise RuntimeError(f"injected copy failure at layer group {g}")
+            rows = []
             for comp, (host_pages, device_index) in plan.items():
                 span = groups.spans[g].get(comp)
                 if span is not None and len(host_pages):
-                    self._plan(comp, buffers, False, span)(device_index, host_pages)
+                    prepared = self._plan(comp, buffers, False, span)
+                    if dmas:
+                        rows.append(prepared.row_dmas(device_index, host_pages))
+                    else:
+                        prepared(device_index, host_pages)
+            if rows:  # one batched copy for the group, on the copy engines
+                copies = Copies1D(*map(np.concatenate, zip(*rows)), stream.cuda_stream, True)
+                copies.issue(0, copies.dsts.size)
 
-        if buffers.device.type != "cuda":
+        if not on_gpu:
             if self._layer_thread is None:
                 self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
             self._layer_thread.submit(load.run_cpu, copy_group)

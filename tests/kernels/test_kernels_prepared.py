@@ -225,3 +225,35 @@ def test_a_layer_range_outside_the_pool_or_staged_is_refused() -> None:
             PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, layers=bad)
     with pytest.raises(ValueError, match="whole pages"):
         PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend="staged", layers=(0, 1))
+
+
+@pytest.mark.parametrize("layers", [None, (1, 3)])
+def test_row_dmas_move_what_the_reference_moves(layers) -> None:
+    """A layer-wise load on a GPU goes out as one batched copy per layer group
+    (``row_dmas``): applied byte for byte here, each row's addresses give exactly the
+    reference's result for KV pages and Mamba states, whole and narrowed to some layers,
+    and an index outside its tensor is refused before any address is made."""
+    import ctypes
+
+    g = torch.Generator().manual_seed(4)
+    dev = torch.randn(2, 4, 8 * PAGE, 2, 8, generator=g)
+    host = torch.randn(6, 2, 4, PAGE, 2, 8, generator=g)
+    conv, ssm = torch.randn(4, 5, 3, 2, generator=g), torch.randn(4, 5, 6, generator=g)
+    host_conv, host_ssm = torch.randn(7, 4, 3, 2, generator=g), torch.randn(7, 4, 6, generator=g)
+    cases = [
+        (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
+        (
+            lambda d, h, **kw: PreparedTransfer.states(d[0], d[1], h[0], h[1], **kw),
+            (conv, ssm),
+            (host_conv, host_ssm),
+        ),
+    ]
+    for make, device_side, host_side in cases:
+        want = [t.clone() for t in device_side]
+        make(want, host_side, to_host=False, layers=layers, backend="torch")([2, 0], [5, 3])
+        plan = make(device_side, host_side, to_host=False, layers=layers)
+        for dst, src, n in zip(*(a.tolist() for a in plan.row_dmas([2, 0], [5, 3]))):
+            ctypes.memmove(dst, src, n)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(device_side, want))
+        with pytest.raises(IndexError):
+            plan.row_dmas([2], [99])
