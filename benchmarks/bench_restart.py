@@ -1,7 +1,7 @@
 """Loads from the disk tier after a sidecar restart, against a raw read of the same bytes.
 
     python benchmarks/bench_restart.py [--device cpu|cuda] [--sizes-kib 32,256,1024,8192]
-        [--total-mib 128] [--repeat 3] [--json OUT] [--sample-stacks]
+        [--total-mib 128] [--repeat 3] [--json OUT] [--sample-stacks] [--compare-ref REV]
 
 For each page size, a real ``hicache serve`` (a subprocess with its own LMDB directory
 under a temporary directory) is filled by an engine — pools registered through the public
@@ -28,6 +28,10 @@ Printed ratios: ``first_warm / steady`` (seconds: the one-time cost; the goal is
 through the sidecar comes to the file system). Every load's bytes are checked against the
 engine's originals: a benchmark of wrong bytes measures nothing.
 
+``--compare-ref REV``: each page size is run twice back to back, first with the sidecar
+of git revision REV (its library imported as ``hicache_ref``), then with this one's, the
+same engine code and the same box; each row says whose sidecar it was.
+
 ``--sample-stacks``: the restarted sidecar runs under ``benchmarks/stack_sampler.py`` and
 the engine samples its own threads too; printed for the first load after the first restart
 and for the next steady load, where each process's busy threads spent that time.
@@ -50,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from stack_sampler import Sampler, summary  # beside this script
+from bench_tree import import_revision  # beside this script
+from stack_sampler import Sampler, summary
 
 from hicache import CacheConfig, DevicePools, ModelLayout, PageRef
 from hicache.controller.client import SidecarClientConfig, SidecarController
@@ -61,6 +66,7 @@ from hicache.types import ComponentType
 
 FULL = ComponentType.FULL
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
+SIDECAR = "hicache.controller.sidecar.process"
 KIB, MIB = 1 << 10, 1 << 20
 
 
@@ -82,6 +88,7 @@ class Sidecar:
         self.host_bytes = host_bytes
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
+        self.module, self.env = SIDECAR, None  # (--compare-ref: the revision's, its path)
 
     def start(self) -> float:
         """Start it; the seconds until its ready file appeared."""
@@ -91,7 +98,7 @@ class Sidecar:
         sampler = [] if self.stacks is None else [str(SAMPLER), str(self.stacks)]
         self.proc = subprocess.Popen(
             [
-                sys.executable, *sampler, "-m", "hicache.controller.sidecar.process",
+                sys.executable, *sampler, "-m", self.module,
                 "--socket", str(self.socket), "--disk-path", str(self.disk),
                 "--disk-budget-bytes", str(4 * self.host_bytes), "--metrics-port", "0",
                 "--host-pool-bytes", str(self.host_bytes), "--layout-file", str(self.layout_file),
@@ -100,6 +107,7 @@ class Sidecar:
                 "--set", "prewarm_bytes=0",
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
+            env=self.env,
         )  # fmt: skip
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -234,14 +242,24 @@ class Engine:
 
 
 def run_size(
-    work: Path, page_bytes: int, total: int, device: torch.device, repeat: int, sample: bool
+    work: Path,
+    page_bytes: int,
+    total: int,
+    device: torch.device,
+    repeat: int,
+    sample: bool,
+    ref: Path | None = None,
 ) -> dict:
+    """One page size's figures; ``ref``: with the sidecar of the revision imported there."""
     pages = total // page_bytes
     total = pages * page_bytes
     layout = layout_for(page_bytes)
     disk = work / "lmdb"
     sidecar = Sidecar(work, layout, total + total // 8 + 16 * MIB, disk)
     out: dict = {"page_KiB": page_bytes // KIB, "pages": pages, "MiB": total / MIB}
+    if ref is not None:
+        sidecar.module = SIDECAR.replace("hicache.", "hicache_ref.", 1)
+        sidecar.env = {**os.environ, "PYTHONPATH": str(ref)}
     sidecar.start()
     engine = Engine(layout, pages, device, sidecar.endpoint)
     try:
@@ -307,6 +325,8 @@ def main() -> int:
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
+    p.add_argument("--compare-ref", metavar="REV",
+                   help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
@@ -319,10 +339,19 @@ def main() -> int:
         head = ("page KiB", "first warm", "first cold", "steady", "raw warm", "raw cold",
                 "first/steady", "steady×raw", "cold×raw")  # fmt: skip
         print("  " + " ".join(f"{h:>12}" for h in head))
-        for size in sizes:
-            r = run_size(work, size, args.total_mib * MIB, device, args.repeat, args.sample_stacks)
+        ref = None
+        if args.compare_ref:
+            ref = work / "ref"
+            import_revision(args.compare_ref, ref)
+        runs = [(args.compare_ref, ref), ("this", None)] if ref else [(None, None)]
+        for size, (code, at) in ((s, run) for s in sizes for run in runs):
+            r = run_size(
+                work, size, args.total_mib * MIB, device, args.repeat, args.sample_stacks, at
+            )
+            r["sidecar"] = code
             rows.append(r)
-            cells = [r["page_KiB"], r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
+            kib = r["page_KiB"] if code is None else f"{r['page_KiB']} {code[:7]}"
+            cells = [kib, r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
                      r["raw_warm_GBps"], r["raw_cold_GBps"], r["first_warm_over_steady"],
                      r["steady_x_raw_warm"], r["first_cold_x_raw_cold"]]  # fmt: skip
             print(
