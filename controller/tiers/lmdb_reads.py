@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 _OK = ReadStatus.OK
 _MAPS = Path("/proc/self/maps")
+_U8 = np.uint8
+_frombuffer, _preadv, _xxh3 = np.frombuffer, os.preadv, xxhash.xxh3_64_intdigest
 
 
 class FileReads:
@@ -46,7 +48,7 @@ class FileReads:
 
     def __init__(self, data_file: Path) -> None:
         self._path = str(data_file.resolve())  # as /proc/self/maps names it
-        self._fd: int | None = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
         # Random page reads: the kernel reads what is asked, no neighbours (as LMDB's map).
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         # (first address, end, file offset) of the map a value was last found in; None
@@ -56,61 +58,60 @@ class FileReads:
     def read_into(self, value: Any, tag: int, layout_digest: bytes, dst: np.ndarray) -> ReadStatus:
         """Check the stored value ``value`` (a view of the map, its transaction open) and
         copy its payload into ``dst`` (uint8, the page's size), as ``verify_into`` does."""
-        off = self._offset(value)
-        if (
-            off is not None
-            and len(value) == HEADER_BYTES + dst.nbytes
-            and self._pread_into(off, tag, layout_digest, dst) is _OK
-        ):
-            return _OK
+        n = dst.nbytes
+        found = self._map
+        if found is not None and len(value) == HEADER_BYTES + n:
+            addr = _frombuffer(value, _U8).ctypes.data
+            if not found[0] <= addr < found[1]:
+                found = self._locate(addr)
+            if found is not None:
+                off = addr - found[0] + found[2]
+                if n > HASH_CHUNK_BYTES:
+                    if self._pread_chunks(off, tag, layout_digest, dst) is _OK:
+                        return _OK
+                else:  # the common case, inline: one call reads header and payload
+                    header = bytearray(HEADER_BYTES)
+                    if _preadv(self._fd, [header, dst], off) == HEADER_BYTES + n:
+                        status, expected = check_header(header, tag, layout_digest, n)
+                        if status is _OK and _xxh3(dst) == expected:
+                            return _OK
         return verify_into(value, (value[HEADER_BYTES:],), tag, layout_digest, dst)
 
-    def _offset(self, value: Any) -> int | None:
-        """The file offset of ``value``, or None where its map is not known."""
-        found = self._map
-        if found is None or self._fd is None:
-            return None
-        addr = np.frombuffer(value, np.uint8).ctypes.data
-        lo, hi, file_off = found
-        if not lo <= addr < hi:
-            found = self._map = _find_map(self._path, addr)
-            if found is None:
-                log.warning("LMDB's map of %s not found: values read through the map", self._path)
-                return None
-            lo, hi, file_off = found
-        return addr - lo + file_off
+    def _locate(self, addr: int) -> tuple[int, int, int] | None:
+        """The map that holds ``addr`` (remembered), or None (then never looked for again)."""
+        found = self._map = _find_map(self._path, addr)
+        if found is None:
+            log.warning("LMDB's map of %s not found: values read through the map", self._path)
+        return found
 
-    def _pread_into(self, off: int, tag: int, digest: bytes, dst: np.ndarray) -> ReadStatus:
-        fd = self._fd
-        assert fd is not None
-        n = dst.nbytes
-        first = min(n, HASH_CHUNK_BYTES)
-        if n > first:  # the rest of a large page read ahead while the first chunk is hashed
-            os.posix_fadvise(fd, off + HEADER_BYTES + first, n - first, os.POSIX_FADV_WILLNEED)
+    def _pread_chunks(self, off: int, tag: int, digest: bytes, dst: np.ndarray) -> ReadStatus:
+        """A page larger than a hash chunk: header and first chunk in one call, then each
+        chunk hashed as it is read (the rest read ahead meanwhile)."""
+        fd, n = self._fd, dst.nbytes
+        first = HASH_CHUNK_BYTES
+        os.posix_fadvise(fd, off + HEADER_BYTES + first, n - first, os.POSIX_FADV_WILLNEED)
         header = bytearray(HEADER_BYTES)
-        if os.preadv(fd, [header, dst[:first]], off) != HEADER_BYTES + first:
+        if _preadv(fd, [header, dst[:first]], off) != HEADER_BYTES + first:
             return ReadStatus.ERROR
         status, expected = check_header(header, tag, digest, n)
         if status is not _OK:
             return status
-        if n == first:
-            checksum = xxhash.xxh3_64_intdigest(dst)
-        else:
-            h = xxhash.xxh3_64(dst[:first])
-            at, off = first, off + HEADER_BYTES
-            while at < n:
-                chunk = dst[at : at + HASH_CHUNK_BYTES]
-                if os.preadv(fd, [chunk], off + at) != chunk.nbytes:
-                    return ReadStatus.ERROR
-                h.update(chunk)
-                at += chunk.nbytes
-            checksum = h.intdigest()
-        return _OK if checksum == expected else ReadStatus.CORRUPT
+        h = xxhash.xxh3_64(dst[:first])
+        at, off = first, off + HEADER_BYTES
+        while at < n:
+            chunk = dst[at : at + HASH_CHUNK_BYTES]
+            if _preadv(fd, [chunk], off + at) != chunk.nbytes:
+                return ReadStatus.ERROR
+            h.update(chunk)
+            at += chunk.nbytes
+        return _OK if h.intdigest() == expected else ReadStatus.CORRUPT
 
     def close(self) -> None:
-        if self._fd is not None:
+        """Close the file (the tier's readers have ended); later reads go through the map."""
+        self._map = None
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1
 
 
 def _find_map(path: str, addr: int) -> tuple[int, int, int] | None:

@@ -1,0 +1,77 @@
+"""A load of pages held on disk: each read's pages are copied into the engine's slots by
+the reader as the read ends (``CopyAsRead``), the others when the reads are done. The
+bytes are exact whichever way a page went, and a load that gave up leaves nothing
+writing into the engine's slots."""
+
+from __future__ import annotations
+
+import time
+
+from hicache.controller.store.faults import FaultPlan
+from hicache.controller.store.local import LocalController
+from hicache.controller_api import LoadResult, Presence
+from tests.support.controller import (
+    FULL,
+    PAGE,
+    Engine,
+    assert_same_bytes,
+    controller_config,
+    hybrid_layout,
+    load_into,
+)
+
+
+def _stored_then_restarted(tmp_path, pages: int, **overrides):
+    """A chain of ``pages`` pages (every component) stored, then a restart: all on disk."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    chain = engine.write_chain(range(pages * PAGE), mamba_every=3)
+    snap = engine.snapshot(chain)
+    assert ctl.backup(chain.refs()).wait(10.0)
+    ctl.close()
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    return engine, ctl, chain, snap
+
+
+def test_pages_read_in_several_batches_arrive_exact(tmp_path):
+    engine, ctl, chain, snap = _stored_then_restarted(tmp_path, pages=40, reader_threads=3)
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.check_invariants(deep=True)
+    # The pages read stay on host: the next load copies them from there.
+    assert ctl.lookup(chain.hashes, [FULL]).leading(FULL, Presence.HOST) == len(chain.hashes)
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.close()
+
+
+def test_a_load_of_pages_on_host_and_on_disk_arrives_exact(tmp_path):
+    engine, ctl, chain, snap = _stored_then_restarted(tmp_path, pages=12)
+    half = set(chain.page_keys()[: len(chain.page_keys()) // 2])
+    load_into(ctl, engine, chain, only=half)  # those now on host as well
+    ctl.check_invariants()
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_a_load_that_timed_out_writes_nothing_after_it_returned(tmp_path):
+    engine, ctl, chain, snap = _stored_then_restarted(tmp_path, pages=8, reader_threads=2)
+    ctl.faults = FaultPlan(disk_read_delay_s=0.3)
+    target = engine.place(chain.hashes, chain.parents, sorted(chain.mamba_slots))
+    engine.scribble(target)
+    refs = target.refs()
+    pin = ctl.pin([r.key for r in refs], 30.0)
+    assert pin is not None
+    assert ctl.load(refs, pin, 0.05) == LoadResult.FAILED
+    at_return = engine.snapshot(target)
+    # The reads end later and fill host pages; none of them copies on into the slots.
+    assert ctl.prefetch(chain.page_keys()).wait(10.0)
+    time.sleep(0.1)
+    assert engine.snapshot(target) == at_return
+    ctl.unpin(pin)
+    ctl.check_invariants(deep=True)
+    ctl.faults.disk_read_delay_s = 0.0
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.close()
