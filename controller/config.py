@@ -206,6 +206,10 @@ class ControllerConfig:
     writer_batch_bytes: int = 64 * MIB
     writer_flush_interval_s: float = 0.002
     reader_threads: int = 4
+    # A load of disk pages this large or larger (on average) has each read's pages copied
+    # into the engine by the reader as the read ends, beside the reads still to come;
+    # smaller ones are copied when every read has ended (controller/store/page_copies.py).
+    copy_as_read_min_page_bytes: int = 64 << 10
 
     # A backup issues its copies this many bytes at a time, so that on a GPU the copy of
     # one part runs while the controller books the next (0: the whole backup at once).
@@ -342,6 +346,10 @@ class ControllerConfig:
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.copy_as_read_min_page_bytes < 0:
+            raise ConfigError(
+                f"copy_as_read_min_page_bytes must be >= 0, got {self.copy_as_read_min_page_bytes}"
+            )
         if self.backup_chunk_bytes < 0:
             raise ConfigError(
                 f"backup_chunk_bytes must be >= 0 (0: each backup as one part), "

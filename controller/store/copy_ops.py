@@ -164,6 +164,21 @@ class CopyOps(StoreState):
             fills = list({id(e.fill): e.fill for e in entries if e.fill is not None}.values())
         return Claim(ClaimState.READING, entries, fills)
 
+    def reads_done(self, claim: Claim, deadline: float, engine_id: str) -> bool:
+        """Wait (up to ``deadline``) for the reads of a READING claim and hold its pages for
+        the copy; False when they timed out, one failed or a page is gone since (each
+        counted, and why the load fell short recorded)."""
+        filled = self.wait_fills(claim.fills, deadline)
+        if filled is None:
+            self._counters.fail(Failure.LOAD_TIMEOUT)
+            self.load_fell_short(claim.entries, engine_id, timed_out=True)
+            return False
+        if not filled or not self.hold_for_copy(claim.entries):
+            # the read counted its failure; why the page is gone counts here
+            self.load_fell_short(claim.entries, engine_id)
+            return False
+        return True
+
     def hold_for_copy(self, entries: Sequence[PageEntry]) -> bool:
         """Hold ``entries`` for a copy to a device, once their reads ended; False (counted,
         nothing held) when one is no longer ready on host."""

@@ -15,8 +15,9 @@ Threading model
   run in the caller's thread (CPU) or on the transfer engine's CUDA streams.
 * **The LMDB writer thread** commits queued pages in batches; it calls back into the
   store (under the lock) to choose disk victims and to record what it committed.
-* **The reader pool** copies disk pages into host pages and publishes them (under the
-  lock); a load or prefetch waits on their futures without holding the lock.
+* **The reader pool** copies disk pages into host pages (a load's large pages on into its
+  engine's slots too: ``PageCopies.copy_as_read``) and publishes them (under the lock); a
+  load or prefetch waits on their futures without holding the lock.
 
 An operation in flight on a page holds it (``PageEntry.busy``): a host page being
 filled, a page queued for the writer, a page being copied to a device. Held pages are
@@ -374,26 +375,18 @@ class LocalController:
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         check_refs(refs, buffers, self._layout)
-        # The pages read from disk for this load are copied on as each read ends.
-        early = self._copies.copy_as_read(refs, buffers)
-        try:
+        # The pages read from disk for this load are copied on as each read ends (but small
+        # ones), and nothing writes into the engine's slots once this returns.
+        with self._copies.copying_as_read(refs, buffers) as early:
             claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False, then=early)
             if claim.state is ClaimState.FAILED:
                 return LoadResult.FAILED
-            if claim.state is ClaimState.READING:
-                filled = self._store.wait_fills(claim.fills, deadline)
-                if filled is None:
-                    self.counters.fail(Failure.LOAD_TIMEOUT)
-                    self._store.load_fell_short(claim.entries, engine_id, timed_out=True)
-                    return LoadResult.FAILED
-                if not filled or not self._store.hold_for_copy(claim.entries):
-                    # the read counted its failure; why the page is gone counts here
-                    self._store.load_fell_short(claim.entries, engine_id)
-                    return LoadResult.FAILED
+            if claim.state is ClaimState.READING and not self._store.reads_done(
+                claim, deadline, engine_id
+            ):
+                return LoadResult.FAILED
             loaded = self._copies.to_device(refs, claim.entries, buffers, early)
             return LoadResult.LOADED if loaded else LoadResult.FAILED
-        finally:
-            early.close()  # nothing writes into the engine's slots after the return
 
     def start_layer_load(
         self,

@@ -39,7 +39,7 @@ _COMPONENTS = {int(c): c for c in ComponentType}
 _GIL_FREE_COPY_BYTES = 256 << 10
 # Pages larger than this are copied and hashed a chunk at a time (``_copy_and_hash``):
 # a chunk hashed right after its copy is read from the cache, not from memory again.
-HASH_CHUNK_BYTES = 256 << 10
+_HASH_CHUNK_BYTES = 256 << 10
 
 
 class ReadStatus(enum.Enum):
@@ -160,12 +160,14 @@ def verify_into(
     checksum over the bytes as copied into ``dst`` (what is checked is what is served).
     Anything but OK leaves ``dst`` undefined.
     """
-    status, expected = check_header(header, tag, layout_digest, dst.nbytes)
-    if status is ReadStatus.OK and sum(len(p) for p in parts) != dst.nbytes:
-        status = ReadStatus.CORRUPT
-    if status is not ReadStatus.OK:
-        return status
-    if dst.nbytes <= HASH_CHUNK_BYTES:
+    hdr = read_header(header)
+    if hdr is None or hdr[2] != tag:
+        return ReadStatus.CORRUPT
+    if hdr[4] != layout_digest:
+        return ReadStatus.FOREIGN
+    if hdr[6] != dst.nbytes or sum(len(p) for p in parts) != dst.nbytes:
+        return ReadStatus.CORRUPT
+    if dst.nbytes <= _HASH_CHUNK_BYTES:
         at = 0
         for part in parts:
             n = len(part)
@@ -178,26 +180,9 @@ def verify_into(
         checksum = payload_checksum(dst)
     else:
         checksum = _copy_and_hash(parts, dst)
-    if checksum != expected:
+    if checksum != hdr[7]:
         return ReadStatus.CORRUPT
     return ReadStatus.OK
-
-
-def check_header(
-    header: Any, tag: int, layout_digest: bytes, nbytes: int
-) -> tuple[ReadStatus, int]:
-    """Whether ``header`` (a stored value's first bytes) is a sound header of a page of
-    component ``tag``, layout ``layout_digest`` and ``nbytes`` payload bytes: OK and the
-    payload's stored checksum, else CORRUPT or FOREIGN (and 0). The checks of
-    :func:`verify_into` before the payload's."""
-    hdr = read_header(header)
-    if hdr is None or hdr[2] != tag:
-        return ReadStatus.CORRUPT, 0
-    if hdr[4] != layout_digest:
-        return ReadStatus.FOREIGN, 0
-    if hdr[6] != nbytes:
-        return ReadStatus.CORRUPT, 0
-    return ReadStatus.OK, hdr[7]
 
 
 def _copy_and_hash(parts: Sequence[Any], dst: np.ndarray) -> int:
@@ -208,8 +193,8 @@ def _copy_and_hash(parts: Sequence[Any], dst: np.ndarray) -> int:
     at = 0
     for part in parts:
         src = np.frombuffer(part, np.uint8)
-        for lo in range(0, src.size, HASH_CHUNK_BYTES):
-            chunk = src[lo : lo + HASH_CHUNK_BYTES]
+        for lo in range(0, src.size, _HASH_CHUNK_BYTES):
+            chunk = src[lo : lo + _HASH_CHUNK_BYTES]
             out = dst[at : at + chunk.size]
             np.copyto(out, chunk)  # without the GIL, as the hash
             h.update(out)

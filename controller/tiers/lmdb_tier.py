@@ -2,10 +2,8 @@
 
 A stored value is a small header followed by the page's bytes (see
 :mod:`hicache.controller.store.page_codec`) under the key ``PageKey.storage_key()``. Reads run
-in the reader pool: a read transaction finds each value in LMDB's memory map
-(``buffers=True``) and its bytes are copied from the data file into the host page
-(:mod:`hicache.controller.tiers.lmdb_reads`), checksummed as they arrive: what is checked
-is what will be served.
+in the reader pool against LMDB's memory map (``buffers=True``): one copy from the map
+into the host page, then the checksum over what will be served.
 
 Writes go through :class:`hicache.controller.tiers.lmdb_writer.LmdbWriter` (one thread,
 batched commits, the byte budget and the full-map policy).
@@ -33,8 +31,8 @@ from hicache.controller.store.page_codec import (
     ReadStatus,
     decode_header,
     payload_checksum,
+    verify_into,
 )
-from hicache.controller.tiers.lmdb_reads import FileReads
 from hicache.controller.tiers.lmdb_writer import (
     LmdbWriter,
     TierCounters,
@@ -124,7 +122,6 @@ class LmdbTier:
             evict,
             on_written,
         )
-        self._file = FileReads(self.path / "data.mdb")
         self._readers = ThreadPoolExecutor(
             config.reader_threads, thread_name_prefix="hicache-lmdb-reader"
         )
@@ -278,7 +275,7 @@ class LmdbTier:
         out = [ReadStatus.ERROR] * len(skeys)
         if self._closed:
             return out
-        hook, digest, read = self.fault_hook, self.layout_digest, self._file.read_into
+        hook, digest = self.fault_hook, self.layout_digest
         try:
             with self.env.begin(buffers=True) as txn:
                 get = txn.get
@@ -289,8 +286,8 @@ class LmdbTier:
                     if value is None:
                         out[i] = ReadStatus.MISSING
                         continue
-                    # Read and checked inside the transaction: LMDB keeps the value's pages.
-                    out[i] = read(value, skey[-1], digest, dsts[i])
+                    # Checked and copied inside the transaction: the map's pages stay valid.
+                    out[i] = verify_into(value, (value[HEADER_BYTES:],), skey[-1], digest, dsts[i])
         except lmdb.Error as exc:
             log.error("LMDB read of %d pages failed: %s", len(skeys), exc)
         return out
@@ -351,7 +348,6 @@ class LmdbTier:
                 return True
             self._closed = True
         self._readers.shutdown(wait=True)
-        self._file.close()
         drained = self.writer.stop(timeout_s)
         if drained:
             self.env.sync(True)

@@ -192,8 +192,7 @@ class RemoteTier:
     ) -> bool:
         """Start reading ``keys`` (held by no local tier) into host pages; False, with
         nothing started, when one is not hinted present or the breaker is open; False
-        too when host pages ran out (the fills already started complete on their own).
-        ``then`` is not called: a load copies these pages once they are settled."""
+        too when host pages ran out (those started complete). ``then`` is never called."""
         hinted = [self.hints.get(self.key(k.page_hash, k.component)) for k in keys]
         if not all(h for h, _ in hinted) or self.breaker.state is BreakerState.OPEN:
             return False

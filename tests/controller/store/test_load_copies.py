@@ -1,7 +1,7 @@
 """A load of pages held on disk: each read's pages are copied into the engine's slots by
-the reader as the read ends (``CopyAsRead``), the others when the reads are done. The
-bytes are exact whichever way a page went, and a load that gave up leaves nothing
-writing into the engine's slots."""
+the reader as the read ends (``CopyAsRead``, for pages of ``copy_as_read_min_page_bytes``
+and more), the others when the reads are done. The bytes are exact whichever way a page
+went, and a load that gave up leaves nothing writing into the engine's slots."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from tests.support.controller import (
 
 
 def _stored_then_restarted(tmp_path, pages: int, **overrides):
-    """A chain of ``pages`` pages (every component) stored, then a restart: all on disk."""
+    """A chain of ``pages`` pages (every component) stored, then a restart: all on disk.
+    Its pages are small: every load copies as read all the same."""
+    overrides.setdefault("copy_as_read_min_page_bytes", 0)
     layout = hybrid_layout()
     engine = Engine(layout)
     ctl = LocalController(controller_config(tmp_path, **overrides))
@@ -51,6 +53,16 @@ def test_a_load_of_pages_on_host_and_on_disk_arrives_exact(tmp_path):
     half = set(chain.page_keys()[: len(chain.page_keys()) // 2])
     load_into(ctl, engine, chain, only=half)  # those now on host as well
     ctl.check_invariants()
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_small_pages_are_copied_when_the_reads_have_ended(tmp_path):
+    engine, ctl, chain, snap = _stored_then_restarted(
+        tmp_path, pages=6, copy_as_read_min_page_bytes=1 << 30
+    )
+    assert ctl._copies.copy_as_read(chain.refs(), ctl._engines["local"]) is None
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
     ctl.check_invariants(deep=True)
     ctl.close()

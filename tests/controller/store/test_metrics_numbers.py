@@ -261,6 +261,7 @@ def _reasons_a_load_can_count() -> set[Failure]:
     paths = (
         LocalController.load,
         PageStore.claim,
+        PageStore.reads_done,
         PageStore.hold_for_copy,
         DeviceLoad.failed,
         DeviceLoad.done,
