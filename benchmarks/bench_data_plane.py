@@ -1,7 +1,7 @@
 """The whole data plane, path by path, against a memcpy of the same bytes in the same run.
 
     python benchmarks/bench_data_plane.py --device cpu|cuda [--sizes-mib 1,64,256,1024]
-        [--repeat 5] [--json OUT]
+        [--repeat 5] [--reply-spin-s 0] [--json OUT]
 
 Each path moves ``size`` bytes between an engine's memory and the host pool of a real
 ``hicache serve`` (or of an in-process controller), and is printed as GB/s and as a
@@ -241,8 +241,14 @@ class Sidecar:
         self.proc.wait(120)
 
 
+#: the clients' ``reply_spin_s`` (``--reply-spin-s``)
+REPLY_SPIN_S: list[float] = [0.0]
+
+
 def _client(endpoint: str, name: str) -> SidecarController:
-    cfg = SidecarClientConfig(request_timeout_s=600.0, backup_timeout_s=600.0)
+    cfg = SidecarClientConfig(
+        request_timeout_s=600.0, backup_timeout_s=600.0, reply_spin_s=REPLY_SPIN_S[0]
+    )
     return SidecarController(endpoint, name, cfg)
 
 
@@ -445,7 +451,15 @@ def main() -> int:
     p.add_argument("--sizes-mib", default=None, help="default 1,64,256 (cpu) or 1,64,256,1024")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--reply-spin-s",
+        type=float,
+        default=0.0,
+        help="the sidecar clients' reply_spin_s: poll for a critical call's reply without "
+        "sleeping this long (spares a wake-up per round trip where a core is free)",
+    )
     args = p.parse_args()
+    REPLY_SPIN_S[0] = args.reply_spin_s
     device = torch.device(args.device)
     default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
     sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
@@ -492,6 +506,7 @@ def main() -> int:
     if args.json:
         doc = {
             "device": name,
+            "reply_spin_s": args.reply_spin_s,
             "rows": rows,
             "stages": {str(k // MIB): v for k, v in STAGES.items()},
             "one_page_ms": one_page,

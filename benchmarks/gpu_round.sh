@@ -39,6 +39,8 @@ for what in "$@"; do
                     $(grep -rl "mark.gpu" tests) 2>&1 | tail -40) ;;
         data_plane_quick) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
+        data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
+            --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
     rc=$?
