@@ -6,9 +6,9 @@ the worker moves the bytes itself, once:
 
 * a **store** asks the sidecar for host pages (``store_begin``: a page per block not held
   yet), copies each block's segments (every layer's part of it) straight into its page
-  (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, ``memmove``
-  runs on a CPU), and commits them (``store_commit``): only then can a lookup find them.
-  A store that fails is given back, and nothing of it was visible;
+  (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, strided
+  copies and ``memmove`` runs on a CPU), and commits them (``store_commit``): only then
+  can a lookup find them. A store that fails is given back, and nothing of it was visible;
 * a **load** pins the pages with their host page numbers, has the sidecar read the ones
   that are only on disk (or the remote tier) into host pages first, copies each page's
   segments into its block, and unpins, telling the sidecar the copy was served;
@@ -155,10 +155,10 @@ class EngineBlocks:
         part that failed (or of one after it) becomes visible, and their host pages go
         back to the sidecar.
 
-        In parts of ``chunk_bytes`` (the first smaller): the next part's pages are asked
-        for before this part's copy starts, and a part's copy runs while the one before it
-        is committed, so the sidecar's bookkeeping runs beside the copies instead of
-        before and after them."""
+        In parts of ``chunk_bytes`` (on a GPU the first smaller): the next part's pages
+        are asked for before this part's copy starts, and a part's copy runs while the one
+        before it is committed, so the sidecar's bookkeeping runs beside the copies instead
+        of before and after them. A store of one part asks once and commits once."""
         copies = self._copies_now()
         if copies is None:
             return 0, len(refs)
