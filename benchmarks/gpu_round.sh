@@ -28,6 +28,8 @@ for what in "$@"; do
             --json "$out/layerwise_copies.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
+        restart_disk) python3 benchmarks/bench_restart.py --device cuda \
+            --json "$out/restart_disk.json" ;;
         restart_stacks) python3 benchmarks/bench_restart.py --device cuda --sizes-kib 256,4096 \
             --total-mib 256 --repeat 2 --sample-stacks --json "$out/restart_stacks.json" ;;
         page_ops) python3 benchmarks/bench_page_ops.py --rounds 9 --json "$out/page_ops.json" ;;
