@@ -192,6 +192,11 @@ class ControllerConfig:
     # up to this many bytes, hottest first, while serving (controller/tiers/prewarm.py).
     # None: half of host_pool_bytes; 0: off (the default in-process; the sidecar's is None).
     prewarm_bytes: int | None = 0
+    # And the next hottest disk pages, up to this many bytes, are handed to the OS to read
+    # into its page cache in the background (madvise WILLNEED): a restart's first loads of
+    # them do not read a cold file. None: host_pool_bytes; 0: off (the default in-process;
+    # the sidecar's is None).
+    prewarm_disk_bytes: int | None = 0
     # Offer a disk or remote page only where loading it beats the engine's own prefill
     # of it (the rate an engine reports, or its integration measures, sent with its
     # lookups; controller/store/cost_rule.py). A tier whose pages are cut is let through
@@ -314,6 +319,11 @@ class ControllerConfig:
             raise ConfigError(
                 f"prewarm_bytes must be >= 0 (0: no prewarm) or none (half the host pool), "
                 f"got {self.prewarm_bytes}"
+            )
+        if self.prewarm_disk_bytes is not None and self.prewarm_disk_bytes < 0:
+            raise ConfigError(
+                f"prewarm_disk_bytes must be >= 0 (0: none) or none (the host pool's size), "
+                f"got {self.prewarm_disk_bytes}"
             )
         for c in ComponentType:
             w = self.host_weight(c)

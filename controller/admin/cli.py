@@ -82,7 +82,8 @@ def _print_status(r: dict) -> None:
             print(
                 f"  prewarm:   {warm['state']}, {_human_bytes(warm['bytes_read'])} of "
                 f"{_human_bytes(warm['target_bytes'])} read back to host "
-                f"({warm['pages_read']} of {warm['target_pages']} pages)"
+                f"({warm['pages_read']} of {warm['target_pages']} pages), "
+                f"{_human_bytes(warm.get('bytes_advised', 0))} read ahead into the OS cache"
             )
     print(f"  pages:     {r['entries']} indexed, {r['pins_active']} pins")
     print_remote_status(r.get("remote", {}))

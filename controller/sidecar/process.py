@@ -190,6 +190,7 @@ def load_settings(
     ctl.setdefault("host_shared", True)  # the engines copy their load-backs themselves
     ctl.setdefault("host_populate", True)  # ready means ready: no first touch at a load
     ctl.setdefault("prewarm_bytes", None)  # a warm start: half the host pool, hottest first
+    ctl.setdefault("prewarm_disk_bytes", None)  # and the OS cache: a host pool's worth more
     return ServeSettings(SidecarConfig(**side), ControllerConfig(**ctl), layout)
 
 

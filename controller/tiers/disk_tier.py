@@ -130,10 +130,17 @@ class DiskTier:
         budget = config.prewarm_bytes
         if budget is None:
             budget = config.host_pool_bytes // 2
-        tier.prewarm = Prewarm(order, budget, host.prewarm_fill)
+        ahead = config.prewarm_disk_bytes
+        if ahead is None:
+            ahead = config.host_pool_bytes
+        tier.prewarm = Prewarm(order, budget, host.prewarm_fill, ahead, tier._advise)
         tier.uses.start()
         tier.prewarm.start()
         return tier
+
+    def _advise(self, keys: Sequence[PageKey]) -> int:
+        """Have the OS read ``keys``' values into its page cache (the bytes advised)."""
+        return self.lmdb.advise([k.storage_key() for k in keys])
 
     def _last_uses(self, records: list[DiskRecord]) -> list[tuple[PageKey, int]]:
         """The pages found, hottest first (:func:`prewarm_order`); the use log is reduced

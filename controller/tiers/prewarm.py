@@ -12,7 +12,10 @@
   batch at a time on the tier's readers while the sidecar serves: a load that needs a
   page still on disk reads it as always, and waits behind at most one prewarm batch. It
   never evicts a host page (it stops when the host tier has no free page), and its reads
-  are the load path's: a page that fails its checksum is dropped, never served.
+  are the load path's: a page that fails its checksum is dropped, never served. Before
+  them, the next hottest pages, up to ``prewarm_disk_bytes``, are handed to the OS to read
+  into its page cache (``madvise(MADV_WILLNEED)`` over their values in LMDB's map), so a
+  restart's first loads of those pages do not read a cold file either.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _COMPONENTS = {int(c): c for c in ComponentType}
 # A prewarm batch: about one reader batch of bytes (see disk_tier.READ_BATCH_BYTES).
 BATCH_BYTES = 8 << 20
 BATCH_WAIT_S = 60.0
+ADVISE_BATCH = 1024  # pages a readahead hint names at once (one read transaction)
 
 
 class UseLog:
@@ -129,6 +133,17 @@ def prewarm_order(records: Sequence[Any], uses: dict[bytes, int]) -> list[tuple[
     return [(PageKey(r.component, r.page_hash), r.nbytes) for r in ranked]
 
 
+def _pages_within(order: list[tuple[PageKey, int]], start: int, budget: int) -> int:
+    """How many pages of ``order`` from ``start`` on fit in ``budget`` bytes, in order."""
+    planned = n = 0
+    for _, nbytes in order[start:]:
+        if planned + nbytes > budget:
+            break
+        planned += nbytes
+        n += 1
+    return n
+
+
 class Prewarm:
     """Brings the hottest disk pages back to host in the background (see the module)."""
 
@@ -137,25 +152,28 @@ class Prewarm:
         order: list[tuple[PageKey, int]],
         budget_bytes: int,
         fill: Callable[[Sequence[PageKey]], tuple[list[Future], int, int, bool]],
+        disk_budget_bytes: int = 0,
+        advise: Callable[[Sequence[PageKey]], int] | None = None,
     ) -> None:
         """``fill(keys)`` starts reading those of ``keys`` still only on disk into free host
         pages (no eviction): the futures of those reads, the pages and bytes started, and
-        False when the host tier ran out of free pages."""
+        False when the host tier ran out of free pages. ``advise(keys)`` has the OS read
+        those pages into its page cache in the background (the bytes advised): the next
+        hottest pages after the host's, up to ``disk_budget_bytes``, before the host's
+        reads start."""
         self._order = order
         self._fill = fill
+        self._advise = advise
         self.budget_bytes = max(0, budget_bytes)
-        planned = 0
-        self.target_pages = 0
-        for _, nbytes in order:
-            if planned + nbytes > self.budget_bytes:
-                break
-            planned += nbytes
-            self.target_pages += 1
-        self.target_bytes = planned
+        self.target_pages = _pages_within(order, 0, self.budget_bytes)
+        self.target_bytes = sum(n for _, n in order[: self.target_pages])
+        self.disk_budget_bytes = max(0, disk_budget_bytes) if advise is not None else 0
+        self.disk_pages = _pages_within(order, self.target_pages, self.disk_budget_bytes)
+        self.bytes_advised = 0
         self.pages_read = 0  # read into host pages (those that engines had not loaded)
         self.bytes_read = 0
         self.batches_failed = 0  # batches with a page that failed its read (dropped)
-        self.state = "running" if self.target_pages else "off"
+        self.state = "running" if self.target_pages or self.disk_pages else "off"
         self.seconds = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,6 +186,12 @@ class Prewarm:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
+            ahead = self._order[self.target_pages : self.target_pages + self.disk_pages]
+            for i in range(0, len(ahead), ADVISE_BATCH):  # the OS reads them meanwhile
+                if self._stop.is_set():
+                    return
+                assert self._advise is not None
+                self.bytes_advised += self._advise([k for k, _ in ahead[i : i + ADVISE_BATCH]])
             batch: list[tuple[PageKey, int]] = []
             size = 0
             for item in self._order[: self.target_pages]:
@@ -221,5 +245,8 @@ class Prewarm:
             "pages_read": self.pages_read,
             "bytes_read": self.bytes_read,
             "batches_failed": self.batches_failed,
+            "disk_budget_bytes": self.disk_budget_bytes,
+            "disk_pages": self.disk_pages,
+            "bytes_advised": self.bytes_advised,
             "seconds": round(self.seconds, 3),
         }

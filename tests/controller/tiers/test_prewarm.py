@@ -8,6 +8,7 @@ import time
 from hicache.controller.store.local import LocalController
 from hicache.controller.store.page_codec import HEADER_BYTES
 from hicache.controller.tiers.prewarm import USE_LOG_NAME, UseLog
+from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
 from tests.support.controller import (
     PAGE,
@@ -126,3 +127,45 @@ def test_the_use_log_keeps_the_newest_use_and_ignores_a_torn_record(tmp_path):
     assert set(uses) == {a, b} and uses[a] >= uses[b]
     log.rewrite({a: uses[a]})
     assert log.read() == {a: uses[a]}
+
+
+def test_the_next_hottest_pages_are_handed_to_the_os_cache_after_the_hosts(tmp_path):
+    """Past the host's budget, the next hottest pages (up to ``prewarm_disk_bytes``) are
+    read ahead into the OS page cache, hottest first, before any host read starts; none
+    is put on host for it, and loads from disk stay exact."""
+    layout, engine, hot, cold, budget = _two_chains(tmp_path)
+    snap = engine.snapshot(hot)
+    ctl = LocalController(controller_config(tmp_path, prewarm_bytes=0, prewarm_disk_bytes=budget))
+    ctl.register(layout, PAGE, engine.pools)
+    stats = _prewarmed(ctl)
+    assert stats["target_pages"] == 0 and stats["disk_pages"] == len(hot.page_keys())
+    assert stats["bytes_advised"] == budget  # the hot chain's values, the cold one's not
+    assert not any(Tier.HOST in t for t in ctl.store.tiers_of(hot.page_keys()))
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, hot)), snap)  # from disk
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+def test_the_readahead_goes_before_the_host_reads_and_follows_the_order():
+    from hicache.controller.tiers.prewarm import Prewarm
+
+    order = [(PageKey(FULL, bytes([i]) * 16), 100) for i in range(10)]
+    calls: list = []
+
+    def fill(keys):
+        calls.append(("fill", [k.page_hash[0] for k in keys]))
+        return [], len(keys), 100 * len(keys), True
+
+    def advise(keys):
+        calls.append(("advise", [k.page_hash[0] for k in keys]))
+        return 100 * len(keys)
+
+    p = Prewarm(order, 300, fill, disk_budget_bytes=450, advise=advise)
+    assert (p.target_pages, p.disk_pages) == (3, 4)
+    p.start()
+    end = time.monotonic() + 30
+    while p.state == "running" and time.monotonic() < end:
+        time.sleep(0.01)
+    assert calls == [("advise", [3, 4, 5, 6]), ("fill", [0, 1, 2])]
+    assert p.stats()["bytes_advised"] == 400 and p.state == "done"
+    assert Prewarm(order, 0, fill, disk_budget_bytes=450).disk_pages == 0  # nothing to advise
