@@ -66,6 +66,7 @@ from hicache.types import ComponentType
 
 FULL = ComponentType.FULL
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
+READAHEAD = False  # --readahead
 SIDECAR = "hicache.controller.sidecar.process"
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -103,8 +104,10 @@ class Sidecar:
                 "--disk-budget-bytes", str(4 * self.host_bytes), "--metrics-port", "0",
                 "--host-pool-bytes", str(self.host_bytes), "--layout-file", str(self.layout_file),
                 "--ready-file", str(ready), "--log-level", "warning",
-                # The disk path is what is timed: no warm start reading pages back to host.
+                # The disk path is what is timed: no warm start reading pages back to host,
+                # nor (unless --readahead) into the OS cache.
                 "--set", "prewarm_bytes=0",
+                *([] if READAHEAD or self.env is not None else ["--set", "prewarm_disk_bytes=0"]),
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
             env=self.env,
@@ -322,12 +325,20 @@ def main() -> int:
     p.add_argument("--total-mib", type=int, default=128, help="bytes loaded per page size")
     p.add_argument("--repeat", type=int, default=3, help="steady loads (the median is shown)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--readahead",
+        action="store_true",
+        help="leave the warm start's OS readahead on (prewarm_disk_bytes): the first loads "
+        "after a restart then find the hottest pages in the OS cache",
+    )
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
     p.add_argument("--compare-ref", metavar="REV",
                    help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()
+    global READAHEAD
+    READAHEAD = args.readahead
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
     sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
