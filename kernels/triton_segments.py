@@ -10,13 +10,14 @@ page is outside its tensor is skipped, never written.
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
-from hicache.kernels.launch import jit_per_call
 
-
-# What changes from one call to the next is not specialised on (launch.jit_per_call).
-@jit_per_call("num_rows", "num_tiles", pointers=("block_ptr", "page_ptr"))
+# Specialised as Triton does by default: the vLLM worker that runs it lives as long as the
+# engine, and whether dropping the specialisations (launch.jit_per_call, as the row kernel
+# has) costs this kernel anything was not measured.
+@triton.jit
 def copy_segments_kernel(
     dev_ptr,
     host_ptr,
