@@ -218,11 +218,13 @@ def prewarm_families(p: dict[str, Any]) -> Iterator[Any]:
     """The warm start's progress (controller/tiers/prewarm.py)."""
     size = GaugeMetricFamily(
         "hicache_prewarm_bytes",
-        "Bytes of the prewarm after the last start: planned (target) and read to host.",
+        "Bytes of the prewarm after the last start: planned (target) and read to host, "
+        "and handed to the OS to read into its page cache (advised).",
         labels=["kind"],
     )
     size.add_metric(["target"], p.get("target_bytes", 0))
     size.add_metric(["read"], p.get("bytes_read", 0))
+    size.add_metric(["advised"], p.get("bytes_advised", 0))
     yield size
     pages = GaugeMetricFamily(
         "hicache_prewarm_pages", "Pages of the prewarm: planned and read.", labels=["kind"]

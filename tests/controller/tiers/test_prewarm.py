@@ -169,3 +169,19 @@ def test_the_readahead_goes_before_the_host_reads_and_follows_the_order():
     assert calls == [("advise", [3, 4, 5, 6]), ("fill", [0, 1, 2])]
     assert p.stats()["bytes_advised"] == 400 and p.state == "done"
     assert Prewarm(order, 0, fill, disk_budget_bytes=450).disk_pages == 0  # nothing to advise
+
+
+def test_the_prewarm_metrics_say_what_was_read_and_what_was_advised():
+    from hicache.controller.sidecar.metrics import prewarm_families
+
+    stats = {"state": "done", "target_bytes": 300, "bytes_read": 200, "bytes_advised": 450,
+             "target_pages": 3, "pages_read": 2}  # fmt: skip
+    got = {
+        (f.name, s.labels.get("kind")): s.value
+        for f in prewarm_families(stats)
+        for s in f.samples
+    }
+    assert got[("hicache_prewarm_bytes", "advised")] == 450
+    assert got[("hicache_prewarm_bytes", "read")] == 200
+    assert got[("hicache_prewarm_pages", "target")] == 3
+    assert got[("hicache_prewarm_running", None)] == 0
