@@ -92,6 +92,13 @@ def _runs(copy: RowCopy) -> tuple[int, list[tuple[int, int]]]:
     return rows_b, [(a * src.a_stride, a * dst.a_stride) for a in range(copy.rows_a)]
 
 
+def _check_items(copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray) -> None:
+    """Raise IndexError for an item outside its tensor (a DMA has no mask to skip it)."""
+    for name, idx, side in (("source", src_items, copy.src), ("destination", dst_items, copy.dst)):
+        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
+            raise IndexError(f"a {name} index is outside its {side.num_items} items")
+
+
 def plan_2d_copies(
     copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray
 ) -> list[tuple[int, int, int, int, int, int]]:
@@ -100,9 +107,7 @@ def plan_2d_copies(
 
     Raises IndexError for an item outside its tensor (a DMA has no mask to skip it).
     """
-    for name, idx, side in (("source", src_items, copy.src), ("destination", dst_items, copy.dst)):
-        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
-            raise IndexError(f"a {name} index is outside its {side.num_items} items")
+    _check_items(copy, src_items, dst_items)
     elem = copy.src.tensor.element_size()
     height, runs = _runs(copy)
     src_pitch, dst_pitch = copy.src.b_stride * elem, copy.dst.b_stride * elem
@@ -126,9 +131,7 @@ def plan_row_dmas(
     addresses, source addresses, sizes in bytes), uint64, item by item and row ``(a, b)``
     by row within an item: what a batched copy (``Copies1D``) takes, with no 2-D copy
     per item to issue. Raises IndexError for an item outside its tensor."""
-    for name, idx, side in (("source", src_items, copy.src), ("destination", dst_items, copy.dst)):
-        if idx.size and (idx.min() < 0 or idx.max() >= side.num_items):
-            raise IndexError(f"a {name} index is outside its {side.num_items} items")
+    _check_items(copy, src_items, dst_items)
     elem = copy.src.tensor.element_size()
     a, b = np.arange(copy.rows_a, dtype=np.int64), np.arange(copy.rows_b, dtype=np.int64)
 
