@@ -857,6 +857,27 @@ def layer_copies(how: str | None):
         TransferEngine.layer_dmas, TransferEngine.layer_tuning = saved
 
 
+@contextlib.contextmanager
+def layer_loads():
+    """The layer-wise loads started by the engine's own copies meanwhile (a list, filled
+    as they start): each says how long its copies took to issue (``issue_s``)."""
+    from hicache.controller.store.transfer_engine import TransferEngine
+
+    started: list = []
+    original = TransferEngine.start_layers_to_device
+
+    def start(self, *args, **kwargs):
+        load = original(self, *args, **kwargs)
+        started.append(load)
+        return load
+
+    TransferEngine.start_layers_to_device = start
+    try:
+        yield started
+    finally:
+        TransferEngine.start_layers_to_device = original
+
+
 def hit_fraction_rows(
     work: pathlib.Path, family: str, lengths: list[int], fractions: list[float], requests: int
 ) -> list[dict[str, Any]]:
@@ -924,6 +945,7 @@ def hit_fraction_rows(
                 runs += [(f"layerwise_{how}", layered, how) for how in LAYER_COPIES]
                 times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
                 times["device"] = []
+                issued: dict[str, list[float]] = {name: [] for name, _, _ in runs}
                 same: dict[str, bool | None] = {}
                 for i in range(requests):
                     for name, lm, how in runs:
@@ -932,10 +954,11 @@ def hit_fraction_rows(
                             other.cache.evict(full_tokens=10**9)
                         sync()
                         prompt = prefix + toks(suffix_len)
-                        with layer_copies(how):
+                        with layer_copies(how), layer_loads() as loads:
                             r = lm.generate(prompt, 1)
                         assert r.host_hit_tokens == prefix_len, (name, r)
                         times[name].append(r.ttft_s * 1e3)
+                        issued[name] += [ld.issue_s[1] * 1e3 for ld in loads if ld.issue_s]
                         if i == 0:
                             same[name] = _same(lm, prompt, prefix_len, r)
                     r = layered.generate(prefix + toks(suffix_len), 1)  # on its device now
@@ -967,6 +990,9 @@ def hit_fraction_rows(
                 for how in LAYER_COPIES:  # the same layer-wise load, copied another way
                     row[f"ttft_host_layerwise_{how}_ms"] = med[f"layerwise_{how}"]
                     row[f"layerwise_{how}_vs_bound"] = med[f"layerwise_{how}"] / bound
+                for name, ms in issued.items():  # host time to issue every group's copy
+                    if ms:
+                        row[f"issue_{name}_ms"] = statistics.median(ms)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:

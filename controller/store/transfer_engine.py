@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -284,23 +285,18 @@ class TransferEngine:
                 copies = Copies1D(*map(np.concatenate, zip(*rows)), stream.cuda_stream, True)
                 copies.issue(0, copies.dsts.size)
 
+        if self._layer_thread is None:
+            self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
         if not on_gpu:
-            if self._layer_thread is None:
-                self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
             self._layer_thread.submit(load.run_cpu, copy_group)
             return load
         stream, _ = self._streams_for(buffers.device)
         stream.wait_stream(torch.cuda.current_stream(buffers.device))  # as start_to_device
-        with torch.cuda.stream(stream):
-            for g in range(len(groups)):
-                try:
-                    copy_group(g)
-                except Exception as exc:
-                    load.failed_at(g, exc)
-                    break
-                done = torch.cuda.Event()
-                done.record(stream)
-                load.events.append(done)
+        # Issued group by group on the layer thread, so that the caller's compute starts
+        # at once: issuing a long load's row copies takes milliseconds of host time (a
+        # batched copy's runtime cost grows with its rows), which would otherwise all come
+        # before the first layer computes; each group is waited on as soon as it is issued.
+        self._layer_thread.submit(load.run_gpu, copy_group, stream)
         return load
 
 
@@ -320,14 +316,15 @@ class LayerCopies:
     ) -> None:
         self.groups = groups
         self.device = device
-        self.events: list[Any] = []  # CUDA: one per group issued
+        self.events: list[Any] = []  # CUDA: one per group issued, in group order
         self._ready = [threading.Event() for _ in range(len(groups))]
         self._ended = threading.Event()
         self._failed_from = len(groups)  # the first group that failed
         self._on_finish = on_finish
         self._result: LoadResult | None = None
-        if device.type == "cuda":
-            self._ended.set()  # every copy is issued in the caller's thread
+        #: Host seconds from the start to the first group's copy issued and to the last's.
+        self.issue_s: tuple[float, float] | None = None
+        self._t0 = time.perf_counter()
 
     def failed_at(self, group: int, exc: Exception) -> None:
         log.error("layer-wise load failed at layer group %d: %s", group, exc)
@@ -348,16 +345,41 @@ class LayerCopies:
                 ev.set()
             self._ended.set()
 
+    def run_gpu(self, copy_group: Callable[[int], None], stream: torch.cuda.Stream) -> None:
+        """The layer thread's work on a GPU: each group's copy issued on ``stream`` in
+        order, followed by its event, its flag set once the event is recorded."""
+        first = None
+        try:
+            with torch.cuda.stream(stream):
+                for g in range(len(self.groups)):
+                    try:
+                        copy_group(g)
+                    except Exception as exc:
+                        self.failed_at(g, exc)
+                        break
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    self.events.append(done)
+                    self._ready[g].set()
+                    if first is None:
+                        first = time.perf_counter() - self._t0
+        except Exception as exc:  # the stream or an event: nothing after it is issued
+            self.failed_at(len(self.events), exc)
+        finally:
+            self.issue_s = (first or 0.0, time.perf_counter() - self._t0)
+            for ev in self._ready:
+                ev.set()
+            self._ended.set()
+
     def wait_group(self, group: int) -> bool:
         if group >= self._failed_from:
             return False
-        if self.events:
-            if group >= len(self.events):
-                return False
-            self.events[group].wait(torch.cuda.current_stream(self.device))
-            return True
         self._ready[group].wait()
-        return group < self._failed_from
+        if group >= self._failed_from:
+            return False
+        if self.events:  # a GPU's: the caller's stream waits for the group's copy
+            self.events[group].wait(torch.cuda.current_stream(self.device))
+        return True
 
     def finish(self) -> LoadResult:
         if self._result is not None:
