@@ -26,6 +26,9 @@ for what in "$@"; do
         layerwise_copies) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies dma,16,0 \
             --json "$out/layerwise_copies.json" ;;
+        layerwise_16) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
+            --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies 16 \
+            --json "$out/layerwise_16.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
         restart_disk) python3 benchmarks/bench_restart.py --device cuda \
