@@ -2,13 +2,15 @@
 
     python benchmarks/bench_restart.py [--device cpu|cuda] [--sizes-kib 32,256,1024,8192]
         [--total-mib 128] [--repeat 3] [--json OUT] [--sample-stacks] [--compare-ref REV]
+        [--readahead] [--host-copy]
 
 For each page size, a real ``hicache serve`` (a subprocess with its own LMDB directory
 under a temporary directory) is filled by an engine — pools registered through the public
 :class:`SidecarController`, shared-memory tensors on a CPU, CUDA tensors on a GPU — whose
 backups are written through to disk; the sidecar is stopped (SIGTERM: every queued write
 committed) and started again on the same LMDB (its warm start off: ``prewarm_bytes=0``,
-so that every load below reads disk), and the same engine, never restarted, loads the
+so that every load below reads disk; ``disk_load_direct`` on, pages read straight into
+the engine's slots, unless ``--host-copy``), and the same engine, never restarted, loads the
 whole prefix back (pin, load, unpin) once its client has reconnected by itself.
 Timed, each as GB/s:
 
@@ -67,6 +69,7 @@ from hicache.types import ComponentType
 FULL = ComponentType.FULL
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
 READAHEAD = False  # --readahead
+HOST_COPY = False  # --host-copy
 SIDECAR = "hicache.controller.sidecar.process"
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -108,6 +111,9 @@ class Sidecar:
                 # nor (unless --readahead) into the OS cache.
                 "--set", "prewarm_bytes=0",
                 *([] if READAHEAD or self.env is not None else ["--set", "prewarm_disk_bytes=0"]),
+                # Pages read straight into the engine's slots (the host copy skipped), unless
+                # --host-copy (or a revision that has no such setting).
+                *([] if HOST_COPY or self.env is not None else ["--set", "disk_load_direct=true"]),
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
             env=self.env,
@@ -331,14 +337,20 @@ def main() -> int:
         help="leave the warm start's OS readahead on (prewarm_disk_bytes): the first loads "
         "after a restart then find the hottest pages in the OS cache",
     )
+    p.add_argument(
+        "--host-copy",
+        action="store_true",
+        help="loads read pages into host pages first and keep them there (disk_load_direct "
+        "off, the default setting); without it they are read straight into the engine's slots",
+    )
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
     p.add_argument("--compare-ref", metavar="REV",
                    help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()
-    global READAHEAD
-    READAHEAD = args.readahead
+    global READAHEAD, HOST_COPY
+    READAHEAD, HOST_COPY = args.readahead, args.host_copy
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
     sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
@@ -346,7 +358,8 @@ def main() -> int:
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     try:
-        print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size): GB/s")
+        how = "read into host pages" if HOST_COPY else "read straight into the engine's slots"
+        print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size, {how}): GB/s")
         head = ("page KiB", "first warm", "first cold", "steady", "raw warm", "raw cold",
                 "first/steady", "steady×raw", "cold×raw")  # fmt: skip
         print("  " + " ".join(f"{h:>12}" for h in head))

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from hicache.controller.store.page_index import DiskState, HostState, PageEntry
 from hicache.controller.store.store_state import StoreState
 from hicache.controller_api import ControllerError, PageKey, PageRef
 from hicache.types import Tier
+
+if TYPE_CHECKING:
+    from hicache.controller.tiers.lower_tier import DirectSink
 
 # PageKey.storage_key() without building a PageKey is ``page_hash + _TAG[component]``:
 # this runs once per page per call. Enum members are bound once for the same reason.
@@ -56,6 +60,8 @@ class Claim:
     state: ClaimState
     entries: list[PageEntry] = field(default_factory=list)
     fills: list[Future] = field(default_factory=list)
+    # Those of ``entries`` read straight into the load's slots (held since the claim).
+    direct: list[PageEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -111,12 +117,14 @@ class CopyOps(StoreState):
         engine_id: str,
         inline: bool,
         then: Callable[[list[PageEntry]], None] | None = None,
+        direct: DirectSink | None = None,
     ) -> Claim:
         """Check a load of ``refs`` (checked against the engine already) under pin
         ``pin_id``, and hold its pages for the copy when all are on host (HELD). Otherwise
         start the reads that bring them there (READING; ``then`` is handed the pages of
         each read as it ends, see ``LowerTier.fill_locked``), or, ``inline``, change
-        nothing (NOT_ON_HOST). FAILED (counted) when the load fails at once; raises
+        nothing (NOT_ON_HOST); pages ``direct`` takes are read straight into the load's
+        slots instead, no host page between. FAILED (counted) when the load fails at once; raises
         ControllerError for one that can never succeed (a page outside the pin, another
         engine's pin)."""
         if refs and self._faults is not None:
@@ -158,11 +166,21 @@ class CopyOps(StoreState):
             if inline:
                 return Claim(ClaimState.NOT_ON_HOST)
             # Only once every page is known to be held: a doomed load reads nothing.
-            cold = [e.key for e in entries if e.host_state is HostState.NONE]
-            if cold and not self._disk.fill_locked(cold, then):
+            cold: list[PageEntry] = []
+            straight: list[PageEntry] = []
+            for e in entries:
+                if e.host_state is HostState.NONE:
+                    (straight if direct is not None and direct.takes(e) else cold).append(e)
+            if len(cold) > 1:  # a page named twice is read once
+                cold = list({id(e): e for e in cold}.values())
+            if cold and not self._disk.fill_locked([e.key for e in cold], then):
                 return Claim(ClaimState.FAILED)
             fills = list({id(e.fill): e.fill for e in entries if e.fill is not None}.values())
-        return Claim(ClaimState.READING, entries, fills)
+            if straight:
+                for e in straight:
+                    self._hold_locked(e)
+                fills += self._disk.read_direct_locked(straight, direct)
+        return Claim(ClaimState.READING, entries, fills, straight)
 
     def reads_done(self, claim: Claim, deadline: float, engine_id: str) -> bool:
         """Wait (up to ``deadline``) for the reads of a READING claim and hold its pages for
@@ -171,13 +189,28 @@ class CopyOps(StoreState):
         filled = self.wait_fills(claim.fills, deadline)
         if filled is None:
             self._counters.fail(Failure.LOAD_TIMEOUT)
+            self._let_go_direct(claim)
             self.load_fell_short(claim.entries, engine_id, timed_out=True)
             return False
-        if not filled or not self.hold_for_copy(claim.entries):
+        rest = claim.entries
+        if claim.direct:
+            straight = {id(e) for e in claim.direct}
+            rest = [e for e in rest if id(e) not in straight]
+        if not filled or not self.hold_for_copy(rest):
             # the read counted its failure; why the page is gone counts here
+            self._let_go_direct(claim)
             self.load_fell_short(claim.entries, engine_id)
             return False
         return True
+
+    def _let_go_direct(self, claim: Claim) -> None:
+        """A load that fell short releases the pages it read straight into its slots (held
+        since its claim); one that lost its copy on every tier meanwhile is forgotten."""
+        with self._lock:
+            for e in claim.direct:
+                e.copies -= 1
+                self._index.release(e)
+                self._index.discard_if_unused(e)
 
     def hold_for_copy(self, entries: Sequence[PageEntry]) -> bool:
         """Hold ``entries`` for a copy to a device, once their reads ended; False (counted,

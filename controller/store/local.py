@@ -16,7 +16,7 @@ Threading model
 * **The LMDB writer thread** commits queued pages in batches; it calls back into the
   store (under the lock) to choose disk victims and to record what it committed.
 * **The reader pool** copies disk pages into host pages (a load's large pages on into its
-  engine's slots too: ``PageCopies.copy_as_read``) and publishes them (under the lock); a
+  engine's slots too, or into them alone: ``store/load_reads.py``) and publishes them; a
   load or prefetch waits on their futures without holding the lock.
 
 An operation in flight on a page holds it (``PageEntry.busy``): a host page being
@@ -375,10 +375,10 @@ class LocalController:
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         check_refs(refs, buffers, self._layout)
-        # The pages read from disk for this load are copied on as each read ends (but small
-        # ones), and nothing writes into the engine's slots once this returns.
+        # The pages read from disk for this load go into its slots as each read ends (see
+        # store/load_reads.py), and nothing writes into the engine's slots once this returns.
         with self._copies.copying_as_read(refs, buffers) as early:
-            claim = self._store.claim(refs, pin.pin_id, engine_id, inline=False, then=early)
+            claim = self._store.claim(refs, pin.pin_id, engine_id, False, early, early)
             if claim.state is ClaimState.FAILED:
                 return LoadResult.FAILED
             if claim.state is ClaimState.READING and not self._store.reads_done(

@@ -40,6 +40,9 @@ _GIL_FREE_COPY_BYTES = 256 << 10
 # Pages larger than this are copied and hashed a chunk at a time (``_copy_and_hash``):
 # a chunk hashed right after its copy is read from the cache, not from memory again.
 _HASH_CHUNK_BYTES = 256 << 10
+# Runs of a page read into an engine's slots this long or longer are copied without the
+# GIL (``verify_runs``), so that reader threads copy in parallel.
+_RUN_GIL_FREE_BYTES = 64 << 10
 
 
 class ReadStatus(enum.Enum):
@@ -180,6 +183,43 @@ def verify_into(
         checksum = payload_checksum(dst)
     else:
         checksum = _copy_and_hash(parts, dst)
+    if checksum != hdr[7]:
+        return ReadStatus.CORRUPT
+    return ReadStatus.OK
+
+
+def verify_runs(
+    value: Any, tag: int, layout_digest: bytes, nbytes: int, runs: Sequence
+) -> ReadStatus:
+    """:func:`verify_into` for a page whose bytes go elsewhere than one host row: the
+    payload of ``value`` (a whole stored value, header first) copied in pieces, each
+    ``(dst, at, n, offset)``: payload bytes ``[offset, +n)`` into ``dst[at : at + n]`` (a
+    writable byte memoryview), the pieces in payload order and covering its ``nbytes``
+    exactly. The same checks as :func:`verify_into`, the checksum over the bytes as
+    copied into the pieces' destinations (what is checked is what is served); anything
+    but OK leaves them undefined."""
+    hdr = read_header(value)
+    if hdr is None or hdr[2] != tag:
+        return ReadStatus.CORRUPT
+    if hdr[4] != layout_digest:
+        return ReadStatus.FOREIGN
+    if hdr[6] != nbytes or len(value) != HEADER_BYTES + nbytes:
+        return ReadStatus.CORRUPT
+    src = value[HEADER_BYTES:]
+    h = xxhash.xxh3_64()
+    for dst, at, n, offset in runs:
+        if n < _RUN_GIL_FREE_BYTES:  # a short copy: cheaper to call than numpy's
+            out = dst[at : at + n]
+            out[:] = src[offset : offset + n]
+            h.update(out)
+            continue
+        for lo in range(0, n, _HASH_CHUNK_BYTES):  # hashed while still in the cache
+            m = min(_HASH_CHUNK_BYTES, n - lo)
+            out = dst[at + lo : at + lo + m]
+            # numpy copies and xxh3 hashes without the GIL: other readers run meanwhile
+            np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(src, np.uint8, m, offset + lo))
+            h.update(out)
+    checksum = h.intdigest()
     if checksum != hdr[7]:
         return ReadStatus.CORRUPT
     return ReadStatus.OK

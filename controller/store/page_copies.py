@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -21,7 +20,7 @@ from typing import Any
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.fills import QueuedBackup
-from hicache.controller.store.page_entry import TAGS as _TAG
+from hicache.controller.store.load_reads import CopyAsRead, geometry
 from hicache.controller.store.page_index import PageEntry
 from hicache.controller.store.page_store import PageStore
 from hicache.controller.store.transfer_engine import (
@@ -141,10 +140,10 @@ class PageCopies:
         self._store.release_load(entries, served)
 
     def copy_as_read(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> CopyAsRead | None:
-        """The copies of a load's pages into the engine's slots as its reads end (see
-        :class:`CopyAsRead`), to hand to the load's claim and to :meth:`to_device`; None
-        for a load of small pages (``copy_as_read_min_page_bytes``), copied when its reads
-        have ended.
+        """How a load's disk reads reach the engine's slots (see :mod:`.load_reads`), to
+        hand to the load's claim and to :meth:`to_device`: straight into CPU slots
+        (``disk_load_direct``); else copied as read for a load of pages of
+        ``copy_as_read_min_page_bytes`` or more; None: copied when its reads have ended.
 
         Copying as read overlaps the copies with the reads still to come, but each read
         then issues its own copy, and a reader's copy holds the interpreter's lock for a
@@ -157,9 +156,12 @@ class PageCopies:
             return None
         page_bytes = self._store.host_page_bytes()
         least = self.config.copy_as_read_min_page_bytes * len(refs)
-        if sum(page_bytes[r.component] for r in refs) < least:
-            return None
-        return CopyAsRead(self, refs, buffers)
+        large = sum(page_bytes[r.component] for r in refs) >= least
+        if self.config.disk_load_direct and buffers.device.type == "cpu":
+            slots = geometry(self, buffers)
+            if slots:
+                return CopyAsRead(self, refs, buffers, large, slots)
+        return CopyAsRead(self, refs, buffers) if large else None
 
     @contextlib.contextmanager
     def copying_as_read(
@@ -256,99 +258,6 @@ class PageCopies:
                 return faults.take_layer(g * size, (g + 1) * size)
 
         return self.transfer.start_layers_to_device(buffers, plan, groups, finished, fault)
-
-
-class CopyAsRead:
-    """A load's copies into the engine's slots of the pages that its own disk reads bring
-    to host, each issued on the reader thread as soon as its read has checked it (the
-    host page still held by the read: see ``LowerTier.fill_locked``), so that the copies
-    run beside the reads still to come instead of after the last one. The load copies
-    the rest (pages on host already, or read by another request) when its reads have
-    ended, as before.
-
-    :meth:`close` ends it: no copy starts after, and every copy issued has ended when it
-    returns, so that a load that gives up (its reads too slow) leaves nothing writing
-    into the engine's slots.
-    """
-
-    def __init__(self, copies: PageCopies, refs: Sequence[PageRef], buffers: EngineBuffers):
-        self._copies = copies
-        self._buffers: EngineBuffers | None = buffers
-        # The slot of each page the load names once (a page named twice is copied at the
-        # end, into each of its slots).
-        slots: dict[bytes, int] = {}
-        twice: set[bytes] = set()
-        for r in refs:
-            skey = r.page_hash + _TAG[r.component]
-            if skey in slots:
-                twice.add(skey)
-            slots[skey] = r.device_index
-        for skey in twice:
-            del slots[skey]
-        self._slots = slots
-        self._lock = threading.Condition()
-        self._running = 0  # copies under way on reader threads
-        self.copied: set[bytes] = set()
-        self.events: list[Any] = []  # CUDA: one per copy issued
-        self.nbytes = 0
-        self.error: Exception | None = None
-
-    def __call__(self, pages: list[PageEntry]) -> None:
-        """Copy ``pages`` (checked, their host pages held) into their slots: a reader thread."""
-        slots = self._slots
-        plan: dict[ComponentType, tuple[list[int], list[int]]] = {}
-        named = []
-        for e in pages:
-            slot = slots.get(e.skey)
-            if slot is not None:
-                host, dev = plan.setdefault(e.component, ([], []))
-                host.append(e.host_page)
-                dev.append(slot)
-                named.append(e.skey)
-        if not named:
-            return
-        copies = self._copies
-        with self._lock:
-            buffers = self._buffers
-            if buffers is None or self.error is not None:
-                return
-            self._running += 1  # close() waits for this copy (readers copy in parallel)
-        events: list[Any] = []
-        nbytes = 0
-        error = None
-        try:
-            page_bytes = copies._store.host_page_bytes()
-            for comp, (host, dev) in plan.items():
-                if copies._store.fault("copy_to_device"):
-                    raise RuntimeError("injected host-to-device copy failure")
-                event = copies.transfer.start_to_device(comp, buffers, host, dev)
-                if event is not None:
-                    events.append(event)
-                nbytes += len(host) * page_bytes[comp]
-        except Exception as exc:
-            error = exc
-        with self._lock:
-            self.events += events
-            self.nbytes += nbytes
-            if error is not None:
-                self.error = self.error or error
-            else:
-                self.copied.update(named)
-            self._running -= 1
-            self._lock.notify_all()
-
-    def close(self) -> CopyAsRead:
-        """No copy starts from now on; wait for those issued (CUDA). Returns itself."""
-        with self._lock:
-            self._buffers = None
-            self._lock.wait_for(lambda: not self._running)
-        for event in self.events:
-            try:
-                event.synchronize()
-            except Exception as exc:  # a broken device: the copy has ended, badly
-                if self.error is None:
-                    self.error = exc
-        return self
 
 
 class DeviceLoad:

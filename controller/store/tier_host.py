@@ -143,6 +143,19 @@ class TierHostOps(StoreState):
                 self._index.discard_if_unused(e)
         return nbytes
 
+    def finish_direct_reads(self, results: Sequence[FillResult]) -> None:
+        """Settle reads from the indexed tier that went straight into a load: a page whose
+        value failed its checks (or was gone) is forgotten there, as on a fill. The pages
+        stay held by their load, which releases them."""
+        with self._lock:
+            for r in results:
+                if r.status is ReadStatus.OK or r.status is ReadStatus.ERROR:
+                    continue
+                why = _INVALID_REASON.get(r.status)
+                if why is not None:
+                    self._departed_locked(r.page, why, Tier.DISK)
+                self._forget_invalid_locked(r.page, r.status)
+
     def _forget_invalid_locked(self, e: PageEntry, status: ReadStatus) -> None:
         """The indexed tier's copy of ``e`` was invalid or gone: it is never served again."""
         if e.disk_state is not DiskState.READY:

@@ -118,6 +118,12 @@ class TransferEngine:
             self._streams[idx] = (torch.cuda.Stream(idx, priority=-1), torch.cuda.Stream(idx))
         return self._streams[idx]
 
+    def prepared(
+        self, component: ComponentType, buffers: EngineBuffers, to_host: bool
+    ) -> PreparedTransfer:
+        """The prepared copy of ``component`` between ``buffers`` and the host pool."""
+        return self._plan(component, buffers, to_host)
+
     def _plan(
         self,
         component: ComponentType,

@@ -25,6 +25,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,13 @@ from hicache.controller.store.page_codec import HEADER_BYTES, ReadStatus
 from hicache.controller.store.page_entry import DiskState, PageEntry
 from hicache.controller.tiers import lmdb_fsck
 from hicache.controller.tiers.lmdb_tier import DiskRecord, LmdbTier, WriteJob, WriteResult
-from hicache.controller.tiers.lower_tier import FillResult, FsckResult, TierHost, flush_deletes
+from hicache.controller.tiers.lower_tier import (
+    DirectSink,
+    FillResult,
+    FsckResult,
+    TierHost,
+    flush_deletes,
+)
 from hicache.controller.tiers.prewarm import Prewarm, UseLog, prewarm_order
 from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
@@ -204,6 +211,60 @@ class DiskTier:
         if batch:
             self._submit_locked(batch, then)
         return ok
+
+    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+        """Read ``pages`` (held, on this tier only) straight into where ``sink`` puts them
+        (a load's slots in an engine's memory), no host page between: batched and spread
+        over the reader pool as :meth:`fill_locked` does; the futures of the batches, each
+        True when every page of it was served. A value that fails its checks is forgotten
+        here and deleted, as on a read into host."""
+        sizes = self._value_bytes
+        total = sum(sizes[p.component] for p in pages)
+        target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
+        futures: list[Future] = []
+        batch: list[PageEntry] = []
+        size = 0
+        for page in pages:
+            if size and size + sizes[page.component] > target:
+                futures.append(self.lmdb.submit_read(self._read_direct, batch, sink))
+                batch, size = [], 0
+            batch.append(page)
+            size += sizes[page.component]
+        if batch:
+            futures.append(self.lmdb.submit_read(self._read_direct, batch, sink))
+        return futures
+
+    def _read_direct(self, pages: list[PageEntry], sink: DirectSink) -> bool:
+        """A batch of :meth:`read_direct_locked` (a reader thread, one transaction)."""
+        t0 = time.perf_counter()
+        faults = self._host.faults
+        if faults is not None and faults.disk_read_delay_s:
+            time.sleep(faults.disk_read_delay_s)
+        pieces = sink.pieces(pages)
+        if pieces is None:  # the load has ended or failed: nothing is read
+            return False
+        statuses = [ReadStatus.ERROR] * len(pages)
+        try:
+            skeys = [p.skey for p in pages]
+            sizes = [self._value_bytes[p.component] - HEADER_BYTES for p in pages]
+            statuses = self.lmdb.read_pieces(skeys, sizes, pieces, sink)
+        except Exception:
+            log.exception("disk read of %d pages into an engine failed", len(pages))
+        finally:
+            sink.ended(pages, statuses)
+        served = [p for p, st in zip(pages, statuses) if st is _OK]
+        nbytes = sum(self._value_bytes[p.component] - HEADER_BYTES for p in served)
+        if served:
+            seconds = time.perf_counter() - t0
+            self._read_cost.observe(nbytes, seconds)
+            self._counters.transfer("disk_to_device", len(served), nbytes, seconds)
+        if len(served) < len(pages):
+            self._host.finish_direct_reads([FillResult(p, st) for p, st in zip(pages, statuses)])
+            ended = sink.closed  # pages left unread by a load that gave up: no failure
+            for status in statuses:
+                if status is not _OK and not (ended and status is ReadStatus.ERROR):
+                    self._counters.fail(_READ_FAILURES[status])
+        return len(served) == len(pages)
 
     def _submit_locked(
         self, pages: list[PageEntry], then: Callable[[list[PageEntry]], None] | None

@@ -34,6 +34,7 @@ from hicache.controller.store.page_codec import (
     decode_header,
     payload_checksum,
     verify_into,
+    verify_runs,
 )
 from hicache.controller.tiers.lmdb_writer import (
     LmdbWriter,
@@ -291,22 +292,46 @@ class LmdbTier:
     def read_many(self, skeys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> list[ReadStatus]:
         """:meth:`read_into` of each page of ``skeys`` into the matching ``dsts``, in one
         read transaction (a batch of a load costs one, not one a page)."""
+        digest = self.layout_digest
+
+        def serve(i: int, value: Any) -> ReadStatus:
+            return verify_into(value, (value[HEADER_BYTES:],), skeys[i][-1], digest, dsts[i])
+
+        return self._read_each(skeys, serve)
+
+    def read_pieces(
+        self, skeys: Sequence[bytes], nbytes: Sequence[int], pieces: Sequence[Sequence], stop: Any
+    ) -> list[ReadStatus]:
+        """:meth:`read_many` for pages whose bytes go elsewhere than one row each: page
+        ``i``'s ``nbytes[i]`` payload bytes copied into ``pieces[i]`` and checked there
+        (:func:`~hicache.controller.store.page_codec.verify_runs`). Pages left when
+        ``stop.closed`` turns true are not read (ERROR)."""
+        digest = self.layout_digest
+
+        def serve(i: int, value: Any) -> ReadStatus:
+            return verify_runs(value, skeys[i][-1], digest, nbytes[i], pieces[i])
+
+        return self._read_each(skeys, serve, stop)
+
+    def _read_each(
+        self, skeys: Sequence[bytes], serve: Callable[[int, Any], ReadStatus], stop: Any = None
+    ) -> list[ReadStatus]:
+        """``serve(i, value)`` of each present value of ``skeys`` in one read transaction
+        (the map's pages stay valid inside it); a missing one is MISSING."""
         out = [ReadStatus.ERROR] * len(skeys)
         if self._closed:
             return out
-        hook, digest = self.fault_hook, self.layout_digest
+        hook = self.fault_hook
         try:
             with self.env.begin(buffers=True) as txn:
                 get = txn.get
                 for i, skey in enumerate(skeys):
+                    if stop is not None and stop.closed:
+                        break
                     if hook is not None and hook("disk_read"):
                         continue
                     value = get(skey)
-                    if value is None:
-                        out[i] = ReadStatus.MISSING
-                        continue
-                    # Checked and copied inside the transaction: the map's pages stay valid.
-                    out[i] = verify_into(value, (value[HEADER_BYTES:],), skey[-1], digest, dsts[i])
+                    out[i] = ReadStatus.MISSING if value is None else serve(i, value)
         except lmdb.Error as exc:
             log.error("LMDB read of %d pages failed: %s", len(skeys), exc)
         return out

@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from hicache.controller.tiers.lmdb_tier import DiskRecord
     from hicache.controller_api import PageKey
 
-__all__ = ["FillResult", "FsckResult", "LowerTier", "TierHost", "flush_deletes"]
+__all__ = [
+    "DirectSink",
+    "FillResult",
+    "FillsHostOnly",
+    "FsckResult",
+    "LowerTier",
+    "TierHost",
+    "flush_deletes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,12 @@ class LowerTier(Protocol):
         read that passed every check, before they are settled (their host pages held by
         the read, their bytes final): a load copies them on from there."""
 
+    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+        """Start reading ``pages`` (held by the load, on this tier only) straight into
+        where ``sink`` puts them, no host page between; the futures of the reads, each
+        True when all its pages were served. Only the indexed tier is asked; the others
+        read into host pages only (:class:`FillsHostOnly`)."""
+
     def read_cost(self) -> ReadCost | None:
         """What reading from this tier costs, as measured on its reads (None: not known;
         the cost rule then offers its pages as they are)."""
@@ -149,6 +163,32 @@ class LowerTier(Protocol):
         """Store what is queued (within ``timeout_s``), stop, release; True when drained."""
 
 
+class DirectSink(Protocol):
+    """Where a load's pages read straight from a tier go (an engine's slots in memory the
+    controller can write), and its end: no read starts once it is ``closed``."""
+
+    closed: bool
+
+    def takes(self, page: PageEntry) -> bool:
+        """Whether ``page`` (on the indexed tier only) may be read straight into the load's
+        slot rather than into a host page first (the store's lock held)."""
+
+    def pieces(self, pages: list[PageEntry]) -> list[list[tuple]] | None:
+        """On a reader thread, before reading ``pages``: where each page's payload goes
+        (see ``page_codec.verify_runs``); None when closed (nothing is read). Every call
+        that returns pieces is followed by :meth:`ended`."""
+
+    def ended(self, pages: list[PageEntry], statuses: list[ReadStatus]) -> None:
+        """The reads of ``pages`` have ended, as ``statuses`` tell: nothing more is written."""
+
+
+class FillsHostOnly:
+    """:meth:`LowerTier.read_direct_locked` of a tier that is never asked it."""
+
+    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+        raise NotImplementedError("only the indexed tier reads pages straight into a load")
+
+
 class TierHost(Protocol):
     """What a lower tier may ask of the page store (which implements it)."""
 
@@ -182,6 +222,10 @@ class TierHost(Protocol):
         """Settle reads from ``source``: a page read well is ready on host, another gives
         its host page back (and, read from the indexed tier, loses a copy found invalid
         there). Returns the bytes filled."""
+
+    def finish_direct_reads(self, results: Sequence[FillResult]) -> None:
+        """Settle reads from the indexed tier that went straight into a load (no host
+        page): a page whose value failed its checks or was gone loses its copy there."""
 
     def tier_changed(self, tier: Tier, pages: Sequence[PageEntry], removed: bool) -> None:
         """Tell the store's listener that ``pages`` were stored on (or ``removed`` from)

@@ -48,7 +48,7 @@ from hicache.controller.store.page_codec import (
     write_header,
 )
 from hicache.controller.store.page_entry import HostState, PageEntry
-from hicache.controller.tiers.lower_tier import FillResult, FsckResult, TierHost
+from hicache.controller.tiers.lower_tier import FillResult, FillsHostOnly, FsckResult, TierHost
 from hicache.controller.tiers.remote_health import BreakerState, CircuitBreaker, PresenceHints
 from hicache.controller.tiers.remote_store import (
     Fetched,
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 _INVALID = {ReadStatus.CORRUPT: "corrupt", ReadStatus.FOREIGN: "foreign"}
 
 
-class RemoteTier:
+class RemoteTier(FillsHostOnly):
     """Probes, fills and writes of one controller's remote tier (see module docstring)."""
 
     tier = Tier.REMOTE

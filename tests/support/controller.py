@@ -171,3 +171,21 @@ def registered_controller(tmp_path, **overrides) -> tuple[ModelLayout, Engine, L
     ctl = LocalController(controller_config(tmp_path, **overrides))
     ctl.register(layout, PAGE, engine.pools)
     return layout, engine, ctl
+
+
+def stored_then_restarted(tmp_path, pages: int, **overrides):
+    """A hybrid-layout engine's chain of ``pages`` pages (every component, a Mamba state
+    every third page) stored through a controller (``controller_config`` with
+    ``overrides``), then a restart on the same LMDB: every page on disk only. Returns
+    (engine, controller, chain, the chain's bytes)."""
+    layout = hybrid_layout()
+    engine = Engine(layout)
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    chain = engine.write_chain(range(pages * PAGE), mamba_every=3)
+    snap = engine.snapshot(chain)
+    assert ctl.backup(chain.refs()).wait(10.0)
+    ctl.close()
+    ctl = LocalController(controller_config(tmp_path, **overrides))
+    ctl.register(layout, PAGE, engine.pools)
+    return engine, ctl, chain, snap

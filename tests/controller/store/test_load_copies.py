@@ -7,35 +7,22 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from hicache.controller.store.faults import FaultPlan
-from hicache.controller.store.local import LocalController
 from hicache.controller_api import LoadResult, Presence
 from tests.support.controller import (
     FULL,
-    PAGE,
-    Engine,
     assert_same_bytes,
-    controller_config,
-    hybrid_layout,
     load_into,
+    stored_then_restarted,
 )
 
 
 def _stored_then_restarted(tmp_path, pages: int, **overrides):
-    """A chain of ``pages`` pages (every component) stored, then a restart: all on disk.
-    Its pages are small: every load copies as read all the same."""
+    """Its pages are small: every load copies as read all the same."""
     overrides.setdefault("copy_as_read_min_page_bytes", 0)
-    layout = hybrid_layout()
-    engine = Engine(layout)
-    ctl = LocalController(controller_config(tmp_path, **overrides))
-    ctl.register(layout, PAGE, engine.pools)
-    chain = engine.write_chain(range(pages * PAGE), mamba_every=3)
-    snap = engine.snapshot(chain)
-    assert ctl.backup(chain.refs()).wait(10.0)
-    ctl.close()
-    ctl = LocalController(controller_config(tmp_path, **overrides))
-    ctl.register(layout, PAGE, engine.pools)
-    return engine, ctl, chain, snap
+    return stored_then_restarted(tmp_path, pages, **overrides)
 
 
 def test_pages_read_in_several_batches_arrive_exact(tmp_path):
@@ -68,8 +55,11 @@ def test_small_pages_are_copied_when_the_reads_have_ended(tmp_path):
     ctl.close()
 
 
-def test_a_load_that_timed_out_writes_nothing_after_it_returned(tmp_path):
-    engine, ctl, chain, snap = _stored_then_restarted(tmp_path, pages=8, reader_threads=2)
+@pytest.mark.parametrize("direct", [False, True])  # read into host pages, or into the slots
+def test_a_load_that_timed_out_writes_nothing_after_it_returned(tmp_path, direct):
+    engine, ctl, chain, snap = _stored_then_restarted(
+        tmp_path, pages=8, reader_threads=2, disk_load_direct=direct
+    )
     ctl.faults = FaultPlan(disk_read_delay_s=0.3)
     target = engine.place(chain.hashes, chain.parents, sorted(chain.mamba_slots))
     engine.scribble(target)
