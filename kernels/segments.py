@@ -23,7 +23,6 @@ tensor is skipped by the kernel, never written.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,10 @@ from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 # A run of at least this many consecutive blocks to consecutive pages is copied as one
 # strided copy per segment on a CPU, rather than one memmove per segment and block.
 MIN_STRIDED_RUN = 4
+# A CPU copy split across threads is cut into pieces of about this many bytes, which the
+# threads take one at a time (small enough that one descheduled thread holds up little,
+# large enough that a piece's Python costs under 2 % of its copy).
+PIECE_BYTES = 2 << 20
 
 _memmove = ctypes.memmove
 
@@ -247,10 +250,10 @@ class SegmentCopy:
         """Runs of ``MIN_STRIDED_RUN`` or more consecutive blocks going to consecutive
         pages (ascending or descending) move as one strided numpy copy per segment, other
         blocks as one ``memmove`` per segment. A copy of the tuning's
-        ``cpu_parallel_min_bytes`` or more is split across its ``cpu_copy_threads``
-        threads (both kinds release the GIL). No torch ``copy_`` here: its intra-op
-        threads wait at a barrier for one another, which on
-        a busy host made a 2 MiB strided copy take milliseconds."""
+        ``cpu_parallel_min_bytes`` or more is cut into pieces (:data:`PIECE_BYTES`) that
+        its ``cpu_copy_threads`` threads take from one queue (both kinds release the GIL).
+        No torch ``copy_`` here: its intra-op threads wait at a barrier for one another,
+        which on a busy host made a 2 MiB strided copy take milliseconds."""
         if self._np_pages is None:
             self._prepare_cpu()
         runs = []  # (first block, lowest page, blocks, pages descending) of each long run
@@ -280,41 +283,61 @@ class SegmentCopy:
                 single_pages = [single_pages[i] for i in rest]
         threads = self._tuning.cpu_copy_threads or torch.get_num_threads()
         if blocks.size * self.page_bytes < self._tuning.cpu_parallel_min_bytes or threads < 2:
-            self._copy_runs(runs, 0, len(self._np_segments), to_host)
+            for b0, h0, n, down in runs:
+                for seg in range(len(self._np_segments)):
+                    self._copy_run(seg, b0, h0, n, down, to_host)
             self._move_blocks(single_blocks, single_pages, to_host)
             return
-        # Each thread takes a share of every run's segments and of the other blocks.
-        jobs = []
-        if runs:
-            cut = np.linspace(0, len(self._np_segments), threads + 1).astype(int).tolist()
-            jobs += [(self._copy_runs, runs, lo, hi, to_host) for lo, hi in itertools.pairwise(cut)]
-        if single_blocks:
-            cut = np.linspace(0, len(single_blocks), threads + 1).astype(int).tolist()
-            jobs += [
-                (self._move_blocks, single_blocks[lo:hi], single_pages[lo:hi], to_host)
-                for lo, hi in itertools.pairwise(cut)
-            ]
-        pool = copy_pool(threads)
-        futures = [pool.submit(*job) for job in jobs[1:]]
-        jobs[0][0](*jobs[0][1:])
-        for f in futures:
-            f.result()
+        # Pieces of about PIECE_BYTES that every thread takes from one queue, the calling
+        # thread too: a thread the OS deschedules (a busy host) holds up only the piece it
+        # has, where an even share per thread made the copy wait for the slowest share.
+        work = iter(self._pieces(runs, single_blocks, single_pages, to_host))
 
-    def _copy_runs(self, runs: list, seg_lo: int, seg_hi: int, to_host: bool) -> None:
-        """Segments ``[seg_lo, seg_hi)`` of each run ``(first block, lowest page, blocks,
-        pages descending)`` as one strided numpy copy each."""
-        pages = self._np_pages
+        def drain() -> None:
+            for fn, *args in work:
+                fn(*args)
+
+        pool = copy_pool(threads - 1)
+        futures = [pool.submit(drain) for _ in range(threads - 1)]
+        try:
+            drain()
+        finally:
+            for f in futures:
+                f.result()
+
+    def _pieces(
+        self, runs: list, single_blocks: list[int], single_pages: list[int], to_host: bool
+    ) -> list[tuple]:
+        """The copy as calls of about ``PIECE_BYTES`` each: a segment of part of a run,
+        or a few blocks of the others."""
+        pieces: list[tuple] = []
         for b0, h0, n, down in runs:
-            rows = pages[h0 : h0 + n]
-            if down:
-                rows = rows[::-1]
-            for t, s0, s1, d0, nb in self._np_segments[seg_lo:seg_hi]:
-                dev = t[b0 : b0 + n, s0:s1]
-                host = rows[:, d0 : d0 + nb]
-                if to_host:
-                    np.copyto(host, dev)
-                else:
-                    np.copyto(dev, host)
+            for seg, (*_, nbytes) in enumerate(self._np_segments):
+                step = max(1, PIECE_BYTES // nbytes)
+                for j in range(0, n, step):
+                    m = min(step, n - j)
+                    # Block b0 + j's page: h0 + j going up, h0 + n - 1 - j going down.
+                    low = h0 + (n - j - m if down else j)
+                    pieces.append((self._copy_run, seg, b0 + j, low, m, down, to_host))
+        step = max(1, PIECE_BYTES // max(self.page_bytes, 1))
+        for j in range(0, len(single_blocks), step):
+            blocks, pages = single_blocks[j : j + step], single_pages[j : j + step]
+            pieces.append((self._move_blocks, blocks, pages, to_host))
+        return pieces
+
+    def _copy_run(self, seg: int, b0: int, h0: int, n: int, down: bool, to_host: bool) -> None:
+        """Segment ``seg`` of blocks ``b0 ..`` ``b0 + n - 1`` and pages ``h0 .. h0 + n - 1``
+        (taken in descending order when ``down``) as one strided numpy copy."""
+        rows = self._np_pages[h0 : h0 + n]
+        if down:
+            rows = rows[::-1]
+        t, s0, s1, d0, nb = self._np_segments[seg]
+        dev = t[b0 : b0 + n, s0:s1]
+        host = rows[:, d0 : d0 + nb]
+        if to_host:
+            np.copyto(host, dev)
+        else:
+            np.copyto(dev, host)
 
     def _move_blocks(self, blocks: list[int], pages: list[int], to_host: bool) -> None:
         """Each block ``blocks[i]`` <-> page ``pages[i]``, one ``memmove`` per segment."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.kernels import segments
 from hicache.kernels.segments import Segment, SegmentCopy, _word_dtype
+from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
 PAYLOAD = 128
 
@@ -83,24 +85,35 @@ def test_a_segment_that_does_not_fit_is_refused():
         SegmentCopy([Segment(a, 0, 64, 200)], torch.zeros(2, 256, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "cpu-runs"])
-def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(use_kernel):
+@pytest.mark.parametrize(
+    "use_kernel, threaded",
+    [(True, False), (False, False), (False, True)],
+    ids=["triton", "cpu-runs", "cpu-pieces-on-threads"],
+)
+def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(
+    use_kernel, threaded, monkeypatch
+):
     """Consecutive blocks to consecutive pages, ascending or descending (one strided copy
     per segment on a CPU), beside scattered ones (memmove runs), a run turning round on
-    one page: the reference's bytes both ways."""
+    one page: the reference's bytes both ways. Threaded, the runs and blocks are cut into
+    pieces of a block or two, taken by two threads."""
+    tuning = DEFAULT_TUNING
+    if threaded:
+        tuning = TransferTuning(cpu_copy_threads=2, cpu_parallel_min_bytes=0)
+        monkeypatch.setattr(segments, "PIECE_BYTES", 100)
     tensors = _engine(3, blocks=40)
     segs = _segments(tensors, unaligned=True)
     blocks = [*range(2, 10), 20, 15, *range(11, 16), *range(24, 30), *range(31, 36)]
     pages = [*range(4, 12), 0, 22, *range(16, 21), *range(35, 29, -1), 23, 24, 25, 26, 27]
     got = torch.zeros(40, 512, dtype=torch.uint8)
     want = torch.zeros_like(got)
-    SegmentCopy(segs, got, PAYLOAD, use_kernel=use_kernel).to_host(blocks, pages)
+    SegmentCopy(segs, got, PAYLOAD, tuning, use_kernel=use_kernel).to_host(blocks, pages)
     SegmentCopy(segs, want, PAYLOAD).reference(blocks, pages, True)
     assert torch.equal(got, want)
     before = [t.clone() for t in tensors]
     for t in tensors:
         t.zero_()
-    SegmentCopy(segs, got, PAYLOAD, use_kernel=use_kernel).to_device(pages, blocks)
+    SegmentCopy(segs, got, PAYLOAD, tuning, use_kernel=use_kernel).to_device(pages, blocks)
     for seg in segs:
         i = next(n for n, t in enumerate(tensors) if t is seg.tensor)
         cols = slice(seg.src_offset, seg.src_offset + seg.nbytes)
