@@ -115,8 +115,8 @@ class StageClock:
     def __enter__(self) -> StageClock:
         import hicache.integrations.engine_blocks as eb
 
-        self._wait = eb._wait_all
-        eb._wait_all = self._timed("copy_wait", eb._wait_all)
+        self._wait = eb.wait_all
+        eb.wait_all = self._timed("copy_wait", eb.wait_all)
         for name in self.CALLS:
             setattr(self.client, name, self._timed(name, getattr(self.client, name)))
         self._copies = [c for c in self.engine._copies_now() if c is not None]
@@ -127,7 +127,7 @@ class StageClock:
     def __exit__(self, *exc) -> None:
         import hicache.integrations.engine_blocks as eb
 
-        eb._wait_all = self._wait
+        eb.wait_all = self._wait
         for name in self.CALLS:
             del self.client.__dict__[name]
         for c in self._copies:

@@ -83,6 +83,7 @@ class EngineCopies:
     _pages: WritableHostPages | None
     _pages_generation: int
     _share: HostShare | None
+    _instance: tuple[int, int | None]
 
     def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
     def _call_failed(self, exc: Any) -> None: ...
@@ -210,16 +211,22 @@ class EngineCopies:
             log.debug("store_commit failed: %s", exc)
             return 0
 
-    def send_pin(self, keys: Sequence[PageKey], ttl_s: float) -> PendingPin | None:
+    def send_pin(
+        self, keys: Sequence[PageKey], ttl_s: float, under: int | None = None,
+        host_pages: bool = False,
+    ) -> PendingPin | None:  # fmt: skip
         """:meth:`pin` in two halves, for an engine that pins the next part of a load
         while it copies this one: the request goes now, :meth:`receive_pin` takes its
         receipt. None when nothing was sent (``pin_at_load``, too many keys, no session):
         the caller pins with :meth:`pin`. A request sent must be received (a pin nobody
-        takes only lapses at its deadline)."""
+        takes only lapses at its deadline). ``under``: pinned only if that pin (of
+        another session of this sidecar) still holds once these keys are pinned, else the
+        receipt is None. ``host_pages``: the receipt names each page's host page even
+        where this client maps none (for another session of the engine to copy under)."""
         if len(keys) > MAX_PIN_KEYS or self.config.pin_at_load or self._open:
             return None
         try:
-            args = self._pin_args(keys, ttl_s)
+            args = self._pin_args(keys, ttl_s, host_pages, under)
             rid = self._channel.send(Verb.PIN, args, self.config.request_timeout_s)
         except ControllerError as exc:
             log.debug("pin not sent: %s", exc)
@@ -242,9 +249,25 @@ class EngineCopies:
         self._succeeded()
         return self._receipt(res, pending.keys, pending.ttl_s, pending.generation)
 
-    def _pin_args(self, keys: Sequence[PageKey], ttl_s: float) -> PinArgs:
-        wants_pages = self._share is not None or self._pages is not None
-        return PinArgs(list(keys), float(ttl_s), True if wants_pages else None)
+    def _pin_args(
+        self, keys: Sequence[PageKey], ttl_s: float, host_pages: bool = False,
+        under: int | None = None,
+    ) -> PinArgs:  # fmt: skip
+        wants_pages = host_pages or self._share is not None or self._pages is not None
+        return PinArgs(list(keys), float(ttl_s), True if wants_pages else None, under)
+
+    def sidecar_instance(self, generation: int | None) -> int | None:
+        """The instance id of the sidecar this client's session ``generation`` talks to
+        (a pin id or host page means something only there); None when unknown."""
+        gen, instance = self._instance
+        return instance if generation == gen else None
+
+    def mapped_session(self) -> tuple[int, int] | None:
+        """(generation, sidecar instance) of the host pages mapped here now
+        (:meth:`map_host_pages`); None when none are, or the sidecar did not say."""
+        gen = self._pages_generation
+        instance = self.sidecar_instance(gen) if self._pages is not None else None
+        return None if instance is None else (gen, instance)
 
     @staticmethod
     def _receipt(res: Any, keys: Sequence[PageKey], ttl_s: float, generation: int):

@@ -123,6 +123,7 @@ class SidecarController(EngineCopies):
         # loads (map_host_pages), and the session generation they belong to.
         self._pages: WritableHostPages | None = None
         self._pages_generation = -1
+        self._instance: tuple[int, int | None] = (-1, None)  # (generation, sidecar instance)
         self._heartbeat_s = self.config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
         self._hb_pending: int | None = None
         self._hb_sent = 0.0
@@ -218,6 +219,7 @@ class SidecarController(EngineCopies):
             page_size=page_size,
         )
         welcome = ch.call(Verb.HELLO, hello, t, connect_wait_s=t)
+        self._instance = (ch.generation, welcome.instance)
         if self.config.heartbeat_interval_s is None:
             self._heartbeat_s = welcome.heartbeat_interval_s
         if desc is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class VerbHandlers(AdminVerbs):
         self.endpoints = endpoints
         self.on_tiers_opened = on_tiers_opened
         self.admin_token = b""  # set by the server once it has loaded or written it
+        self.instance = secrets.randbits(62)  # HelloReply.instance
         self.fd_inbox: FdInbox | None = None  # memory descriptors (controller/client/fd_pass.py)
         self.handlers: dict[Verb, Callable[[Call, Any], Any]] = {
             Verb.REGISTER: self.register,
@@ -191,6 +193,7 @@ class VerbHandlers(AdminVerbs):
             lease_s=self.config.lease_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             max_message_bytes=self.config.max_message_bytes,
+            instance=self.instance,
         )
 
     # -- engine verbs --------------------------------------------------------------------
@@ -220,6 +223,11 @@ class VerbHandlers(AdminVerbs):
     def pin(self, call: Call, a: PinArgs) -> PinReply:
         receipt = self.ctl.pin(a.keys, a.ttl_s, engine_id=call.conn.engine_id)
         if receipt is None:
+            return PinReply(None)
+        if a.under is not None and not self.ctl.store.pin_held(a.under):
+            # Checked after pinning: held then, ``under`` held the pages from its own pin
+            # until this one took them over, so a copy made under it read them whole.
+            self.ctl.unpin(receipt, engine_id=call.conn.engine_id)
             return PinReply(None)
         ttl = receipt.deadline - time.monotonic()
         pages = self.ctl.store.pinned_host_pages(receipt.pin_id, a.keys) if a.host_pages else None

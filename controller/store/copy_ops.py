@@ -97,6 +97,12 @@ class CopyOps(StoreState):
                         out[i] = e.host_page
         return np.array(out, dtype=np.int32)
 
+    def pin_held(self, pin_id: int) -> bool:
+        """Whether pin ``pin_id`` (any engine's) still holds its pages: pin ids are never
+        reused, and a pin's pages stay put until it is released or expires."""
+        with self._lock:
+            return self._pins.get(pin_id) is not None
+
     def _served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
         """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
         transfer and keep the pages as any page that served a load-back."""

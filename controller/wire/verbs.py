@@ -137,6 +137,9 @@ class PinArgs:
     ttl_s: float = wire(Float(0.001, MAX_PIN_TTL_S))
     # The engine maps the shared host pages: answer each key's host page (host_share.py).
     host_pages: bool | None = wire(Bool(), optional=True)
+    # Pinned only if the pin ``under`` (another session's: vLLM's scheduler) still exists
+    # once these keys are pinned: a failure otherwise (engine_blocks.py, handed pages).
+    under: int | None = wire(Int(), optional=True)
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,9 @@ class HelloReply:
     lease_s: float = wire(Float(0.0, float("inf")))
     heartbeat_interval_s: float = wire(Float(0.0, float("inf")))
     max_message_bytes: int = wire(Int())
+    # This sidecar process's random id: a pin id or a host page names something only in
+    # the instance that issued it (a session of another may hand it on).
+    instance: int | None = wire(Int(), optional=True)
 
 
 @dataclass(frozen=True)

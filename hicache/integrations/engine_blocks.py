@@ -12,6 +12,9 @@ the worker moves the bytes itself, once:
 * a **load** pins the pages with their host page numbers, has the sidecar read the ones
   that are only on disk (or the remote tier) into host pages first, copies each page's
   segments into its block, and unpins, telling the sidecar the copy was served;
+* a **load handed its pages** (:meth:`EngineBlocks.load_handed`: another session of the
+  engine pinned them and named their host pages) copies at once, its own pin of them
+  sent meanwhile and made only while that pin still holds; a refused pin voids the copy;
 * a **layer-wise load** (:meth:`EngineBlocks.start_layer_load`) pins the same way, then
   starts one copy per layer (that layer's segments of every block), in layer order, and
   returns at once: :meth:`BlockLayerLoad.wait` makes the caller's stream wait for one
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +41,22 @@ import torch
 
 from hicache import PageKey, PageRef
 from hicache.controller.client import SidecarController
+from hicache.integrations.engine_block_layers import BlockLayerLoad, wait_all
 from hicache.kernels import Segment, SegmentCopy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HandedPages:
+    """A load's pages as another session of the engine pinned them: the pin, the sidecar
+    instance that issued it (``SidecarController.sidecar_instance``), its deadline
+    (monotonic seconds) and the host page of each page (-1: not on host)."""
+
+    pin_id: int
+    instance: int
+    deadline: float
+    host_pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class EngineBlocks:
         self._layer_copies: dict[str, SegmentCopy] = {}
         self._layers_host = None
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
+        self.handed_voided = 0  # load_handed copies made again: the pin had let go
 
     def _copies_now(self) -> list[SegmentCopy | None] | None:
         """The group copies over the current session's host pages (built again after a
@@ -190,7 +206,7 @@ class EngineBlocks:
                 committed += self._commit_copied(pending)
                 pending.append((store, events))
             for done, done_events in pending:  # the last: its answer covers the others
-                _wait_all(done_events)
+                wait_all(done_events)
                 committed += self.client.commit_store(done, True)
             pending = []
         finally:
@@ -199,7 +215,7 @@ class EngineBlocks:
                 if unused is not None:
                     self.client.commit_store(unused, False)
             for done, done_events in pending:  # a copy failed: give the rest back
-                _wait_all(done_events, quiet=True)
+                wait_all(done_events, quiet=True)
                 self.client.commit_store(done, False)
             if on_copied is not None:
                 on_copied()
@@ -216,7 +232,7 @@ class EngineBlocks:
             if store is None:
                 return 0, len(refs)
             try:
-                _wait_all(self._start(copies, groups, blocks, store.pages, True))
+                wait_all(self._start(copies, groups, blocks, store.pages, True))
             except Exception:
                 self.client.commit_store(store, False)
                 raise
@@ -232,7 +248,7 @@ class EngineBlocks:
         committed = 0
         while pending:
             done, done_events = pending[-1]
-            _wait_all(done_events)
+            wait_all(done_events)
             pending.pop()
             committed += self.client.commit_store(done, True, wait=False)
         return committed
@@ -284,7 +300,7 @@ class EngineBlocks:
                     return False
                 while pending:
                     done, done_events, started = pending[-1]
-                    _wait_all(done_events)
+                    wait_all(done_events)
                     pending.pop()
                     self.client.unpin(done, loaded_s=time.perf_counter() - started)
                 pending.append((pin, events, t0))
@@ -296,7 +312,7 @@ class EngineBlocks:
                 if unused is not None:
                     self.client.unpin(unused)
             for done, done_events, started in pending:
-                _wait_all(done_events, quiet=not ok)
+                wait_all(done_events, quiet=not ok)
                 loaded = time.perf_counter() - started if ok else None
                 self.client.unpin(done, loaded_s=loaded)
 
@@ -312,13 +328,59 @@ class EngineBlocks:
         t0 = time.perf_counter()
         pages = np.asarray(pin.host_pages, dtype=np.int64)
         try:
-            _wait_all(self._start(copies, groups, blocks, pages, False))
+            wait_all(self._start(copies, groups, blocks, pages, False))
         except Exception as exc:
             log.error("load from the shared host pages failed: %s", exc)
             self.client.unpin(pin)
             return False
         self.client.unpin(pin, loaded_s=time.perf_counter() - t0)
         return True
+
+    def load_handed(
+        self, hashes: Sequence[bytes], groups: Sequence[int], blocks: Sequence[int],
+        handed: HandedPages, pin_ttl_s: float, timeout_s: float,
+    ) -> bool:  # fmt: skip
+        """:meth:`load` of pages another session of this engine has pinned and named
+        (``handed``: vLLM's scheduler pins a load's pages when it plans it): the copy
+        starts at once, while this session's pin of the same pages goes out, made only if
+        ``handed.pin_id`` still holds once it is (so the pages stayed put throughout). A
+        pin that fails or names other pages voids the copy: the load is made again as
+        :meth:`load` makes it (a page gone is a miss, never other bytes)."""
+        copies = self._copies_now()
+        session = self.client.mapped_session()  # (generation, instance) of these pages
+        pages = np.asarray(handed.host_pages, dtype=np.int64)
+        if copies is None or session is None or session[1] != handed.instance:
+            return self.load(hashes, groups, blocks, pin_ttl_s, timeout_s)
+        keys = [PageKey(self.component, h) for h in hashes]
+        asked = self.client.send_pin(keys, pin_ttl_s, under=handed.pin_id)
+        if asked is None:
+            return self.load(hashes, groups, blocks, pin_ttl_s, timeout_s)
+        t0 = time.perf_counter()
+        g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
+        events, copied = [], True
+        try:
+            events = self._start(copies, g_arr, b_arr, pages, False)
+        except Exception as exc:
+            log.error("load from the shared host pages failed: %s", exc)
+            copied = False
+        pin = self.client.receive_pin(asked)  # its answer came while the copy ran
+        try:
+            wait_all(events)
+        except Exception as exc:
+            log.error("load from the shared host pages failed: %s", exc)
+            copied = False
+        held = (
+            pin is not None
+            and pin.generation == session[0]
+            and pin.host_pages is not None
+            and np.array_equal(np.asarray(pin.host_pages, dtype=np.int64), pages)
+        )
+        if pin is not None:
+            self.client.unpin(pin, loaded_s=time.perf_counter() - t0 if held else None)
+        if not held:
+            self.handed_voided += 1
+            return self.load(hashes, groups, blocks, pin_ttl_s, timeout_s)
+        return copied
 
     def _layer_copies_now(
         self, layers: dict[str, tuple[int, Sequence[int]]]
@@ -397,83 +459,3 @@ def _mine(groups: np.ndarray, blocks: np.ndarray, pages: np.ndarray, g: int):
     """The blocks of group ``g`` and their pages."""
     mine = groups == g
     return blocks[mine], pages[mine]
-
-
-class BlockLayerLoad:
-    """A layer-wise load of engine blocks (:meth:`EngineBlocks.start_layer_load`):
-    :meth:`wait` for a layer, :meth:`finish` once the engine no longer needs any."""
-
-    def __init__(
-        self, client: SidecarController, pin, layers: list[str], device: torch.device | None = None
-    ) -> None:
-        self._client = client
-        self._device = device
-        self._pin = pin
-        self._t0 = time.perf_counter()
-        self._ready = {name: threading.Event() for name in layers}
-        self._events: dict[str, object] = {}
-        self._ended = threading.Event()
-        self.ok = pin is not None
-        self._finished: bool | None = None
-        if pin is None:
-            for ev in self._ready.values():
-                ev.set()
-            self._ended.set()
-
-    def run(self, work: list, copy: Callable) -> None:
-        """Copy (on a CPU) or issue (on a GPU) each layer in order, marking it ready."""
-        try:
-            for name, blocks, pages in work:
-                if self.ok:
-                    try:
-                        self._events[name] = copy(name, blocks, pages)
-                    except Exception as exc:
-                        log.error("layer %s of a load failed: %s", name, exc)
-                        self.ok = False
-                self._ready[name].set()
-        finally:
-            for ev in self._ready.values():
-                ev.set()
-            self._ended.set()
-
-    def wait(self, layer: str) -> bool:
-        """Wait until ``layer``'s blocks may be read by the caller's next work (on a GPU:
-        its current stream waits for the layer's copy); False when the load failed (a
-        layer this load does not know is ready at once)."""
-        ready = self._ready.get(layer)
-        if ready is None:
-            return self.ok
-        ready.wait()
-        event = self._events.get(layer)
-        if event is not None and self.ok:
-            event.wait(torch.cuda.current_stream(self._device))
-        return self.ok
-
-    def finish(self) -> bool:
-        """Wait for every copy, unpin (telling the sidecar it was served), and say whether
-        every byte arrived; a second call returns the first's answer."""
-        if self._finished is None:
-            self._ended.wait()
-            try:
-                _wait_all(list(self._events.values()))
-            except Exception as exc:
-                log.error("a layer-wise copy failed: %s", exc)
-                self.ok = False
-            if self._pin is not None:
-                loaded = time.perf_counter() - self._t0 if self.ok else None
-                self._client.unpin(self._pin, loaded_s=loaded)
-            self._finished = self.ok
-        return self._finished
-
-
-def _wait_all(events: list, quiet: bool = False) -> None:
-    """Wait for copies started; ``quiet``: one that failed is logged, not raised."""
-    for event in events:
-        if event is None:
-            continue
-        try:
-            event.synchronize()
-        except Exception as exc:
-            if not quiet:
-                raise
-            log.error("a copy to or from the shared host pages failed: %s", exc)

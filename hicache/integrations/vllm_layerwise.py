@@ -19,7 +19,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from hicache.controller.client import SidecarController
-from hicache.integrations.engine_blocks import BlockLayerLoad, EngineBlocks
+from hicache.integrations.engine_block_layers import BlockLayerLoad
+from hicache.integrations.engine_blocks import EngineBlocks
 
 
 class LayerwiseLoads:

@@ -8,8 +8,11 @@ the request wait a step (``RETRY``), and one not there after ``lookup_deadline_m
 miss. A sidecar that is down answers at once (the client's breaker is open): all misses.
 
 A pin (on its own thread, so the step never waits for it) keeps the pages of a load in
-the sidecar from ``prepare_load`` to ``complete_load``; the worker pins them again in its
-own session for the copy itself, so a pin that failed or expired costs a hit, not bytes.
+the sidecar from ``prepare_load`` to ``complete_load``. Once answered, it names each
+page's host page in the load's spec, and a worker that receives the spec with them
+copies at once while it pins the pages in its own session, a pin the sidecar makes only
+if this one still holds (``EngineBlocks.load_handed``); without them it pins first. A pin
+that failed or expired costs a hit, never bytes.
 ``prepare_store`` leaves out the keys the sidecar said it holds; the sidecar's backup
 skips what it holds anyway, so a stale answer costs a copy, never a page.
 
@@ -48,6 +51,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hicache import P_ABSENT, P_DISK, P_HOST, ComponentType, PageKey, PinReceipt
 from hicache.controller import SidecarController
 from hicache.controller.client import SidecarClientConfig
+from hicache.integrations.engine_blocks import HandedPages
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_pages import PageNamespace, tenant_label
 
@@ -58,10 +62,14 @@ FULL = ComponentType.FULL
 
 class HiCacheLoadSpec(LoadStoreSpec):
     """Where a load's pages are in the sidecar: the keys, in the order vLLM's destination
-    blocks come (group by group, block order)."""
+    blocks come (group by group, block order); and, once this manager's pin of them has
+    been answered (a spec sent to the workers before that carries None), the pin and the
+    host page of each page, rank by rank (rank r's page of ``keys[i]`` at
+    ``r * len(keys) + i``), which the workers copy from at once."""
 
     def __init__(self, keys: Sequence[OffloadKey]) -> None:
         self.keys = list(keys)
+        self.handed: HandedPages | None = None
 
     def __repr__(self) -> str:
         return f"HiCacheLoadSpec({len(self.keys)} pages)"
@@ -220,11 +228,19 @@ class HiCacheOffloadingManager(OffloadingManager):
 
     # -- loads ----------------------------------------------------------------------------
 
-    def _pin(self, keys: list[OffloadKey]) -> PinReceipt | None:
+    def _pin(self, keys: list[OffloadKey], spec: HiCacheLoadSpec) -> PinReceipt | None:
         ns = self.namespace
         page_keys = [PageKey(FULL, ns.page_hash(k, r)) for r in self._ranks for k in keys]
-        receipt = self.client.pin(page_keys, self.config.pin_ttl_s)
+        ttl = self.config.pin_ttl_s
+        asked = self.client.send_pin(page_keys, ttl, host_pages=True)
+        receipt = self.client.receive_pin(asked) if asked else self.client.pin(page_keys, ttl)
         self.counters["pins" if receipt is not None else "pin_failures"] += 1
+        if receipt is not None and receipt.host_pages is not None:
+            instance = self.client.sidecar_instance(receipt.generation)
+            if instance is not None:
+                spec.handed = HandedPages(
+                    receipt.pin_id, instance, receipt.deadline, tuple(receipt.host_pages)
+                )
         return receipt
 
     def _unpin(self, pinned: Future) -> None:
@@ -235,10 +251,11 @@ class HiCacheOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         ordered = list(keys)
         self.counters["loads"] += 1
-        pinned = self._calls.submit(self._pin, ordered)
+        spec = HiCacheLoadSpec(ordered)
+        pinned = self._calls.submit(self._pin, ordered, spec)
         with self._lock:
             self._pins.setdefault(req_context.req_id, []).append((frozenset(ordered), pinned))
-        return HiCacheLoadSpec(ordered)
+        return spec
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         done = frozenset(keys)

@@ -23,6 +23,7 @@ that fails is dropped and counted; nothing of it is visible to lookups.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -54,7 +55,8 @@ from hicache import (
     unsettled_load,
 )
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
-from hicache.integrations.engine_blocks import BlockLayerLoad, BlockSegment, EngineBlocks
+from hicache.integrations.engine_block_layers import BlockLayerLoad
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks, HandedPages
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_layerwise import LayerwiseLoads
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
@@ -64,6 +66,8 @@ from hicache.kernels import merge_runs, move_runs
 log = logging.getLogger(__name__)
 
 FULL = ComponentType.FULL
+# The scheduler's pin of a load is copied under only with this long left to run.
+HANDED_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -376,13 +380,16 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
                 return
             if self.blocks is not None:
                 hashes = [self.namespace.page_hash(src.keys[k], self.rank) for k, _, _ in pairs]
-                ok = self.blocks.load(
-                    hashes,
-                    [pos for _, pos, _ in pairs],
-                    [b for _, _, b in pairs],
-                    self.config.pin_ttl_s,
-                    self.config.load_timeout_s,
-                )
+                where = ([pos for _, pos, _ in pairs], [b for _, _, b in pairs])
+                cfg = self.config
+                handed = self._handed(src, pairs)
+                if handed is not None:
+                    self.counters["loads_handed"] += 1
+                    ok = self.blocks.load_handed(
+                        hashes, *where, handed, cfg.pin_ttl_s, cfg.load_timeout_s
+                    )
+                else:
+                    ok = self.blocks.load(hashes, *where, cfg.pin_ttl_s, cfg.load_timeout_s)
                 moved = len(pairs) * self.namespace.page_bytes if ok else 0
                 return
             ok = True
@@ -405,6 +412,21 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
         finally:
             self.counters["loads" if ok else "loads_failed"] += 1
             self._finish(TransferResult(job_id, True, moved, time.perf_counter() - t0), not ok)
+
+    def _handed(self, src: HiCacheLoadSpec, pairs: list) -> HandedPages | None:
+        """This rank's pages of ``src`` as the scheduler's pin named them, when it did
+        for every page and has ``HANDED_MARGIN_S`` or more to run."""
+        handed = getattr(src, "handed", None)  # a spec of an older scheduler has none
+        n = len(src.keys)
+        if handed is None or len(handed.host_pages) < (self.rank + 1) * n:
+            return None
+        if handed.deadline - time.monotonic() < HANDED_MARGIN_S:
+            return None
+        mine = handed.host_pages[self.rank * n : (self.rank + 1) * n]
+        pages = tuple(mine[k] for k, _, _ in pairs)
+        if pages and min(pages) < 0:
+            return None  # a page only on disk: read to host by the usual load
+        return dataclasses.replace(handed, host_pages=pages)
 
     def _load_part(
         self, part: list[tuple[int, int, int]], keys: Sequence[bytes], pages: np.ndarray

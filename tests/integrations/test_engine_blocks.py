@@ -10,10 +10,11 @@ import hashlib
 import pytest
 import torch
 
-from hicache import ModelLayout, PageRef
+from hicache import ModelLayout, PageRef, PinReceipt
 from hicache.controller.client import SidecarController
 from hicache.controller.wire.protocol import Verb
-from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
+from hicache.controller_api import PageKey
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks, HandedPages
 from hicache.types import ComponentType
 from tests.support.sidecar import Sidecar, short_tmpdir, wait_for
 
@@ -230,6 +231,80 @@ def test_a_store_of_one_part_whose_copy_fails_gives_every_page_back(sidecar, mon
     finally:
         admin.close()
         writer.client.close()
+        reader.client.close()
+
+
+def _stored_and_pinned(
+    sidecar: Sidecar, writer: EngineBlocks, ids: list[int]
+) -> tuple[SidecarController, PinReceipt, HandedPages]:
+    """``writer`` stores blocks 0.. as ``ids``; then another session of the engine (vLLM's
+    scheduler) pins them and names their host pages, as a worker receives them."""
+    assert writer.store(_refs(ids), [0] * len(ids), list(range(len(ids))), 30.0)[0] == len(ids)
+    scheduler = SidecarController(sidecar.endpoint, engine_id="blocks-scheduler")
+    scheduler.attach(_layout(), 1)
+    pin = scheduler.receive_pin(
+        scheduler.send_pin([PageKey(FULL, _hash(i)) for i in ids], 30.0, host_pages=True)
+    )
+    assert pin is not None and min(pin.host_pages) >= 0
+    instance = scheduler.sidecar_instance(pin.generation)
+    assert instance is not None
+    return scheduler, pin, HandedPages(pin.pin_id, instance, pin.deadline, tuple(pin.host_pages))
+
+
+def test_a_load_under_the_schedulers_pin_copies_at_once_and_holds_its_own_pin(sidecar):
+    writer, src = _engine(sidecar, 12)
+    reader, dst = _engine(sidecar, 13)
+    admin = sidecar.admin()
+    try:
+        ids = list(range(500, 506))
+        scheduler, pin, handed = _stored_and_pinned(sidecar, writer, ids)
+        targets = [9, 7, 5, 3, 1, 0]
+        hashes = [_hash(i) for i in ids]
+        assert reader.load_handed(hashes, [0] * 6, targets, handed, 30.0, 30.0)
+        assert reader.handed_voided == 0
+        for s, d in zip(src, dst):
+            assert torch.equal(d[targets], s[:6])
+        scheduler.unpin(pin)
+        scheduler.close()
+        # the reader's own pin went with its unpin, the scheduler's with its own
+        wait_for(lambda: admin.call(Verb.STATS)["pins_active"] == 0, 10.0, "pins released")
+    finally:
+        admin.close()
+        writer.client.close()
+        reader.client.close()
+
+
+def test_a_load_under_a_pin_that_let_go_never_keeps_the_bytes_it_copied(sidecar):
+    """The scheduler's pin is released and the pages it named are handed to a store of
+    other blocks before the worker copies: the sidecar refuses the worker's pin under it,
+    the copy is void, and the load is made again from where the pages are now (disk):
+    the right bytes, never the ones the named pages hold now."""
+    writer, src = _engine(sidecar, 14)
+    other, _ = _engine(sidecar, 15)
+    reader, dst = _engine(sidecar, 16)
+    admin = sidecar.admin()
+    try:
+        ids = list(range(600, 604))
+        scheduler, _, handed = _stored_and_pinned(sidecar, writer, ids)
+        scheduler.close()  # its session goes, and its pin with it
+        keys = [PageKey(FULL, _hash(i)) for i in ids]
+        refused = reader.client.send_pin(keys, 30.0, under=handed.pin_id)
+        assert reader.client.receive_pin(refused) is None  # and nothing stays pinned
+        assert admin.call(Verb.STATS)["pins_active"] == 0
+        sidecar_flushed(admin)
+        admin.call(Verb.EVICT, {"tier": "host", "bytes": 1 << 30})  # disk copies stay
+        # Other blocks into the freed host pages (handed out last-freed first).
+        assert other.store(_refs(list(range(700, 764))), [0] * 64, list(range(64)), 30.0)[0]
+        hashes = [_hash(i) for i in ids]
+        assert reader.load_handed(hashes, [0] * 4, [20, 21, 22, 23], handed, 30.0, 30.0)
+        assert reader.handed_voided == 1
+        for s, d in zip(src, dst):
+            assert torch.equal(d[20:24], s[:4])
+        assert admin.call(Verb.STATS)["pins_active"] == 0
+    finally:
+        admin.close()
+        writer.client.close()
+        other.client.close()
         reader.client.close()
 
 
