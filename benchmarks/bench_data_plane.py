@@ -12,6 +12,9 @@ CPU; pinned host ↔ device on a GPU, each way):
   tensor per layer, a row per block, 16 layers × 64 KiB = a 1 MiB page per block) stored
   into host pages the sidecar hands out and loaded back from host pages, one copy each
   way (hicache/integrations/engine_blocks.py, what the vLLM worker runs);
+* ``vllm_load_handed``: the same load as the worker makes it when vLLM's scheduler has
+  pinned the pages and named their host pages (``EngineBlocks.load_handed``; the
+  scheduler's pin, made in its own step, is not timed);
 * ``vllm_store_and_load``: a store and a load at once (GPU: against two concurrent
   memcpys, one each way; CPU: against two memcpys, one after the other);
 * ``backup``: the sidecar copies registered engine pools into host pages;
@@ -47,10 +50,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hicache import CacheConfig, DevicePools, ModelLayout, PageRef
+from hicache import CacheConfig, DevicePools, ModelLayout, PageKey, PageRef
 from hicache.controller import ControllerConfig, LocalController
 from hicache.controller.client import SidecarClientConfig, SidecarController
-from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
+from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks, HandedPages
 from hicache.keys import page_hashes
 from hicache.types import ComponentType
 
@@ -101,6 +104,7 @@ class StageClock:
     def __init__(self, client: SidecarController, engine: EngineBlocks) -> None:
         self.client, self.engine = client, engine
         self.ms: dict[str, float] = {}
+        self.longest_ms: dict[str, float] = {}  # the longest single call of each stage
 
     def _timed(self, name: str, fn: Callable) -> Callable:
         def run(*a, **k):
@@ -108,7 +112,9 @@ class StageClock:
             try:
                 return fn(*a, **k)
             finally:
-                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+                ms = (time.perf_counter() - t0) * 1e3
+                self.ms[name] = self.ms.get(name, 0.0) + ms
+                self.longest_ms[name] = max(self.longest_ms.get(name, 0.0), ms)
 
         return run
 
@@ -138,6 +144,7 @@ class StageClock:
 FLOOR_OF = {
     "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
     "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
+    "vllm_load_handed": "to_device",
     "sidecar_load": "to_device", "in_process_load": "to_device",
     "vllm_store_and_load": "both",
 }  # fmt: skip
@@ -206,6 +213,8 @@ def _beside(
 
 #: size -> {"store"|"load": {stage: ms}}: a store's and a load's stages (StageClock)
 STAGES: dict[int, dict[str, dict[str, float]]] = {}
+#: (size, "store"|...) -> {stage: ms}: the longest single call of each stage
+LONGEST: dict[tuple[int, str], dict[str, float]] = {}
 #: a lookup of one page through the sidecar (a round trip), seconds
 ROUND_TRIP_S: list[float] = []
 
@@ -252,6 +261,15 @@ def _client(endpoint: str, name: str) -> SidecarController:
     return SidecarController(endpoint, name, cfg)
 
 
+def _handed(scheduler: SidecarController, hashes: list[bytes]) -> HandedPages:
+    """vLLM's scheduler's pin of a load, naming the pages' host pages for the worker."""
+    keys = [PageKey(FULL, h) for h in hashes]
+    pin = scheduler.receive_pin(scheduler.send_pin(keys, 600.0, host_pages=True))
+    assert pin is not None and min(pin.host_pages) >= 0, "the scheduler's pin failed"
+    instance = scheduler.sidecar_instance(pin.generation)
+    return HandedPages(pin.pin_id, instance, pin.deadline, tuple(pin.host_pages))
+
+
 def engine_block_paths(
     work: Path, sizes: list[int], device: torch.device, repeat: int
 ) -> dict[int, dict[str, tuple[float, float]]]:
@@ -296,6 +314,15 @@ def engine_block_paths(
             def load(_: int, n=n, hashes=hashes, targets=targets) -> None:
                 assert engine.load(hashes, [0] * n, targets, 600.0, 600.0)
 
+            # A scheduler's pin per run of the handed load (and its warm-up, index -1).
+            scheduler = _client(sidecar.endpoint, "bench-blocks-scheduler")
+            scheduler.attach(layout, 1)
+            handed_pins = [_handed(scheduler, hashes) for _ in range(2 * repeat + 2)]
+
+            def load_handed(i: int, n=n, hashes=hashes, targets=targets, pins=handed_pins) -> None:
+                handed = pins[i]
+                assert engine.load_handed(hashes, [0] * n, targets, handed, 600.0, 600.0)
+
             both_engine = EngineBlocks(client, [segments], device, FULL)
 
             def store_and_load(_: int, n=n, ids=ids, both_engine=both_engine) -> None:
@@ -318,24 +345,29 @@ def engine_block_paths(
 
             memcpy = Memcpy(size, device)
             stages = {}
-            for what, run in (("store", store), ("load", load)):
+            staged = (("store", store), ("load", load), ("load_handed", load_handed))
+            for what, run in staged:
                 _sync(device)
                 with StageClock(client, engine) as clock:
                     t0 = time.perf_counter()
                     for i in range(repeat):
-                        run(i)
+                        run(repeat + i)  # the handed load: pins of their own
                         _sync(device)
                     clock.ms["total"] = (time.perf_counter() - t0) * 1e3
                 stages[what] = {k: v / repeat for k, v in clock.ms.items()}
+                LONGEST[size, what] = clock.longest_ms
             STAGES[size] = stages
             runs = {
                 "copy_alone_to_host": kernel_to_host,
                 "copy_alone_to_device": kernel_to_device,
                 "vllm_store": store,
                 "vllm_load": load,
+                "vllm_load_handed": load_handed,
                 "vllm_store_and_load": store_and_load,
             }
             out[size] = {k: _beside(f, k, memcpy, repeat, device) for k, f in runs.items()}
+            assert engine.handed_voided == 0, "a handed load was made again"
+            scheduler.close()
             del memcpy
             for t in layers:  # the bytes that came back are the bytes stored
                 assert torch.equal(t[targets], t[ids]), "a load did not restore the bytes"
@@ -497,18 +529,24 @@ def main() -> int:
             if kind in alone and not path.startswith("copy_alone"):
                 over = f"  +{ms - one_page[alone[kind]]:.3f}"
             print(f"  {path:22} {ms:8.3f}{over}")
-    print("a vLLM store and a load, stage by stage (ms, the mean of --repeat; the stages of")
-    print("a chunked transfer overlap, so they may add up to more than its total):")
+    print("a vLLM store and a load, stage by stage (ms, the mean of --repeat, and in brackets")
+    print("the longest single call; the stages of a chunked transfer overlap, so they may add")
+    print("up to more than its total):")
     for size, stages in STAGES.items():
         for what, ms in stages.items():
-            parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
-            print(f"  {size // MIB:6} MiB {what:5}  {parts}")
+            longest = LONGEST.get((size, what), {})
+            parts = "  ".join(
+                f"{k} {v:.3f}" + (f" ({longest[k]:.2f})" if k in longest else "")
+                for k, v in sorted(ms.items(), key=lambda kv: -kv[1])
+            )
+            print(f"  {size // MIB:6} MiB {what:11}  {parts}")
     if args.json:
         doc = {
             "device": name,
             "reply_spin_s": args.reply_spin_s,
             "rows": rows,
             "stages": {str(k // MIB): v for k, v in STAGES.items()},
+            "longest_call_ms": {f"{k // MIB}/{w}": v for (k, w), v in LONGEST.items()},
             "one_page_ms": one_page,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))

@@ -242,10 +242,13 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     scheduler.update_state_after_alloc(second, KVCacheBlocks(dst), hit)
     ((job_id, job),) = scheduler._current_batch_load_jobs.items()
     assert list(job.dst_spec.group_sizes) == [4, 2, 1]
-    # The scheduler's pin holds the 7 pages from prepare_load to complete_load.
+    # The scheduler's pin holds the 7 pages from prepare_load to complete_load, and its
+    # answer names their host pages: the worker copies from them under that pin.
     wait_for(lambda: sidecar_stats(sidecar)["pins_active"] == 1, 30, "the scheduler's pin")
+    wait_for(lambda: job.src_spec.handed is not None, 30, "the pin's answer")
     assert worker.submit_load(job_id, job.src_spec, job.dst_spec)
     assert finish(worker, job_id).success and not worker.take_failed_loads()
+    assert worker.counters["loads_handed"] == 1 and worker.blocks.handed_voided == 0
     complete(scheduler, job_id)
     wait_for(lambda: sidecar_stats(sidecar)["pins_active"] == 0, 30, "the unpin")
     # Every group's bytes are exactly where vLLM's load job put them.
