@@ -145,9 +145,10 @@ class DiskTier:
         tier.prewarm.start()
         return tier
 
-    def _advise(self, keys: Sequence[PageKey]) -> int:
-        """Have the OS read ``keys``' values into its page cache (the bytes advised)."""
-        return self.lmdb.advise([k.storage_key() for k in keys])
+    def _advise(self, keys: Sequence[PageKey], populate: bool = False) -> int:
+        """Have the OS read ``keys``' values into its page cache, or with ``populate``
+        into this process's map (the bytes advised)."""
+        return self.lmdb.advise([k.storage_key() for k in keys], populate)
 
     def _last_uses(self, records: list[DiskRecord]) -> list[tuple[PageKey, int]]:
         """The pages found, hottest first (:func:`prewarm_order`); the use log is reduced

@@ -12,10 +12,12 @@ batched commits, the byte budget and the full-map policy).
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +54,10 @@ log = logging.getLogger(__name__)
 
 _OS_PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+#: Linux 5.14+: fault the range into this process's page tables (reading what is not
+#: cached), so that a reader's first touch of a value takes no page fault.
+_MADV_POPULATE_READ = 22
+_POPULATE = [sys.platform.startswith("linux")]  # cleared where the kernel refuses it
 
 
 def _libc_madvise():
@@ -336,11 +342,13 @@ class LmdbTier:
             log.error("LMDB read of %d pages failed: %s", len(skeys), exc)
         return out
 
-    def advise(self, skeys: Sequence[bytes]) -> int:
+    def advise(self, skeys: Sequence[bytes], populate: bool = False) -> int:
         """Ask the OS to read the values of ``skeys`` into its page cache in the background
         (``madvise(MADV_WILLNEED)`` over each value's range of the map), so that a later
-        load finds them cached; the bytes advised. Never blocks on the disk, changes no
-        value, and a key not held is skipped."""
+        load finds them cached; the bytes advised. ``populate``: instead fault them into
+        this process's map now (``MADV_POPULATE_READ``, reading what is not cached; blocks
+        until done), so that a reader's first touch costs no page fault; where the kernel
+        has no such advice, WILLNEED. Changes no value; a key not held is skipped."""
         if self._closed or _MADVISE is None:
             return 0
         advised = 0
@@ -352,7 +360,14 @@ class LmdbTier:
                         continue
                     addr = np.frombuffer(value, np.uint8).ctypes.data
                     start = addr - addr % _OS_PAGE
-                    if _MADVISE(start, addr + len(value) - start, _MADV_WILLNEED) == 0:
+                    length = addr + len(value) - start
+                    if populate and _POPULATE[0]:
+                        if _MADVISE(start, length, _MADV_POPULATE_READ) == 0:
+                            advised += len(value)
+                            continue
+                        if ctypes.get_errno() == errno.EINVAL:  # an older kernel
+                            _POPULATE[0] = False
+                    if _MADVISE(start, length, _MADV_WILLNEED) == 0:
                         advised += len(value)
         except lmdb.Error as exc:
             log.warning("LMDB readahead of %d pages failed: %s", len(skeys), exc)

@@ -153,14 +153,16 @@ class Prewarm:
         budget_bytes: int,
         fill: Callable[[Sequence[PageKey]], tuple[list[Future], int, int, bool]],
         disk_budget_bytes: int = 0,
-        advise: Callable[[Sequence[PageKey]], int] | None = None,
+        advise: Callable[..., int] | None = None,
     ) -> None:
         """``fill(keys)`` starts reading those of ``keys`` still only on disk into free host
         pages (no eviction): the futures of those reads, the pages and bytes started, and
         False when the host tier ran out of free pages. ``advise(keys)`` has the OS read
         those pages into its page cache in the background (the bytes advised): the next
         hottest pages after the host's, up to ``disk_budget_bytes``, before the host's
-        reads start."""
+        reads start; ``advise(keys, populate=True)`` then, on a thread of its own, has them
+        mapped into this process too (a first read of a fresh map pays a page fault per OS
+        page otherwise)."""
         self._order = order
         self._fill = fill
         self._advise = advise
@@ -170,6 +172,7 @@ class Prewarm:
         self.disk_budget_bytes = max(0, disk_budget_bytes) if advise is not None else 0
         self.disk_pages = _pages_within(order, self.target_pages, self.disk_budget_bytes)
         self.bytes_advised = 0
+        self.bytes_mapped = 0  # of those, faulted into the process's map
         self.pages_read = 0  # read into host pages (those that engines had not loaded)
         self.bytes_read = 0
         self.batches_failed = 0  # batches with a page that failed its read (dropped)
@@ -192,6 +195,10 @@ class Prewarm:
                     return
                 assert self._advise is not None
                 self.bytes_advised += self._advise([k for k, _ in ahead[i : i + ADVISE_BATCH]])
+            if ahead:
+                threading.Thread(
+                    target=self._map, args=(ahead,), name="hicache-prewarm-map", daemon=True
+                ).start()
             batch: list[tuple[PageKey, int]] = []
             size = 0
             for item in self._order[: self.target_pages]:
@@ -216,6 +223,18 @@ class Prewarm:
                 self.seconds,
                 self.batches_failed,
             )
+
+    def _map(self, ahead: list[tuple[PageKey, int]]) -> None:
+        """Fault the advised pages into the process's map, hottest first."""
+        try:
+            for i in range(0, len(ahead), ADVISE_BATCH):
+                if self._stop.is_set():
+                    return
+                assert self._advise is not None
+                keys = [k for k, _ in ahead[i : i + ADVISE_BATCH]]
+                self.bytes_mapped += self._advise(keys, populate=True)
+        except Exception:  # the readahead only
+            log.exception("prewarm mapping stopped")
 
     def _batch(self, batch: list[tuple[PageKey, int]]) -> bool:
         """Read one batch; False when the prewarm must end (stopped, host full)."""
@@ -248,5 +267,6 @@ class Prewarm:
             "disk_budget_bytes": self.disk_budget_bytes,
             "disk_pages": self.disk_pages,
             "bytes_advised": self.bytes_advised,
+            "bytes_mapped": self.bytes_mapped,
             "seconds": round(self.seconds, 3),
         }

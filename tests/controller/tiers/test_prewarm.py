@@ -140,6 +140,10 @@ def test_the_next_hottest_pages_are_handed_to_the_os_cache_after_the_hosts(tmp_p
     stats = _prewarmed(ctl)
     assert stats["target_pages"] == 0 and stats["disk_pages"] == len(hot.page_keys())
     assert stats["bytes_advised"] == budget  # the hot chain's values, the cold one's not
+    end = time.monotonic() + 30  # and faulted into the sidecar's map, in the background
+    while ctl.stats()["disk"]["prewarm"]["bytes_mapped"] < budget and time.monotonic() < end:
+        time.sleep(0.01)
+    assert ctl.stats()["disk"]["prewarm"]["bytes_mapped"] == budget
     assert not any(Tier.HOST in t for t in ctl.store.tiers_of(hot.page_keys()))
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, hot)), snap)  # from disk
     ctl.check_invariants(deep=True)
@@ -156,18 +160,22 @@ def test_the_readahead_goes_before_the_host_reads_and_follows_the_order():
         calls.append(("fill", [k.page_hash[0] for k in keys]))
         return [], len(keys), 100 * len(keys), True
 
-    def advise(keys):
-        calls.append(("advise", [k.page_hash[0] for k in keys]))
+    def advise(keys, populate=False):
+        calls.append(("map" if populate else "advise", [k.page_hash[0] for k in keys]))
         return 100 * len(keys)
 
     p = Prewarm(order, 300, fill, disk_budget_bytes=450, advise=advise)
     assert (p.target_pages, p.disk_pages) == (3, 4)
     p.start()
     end = time.monotonic() + 30
-    while p.state == "running" and time.monotonic() < end:
+    while (p.state == "running" or p.bytes_mapped < 400) and time.monotonic() < end:
         time.sleep(0.01)
-    assert calls == [("advise", [3, 4, 5, 6]), ("fill", [0, 1, 2])]
+    # The same pages then faulted into the process's map, on a thread of their own.
+    assert [c for c in calls if c[0] != "map"] == [("advise", [3, 4, 5, 6]), ("fill", [0, 1, 2])]
+    assert [c for c in calls if c[0] == "map"] == [("map", [3, 4, 5, 6])]
+    assert calls.index(("map", [3, 4, 5, 6])) > 0  # after the readahead
     assert p.stats()["bytes_advised"] == 400 and p.state == "done"
+    assert p.stats()["bytes_mapped"] == 400
     assert Prewarm(order, 0, fill, disk_budget_bytes=450).disk_pages == 0  # nothing to advise
 
 
@@ -177,9 +185,7 @@ def test_the_prewarm_metrics_say_what_was_read_and_what_was_advised():
     stats = {"state": "done", "target_bytes": 300, "bytes_read": 200, "bytes_advised": 450,
              "target_pages": 3, "pages_read": 2}  # fmt: skip
     got = {
-        (f.name, s.labels.get("kind")): s.value
-        for f in prewarm_families(stats)
-        for s in f.samples
+        (f.name, s.labels.get("kind")): s.value for f in prewarm_families(stats) for s in f.samples
     }
     assert got[("hicache_prewarm_bytes", "advised")] == 450
     assert got[("hicache_prewarm_bytes", "read")] == 200
