@@ -265,6 +265,47 @@ class PreparedTransfer:
         parts = [plan_row_dmas(copy, src, dst) for copy in self.copies]
         return tuple(np.concatenate(arrays) for arrays in zip(*parts))  # type: ignore[return-value]
 
+    def shifted_rows(
+        self, like: PreparedTransfer, rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``rows``, which ``like.row_dmas`` made for some items, as this plan's rows for
+        the same items, by moving each address by how far this plan's tensors start from
+        ``like``'s: for the same copy over other layers of the same tensors (a layer
+        group of a layer-wise load), without planning and checking the items again. None
+        when the two plans' row grids differ (plan with :meth:`row_dmas` then)."""
+        if len(self.copies) != len(like.copies) or self.to_host != like.to_host:
+            return None
+        per_item = 0
+        for mine, theirs in zip(self.copies, like.copies):
+            for a, b in ((mine.src, theirs.src), (mine.dst, theirs.dst)):
+                same = (a.item_stride, a.a_stride, a.b_stride, a.num_items) == (
+                    b.item_stride, b.a_stride, b.b_stride, b.num_items
+                )  # fmt: skip
+                if not same or a.tensor.element_size() != b.tensor.element_size():
+                    return None
+            if (mine.rows_a, mine.rows_b, mine.row_elems) != (
+                theirs.rows_a, theirs.rows_b, theirs.row_elems
+            ):  # fmt: skip
+                return None
+            per_item += mine.rows_a * mine.rows_b
+        dsts, srcs, sizes = rows
+        if per_item == 0 or dsts.size % per_item:
+            return None
+        items = dsts.size // per_item
+        dst_shift, src_shift = np.empty_like(dsts), np.empty_like(srcs)
+        at = 0
+        for mine, theirs in zip(self.copies, like.copies):
+            n = items * mine.rows_a * mine.rows_b
+            # uint64 wraps: a negative move is the same add modulo 2**64
+            dst_shift[at : at + n] = np.uint64(
+                (mine.dst.tensor.data_ptr() - theirs.dst.tensor.data_ptr()) % (1 << 64)
+            )
+            src_shift[at : at + n] = np.uint64(
+                (mine.src.tensor.data_ptr() - theirs.src.tensor.data_ptr()) % (1 << 64)
+            )
+            at += n
+        return dsts + dst_shift, srcs + src_shift, sizes
+
     def warm(self) -> None:
         """Compile (or load) the kernel of every copy that a transfer of a few pages would
         launch, moving nothing: one launch whose only row names no item (a row outside its

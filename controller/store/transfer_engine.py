@@ -275,6 +275,8 @@ class TransferEngine:
         on_gpu = buffers.device.type == "cuda"
         dmas = on_gpu and self.layer_dmas and batched_copy_available()
 
+        first: dict[ComponentType, tuple[PreparedTransfer, tuple]] = {}
+
         def copy_group(g: int) -> None:
             if fault is not None and fault(g):
                 raise RuntimeError(f"injected copy failure at layer group {g}")
@@ -283,10 +285,18 @@ class TransferEngine:
                 span = groups.spans[g].get(comp)
                 if span is not None and len(host_pages):
                     prepared = self._plan(comp, buffers, False, span)
-                    if dmas:
-                        rows.append(prepared.row_dmas(device_index, host_pages))
-                    else:
+                    if not dmas:
                         prepared(device_index, host_pages)
+                        continue
+                    # The same pages in every group: the first group's rows (planned and
+                    # checked) moved to this group's layers.
+                    shifted = None
+                    if comp in first:
+                        shifted = prepared.shifted_rows(*first[comp])
+                    if shifted is None:
+                        shifted = prepared.row_dmas(device_index, host_pages)
+                        first.setdefault(comp, (prepared, shifted))
+                    rows.append(shifted)
             if rows:  # one batched copy for the group, on the copy engines
                 copies = Copies1D(*map(np.concatenate, zip(*rows)), stream.cuda_stream, True)
                 copies.issue(0, copies.dsts.size)

@@ -227,6 +227,32 @@ def test_a_layer_range_outside_the_pool_or_staged_is_refused() -> None:
         PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend="staged", layers=(0, 1))
 
 
+def test_a_layer_groups_rows_are_the_first_groups_moved_to_its_layers() -> None:
+    """A layer-wise load plans its pages' rows once: another group's rows are the first
+    group's shifted to that group's layers, equal to what planning them anew gives, for
+    KV pages and Mamba states; groups of another size are planned anew (None)."""
+    g = torch.Generator().manual_seed(5)
+    dev = torch.randn(2, 4, 8 * PAGE, 2, 8, generator=g)
+    host = torch.randn(6, 2, 4, PAGE, 2, 8, generator=g)
+    conv, ssm = torch.randn(4, 5, 3, 2, generator=g), torch.randn(4, 5, 6, generator=g)
+    host_conv, host_ssm = torch.randn(7, 4, 3, 2, generator=g), torch.randn(7, 4, 6, generator=g)
+    makers = [
+        lambda layers: PreparedTransfer.kv(dev, host, PAGE, to_host=False, layers=layers),
+        lambda layers: PreparedTransfer.states(
+            conv, ssm, host_conv, host_ssm, to_host=False, layers=layers
+        ),
+    ]
+    for make in makers:
+        first = make((0, 1))
+        rows = first.row_dmas([2, 0, 4], [5, 3, 1])
+        for lo in (1, 3):
+            other = make((lo, lo + 1))
+            got = other.shifted_rows(first, rows)
+            want = other.row_dmas([2, 0, 4], [5, 3, 1])
+            assert got is not None and all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert make((1, 3)).shifted_rows(first, rows) is None  # two layers a row grid
+
+
 @pytest.mark.parametrize("layers", [None, (1, 3)])
 def test_row_dmas_move_what_the_reference_moves(layers) -> None:
     """A layer-wise load on a GPU goes out as one batched copy per layer group
