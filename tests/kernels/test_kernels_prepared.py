@@ -227,15 +227,22 @@ def test_a_layer_range_outside_the_pool_or_staged_is_refused() -> None:
         PreparedTransfer.kv(device_kv, host_kv, 4, to_host=False, backend="staged", layers=(0, 1))
 
 
-def test_a_layer_groups_rows_are_the_first_groups_moved_to_its_layers() -> None:
-    """A layer-wise load plans its pages' rows once: another group's rows are the first
-    group's shifted to that group's layers, equal to what planning them anew gives, for
-    KV pages and Mamba states; groups of another size are planned anew (None)."""
-    g = torch.Generator().manual_seed(5)
+def _layered_tensors(seed: int) -> tuple[torch.Tensor, ...]:
+    """Device KV (8 pages, 4 layers), host KV (6 pages), device conv / SSM states (5
+    slots, 4 layers) and host states (7 slots), random."""
+    g = torch.Generator().manual_seed(seed)
     dev = torch.randn(2, 4, 8 * PAGE, 2, 8, generator=g)
     host = torch.randn(6, 2, 4, PAGE, 2, 8, generator=g)
     conv, ssm = torch.randn(4, 5, 3, 2, generator=g), torch.randn(4, 5, 6, generator=g)
     host_conv, host_ssm = torch.randn(7, 4, 3, 2, generator=g), torch.randn(7, 4, 6, generator=g)
+    return dev, host, conv, ssm, host_conv, host_ssm
+
+
+def test_a_layer_groups_rows_are_the_first_groups_moved_to_its_layers() -> None:
+    """A layer-wise load plans its pages' rows once: another group's rows are the first
+    group's shifted to that group's layers, equal to what planning them anew gives, for
+    KV pages and Mamba states; groups of another size are planned anew (None)."""
+    dev, host, conv, ssm, host_conv, host_ssm = _layered_tensors(5)
     makers = [
         lambda layers: PreparedTransfer.kv(dev, host, PAGE, to_host=False, layers=layers),
         lambda layers: PreparedTransfer.states(
@@ -261,11 +268,7 @@ def test_row_dmas_move_what_the_reference_moves(layers) -> None:
     and an index outside its tensor is refused before any address is made."""
     import ctypes
 
-    g = torch.Generator().manual_seed(4)
-    dev = torch.randn(2, 4, 8 * PAGE, 2, 8, generator=g)
-    host = torch.randn(6, 2, 4, PAGE, 2, 8, generator=g)
-    conv, ssm = torch.randn(4, 5, 3, 2, generator=g), torch.randn(4, 5, 6, generator=g)
-    host_conv, host_ssm = torch.randn(7, 4, 3, 2, generator=g), torch.randn(7, 4, 6, generator=g)
+    dev, host, conv, ssm, host_conv, host_ssm = _layered_tensors(4)
     cases = [
         (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
         (
