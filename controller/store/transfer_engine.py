@@ -277,29 +277,50 @@ class TransferEngine:
 
         first: dict[ComponentType, tuple[PreparedTransfer, tuple]] = {}
 
-        def copy_group(g: int) -> None:
-            if fault is not None and fault(g):
-                raise RuntimeError(f"injected copy failure at layer group {g}")
+        def group_rows(g: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+            """Group ``g``'s copies as DMA rows: the same pages in every group, so the
+            first group's rows (planned and checked) moved to this group's layers."""
             rows = []
             for comp, (host_pages, device_index) in plan.items():
                 span = groups.spans[g].get(comp)
                 if span is not None and len(host_pages):
                     prepared = self._plan(comp, buffers, False, span)
-                    if not dmas:
-                        prepared(device_index, host_pages)
-                        continue
-                    # The same pages in every group: the first group's rows (planned and
-                    # checked) moved to this group's layers.
-                    shifted = None
-                    if comp in first:
-                        shifted = prepared.shifted_rows(*first[comp])
+                    shifted = prepared.shifted_rows(*first[comp]) if comp in first else None
                     if shifted is None:
                         shifted = prepared.row_dmas(device_index, host_pages)
                         first.setdefault(comp, (prepared, shifted))
                     rows.append(shifted)
-            if rows:  # one batched copy for the group, on the copy engines
-                copies = Copies1D(*map(np.concatenate, zip(*rows)), stream.cuda_stream, True)
-                copies.issue(0, copies.dsts.size)
+            return rows
+
+        # DMAs: every group's rows made here, at once (a fraction of a millisecond), so
+        # that issuing a group is one call; the copies are issued on the layer thread.
+        bounds, unplanned = [0], None
+        copies = None
+        if dmas:
+            parts: list = []
+            for g in range(len(groups)):
+                try:
+                    parts += group_rows(g)
+                except Exception as exc:  # this group and every later one fail
+                    unplanned = (g, exc)
+                    break
+                bounds.append(sum(p[0].size for p in parts))
+            if parts:
+                stream = self._streams_for(buffers.device)[0]
+                copies = Copies1D(*map(np.concatenate, zip(*parts)), stream.cuda_stream, True)
+
+        def copy_group(g: int) -> None:
+            if fault is not None and fault(g):
+                raise RuntimeError(f"injected copy failure at layer group {g}")
+            if not dmas:
+                for comp, (host_pages, device_index) in plan.items():
+                    span = groups.spans[g].get(comp)
+                    if span is not None and len(host_pages):
+                        self._plan(comp, buffers, False, span)(device_index, host_pages)
+            elif unplanned is not None and g >= unplanned[0]:
+                raise unplanned[1]
+            elif copies is not None:  # one batched copy for the group, on the copy engines
+                copies.issue(bounds[g], bounds[g + 1])
 
         if self._layer_thread is None:
             self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
