@@ -234,13 +234,14 @@ class CopyOps(StoreState):
         """A copy of held ``entries`` to a device has ended: release them; ``served``
         (every byte arrived) makes them most recently used, kept as pages that served."""
         with self._lock:
-            release, tiers = self._index.release, self._tiers
+            release = self._index.release
             for e in entries:
                 e.copies -= 1
                 release(e)
-                if served:
-                    self._index.served(e)
-                    for tier in tiers:
+            if served:
+                self._index.served_all(entries)
+                for tier in self._tiers:
+                    for e in entries:
                         tier.on_served_locked(e)
 
     def _hold_locked(self, e: PageEntry) -> None:

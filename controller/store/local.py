@@ -184,7 +184,7 @@ class LocalController:
         if buffers.page_size != page_size:
             raise ControllerError(f"buffers have page_size {buffers.page_size}, not {page_size}")
         self._ensure_layout(layout, page_size)
-        self._copies.transfer.warm(buffers)  # its kernels and plans now, not at a first load
+        self._copies.warm(buffers)  # its kernels and plans now, not at a first load
         with self._lock:
             self._engines[engine_id] = buffers
 

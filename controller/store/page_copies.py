@@ -139,6 +139,13 @@ class PageCopies:
         """A load's copy has ended: its host pages are released (see DeviceLoad)."""
         self._store.release_load(entries, served)
 
+    def warm(self, buffers: EngineBuffers) -> None:
+        """Prepare the copies into and out of ``buffers`` (an engine registering), so that
+        its first load costs what later ones do."""
+        self.transfer.warm(buffers)
+        if self.config.disk_load_direct and buffers.device.type == "cpu":
+            geometry(self, buffers)
+
     def copy_as_read(self, refs: Sequence[PageRef], buffers: EngineBuffers) -> CopyAsRead | None:
         """How a load's disk reads reach the engine's slots (see :mod:`.load_reads`), to
         hand to the load's claim and to :meth:`to_device`: straight into CPU slots

@@ -11,6 +11,7 @@ batched commits, the byte budget and the full-map policy).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -231,8 +232,21 @@ class LmdbTier:
         return records
 
     def start(self) -> None:
-        """Start the writer (after the index is rebuilt, so its callbacks find it)."""
+        """Start the writer (after the index is rebuilt, so its callbacks find it), and the
+        reader threads, each with its slot in LMDB's reader table: a first load pays for
+        neither."""
         self.writer.start()
+        n = self.config.reader_threads
+        gate = threading.Barrier(n)
+
+        def begin() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                gate.wait(5.0)  # every task on a thread of its own
+            with self.env.begin(buffers=True):
+                pass
+
+        for f in [self._readers.submit(begin) for _ in range(n)]:
+            f.result()
 
     # -- submission ----------------------------------------------------------------------
 
