@@ -25,9 +25,10 @@ CPU; pinned host ↔ device on a GPU, each way):
 The timed figure of each is the median of ``--repeat`` runs after one warm-up. The
 memcpy of each size is timed before and after the paths and the faster kept (on a CPU,
 the faster of torch's ``copy_`` and numpy's single-threaded copy). Then, for one page
-(the 1 MiB size): each path's time in ms beside the copy alone and a one-page lookup (a
-round trip to the sidecar), and the stages of one store and one load of each size
-(the mean of ``--repeat`` runs).
+(the 1 MiB size): each path's time in ms beside the copy alone, a one-page lookup (a
+round trip to the sidecar) and a ``store_begin`` alone of 1, 8 and 64 pages, and the
+stages of one store and one load of each size (the mean of ``--repeat`` runs, and the
+longest single call of each).
 """
 
 from __future__ import annotations
@@ -215,6 +216,8 @@ def _beside(
 STAGES: dict[int, dict[str, dict[str, float]]] = {}
 #: (size, "store"|...) -> {stage: ms}: the longest single call of each stage
 LONGEST: dict[tuple[int, str], dict[str, float]] = {}
+#: pages -> (median, p90) ms of a ``store_begin`` alone (a round trip and its pages)
+BEGIN_MS: dict[int, tuple[float, float]] = {}
 #: a lookup of one page through the sidecar (a round trip), seconds
 ROUND_TRIP_S: list[float] = []
 
@@ -375,6 +378,16 @@ def engine_block_paths(
         ROUND_TRIP_S.append(
             _median_s(lambda _: client.lookup(one, [FULL]), max(repeat, 21), device)
         )
+        for n in (1, 8, 64):  # the sidecar's answer alone, pages handed and given back
+            times = []
+            for _ in range(max(repeat, 21)):
+                fresh = refs(n, next(counter))
+                t0 = time.perf_counter()
+                reservation = client.begin_store(fresh, 600.0)
+                times.append((time.perf_counter() - t0) * 1e3)
+                client.commit_store(reservation, False)
+            times.sort()
+            BEGIN_MS[n] = (statistics.median(times), times[len(times) * 9 // 10])
         client.close()
     finally:
         sidecar.stop()
@@ -529,6 +542,8 @@ def main() -> int:
             if kind in alone and not path.startswith("copy_alone"):
                 over = f"  +{ms - one_page[alone[kind]]:.3f}"
             print(f"  {path:22} {ms:8.3f}{over}")
+    for n, (med, p90) in BEGIN_MS.items():
+        print(f"  store_begin of {n:3} pages alone: {med:.3f} ms median, {p90:.3f} p90")
     print("a vLLM store and a load, stage by stage (ms, the mean of --repeat, and in brackets")
     print("the longest single call; the stages of a chunked transfer overlap, so they may add")
     print("up to more than its total):")
@@ -548,6 +563,7 @@ def main() -> int:
             "stages": {str(k // MIB): v for k, v in STAGES.items()},
             "longest_call_ms": {f"{k // MIB}/{w}": v for (k, w), v in LONGEST.items()},
             "one_page_ms": one_page,
+            "store_begin_ms": {str(n): v for n, v in BEGIN_MS.items()},
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
