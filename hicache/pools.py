@@ -137,7 +137,10 @@ class PageAllocator:
                 f"{self.name} pool: {n} pages requested, {self._top} free of {self.num_pages}"
             )
         self._top -= n
-        pages = self._free[self._top : self._top + n].copy()
+        # The stack's top run, in the order it was freed (a fresh pool: ascending): a
+        # request's pages then run consecutively, which lets a copy of many of them go
+        # out as a few large DMAs.
+        pages = self._free[self._top : self._top + n][::-1].copy()
         self._state[pages] = _ALLOCATED
         return pages
 
@@ -174,7 +177,7 @@ class PageAllocator:
         if checked and np.unique(pages).size != n:
             raise SlotStateError(f"{self.name} pool: the same page freed twice in one call")
         state[pages] = _FREE
-        self._free[self._top : self._top + n] = pages
+        self._free[self._top : self._top + n] = pages[::-1]
         self._top += n
 
     def take_pages(self, pages: np.ndarray) -> None:

@@ -144,6 +144,65 @@ def plan_row_dmas(
     return dsts, srcs, np.full(dsts.size, copy.row_bytes, dtype=np.uint64)
 
 
+def run_count(src_items: np.ndarray, dst_items: np.ndarray) -> int:
+    """How many runs of items consecutive on both sides ``src_items -> dst_items`` holds."""
+    if src_items.size == 0:
+        return 0
+    breaks = (np.diff(src_items) != 1) | (np.diff(dst_items) != 1)
+    return 1 + int(np.count_nonzero(breaks))
+
+
+def plan_run_copies(
+    copy: RowCopy, src_items: np.ndarray, dst_items: np.ndarray
+) -> list[tuple[int, int, int, int, int, int]] | None:
+    """The 2-D copies that move every row of items ``src_items[i] -> dst_items[i]`` with
+    one copy per row ``(a, b)`` of each run of items consecutive on both sides (its rows
+    one item stride apart on each side), as :func:`plan_2d_copies` gives them. A few
+    large DMAs where the items run (a request's pages in a pool that hands them out in
+    order); None when an item's row is wider than its stride (no such copy exists).
+    Raises IndexError for an item outside its tensor."""
+    _check_items(copy, src_items, dst_items)
+    elem = copy.src.tensor.element_size()
+    src, dst = copy.src, copy.dst
+    if copy.row_bytes > min(src.item_stride, dst.item_stride) * elem:
+        return None
+    s, d = src_items.astype(np.int64), dst_items.astype(np.int64)
+    if s.size == 0:
+        return []
+    cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], cut)).tolist()
+    heights = np.diff(np.concatenate(([0], cut, [s.size]))).tolist()
+    firsts = list(zip(s[starts].tolist(), d[starts].tolist(), heights))
+    src_ptr, dst_ptr = src.tensor.data_ptr(), dst.tensor.data_ptr()
+    out = []
+    for a in range(copy.rows_a):
+        for b in range(copy.rows_b):
+            so, do = a * src.a_stride + b * src.b_stride, a * dst.a_stride + b * dst.b_stride
+            out += [
+                (
+                    dst_ptr + (di * dst.item_stride + do) * elem,
+                    dst.item_stride * elem,
+                    src_ptr + (si * src.item_stride + so) * elem,
+                    src.item_stride * elem,
+                    copy.row_bytes,
+                    h,
+                )
+                for si, di, h in firsts
+            ]
+    return out
+
+
+def issue_2d_copies(plan: list[tuple[int, int, int, int, int, int]], stream: int) -> None:
+    """Queue ``plan``'s 2-D copies (:func:`plan_2d_copies`) on the raw CUDA ``stream``."""
+    lib = _cudart()
+    memcpy2d = lib.cudaMemcpy2DAsync
+    handle = ctypes.c_void_p(stream)
+    for dst, dst_pitch, src, src_pitch, width, height in plan:
+        err = memcpy2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, handle)
+        if err:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}")
+
+
 def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: torch.Tensor) -> None:
     """Copy every row of items ``src_items[i] -> dst_items[i]`` with 2-D async memcpys.
 
@@ -151,13 +210,7 @@ def copy_rows_copy_engine(copy: RowCopy, src_items: torch.Tensor, dst_items: tor
     back first (a stream sync), so pass them on the CPU.
     """
     plan = plan_2d_copies(copy, src_items.cpu().numpy(), dst_items.cpu().numpy())
-    lib = _cudart()
-    memcpy2d = lib.cudaMemcpy2DAsync
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    for dst, dst_pitch, src, src_pitch, width, height in plan:
-        err = memcpy2d(dst, dst_pitch, src, src_pitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
-        if err:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed: {lib.cudaGetErrorString(err).decode()}")
+    issue_2d_copies(plan, torch.cuda.current_stream().cuda_stream)
 
 
 def _check(err: int, what: str) -> None:

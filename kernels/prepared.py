@@ -266,6 +266,24 @@ class PreparedTransfer:
         parts = [plan_row_dmas(copy, src, dst) for copy in self.copies]
         return tuple(np.concatenate(arrays) for arrays in zip(*parts))  # type: ignore[return-value]
 
+    def run_copies(
+        self, device_items: Indices, host_items: Indices
+    ) -> list[tuple[int, int, int, int, int, int]] | None:
+        """This transfer as 2-D copies, one per row of each run of items consecutive on
+        both sides (``plan_run_copies``: a few large DMAs where the items run), or None
+        where a copy's rows cannot go that way. Checked as :meth:`row_dmas`."""
+        from hicache.kernels.copy_engine import plan_run_copies
+
+        idx = self._indices(device_items, host_items)
+        src, dst = (idx[0], idx[1]) if self.to_host else (idx[1], idx[0])
+        out = []
+        for copy in self.copies:
+            part = plan_run_copies(copy, src, dst)
+            if part is None:
+                return None
+            out += part
+        return out
+
     def shifted_rows(
         self, like: PreparedTransfer, rows: tuple[np.ndarray, np.ndarray, np.ndarray]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

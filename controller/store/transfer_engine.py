@@ -32,7 +32,12 @@ import torch
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller_api import ControllerError, LayerGroups, LoadResult
 from hicache.kernels import PreparedTransfer
-from hicache.kernels.copy_engine import Copies1D, batched_copy_available
+from hicache.kernels.copy_engine import (
+    Copies1D,
+    batched_copy_available,
+    issue_2d_copies,
+    run_count,
+)
 from hicache.kernels.tuning import DEFAULT_TUNING, LAYER_COPY_TUNING, TransferTuning
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -85,6 +90,10 @@ class EngineBuffers:
 _Plans = dict[tuple[ComponentType, bool, tuple[int, int] | None], PreparedTransfer]
 
 log = logging.getLogger("hicache.controller.transfer")
+
+#: A layer-wise load goes as 2-D copies over runs of pages when its runs average at
+#: least this many pages (else as one batched 1-D copy per group).
+RUN_COPY_MIN_ITEMS = 4
 
 #: The copies of one group's layers, per component: (host pages, device pages or slots).
 LayerPlan = dict[ComponentType, tuple[Sequence[int], Sequence[int]]]
@@ -292,11 +301,17 @@ class TransferEngine:
                     rows.append(shifted)
             return rows
 
+        # Where the load's pages run consecutively on both sides (pools hand a request's
+        # pages out in order), each group goes as one 2-D copy per row of each run: a few
+        # large DMAs, which move at a memcpy's speed where 128 KiB ones do not.
+        runs = dmas and sum(
+            run_count(np.asarray(h), np.asarray(d)) for h, d in plan.values()
+        ) * RUN_COPY_MIN_ITEMS <= sum(len(h) for h, _ in plan.values())
         # DMAs: every group's rows made here, at once (a fraction of a millisecond), so
         # that issuing a group is one call; the copies are issued on the layer thread.
         bounds, unplanned = [0], None
         copies = None
-        if dmas:
+        if dmas and not runs:
             parts: list = []
             for g in range(len(groups)):
                 try:
@@ -312,11 +327,16 @@ class TransferEngine:
         def copy_group(g: int) -> None:
             if fault is not None and fault(g):
                 raise RuntimeError(f"injected copy failure at layer group {g}")
-            if not dmas:
+            if not dmas or runs:
                 for comp, (host_pages, device_index) in plan.items():
                     span = groups.spans[g].get(comp)
                     if span is not None and len(host_pages):
-                        self._plan(comp, buffers, False, span)(device_index, host_pages)
+                        prepared = self._plan(comp, buffers, False, span)
+                        two_d = prepared.run_copies(device_index, host_pages) if runs else None
+                        if two_d is None:
+                            prepared(device_index, host_pages)
+                        else:
+                            issue_2d_copies(two_d, torch.cuda.current_stream().cuda_stream)
             elif unplanned is not None and g >= unplanned[0]:
                 raise unplanned[1]
             elif copies is not None:  # one batched copy for the group, on the copy engines

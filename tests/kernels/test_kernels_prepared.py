@@ -261,6 +261,47 @@ def test_a_layer_groups_rows_are_the_first_groups_moved_to_its_layers() -> None:
 
 
 @pytest.mark.parametrize("layers", [None, (1, 3)])
+def test_run_copies_move_what_the_reference_moves(layers) -> None:
+    """Pages that run consecutively on both sides go as one 2-D copy per row of each run
+    (``run_copies``): applied row by row here, they give exactly the reference's result,
+    whole and narrowed to some layers, for runs up and broken; states too; an index
+    outside its tensor is refused."""
+    import ctypes
+
+    from hicache.kernels.copy_engine import run_count
+
+    dev, host, conv, ssm, host_conv, host_ssm = _layered_tensors(6)
+    cases = [
+        (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
+        (
+            lambda d, h, **kw: PreparedTransfer.states(d[0], d[1], h[0], h[1], **kw),
+            (conv, ssm),
+            (host_conv, host_ssm),
+        ),
+    ]
+    device_items, host_items = [1, 2, 3, 0], [2, 3, 4, 0]  # a run of 3, then one
+    assert run_count(np.array(device_items), np.array(host_items)) == 2
+    for make, device_side, host_side in cases:
+        want = [t.clone() for t in device_side]
+        make(want, host_side, to_host=False, layers=layers, backend="torch")(
+            device_items, host_items
+        )
+        plan = make(device_side, host_side, to_host=False, layers=layers)
+        copies = plan.run_copies(device_items, host_items)
+        assert copies is not None
+        for dst, dpitch, src, spitch, width, height in copies:
+            for r in range(height):
+                ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(device_side, want))
+        with pytest.raises(IndexError):
+            plan.run_copies([2], [99])
+    # KV: one copy per row of each run, not per page
+    kv = PreparedTransfer.kv(dev, host, PAGE, to_host=False, layers=layers)
+    rows = len(kv.row_dmas([0], [0])[0])
+    assert len(kv.run_copies(device_items, host_items)) == 2 * rows
+
+
+@pytest.mark.parametrize("layers", [None, (1, 3)])
 def test_row_dmas_move_what_the_reference_moves(layers) -> None:
     """A layer-wise load on a GPU goes out as one batched copy per layer group
     (``row_dmas``): applied byte for byte here, each row's addresses give exactly the
