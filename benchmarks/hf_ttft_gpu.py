@@ -853,9 +853,10 @@ def hit_fraction_model(family: str):
 
 @contextlib.contextmanager
 def layer_copies(how: str | None):
-    """Layer-wise loads copied ``how`` inside the block: ``dma`` (one batched copy per
-    layer group on the copy engines) or a kernel on that many programs (``0``: two per
-    SM, as a whole load's); None: the default."""
+    """Layer-wise loads copied ``how`` inside the block: ``dma`` (on the copy engines:
+    2-D copies over runs of pages where they run, else one batched copy per layer
+    group), ``rows`` (one batched 1-D copy per group, runs or not) or a kernel on that
+    many programs (``0``: two per SM, as a whole load's); None: the default."""
     import dataclasses
 
     from hicache.controller.store.transfer_engine import TransferEngine
@@ -863,14 +864,15 @@ def layer_copies(how: str | None):
     if how is None:
         yield
         return
-    saved = TransferEngine.layer_dmas, TransferEngine.layer_tuning
-    TransferEngine.layer_dmas = how == "dma"
-    if how != "dma":
+    saved = TransferEngine.layer_dmas, TransferEngine.layer_tuning, TransferEngine.layer_runs
+    TransferEngine.layer_dmas = how in ("dma", "rows")
+    TransferEngine.layer_runs = how == "dma"
+    if how not in ("dma", "rows"):
         TransferEngine.layer_tuning = dataclasses.replace(saved[1], grid_limit=int(how))
     try:
         yield
     finally:
-        TransferEngine.layer_dmas, TransferEngine.layer_tuning = saved
+        TransferEngine.layer_dmas, TransferEngine.layer_tuning, TransferEngine.layer_runs = saved
 
 
 @contextlib.contextmanager
@@ -1059,7 +1061,8 @@ def main() -> int:
         "--layer-copies",
         default="",
         help="--hit-fraction: the layer-wise rows again, copied each of these ways "
-        "(comma-separated): dma (a batched copy per layer group on the copy engines) or N "
+        "(comma-separated): dma (on the copy engines: 2-D copies over runs of pages, else a "
+        "batched copy per layer group), rows (a batched 1-D copy per group) or N "
         "(a kernel on N programs; 0: two per SM, as a whole load's)",
     )
     p.add_argument(

@@ -108,6 +108,8 @@ class TransferEngine:
     #: on a GPU whose runtime has batched copies, one per layer group on the copy engines,
     #: which take no SM from the compute; else by kernel, on ``layer_tuning``'s grid.
     layer_dmas: bool = True
+    #: ... and as 2-D copies over runs of pages where the pages run (False: 1-D rows).
+    layer_runs: bool = True
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
@@ -304,9 +306,13 @@ class TransferEngine:
         # Where the load's pages run consecutively on both sides (pools hand a request's
         # pages out in order), each group goes as one 2-D copy per row of each run: a few
         # large DMAs, which move at a memcpy's speed where 128 KiB ones do not.
-        runs = dmas and sum(
-            run_count(np.asarray(h), np.asarray(d)) for h, d in plan.values()
-        ) * RUN_COPY_MIN_ITEMS <= sum(len(h) for h, _ in plan.values())
+        runs = (
+            dmas
+            and self.layer_runs
+            and sum(run_count(np.asarray(h), np.asarray(d)) for h, d in plan.values())
+            * RUN_COPY_MIN_ITEMS
+            <= sum(len(h) for h, _ in plan.values())
+        )
         # DMAs: every group's rows made here, at once (a fraction of a millisecond), so
         # that issuing a group is one call; the copies are issued on the layer thread.
         bounds, unplanned = [0], None
