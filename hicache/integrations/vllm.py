@@ -272,6 +272,9 @@ class HiCacheConnector(OffloadingConnector):
         return errors
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        if not self._layerwise and hasattr(manager, "settle_pins"):
+            manager.settle_pins()  # the loads' host pages go with them (vllm_manager.py)
         meta = super().build_connector_meta(scheduler_output)
         if self._steps is not None:  # the step runs next
             self._steps.planned(scheduler_output)

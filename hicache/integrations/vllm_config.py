@@ -26,6 +26,9 @@ class HiCacheVllmConfig:
     * ``lookup_deadline_ms``: an answer not there by then is a miss;
     * ``request_timeout_s``: pins, unpins and the handshake;
     * ``pin_ttl_s``: how long a pin holds pages that vLLM is about to load;
+    * ``pin_wait_ms``: how long a scheduler step that plans loads waits for their pins,
+      whose host pages then go to the workers with the loads (they copy at once); a pin
+      answered later leaves its load to pin in the worker first;
     * ``load_timeout_s``: one load (disk reads included); past it vLLM recomputes;
     * ``store_timeout_s``: one store's acknowledgement; past it the store is dropped;
     * ``staging_bytes``: the shared staging area each worker registers with the sidecar;
@@ -46,6 +49,7 @@ class HiCacheVllmConfig:
     lookup_deadline_ms: float = 500.0
     request_timeout_s: float = 2.0
     pin_ttl_s: float = 60.0
+    pin_wait_ms: float = 2.0
     load_timeout_s: float = 10.0
     store_timeout_s: float = 10.0
     staging_bytes: int = 256 << 20

@@ -134,6 +134,7 @@ class HiCacheOffloadingManager(OffloadingManager):
         self._ranks = range(namespace.tp_size)
         self._requests: dict[str, _RequestLookups] = {}
         self._pins: dict[str, list[tuple[frozenset, Future]]] = {}
+        self._new_pins: list[Future] = []  # since the last settle_pins
         self._arriving: dict[str, str] = {}  # req id -> tenant, until on_new_request
         self._lock = threading.Lock()
         # One thread: lookups, pins and unpins reach the sidecar in the order they were made.
@@ -255,7 +256,17 @@ class HiCacheOffloadingManager(OffloadingManager):
         pinned = self._calls.submit(self._pin, ordered, spec)
         with self._lock:
             self._pins.setdefault(req_context.req_id, []).append((frozenset(ordered), pinned))
+            self._new_pins.append(pinned)
         return spec
+
+    def settle_pins(self) -> None:
+        """Wait, up to ``pin_wait_ms`` in all, for the pins of the loads planned since the
+        last call (the connector calls this as it builds a step's metadata), so that their
+        host pages go to the workers with the loads."""
+        with self._lock:
+            fresh, self._new_pins = self._new_pins, []
+        if fresh:
+            wait_futures(fresh, timeout=self.config.pin_wait_ms / 1000)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         done = frozenset(keys)

@@ -94,7 +94,11 @@ def offloading_config(kv_config: KVCacheConfig, socket: str) -> OffloadingConfig
         ),
         worker_kv_bytes_per_block=0,
         enable_kv_cache_events=False,
-        extra_config={"hicache_socket": socket, "hicache_lookup_wait_ms": 2000},
+        extra_config={
+            "hicache_socket": socket,
+            "hicache_lookup_wait_ms": 2000,
+            "hicache_pin_wait_ms": 2000,
+        },
         engine_id="hybrid-test",
         model=OffloadingModelConfig("tiny-hybrid", "float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
@@ -138,6 +142,8 @@ def hybrid(sidecar_dir):
     caches = HybridWorkerCaches(groups, seed=5)
     worker = spec.get_worker(caches.canonical)
     wait_for(lambda: worker.client.available, 60, "the worker's registration")
+    # The sidecar shares its host pages once it has built them for the layout.
+    wait_for(lambda: worker.blocks.available, 60, "the sidecar's host pages mapped")
     yield scheduler, spec.get_manager(), worker, caches, sidecar
     worker.shutdown()
     spec.get_manager().shutdown()
@@ -245,7 +251,8 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     # The scheduler's pin holds the 7 pages from prepare_load to complete_load, and its
     # answer names their host pages: the worker copies from them under that pin.
     wait_for(lambda: sidecar_stats(sidecar)["pins_active"] == 1, 30, "the scheduler's pin")
-    wait_for(lambda: job.src_spec.handed is not None, 30, "the pin's answer")
+    manager.settle_pins()  # as the connector does when it builds the step's metadata
+    assert job.src_spec.handed is not None
     assert worker.submit_load(job_id, job.src_spec, job.dst_spec)
     assert finish(worker, job_id).success and not worker.take_failed_loads()
     assert worker.counters["loads_handed"] == 1 and worker.blocks.handed_voided == 0
