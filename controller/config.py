@@ -215,10 +215,12 @@ class ControllerConfig:
     # into the engine by the reader as the read ends, beside the reads still to come;
     # smaller ones are copied when every read has ended (controller/store/page_copies.py).
     copy_as_read_min_page_bytes: int = 64 << 10
-    # true: a load into an engine's CPU pools reads its pages held only on disk straight
-    # into its slots (one copy, checked there), and they stay on disk only; false: they
-    # are read into host pages first, and kept there (controller/store/load_reads.py).
-    disk_load_direct: bool = False
+    # true (the default): a load into an engine's CPU pools reads its pages held only on
+    # disk straight into its slots (one copy, checked there), and they stay on disk only:
+    # another engine's load of them reads disk again. false: they are read into host
+    # pages first, and kept there. Loads into GPU pools always go through host pages
+    # (controller/store/load_reads.py).
+    disk_load_direct: bool = True
 
     # A backup issues its copies this many bytes at a time, so that on a GPU the copy of
     # one part runs while the controller books the next (0: the whole backup at once).

@@ -267,14 +267,23 @@ def test_a_page_evicted_meanwhile_fails_the_load(tmp_path):
     ctl.close()
 
 
-def test_a_host_copy_evicted_meanwhile_is_read_again_from_disk(tmp_path):
-    engine, ctl, chain, snap = _disk_only(tmp_path)
+@pytest.mark.parametrize(
+    "direct, way", [(True, "disk_to_device"), (False, "disk_to_host")]
+)  # read straight into its slot (CPU pools), or into a host page again
+def test_a_host_copy_evicted_meanwhile_is_read_again_from_disk(tmp_path, direct, way):
+    engine, ctl, chain, snap = _disk_only(tmp_path, disk_load_direct=direct)
     assert ctl.prefetch(chain.page_keys()).wait(5.0)  # everything on host now
+    on_host = sum(ctl.stats()["host"]["used_pages"].values())
     ctl.faults.evict_host_before_load = 1
-    reads = ctl.stats()["transfer"]["disk_to_host"]["pages"]
+    before = ctl.stats()["transfer"]
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
-    assert ctl.stats()["transfer"]["disk_to_host"]["pages"] == reads + 1
+    after = ctl.stats()["transfer"]
+    assert after[way]["pages"] == before.get(way, {"pages": 0})["pages"] + 1
+    assert after["disk_to_host"]["pages"] == before["disk_to_host"]["pages"] + (not direct)
+    # Read straight into its slot, the page is on disk only now; else on host again.
+    assert sum(ctl.stats()["host"]["used_pages"].values()) == on_host - direct
     _no_holds(ctl)
+    ctl.check_invariants(deep=True)
     ctl.close()
 
 

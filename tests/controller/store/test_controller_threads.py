@@ -11,6 +11,7 @@ import random
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from hicache.controller.store.local import LocalController
@@ -83,7 +84,10 @@ def _worker(ctl, engine: Engine, engine_id: str, prefixes, seed: int, errors: li
         errors.append(f"{engine_id}: {exc!r}")
 
 
-def test_concurrent_engines_keep_the_controller_consistent(tmp_path):
+@pytest.mark.parametrize(
+    "direct, way", [(True, "disk_to_device"), (False, "disk_to_host")]
+)  # disk pages read straight into the engines' CPU slots, or into host pages
+def test_concurrent_engines_keep_the_controller_consistent(tmp_path, direct, way):
     layout = hybrid_layout()
     page_value = 512 + 256
     ctl = LocalController(
@@ -92,6 +96,7 @@ def test_concurrent_engines_keep_the_controller_consistent(tmp_path):
             host_pool_bytes=48 * (page_value + 42),
             disk_budget_bytes=120 * (page_value + 150),
             reader_threads=3,
+            disk_load_direct=direct,
         )
     )
     prefixes = [list(range(k, k + 6 * PAGE)) for k in range(0, 24000, 1000)]
@@ -115,6 +120,6 @@ def test_concurrent_engines_keep_the_controller_consistent(tmp_path):
     # The tiers were under pressure: pages moved every way.
     assert stats["evictions"]["host"]["full"] > 0
     assert stats["evictions"]["disk"]["full"] > 0
-    assert stats["transfer"]["disk_to_host"]["pages"] > 0
+    assert stats["transfer"][way]["pages"] > 0
     assert stats["load"]["ok"] > 0
     ctl.close()

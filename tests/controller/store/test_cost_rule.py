@@ -73,7 +73,7 @@ def test_a_throttled_disk_is_recomputed_and_counted(tmp_path):
 def test_host_pages_are_offered_and_only_the_disk_run_is_cut(tmp_path):
     engine, ctl, chain, _ = _on_disk_only(tmp_path, read_delay_s=0.05)
     first = set(chain.page_keys()) - set(chain.page_keys()[len(chain.page_keys()) // 2 :])
-    load_into(ctl, engine, chain, only=first)  # the first pages back on host
+    assert ctl.prefetch(list(first)).wait(10.0)  # the first pages back on host
     ctl.report_prefill_rate(FAST_ENGINE)
     row = _full_row(ctl, chain)
     held = row.index(P_ABSENT)

@@ -1,5 +1,6 @@
-"""``disk_load_direct``: a load into CPU pools reads its pages held only on disk straight
-into the engine's slots (``controller/store/load_reads.py``), one copy, checked there.
+"""``disk_load_direct`` (on by default): a load into CPU pools reads its pages held only on
+disk straight into the engine's slots (``controller/store/load_reads.py``), one copy,
+checked there.
 The bytes are exact for every component, the pages stay on disk only, a value that fails
 its checks is never served (the load fails, the value is dropped), and a load that gave
 up leaves nothing writing into the slots (test_load_copies.py)."""
@@ -21,7 +22,8 @@ from tests.support.controller import (
 
 
 def _on_disk(tmp_path, pages: int, **overrides):
-    """A chain stored, then a restart with direct loads on: every page on disk only."""
+    """A chain stored, then a restart with direct loads on (the default, named here so
+    that these tests keep it): every page on disk only."""
     overrides.setdefault("disk_load_direct", True)
     return stored_then_restarted(tmp_path, pages, **overrides)
 

@@ -1,7 +1,9 @@
 """A load of pages held on disk: each read's pages are copied into the engine's slots by
 the reader as the read ends (``CopyAsRead``, for pages of ``copy_as_read_min_page_bytes``
 and more), the others when the reads are done. The bytes are exact whichever way a page
-went, and a load that gave up leaves nothing writing into the engine's slots."""
+went, and a load that gave up leaves nothing writing into the engine's slots. These are
+the loads of ``disk_load_direct = false`` (pages read into host pages, kept there); the
+default reads them straight into CPU slots (test_direct_loads.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from tests.support.controller import (
 
 
 def _stored_then_restarted(tmp_path, pages: int, **overrides):
-    """Its pages are small: every load copies as read all the same."""
+    """Its pages are small: every load copies as read all the same; read into host pages
+    unless ``disk_load_direct`` is given."""
     overrides.setdefault("copy_as_read_min_page_bytes", 0)
+    overrides.setdefault("disk_load_direct", False)
     return stored_then_restarted(tmp_path, pages, **overrides)
 
 

@@ -241,7 +241,8 @@ def _flip_byte(tmp_path, key: bytes, offset: int) -> None:
     env.close()
 
 
-def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
+@pytest.mark.parametrize("direct", [True, False])  # read into the slots, or into host pages
+def test_corrupt_payload_is_never_served_and_is_counted(tmp_path, direct):
     layout, engine, ctl = registered_controller(tmp_path)
     chain = engine.write_chain(range(4 * PAGE))
     _store(ctl, chain)
@@ -249,7 +250,7 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     bad = chain.refs([FULL])[2].key
     _flip_byte(tmp_path, bad.storage_key(), HEADER_BYTES + 100)
 
-    ctl = LocalController(controller_config(tmp_path))
+    ctl = LocalController(controller_config(tmp_path, disk_load_direct=direct))
     ctl.register(layout, PAGE, engine.pools)
     assert _presence(ctl, chain) == [2, 2, 2, 2]  # the index knows only headers
     target = engine.place(chain.hashes, chain.parents)
@@ -258,12 +259,16 @@ def test_corrupt_payload_is_never_served_and_is_counted(tmp_path):
     assert ctl.load(refs, pin, 5.0) == LoadResult.FAILED  # failed, nothing left writing
     ctl.unpin(pin)
     assert ctl.stats()["failures"]["checksum"] == 1
-    assert _presence(ctl, chain) == [1, 1, 0, 1]  # the bad page is gone: a miss now
+    # The bad page is gone, a miss now; the others read stay on disk only (direct) or
+    # are on host as well.
+    kept = 2 if direct else 1
+    assert _presence(ctl, chain) == [kept, kept, 0, kept]
     ctl.check_invariants(deep=True)  # and deleted from LMDB
     ctl.close()
 
 
-def test_a_corrupt_page_fails_its_read_batch_alone(tmp_path):
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_corrupt_page_fails_its_read_batch_alone(tmp_path, direct):
     """Disk pages are read in batches (one reader, one transaction each): a corrupt value
     amid a batch is dropped, the others of the batch are served, every byte exact."""
     layout, engine, ctl = registered_controller(tmp_path)
@@ -273,7 +278,7 @@ def test_a_corrupt_page_fails_its_read_batch_alone(tmp_path):
     bad = chain.refs([FULL])[5].key
     _flip_byte(tmp_path, bad.storage_key(), HEADER_BYTES + 7)
 
-    ctl = LocalController(controller_config(tmp_path, reader_threads=1))
+    ctl = LocalController(controller_config(tmp_path, reader_threads=1, disk_load_direct=direct))
     ctl.register(layout, PAGE, engine.pools)
     target = engine.place(chain.hashes, chain.parents)
     refs = target.refs([FULL])
@@ -282,7 +287,8 @@ def test_a_corrupt_page_fails_its_read_batch_alone(tmp_path):
     ctl.unpin(pin)
     ctl.check_invariants(deep=True)
     assert ctl.stats()["failures"]["checksum"] == 1
-    assert _presence(ctl, chain) == [1] * 5 + [0] + [1] * 6  # the others reached host
+    kept = 2 if direct else 1  # the others stayed on disk only (direct), or reached host
+    assert _presence(ctl, chain) == [kept] * 5 + [0] + [kept] * 6
     good = {r.key for r in chain.refs([FULL])} - {bad}
     got = load_into(ctl, engine, chain, [FULL], only=good)
     want = {k: v for k, v in engine.snapshot(chain).items() if k[0] is FULL and k[1] != 5}

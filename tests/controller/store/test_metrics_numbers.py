@@ -235,7 +235,9 @@ def _copy_error(store: Store) -> bool:
 
 def _read_fails(status: ReadStatus) -> Callable[[Store], bool]:
     def scenario(store: Store) -> bool:
-        store.ctl.store._disk.lmdb.read_many = lambda skeys, dsts: [status] * len(skeys)
+        lmdb = store.ctl.store._disk.lmdb
+        lmdb.read_many = lambda skeys, dsts: [status] * len(skeys)  # into host pages
+        lmdb.read_pieces = lambda skeys, nbytes, pieces, stop: [status] * len(skeys)  # slots
         return _load(store)
 
     return scenario
@@ -245,12 +247,19 @@ def _read_fails(status: ReadStatus) -> Callable[[Store], bool]:
 LOAD_FAILURES: dict[str, tuple[Callable[[Store], bool], Failure, dict]] = {
     "pin_expired": (_pin_expired, Failure.PIN_EXPIRED, {}),
     "page_absent": (_page_absent, Failure.PAGE_ABSENT, {}),
-    "host_full": (_host_full, Failure.HOST_FULL, {"host_pool_bytes": 32 << 10}),
+    # Only a load that reads into host pages needs one (not one read into CPU slots).
+    "host_full": (
+        _host_full,
+        Failure.HOST_FULL,
+        {"host_pool_bytes": 32 << 10, "disk_load_direct": False},
+    ),
     "load_timeout": (_load_timeout, Failure.LOAD_TIMEOUT, {}),
     "copy_error": (_copy_error, Failure.COPY_ERROR, {}),
+    # Read straight into the engine's CPU slots (the default), or into host pages.
     **{
-        f"read_{status.value}": (_read_fails(status), reason, {})
+        f"read_{status.value}{way}": (_read_fails(status), reason, {"disk_load_direct": direct})
         for status, reason in _READ_FAILURES.items()
+        for way, direct in (("", True), ("_to_host", False))
     },
 }
 
@@ -287,6 +296,18 @@ def test_a_failed_load_is_not_served(tmp_path, name):
     after = store.ctl.stats()["failures"]
     assert {r for r in after if after[r] > failures[r]} == {reason.value}
     assert _served(store.ctl) == served
+    store.close()
+
+
+def test_a_load_read_straight_into_cpu_slots_takes_no_host_page(tmp_path):
+    """``host_full`` with the default ``disk_load_direct``: with the host pool full of
+    pinned pages, a load of pages held only on disk still arrives, exact, failing nothing."""
+    store = _disk_only(tmp_path, host_pool_bytes=32 << 10)
+    want = store.engine.snapshot(store.chain)
+    failures = store.ctl.stats()["failures"]
+    assert _host_full(store) == LoadResult.LOADED
+    assert store.engine.snapshot(load_into(store.ctl, store.engine, store.chain)) == want
+    assert store.ctl.stats()["failures"] == failures
     store.close()
 
 
