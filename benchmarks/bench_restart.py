@@ -9,9 +9,10 @@ under a temporary directory) is filled by an engine — pools registered through
 :class:`SidecarController`, shared-memory tensors on a CPU, CUDA tensors on a GPU — whose
 backups are written through to disk; the sidecar is stopped (SIGTERM: every queued write
 committed) and started again on the same LMDB (its warm start off: ``prewarm_bytes=0``,
-so that every load below reads disk; ``disk_load_direct`` on, pages read straight into
-the engine's slots, unless ``--host-copy``), and the same engine, never restarted, loads the
-whole prefix back (pin, load, unpin) once its client has reconnected by itself.
+so that every load below reads disk; on a CPU ``disk_load_direct`` is left on, its
+default, pages read straight into the engine's slots, unless ``--host-copy``; a GPU's loads
+go through host pages either way), and the same engine, never restarted, loads the whole
+prefix back (pin, load, unpin) once its client has reconnected by itself.
 Timed, each as GB/s:
 
 * ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left
@@ -22,6 +23,10 @@ Timed, each as GB/s:
   bytes still cached afterwards are printed when ``fincore`` is there);
 * ``steady``: the median of ``--repeat`` later loads, each of pages held only on disk
   (the host tier cleared with the admin ``clear`` verb before each);
+* ``again``: the median of ``--repeat`` loads right after the steady ones, the host tier
+  left as they left it: what the next load of the same pages gets (read straight into the
+  slots, they stayed on disk only and are read from disk again; read into host pages, as
+  with ``--host-copy`` or on a GPU, they are on host);
 * ``raw_warm`` / ``raw_cold``: one thread reading as many bytes of the LMDB file (its
   first ``total`` bytes, in reads of one page) into one buffer touched beforehand, with
   the page cache warm, and after the same drop.
@@ -112,9 +117,10 @@ class Sidecar:
                 # nor (unless --readahead) into the OS cache.
                 "--set", "prewarm_bytes=0",
                 *([] if READAHEAD or self.env is not None else ["--set", "prewarm_disk_bytes=0"]),
-                # Pages read straight into the engine's slots (the host copy skipped), unless
-                # --host-copy (or a revision that has no such setting).
-                *([] if HOST_COPY or self.env is not None else ["--set", "disk_load_direct=true"]),
+                # Pages read straight into the engine's slots (disk_load_direct, on by
+                # default) unless --host-copy: read into host pages first, kept there. A
+                # revision (--compare-ref) runs with its own default.
+                *(["--set", "disk_load_direct=false"] if HOST_COPY and self.env is None else []),
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
             env=self.env,
@@ -316,15 +322,17 @@ def run_size(
         for _ in range(repeat):
             admin.clear(("host",), all_namespaces=True)
             steady.append(engine.load_s())
+        again = [engine.load_s() for _ in range(repeat)]  # the host tier left as it is
         admin.close()
         out["steady_s"] = statistics.median(steady)
+        out["again_s"] = statistics.median(again)
         out["raw_warm_s"] = min(raw_read_s(disk / "data.mdb", total, page_bytes) for _ in range(3))
     finally:
         engine.close()
         if sidecar.proc is not None:
             sidecar.stop()
         shutil.rmtree(disk, ignore_errors=True)
-    for k in ("first_warm", "first_cold", "steady", "raw_warm", "raw_cold"):
+    for k in ("first_warm", "first_cold", "steady", "again", "raw_warm", "raw_cold"):
         out[f"{k}_GBps"] = total / out[f"{k}_s"] / 1e9
     out["first_warm_over_steady"] = out["first_warm_s"] / out["steady_s"]
     out["steady_x_raw_warm"] = out["raw_warm_s"] / out["steady_s"]
@@ -351,7 +359,7 @@ def main() -> int:
         "--host-copy",
         action="store_true",
         help="loads read pages into host pages first and keep them there (disk_load_direct "
-        "off, the default setting); without it they are read straight into the engine's slots",
+        "off); without it they are read straight into the engine's slots (the default)",
     )
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
@@ -368,10 +376,11 @@ def main() -> int:
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     try:
-        how = "read into host pages" if HOST_COPY else "read straight into the engine's slots"
+        direct = device.type == "cpu" and not HOST_COPY
+        how = "read straight into the engine's slots" if direct else "read into host pages"
         print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size, {how}): GB/s")
-        head = ("page KiB", "first warm", "first cold", "steady", "raw warm", "raw cold",
-                "first/steady", "steady×raw", "cold×raw")  # fmt: skip
+        head = ("page KiB", "first warm", "first cold", "steady", "again", "raw warm",
+                "raw cold", "first/steady", "steady×raw", "cold×raw")  # fmt: skip
         print("  " + " ".join(f"{h:>12}" for h in head))
         ref = None
         if args.compare_ref:
@@ -386,7 +395,8 @@ def main() -> int:
             rows.append(r)
             kib = r["page_KiB"] if code is None else f"{r['page_KiB']} {code[:7]}"
             cells = [kib, r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
-                     r["raw_warm_GBps"], r["raw_cold_GBps"], r["first_warm_over_steady"],
+                     r["again_GBps"], r["raw_warm_GBps"], r["raw_cold_GBps"],
+                     r["first_warm_over_steady"],
                      r["steady_x_raw_warm"], r["first_cold_x_raw_cold"]]  # fmt: skip
             print(
                 "  " + " ".join(f"{c:12.2f}" if isinstance(c, float) else f"{c:>12}" for c in cells)

@@ -8,8 +8,9 @@ the engine's slots sooner than a copy of every page once the last read has ended
   map into its slot, one copy, and checked there (``page_codec.verify_runs``: the
   checksum over the bytes as they lie in the slot); the page stays on disk only. Such a
   pool is host memory already, so a second copy of what the engine now holds would fill
-  the host tier with pages the engine has. On with ``disk_load_direct``; off (the
-  default), a page read is kept on host (two copies: LMDB map -> host page -> slot).
+  the host tier with pages the engine has. On with ``disk_load_direct`` (the default);
+  the cost: the next load of such a page reads disk again. Off, a page read is kept on
+  host (two copies: LMDB map -> host page -> slot).
 * **Copied as read.** Otherwise each read's pages are copied on into the slots from the
   reader as the read ends, beside the reads still to come, for loads of pages of
   ``copy_as_read_min_page_bytes`` or more.

@@ -11,6 +11,7 @@ import pytest
 
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.tiers.prewarm import UseLog
 from hicache.controller_api import LoadResult, PageRef, Presence
 from hicache.types import ComponentType
 from tests.support.controller import (
@@ -50,6 +51,16 @@ def test_pages_read_straight_into_the_slots_arrive_exact_and_stay_on_disk(tmp_pa
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)  # and again
     ctl.check_invariants(deep=True)
     ctl.close()
+
+
+def test_pages_read_straight_into_the_slots_are_recorded_as_used_for_the_next_prewarm(
+    tmp_path,
+):
+    engine, ctl, chain, snap = _on_disk(tmp_path, pages=4)
+    assert UseLog(tmp_path / "lmdb").read() == {}  # stored, never loaded
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.close()  # the use log flushed
+    assert set(UseLog(tmp_path / "lmdb").read()) == {k.storage_key() for k in chain.page_keys()}
 
 
 def test_off_the_pages_read_stay_on_host(tmp_path):
