@@ -128,7 +128,8 @@ def _serve_request(cache: UnifiedRadixCache, rid: str, tokens: np.ndarray) -> No
 @pytest.fixture(scope="module")
 def registry() -> Registry:
     """A sidecar with a disk tier; an engine stores a prefix, loses it from its device,
-    loads it back from host, then (after a host eviction) from disk; then a scrape."""
+    loads it back from host, then (after a host eviction) from disk, straight into its
+    shared-memory CPU pools; then a scrape."""
     from hicache.controller.client.sidecar_client import SidecarController
 
     work = short_tmpdir("hcdeploy")
@@ -188,9 +189,10 @@ def registry() -> Registry:
 def test_the_registry_fixture_saw_every_kind_of_traffic(registry):
     """The checks below are only as good as the scrape: it must hold the load, lookup,
     transfer and eviction series that the rules and the dashboard read."""
-    assert {"host_to_device", "device_to_host", "host_to_disk", "disk_to_host"} <= registry.values[
-        "direction"
-    ]
+    # The disk load read its pages straight into the engine's CPU pools (disk_load_direct).
+    assert {"host_to_device", "device_to_host", "host_to_disk", "disk_to_device"} <= (
+        registry.values["direction"]
+    )
     assert {"host", "disk", "miss"} <= registry.values["result"]
     assert "load" in registry.values["verb"]
     assert {"resident", "pinned"} <= registry.values["state"]
