@@ -45,11 +45,12 @@ def test_the_quick_demo_hits_every_tier_where_it_must_and_every_logit_is_exact(t
     assert chat["hit_tokens"]["disk"] == 0
     assert chat["bytes_moved"]["device_to_host"] > 0 and chat["bytes_moved"]["host_to_device"] > 0
     # phase 2, after restarting everything: the second-to-last turns come back from disk,
-    # the last turns find them on the host (where loads and backups pass); device hits
-    # need a Mamba state cached past the loaded one, which these short turns rarely leave
+    # read straight into the engines' CPU pools (disk_load_direct, the default: they stay
+    # on disk only, not on host); device hits need a Mamba state cached past the loaded
+    # one, which these short turns rarely leave
     assert restart["requests"] == 2 * cfg.conversations
-    assert restart["hit_tokens"]["disk"] > 0 and restart["hit_tokens"]["host"] > 0
-    assert restart["bytes_moved"]["disk_to_host"] > 0
+    assert restart["hit_tokens"]["disk"] > 0
+    assert restart["bytes_moved"]["disk_to_device"] > 0
     for phase in (chat, restart):
         # every generated token's logits were compared, and every token is either a hit
         # or computed (no preemption at these sizes)

@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import IO, Any
 
 TIERS = ("device", "host", "disk")
-DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
+# disk_to_device: pages held only on disk read straight into an engine's CPU pools
+# (disk_load_direct), not through host pages.
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host", "disk_to_device")
 _ARROWS = {
     "device_to_host": "device→host",
     "host_to_device": "host→device",
     "host_to_disk": "host→disk",
     "disk_to_host": "disk→host",
+    "disk_to_device": "disk→device",
 }
 
 
