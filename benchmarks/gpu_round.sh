@@ -30,7 +30,7 @@ for what in "$@"; do
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies 16 \
             --json "$out/layerwise_16.json" ;;
         layerwise_rows) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
-            --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies rows,16 \
+            --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies dma,16 \
             --json "$out/layerwise_rows.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;

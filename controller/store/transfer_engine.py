@@ -109,7 +109,9 @@ class TransferEngine:
     #: which take no SM from the compute; else by kernel, on ``layer_tuning``'s grid.
     layer_dmas: bool = True
     #: ... and as 2-D copies over runs of pages where the pages run (False: 1-D rows).
-    layer_runs: bool = True
+    #: Off until measured on a GPU against the rows (``hf_ttft_gpu.py --layer-copies
+    #: dma,rows``): its address plan is tested, its speed is not known yet.
+    layer_runs: bool = False
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
