@@ -288,26 +288,31 @@ class TransferEngine:
         on_gpu = buffers.device.type == "cuda"
         dmas = on_gpu and self.layer_dmas and batched_copy_available()
 
+        def group_plans(g: int):
+            """Group ``g``'s copies: (component, plan, host pages, device pages/slots)."""
+            for comp, (host_pages, device_index) in plan.items():
+                span = groups.spans[g].get(comp)
+                if span is not None and len(host_pages):
+                    prepared = self._plan(comp, buffers, False, span)
+                    yield comp, prepared, host_pages, device_index
+
         first: dict[ComponentType, tuple[PreparedTransfer, tuple]] = {}
 
         def group_rows(g: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
             """Group ``g``'s copies as DMA rows: the same pages in every group, so the
             first group's rows (planned and checked) moved to this group's layers."""
             rows = []
-            for comp, (host_pages, device_index) in plan.items():
-                span = groups.spans[g].get(comp)
-                if span is not None and len(host_pages):
-                    prepared = self._plan(comp, buffers, False, span)
-                    shifted = prepared.shifted_rows(*first[comp]) if comp in first else None
-                    if shifted is None:
-                        shifted = prepared.row_dmas(device_index, host_pages)
-                        first.setdefault(comp, (prepared, shifted))
-                    rows.append(shifted)
+            for comp, prepared, host_pages, device_index in group_plans(g):
+                shifted = prepared.shifted_rows(*first[comp]) if comp in first else None
+                if shifted is None:
+                    shifted = prepared.row_dmas(device_index, host_pages)
+                    first.setdefault(comp, (prepared, shifted))
+                rows.append(shifted)
             return rows
 
         # Where the load's pages run consecutively on both sides (pools hand a request's
-        # pages out in order), each group goes as one 2-D copy per row of each run: a few
-        # large DMAs, which move at a memcpy's speed where 128 KiB ones do not.
+        # pages out in order), each group can go as one 2-D copy per row of each run: a
+        # few large DMAs instead of one 128 KiB DMA per page and row (``layer_runs``).
         runs = (
             dmas
             and self.layer_runs
@@ -323,11 +328,12 @@ class TransferEngine:
             parts: list = []
             for g in range(len(groups)):
                 try:
-                    parts += group_rows(g)
+                    rows = group_rows(g)
                 except Exception as exc:  # this group and every later one fail
                     unplanned = (g, exc)
                     break
-                bounds.append(sum(p[0].size for p in parts))
+                parts += rows
+                bounds.append(bounds[-1] + sum(r[0].size for r in rows))
             if parts:
                 stream = self._streams_for(buffers.device)[0]
                 copies = Copies1D(*map(np.concatenate, zip(*parts)), stream.cuda_stream, True)
@@ -336,15 +342,12 @@ class TransferEngine:
             if fault is not None and fault(g):
                 raise RuntimeError(f"injected copy failure at layer group {g}")
             if not dmas or runs:
-                for comp, (host_pages, device_index) in plan.items():
-                    span = groups.spans[g].get(comp)
-                    if span is not None and len(host_pages):
-                        prepared = self._plan(comp, buffers, False, span)
-                        two_d = prepared.run_copies(device_index, host_pages) if runs else None
-                        if two_d is None:
-                            prepared(device_index, host_pages)
-                        else:
-                            issue_2d_copies(two_d, torch.cuda.current_stream().cuda_stream)
+                for _, prepared, host_pages, device_index in group_plans(g):
+                    two_d = prepared.run_copies(device_index, host_pages) if runs else None
+                    if two_d is None:
+                        prepared(device_index, host_pages)
+                    else:
+                        issue_2d_copies(two_d, torch.cuda.current_stream().cuda_stream)
             elif unplanned is not None and g >= unplanned[0]:
                 raise unplanned[1]
             elif copies is not None:  # one batched copy for the group, on the copy engines

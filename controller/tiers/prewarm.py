@@ -14,8 +14,10 @@
   never evicts a host page (it stops when the host tier has no free page), and its reads
   are the load path's: a page that fails its checksum is dropped, never served. Before
   them, the next hottest pages, up to ``prewarm_disk_bytes``, are handed to the OS to read
-  into its page cache (``madvise(MADV_WILLNEED)`` over their values in LMDB's map), so a
-  restart's first loads of those pages do not read a cold file either.
+  into its page cache (``madvise(MADV_WILLNEED)`` over their values in LMDB's map), then
+  faulted into this process's map on a thread of their own (``MADV_POPULATE_READ``), so a
+  restart's first loads of those pages neither read a cold file nor take a page fault per
+  OS page.
 """
 
 from __future__ import annotations
