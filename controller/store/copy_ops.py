@@ -109,8 +109,7 @@ class CopyOps(StoreState):
         ready = [e for e in entries if e.host_state is _READY]
         self._index.served_all(ready)
         for tier in self._tiers:
-            for e in ready:
-                tier.on_served_locked(e)
+            tier.on_served_locked(ready)
         page_bytes = self.host_page_bytes()
         nbytes = sum(page_bytes[e.component] for e in ready)
         self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
@@ -234,15 +233,14 @@ class CopyOps(StoreState):
         """A copy of held ``entries`` to a device has ended: release them; ``served``
         (every byte arrived) makes them most recently used, kept as pages that served."""
         with self._lock:
+            if served:  # most recently used before the release makes them evictable
+                self._index.served_all(entries)
+                for tier in self._tiers:
+                    tier.on_served_locked(entries)
             release = self._index.release
             for e in entries:
                 e.copies -= 1
                 release(e)
-            if served:
-                self._index.served_all(entries)
-                for tier in self._tiers:
-                    for e in entries:
-                        tier.on_served_locked(e)
 
     def _hold_locked(self, e: PageEntry) -> None:
         self._index.acquire(e)

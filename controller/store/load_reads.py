@@ -54,10 +54,6 @@ class SlotGeometry:
         self.spans = spans
         self._keep = keep  # the engine's storages, mapped while this is used
 
-    def pieces(self, slot: int) -> list[tuple]:
-        """The spans of slot ``slot``, as ``page_codec.verify_runs`` takes them."""
-        return [(mem, at + slot * stride, n, off) for mem, at, stride, n, off in self.spans]
-
     @classmethod
     def of(cls, plan: PreparedTransfer, host: HostComponentPool) -> SlotGeometry | None:
         """The geometry of ``plan`` (host pages -> CPU slots) for ``host``'s pages; None
@@ -181,9 +177,9 @@ class CopyAsRead:
             and page.pending_payload is None
         )
 
-    def pieces(self, pages: list[PageEntry]) -> list[list[tuple]] | None:
-        """Where each of ``pages`` goes in its slot; None once closed or failed (a reader
-        thread; the load then fails)."""
+    def pieces(self, pages: list[PageEntry]) -> list[tuple] | None:
+        """Where each of ``pages`` goes: its component's spans and its slot; None once
+        closed or failed (a reader thread; the load then fails)."""
         with self._lock:
             if self._buffers is None or self.error is not None:
                 return None
@@ -193,7 +189,7 @@ class CopyAsRead:
                 return None
             self._running += 1  # close() waits for these reads
         slots, geometry = self._slots, self._geometry
-        return [geometry[p.component].pieces(slots[p.skey]) for p in pages]
+        return [(geometry[p.component].spans, slots[p.skey]) for p in pages]
 
     def ended(self, pages: list[PageEntry], statuses: list[ReadStatus]) -> None:
         """The reads that :meth:`pieces` placed have ended: those served are copied."""

@@ -189,15 +189,15 @@ def verify_into(
 
 
 def verify_runs(
-    value: Any, tag: int, layout_digest: bytes, nbytes: int, runs: Sequence
+    value: Any, tag: int, layout_digest: bytes, nbytes: int, runs: Sequence, slot: int = 0
 ) -> ReadStatus:
     """:func:`verify_into` for a page whose bytes go elsewhere than one host row: the
     payload of ``value`` (a whole stored value, header first) copied in pieces, each
-    ``(dst, at, n, offset)``: payload bytes ``[offset, +n)`` into ``dst[at : at + n]`` (a
-    writable byte memoryview), the pieces in payload order and covering its ``nbytes``
-    exactly. The same checks as :func:`verify_into`, the checksum over the bytes as
-    copied into the pieces' destinations (what is checked is what is served); anything
-    but OK leaves them undefined."""
+    ``(dst, at, stride, n, offset)``: payload bytes ``[offset, +n)`` into ``dst[p : p + n]``
+    (a writable byte memoryview) at ``p = at + slot * stride``, the pieces in payload
+    order and covering its ``nbytes`` exactly. The same checks as :func:`verify_into`,
+    the checksum over the bytes as copied into the pieces' destinations (what is checked
+    is what is served); anything but OK leaves them undefined."""
     hdr = read_header(value)
     if hdr is None or hdr[2] != tag:
         return ReadStatus.CORRUPT
@@ -207,20 +207,21 @@ def verify_runs(
         return ReadStatus.CORRUPT
     src = value[HEADER_BYTES:]
     h = xxhash.xxh3_64()
-    for dst, at, n, offset in runs:
+    update = h.update
+    for dst, at, stride, n, offset in runs:
+        at += slot * stride
         if n < _RUN_GIL_FREE_BYTES:  # a short copy: cheaper to call than numpy's
             out = dst[at : at + n]
             out[:] = src[offset : offset + n]
-            h.update(out)
+            update(out)
             continue
         for lo in range(0, n, _HASH_CHUNK_BYTES):  # hashed while still in the cache
             m = min(_HASH_CHUNK_BYTES, n - lo)
             out = dst[at + lo : at + lo + m]
             # numpy copies and xxh3 hashes without the GIL: other readers run meanwhile
             np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(src, np.uint8, m, offset + lo))
-            h.update(out)
-    checksum = h.intdigest()
-    if checksum != hdr[7]:
+            update(out)
+    if h.intdigest() != hdr[7]:
         return ReadStatus.CORRUPT
     return ReadStatus.OK
 

@@ -470,6 +470,10 @@ def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLay
     slot inside the engine's ``buffers``, well-formed hashes, and no device page twice."""
     comps = layout.components if layout else ()
     caps = {c: buffers.capacity(c) for c in comps}
+    # One device page holds one page of one prefix: two pages copied into it would
+    # leave a blend of both, two hashes read from it would store one prefix's bytes
+    # under another's hash. (The same ref twice is one page.)
+    named: dict[tuple[ComponentType, int], bytes] = {}
     for ref in refs:
         cap = caps.get(ref.component)
         if cap is None:
@@ -481,13 +485,7 @@ def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLay
             )
         if len(ref.page_hash) != HASH_BYTES or len(ref.parent_hash) != HASH_BYTES:
             raise ControllerError(f"page and parent hashes must be {HASH_BYTES} bytes")
-    # One device page holds one page of one prefix: two pages copied into it would
-    # leave a blend of both, two hashes read from it would store one prefix's bytes
-    # under another's hash. (The same ref twice is one page.)
-    named: dict[tuple[ComponentType, int], bytes] = {}
-    for ref in refs:
-        slot = (ref.component, ref.device_index)
-        seen = named.setdefault(slot, ref.page_hash)
+        seen = named.setdefault((ref.component, ref.device_index), ref.page_hash)
         if seen != ref.page_hash:
             raise ControllerError(
                 f"{ref.component.name} device page/slot {ref.device_index} is named by "

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 READ_BATCH_BYTES = 8 << 20
 
 _OK = ReadStatus.OK
+_ON_DISK = DiskState.READY
 _READ_FAILURES = {
     ReadStatus.CORRUPT: Failure.CHECKSUM,
     ReadStatus.FOREIGN: Failure.LAYOUT_MISMATCH,
@@ -336,10 +337,9 @@ class DiskTier:
         if self.config.disk_write_policy is DiskWritePolicy.WRITE_BACK:
             self._queue_locked(page, keep_copy=True)
 
-    def on_served_locked(self, page: PageEntry) -> None:
-        """Record the use of a page this tier holds (the order of the next prewarm)."""
-        if page.disk_state is DiskState.READY:
-            self.uses.record(page.skey)
+    def on_served_locked(self, pages: Sequence[PageEntry]) -> None:
+        """Record the use of the pages this tier holds (the order of the next prewarm)."""
+        self.uses.record(*[p.skey for p in pages if p.disk_state is _ON_DISK])
 
     def on_close_locked(self) -> None:
         """Write-back keeps pages in memory only: queue every page held only on host, so

@@ -323,13 +323,14 @@ class LmdbTier:
         self, skeys: Sequence[bytes], nbytes: Sequence[int], pieces: Sequence[Sequence], stop: Any
     ) -> list[ReadStatus]:
         """:meth:`read_many` for pages whose bytes go elsewhere than one row each: page
-        ``i``'s ``nbytes[i]`` payload bytes copied into ``pieces[i]`` and checked there
-        (:func:`~hicache.controller.store.page_codec.verify_runs`). Pages left when
-        ``stop.closed`` turns true are not read (ERROR)."""
+        ``i``'s ``nbytes[i]`` payload bytes copied where ``pieces[i]`` (runs, slot) says
+        and checked there (:func:`~hicache.controller.store.page_codec.verify_runs`). Pages
+        left when ``stop.closed`` turns true are not read (ERROR)."""
         digest = self.layout_digest
 
         def serve(i: int, value: Any) -> ReadStatus:
-            return verify_runs(value, skeys[i][-1], digest, nbytes[i], pieces[i])
+            runs, slot = pieces[i]
+            return verify_runs(value, skeys[i][-1], digest, nbytes[i], runs, slot)
 
         return self._read_each(skeys, serve, stop)
 

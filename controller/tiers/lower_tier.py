@@ -131,8 +131,8 @@ class LowerTier(Protocol):
     def on_host_evict_locked(self, page: PageEntry) -> None:
         """``page`` is about to leave the host tier (its bytes are still there)."""
 
-    def on_served_locked(self, page: PageEntry) -> None:
-        """``page`` served a load-back from the host tier."""
+    def on_served_locked(self, pages: Sequence[PageEntry]) -> None:
+        """``pages`` served a load-back from the host tier (or straight from this one)."""
 
     def on_close_locked(self) -> None:
         """The store is closing: queue what must not be lost (LMDB write-back)."""
@@ -173,9 +173,10 @@ class DirectSink(Protocol):
         """Whether ``page`` (on the indexed tier only) may be read straight into the load's
         slot rather than into a host page first (the store's lock held)."""
 
-    def pieces(self, pages: list[PageEntry]) -> list[list[tuple]] | None:
-        """On a reader thread, before reading ``pages``: where each page's payload goes
-        (see ``page_codec.verify_runs``); None when closed (nothing is read). Every call
+    def pieces(self, pages: list[PageEntry]) -> list[tuple] | None:
+        """On a reader thread, before reading ``pages``: where each page's payload goes,
+        ``(runs, slot)`` as ``page_codec.verify_runs`` takes them; None when closed
+        (nothing is read). Every call
         that returns pieces is followed by :meth:`ended`."""
 
     def ended(self, pages: list[PageEntry], statuses: list[ReadStatus]) -> None:

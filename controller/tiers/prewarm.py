@@ -93,10 +93,11 @@ class UseLog:
         self._thread = threading.Thread(target=self._run, name="hicache-use-log", daemon=True)
         self._thread.start()
 
-    def record(self, skey: bytes) -> None:
-        """A page served a load now (any thread, the store's lock may be held)."""
+    def record(self, *skeys: bytes) -> None:
+        """Pages served a load now (any thread, the store's lock may be held)."""
+        ns = time.time_ns()
         with self._lock:
-            self._pending[skey] = time.time_ns()
+            self._pending.update(dict.fromkeys(skeys, ns))
 
     def _run(self) -> None:
         while not self._closed:

@@ -276,10 +276,11 @@ class RemoteTier(FillsHostOnly):
         if source is Tier.DEVICE and policy is RemoteWritePolicy.WRITE_THROUGH:
             self._enqueue(page, None)
 
-    def on_served_locked(self, page: PageEntry) -> None:
-        """``page`` served a load-back (selective)."""
+    def on_served_locked(self, pages: Sequence[PageEntry]) -> None:
+        """``pages`` served a load-back (selective)."""
         if self.config.remote_write_policy is RemoteWritePolicy.SELECTIVE:
-            self._enqueue(page, None)
+            for page in pages:
+                self._enqueue(page, None)
 
     def on_host_evict_locked(self, page: PageEntry) -> None:
         """``page`` leaves the host tier (on host eviction): its bytes are copied now."""
