@@ -8,7 +8,10 @@ the worker moves the bytes itself, once:
   yet), copies each block's segments (every layer's part of it) straight into its page
   (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, strided
   copies and ``memmove`` runs on a CPU), and commits them (``store_commit``): only then
-  can a lookup find them. A store that fails is given back, and nothing of it was visible;
+  can a lookup find them. A store that fails is given back, and nothing of it was
+  visible. A store known a step before it runs has its pages asked for then
+  (:meth:`EngineBlocks.prebook`): the ``store_begin`` answers are in by the time it
+  copies, so no round trip to the sidecar precedes its first copy;
 * a **load** pins the pages with their host page numbers, has the sidecar read the ones
   that are only on disk (or the remote tier) into host pages first, copies each page's
   segments into its block, and unpins, telling the sidecar the copy was served;
@@ -32,16 +35,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hicache import PageKey, PageRef
+from hicache import PageKey
 from hicache.controller.client import SidecarController
 from hicache.integrations.engine_block_layers import BlockLayerLoad, wait_all
+from hicache.integrations.engine_block_stores import BlockStores
 from hicache.kernels import Segment, SegmentCopy
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,7 @@ class BlockSegment:
     dst_offset: int
 
 
-class EngineBlocks:
+class EngineBlocks(BlockStores):
     """One copy per byte between an engine's block tensors and the sidecar's host pages.
 
     ``groups[g]`` are the segments of a block of group ``g`` (a page holds one block of
@@ -111,6 +115,8 @@ class EngineBlocks:
         self._layers_host = None
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
         self.handed_voided = 0  # load_handed copies made again: the pin had let go
+        self.begins_on_path = 0  # store_begin requests a store sent itself (not prebooked)
+        self.prebook_missed = 0  # prebooked parts asked for again: stale, or failed
 
     def _copies_now(self) -> list[SegmentCopy | None] | None:
         """The group copies over the current session's host pages (built again after a
@@ -154,104 +160,6 @@ class EngineBlocks:
             if mine.any():
                 events.append(copies[g].start(blocks[mine], pages[mine], to_host))
         return events
-
-    def store(
-        self,
-        refs: Sequence[PageRef],
-        groups: Sequence[int],
-        blocks: Sequence[int],
-        ttl_s: float,
-        on_copied: Callable[[], object] | None = None,
-        tenant: str | None = None,
-    ) -> tuple[int, int]:
-        """Store block ``blocks[i]`` of group ``groups[i]`` as ``refs[i]``; returns (pages
-        written, pages not stored: no room, or no sidecar). ``on_copied`` runs once the
-        blocks are no longer read; new pages are ``tenant``'s (the sidecar's quotas).
-        Raises on a copy error: the parts copied before it are published, no page of the
-        part that failed (or of one after it) becomes visible, and their host pages go
-        back to the sidecar.
-
-        In parts of ``chunk_bytes`` (on a GPU the first smaller): the next part's pages
-        are asked for before this part's copy starts, and a part's copy runs while the one
-        before it is committed, so the sidecar's bookkeeping runs beside the copies instead
-        of before and after them. A store of one part asks once and commits once."""
-        copies = self._copies_now()
-        if copies is None:
-            return 0, len(refs)
-        g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
-        parts = self._parts(len(refs))
-        if len(parts) == 1:
-            return self._store_whole(copies, refs, g_arr, b_arr, ttl_s, on_copied, tenant)
-        committed = not_stored = 0
-        pending: list = []  # (reservation, events) started, not yet committed
-        asked = self.client.send_begin_store(refs[parts[0][0] : parts[0][1]], ttl_s, tenant)
-        try:
-            for i, (lo, hi) in enumerate(parts):
-                store = None if asked is None else self.client.receive_begin_store(asked)
-                asked = None
-                if i + 1 < len(parts):  # the sidecar hands out the next part's pages now
-                    nlo, nhi = parts[i + 1]
-                    asked = self.client.send_begin_store(refs[nlo:nhi], ttl_s, tenant)
-                if store is None:
-                    not_stored += hi - lo
-                    continue
-                not_stored += int((store.pages == -2).sum())
-                try:
-                    events = self._start(copies, g_arr[lo:hi], b_arr[lo:hi], store.pages, True)
-                except Exception:
-                    self.client.commit_store(store, False)
-                    committed += self._commit_copied(pending)  # the part before is whole
-                    raise
-                # the previous part: its copy ends while this one runs
-                committed += self._commit_copied(pending)
-                pending.append((store, events))
-            for done, done_events in pending:  # the last: its answer covers the others
-                wait_all(done_events)
-                committed += self.client.commit_store(done, True)
-            pending = []
-        finally:
-            if asked is not None:  # a part asked for and not copied: give its pages back
-                unused = self.client.receive_begin_store(asked)
-                if unused is not None:
-                    self.client.commit_store(unused, False)
-            for done, done_events in pending:  # a copy failed: give the rest back
-                wait_all(done_events, quiet=True)
-                self.client.commit_store(done, False)
-            if on_copied is not None:
-                on_copied()
-        return committed, not_stored
-
-    def _store_whole(
-        self, copies: list, refs: Sequence[PageRef], groups: np.ndarray, blocks: np.ndarray,
-        ttl_s: float, on_copied: Callable[[], object] | None, tenant: str | None,
-    ) -> tuple[int, int]:  # fmt: skip
-        """:meth:`store` of one part: its pages asked for, copied, committed; nothing to
-        overlap, so no request goes before its answer is needed."""
-        try:
-            store = self.client.begin_store(refs, ttl_s, tenant)
-            if store is None:
-                return 0, len(refs)
-            try:
-                wait_all(self._start(copies, groups, blocks, store.pages, True))
-            except Exception:
-                self.client.commit_store(store, False)
-                raise
-        finally:
-            if on_copied is not None:  # the blocks are no longer read
-                on_copied()
-        return self.client.commit_store(store, True), int((store.pages == -2).sum())
-
-    def _commit_copied(self, pending: list) -> int:
-        """Wait for the copies of the parts in ``pending`` and publish them (not waiting
-        for the answer), taking each out of ``pending`` only once its copy ended: one
-        whose copy failed stays there for the caller to give back."""
-        committed = 0
-        while pending:
-            done, done_events = pending[-1]
-            wait_all(done_events)
-            pending.pop()
-            committed += self.client.commit_store(done, True, wait=False)
-        return committed
 
     def _parts(self, n: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` of each part of a store of ``n`` pages: ``chunk_pages`` each, but

@@ -252,6 +252,19 @@ class HiCacheConnector(OffloadingConnector):
             blocks = SimpleNamespace(blocks=tuple([_Uncached(b) for b in g] for g in blocks.blocks))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """As the offloading connector; then hands the step's store jobs that this rank
+        writes (vLLM's ``_is_store_writer``) to the worker, which asks for their host
+        pages now: vLLM submits them at the next step's start (``hicache_store_ahead``)."""
+        super().bind_connector_metadata(connector_metadata)
+        worker = self.connector_worker
+        transfers = None if worker is None else worker.worker
+        jobs = getattr(connector_metadata, "store_jobs", None)
+        if not jobs or not hasattr(transfers, "store_ahead"):
+            return
+        if getattr(worker, "_is_store_writer", True):
+            transfers.store_ahead([(j, e.src_spec, e.dst_spec) for j, e in jobs.items()])
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         transfers = self.connector_worker.worker if self.connector_worker else None

@@ -38,6 +38,12 @@ class HiCacheVllmConfig:
       each attention layer waiting only for its own blocks (vLLM's ``wait_for_layer_load``),
       instead of whole before the request is scheduled (default off; only for a model with
       one KV cache group and a local sidecar, else the whole-block path runs);
+    * ``store_ahead``: a store's host pages are asked for when vLLM announces it, a
+      step before it submits it, so that the store copies at once, its pages already
+      handed out (default on; only where the worker copies into the sidecar's shared
+      host pages); ``store_ahead_jobs`` bounds the stores asked for ahead at once (past
+      it a store asks for its pages when it runs); one not submitted when due has its
+      pages given back a step later;
     * ``prefill_tokens_per_s``: this engine's prefill rate, sent with its lookups for the
       sidecar's cost rule; unset, the scheduler measures it from its own steps that
       compute at least ``prefill_min_tokens`` prompt tokens (hicache/prefill_rate.py).
@@ -54,13 +60,15 @@ class HiCacheVllmConfig:
     store_timeout_s: float = 10.0
     staging_bytes: int = 256 << 20
     layerwise: bool = False
+    store_ahead: bool = True
+    store_ahead_jobs: int = 16
     prefill_tokens_per_s: float | None = None
     prefill_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("socket", "engine_id", "layerwise") or value is None:
+            if f.name in ("socket", "engine_id") or f.type == "bool" or value is None:
                 continue
             if not value > 0:
                 raise ConfigError(f"hicache_{f.name} must be > 0, got {value!r}")

@@ -14,7 +14,11 @@ area** instead: ``staging_bytes`` of pages in the sidecar's layout that the side
 to and from, and the worker copies vLLM's blocks into and out of it (two copies).
 
 Transfers run on two threads (loads, stores), so vLLM's step never waits for the
-sidecar. ``wait`` (vLLM is about to reuse a store's blocks) waits only until the store
+sidecar. vLLM's connector knows a step's stores a step before it submits them: when the
+step's metadata is bound, :meth:`HiCacheOffloadingWorker.store_ahead` has the store thread
+send their ``store_begin`` requests (``hicache_store_ahead``), so that each store finds its
+host pages handed out and copies at once; one never submitted (a step later) is given
+back. ``wait`` (vLLM is about to reuse a store's blocks) waits only until the store
 has copied them out: that never depends on the sidecar. A load that fails in any way
 (a page gone, a pin refused, a read that fails its checks, a dead sidecar) is reported
 by :meth:`take_failed_loads`, so the connector has vLLM recompute the request. A store
@@ -56,11 +60,13 @@ from hicache import (
 )
 from hicache.controller.client import SidecarClientConfig, SidecarController, StagingArea
 from hicache.integrations.engine_block_layers import BlockLayerLoad
+from hicache.integrations.engine_block_stores import StorePrebook
 from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks, HandedPages
 from hicache.integrations.vllm_config import HiCacheVllmConfig
 from hicache.integrations.vllm_layerwise import LayerwiseLoads
 from hicache.integrations.vllm_manager import HiCacheLoadSpec, HiCacheStoreSpec
 from hicache.integrations.vllm_pages import PageNamespace
+from hicache.integrations.vllm_store_ahead import StoresAhead
 from hicache.kernels import merge_runs, move_runs
 
 log = logging.getLogger(__name__)
@@ -83,7 +89,7 @@ class _Segment:
     ref: int  # the index of its layer's data ref in the group
 
 
-class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
+class HiCacheOffloadingWorker(LayerwiseLoads, StoresAhead, OffloadingWorker):
     """``OffloadingWorker`` over the sidecar (see the module docstring)."""
 
     def __init__(
@@ -150,6 +156,9 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
         self._layered: dict[int, tuple[BlockLayerLoad, list[int], float]] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-store")
+        # Stores whose host pages were asked for a step ahead, by job id (store thread).
+        self._prebooks: dict[int, tuple[StorePrebook, list, list[PageRef], int]] = {}
+        self._binds = 0  # the steps whose stores were announced (store thread)
 
     # -- the page geometry ----------------------------------------------------------------
 
@@ -296,12 +305,13 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
         t0 = time.perf_counter()
         moved = 0
         try:
-            pairs = self._pairs(src, dst.keys, dst.block_indices)
+            ahead = self._prebooks.get(job_id)
+            pairs = ahead[1] if ahead is not None else self._pairs(src, dst.keys, dst.block_indices)
             if pairs is None:
                 self.counters["store_mismatched"] += 1
                 return
             if self.blocks is not None:
-                moved = self._store_direct(pairs, dst, released)
+                moved = self._store_direct(job_id, pairs, dst, released)
                 return
             pages = self.staging.alloc(FULL, len(pairs))
             self.counters["store_pages_dropped_staging_full"] += len(pairs) - pages.size
@@ -346,20 +356,6 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
             block_hash, group.group_id, group.event_kind, group.block_size, group.sliding_window
         )
         return pack_engine_key(name)
-
-    def _store_direct(
-        self, pairs: list[tuple[int, int, int]], dst: HiCacheStoreSpec, released: threading.Event
-    ) -> int:
-        """One copy: vLLM's blocks straight into the host pages the sidecar hands out."""
-        refs = self._store_refs(pairs, dst, [0] * len(pairs))
-        groups = [pos for _, pos, _ in pairs]
-        blocks = [b for _, _, b in pairs]
-        stored, no_room = self.blocks.store(
-            refs, groups, blocks, self.config.store_timeout_s, released.set, dst.tenant
-        )
-        self.counters["store_pages"] += stored
-        self.counters["store_pages_dropped_host_full"] += no_room
-        return stored * self.namespace.page_bytes
 
     # -- loads ----------------------------------------------------------------------------
 
@@ -478,6 +474,8 @@ class HiCacheOffloadingWorker(LayerwiseLoads, OffloadingWorker):
             event.wait()
 
     def shutdown(self) -> None:
+        if self.blocks is not None:  # after every store submitted: none of these is
+            self._stores.submit(self._drop_prebooks)
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
         self.client.close()
