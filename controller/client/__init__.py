@@ -18,6 +18,8 @@ _EXPORTS = {
     "RemoteError": "hicache.controller.client.channel",
     "AdminClient": "hicache.controller.client.admin",
     "StagingArea": "hicache.controller.client.staging",
+    "PendingBegin": "hicache.controller.client.engine_copies",
+    "StoreReservation": "hicache.controller.client.engine_copies",
     "export_pools": "hicache.controller.client.device_share",
     "fd_socket_path": "hicache.controller.client.fd_pass",
     "send_fds": "hicache.controller.client.fd_pass",

@@ -17,8 +17,7 @@ from hicache import PageRef
 from hicache.integrations.engine_block_layers import wait_all
 
 if TYPE_CHECKING:
-    from hicache.controller.client import SidecarController
-    from hicache.controller.client.engine_copies import PendingBegin, StoreReservation
+    from hicache.controller.client import PendingBegin, SidecarController, StoreReservation
 
 
 @dataclass(frozen=True)
