@@ -164,15 +164,8 @@ def test_a_load_of_a_page_nobody_stored_is_a_miss_that_touches_no_block(sidecar)
         reader.client.close()
 
 
-def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar, monkeypatch):
-    """A store in parts (the first one page, then three): the third part's copy fails.
-    The two parts copied before it are published whole; the failed part and the part
-    already asked for behind it are given back: none of their pages is visible, none is
-    lost."""
-    writer, _ = _engine(sidecar, 6, chunk_pages=3)
-    reader, dst = _engine(sidecar, 7)
-    admin = sidecar.admin()
-    ids = list(range(200, 210))  # parts of 1, 3, 3, 3 pages
+def third_copy_fails(writer: EngineBlocks, monkeypatch) -> list[int]:
+    """The writer's third part copy raises; the blocks of each copy started, listed."""
     copy = writer._copies_now()[0]
     started = []
     real_start = copy.start
@@ -184,6 +177,19 @@ def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar,
         return real_start(blocks, pages, to_host)
 
     monkeypatch.setattr(copy, "start", start)
+    return started
+
+
+def test_a_copy_that_fails_mid_store_publishes_only_the_parts_before_it(sidecar, monkeypatch):
+    """A store in parts (the first one page, then three): the third part's copy fails.
+    The two parts copied before it are published whole; the failed part and the part
+    already asked for behind it are given back: none of their pages is visible, none is
+    lost."""
+    writer, _ = _engine(sidecar, 6, chunk_pages=3)
+    reader, dst = _engine(sidecar, 7)
+    admin = sidecar.admin()
+    ids = list(range(200, 210))  # parts of 1, 3, 3, 3 pages
+    started = third_copy_fails(writer, monkeypatch)
     try:
         with pytest.raises(RuntimeError, match="the copy failed"):
             writer.store(_refs(ids), [0] * 10, [i - 200 for i in ids], ttl_s=30.0)
