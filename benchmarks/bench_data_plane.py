@@ -12,6 +12,11 @@ CPU; pinned host ↔ device on a GPU, each way):
   tensor per layer, a row per block, 16 layers × 64 KiB = a 1 MiB page per block) stored
   into host pages the sidecar hands out and loaded back from host pages, one copy each
   way (hicache/integrations/engine_blocks.py, what the vLLM worker runs);
+* ``vllm_store_ahead``: the same store with its pages asked for a step ahead, as the
+  vLLM worker does when vLLM announces a step's stores (``EngineBlocks.prebook``): the
+  ``store_begin`` requests are sent, the step between emulated by waiting until their
+  answers are in (not timed), then the store is timed from its start to its commit's
+  answer;
 * ``vllm_load_handed``: the same load as the worker makes it when vLLM's scheduler has
   pinned the pages and named their host pages (``EngineBlocks.load_handed``; the
   scheduler's pin, made in its own step, is not timed);
@@ -144,7 +149,8 @@ class StageClock:
 #: which memcpy each path is compared with
 FLOOR_OF = {
     "copy_alone_to_host": "to_host", "copy_alone_to_device": "to_device",
-    "vllm_store": "to_host", "backup": "to_host", "vllm_load": "to_device",
+    "vllm_store": "to_host", "vllm_store_ahead": "to_host", "backup": "to_host",
+    "vllm_load": "to_device",
     "vllm_load_handed": "to_device",
     "sidecar_load": "to_device", "in_process_load": "to_device",
     "vllm_store_and_load": "both",
@@ -190,18 +196,22 @@ class Memcpy:
 
 
 def _beside(
-    fn: Callable[[int], object], path: str, memcpy: Memcpy, repeat: int, device: torch.device
-) -> tuple[float, float]:
+    fn: Callable[[int], object], path: str, memcpy: Memcpy, repeat: int, device: torch.device,
+    prepare: Callable[[int], object] | None = None,
+) -> tuple[float, float]:  # fmt: skip
     """The median seconds of ``fn`` over ``repeat`` runs after a warm-up, and of its
     memcpy (``FLOOR_OF[path]``; the fastest where there are several), each memcpy run
     right after a run of ``fn``: a host whose load changes during the benchmark moves
-    both figures alike."""
+    both figures alike. ``prepare(i)``, where given, runs untimed before ``fn(i)``."""
     copies = memcpy.kinds[FLOOR_OF[path]]
+    prepare = prepare or (lambda i: None)
+    prepare(-1)
     fn(-1)
     for c in copies:
         c()
     times: list[list[float]] = [[] for _ in range(1 + len(copies))]
     for i in range(repeat):
+        prepare(i)
         for k, run in enumerate([lambda i=i: fn(i), *copies]):
             _sync(device)
             t0 = time.perf_counter()
@@ -326,6 +336,23 @@ def engine_block_paths(
                 handed = pins[i]
                 assert engine.load_handed(hashes, [0] * n, targets, handed, 600.0, 600.0)
 
+            ahead: dict[int, tuple] = {}  # run -> (refs, prebook): asked a step ahead
+
+            def prebook(i: int, n=n, ahead=ahead) -> None:
+                fresh = refs(n, next(counter))
+                booked = engine.prebook(fresh, 600.0)
+                assert booked is not None
+                while not engine.prebook_answered(booked):  # the step between
+                    time.sleep(50e-6)
+                ahead[i] = (fresh, booked)
+
+            def store_ahead(i: int, n=n, ids=ids, ahead=ahead) -> None:
+                fresh, booked = ahead.pop(i)
+                asked = engine.begins_on_path
+                written, dropped = engine.store(fresh, [0] * n, ids, 600.0, prebook=booked)
+                assert written == n and not dropped, (written, dropped)
+                assert engine.begins_on_path == asked, "a prebooked store asked for its pages"
+
             both_engine = EngineBlocks(client, [segments], device, FULL)
 
             def store_and_load(_: int, n=n, ids=ids, both_engine=both_engine) -> None:
@@ -364,11 +391,15 @@ def engine_block_paths(
                 "copy_alone_to_host": kernel_to_host,
                 "copy_alone_to_device": kernel_to_device,
                 "vllm_store": store,
+                "vllm_store_ahead": store_ahead,
                 "vllm_load": load,
                 "vllm_load_handed": load_handed,
                 "vllm_store_and_load": store_and_load,
             }
-            out[size] = {k: _beside(f, k, memcpy, repeat, device) for k, f in runs.items()}
+            first = {"vllm_store_ahead": prebook}  # run untimed before each timed run
+            out[size] = {
+                k: _beside(f, k, memcpy, repeat, device, first.get(k)) for k, f in runs.items()
+            }
             assert engine.handed_voided == 0, "a handed load was made again"
             scheduler.close()
             del memcpy

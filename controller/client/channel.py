@@ -253,6 +253,13 @@ class Channel:
                 self._drain(0)
             return self._replies.pop(req_id, None)
 
+    def arrived(self, req_id: int) -> bool:
+        """Whether the reply to ``req_id`` has come (read in, still to be taken)."""
+        with self._lock:
+            if req_id not in self._replies:
+                self._drain(0)
+            return req_id in self._replies
+
     def forget(self, req_id: int) -> None:
         with self._lock:
             self._expected.pop(req_id, None)

@@ -190,6 +190,12 @@ class EngineCopies:
             pending.host,
         )
 
+    def begin_answered(self, pending: PendingBegin) -> bool:
+        """Whether the answer to a :meth:`send_begin_store` is in (and not yet taken
+        by :meth:`receive_begin_store`)."""
+        gen = self._channel.generation
+        return pending.generation == gen and self._channel.arrived(pending.request_id)
+
     def commit_store(self, store: StoreReservation, written: bool, wait: bool = True) -> int:
         """Publish (``written``) or give back the pages of ``store``; the pages published
         (0 when its session, or its deadline, is gone). Without ``wait`` the commit is

@@ -63,6 +63,10 @@ class BlockStores:
             return None
         return StorePrebook(sent, len(refs), time.monotonic() + ttl_s / 2)
 
+    def prebook_answered(self, prebook: StorePrebook) -> bool:
+        """Whether every answer of ``prebook`` is in."""
+        return all(p is None or self.client.begin_answered(p) for p in prebook.sent)
+
     def give_back(self, prebook: StorePrebook) -> None:
         """Take the answers of a prebook that will not be stored and give their pages
         back (nothing of them was written or visible)."""
