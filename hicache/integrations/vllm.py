@@ -260,9 +260,9 @@ class HiCacheConnector(OffloadingConnector):
         worker = self.connector_worker
         transfers = None if worker is None else worker.worker
         jobs = getattr(connector_metadata, "store_jobs", None)
-        if not jobs or not hasattr(transfers, "store_ahead"):
+        if jobs is None or not hasattr(transfers, "store_ahead"):
             return
-        if getattr(worker, "_is_store_writer", True):
+        if getattr(worker, "_is_store_writer", True):  # every step: stale ones go back
             transfers.store_ahead([(j, e.src_spec, e.dst_spec) for j, e in jobs.items()])
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

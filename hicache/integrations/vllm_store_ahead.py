@@ -42,7 +42,7 @@ class StoresAhead:
     # Stores whose host pages were asked for ahead, by job id (store thread): the
     # prebook, the job's (key, group, block) pairs, its refs, the announcement it came in.
     _prebooks: dict[int, tuple[StorePrebook, list, list[PageRef], int]]
-    _binds: int  # the steps whose stores were announced (store thread)
+    _binds: int  # the steps whose stores were announced (vLLM's thread)
 
     def _pairs(self, spec: Any, keys: Sequence[bytes], blocks: Sequence[int] | None) -> Any: ...
     def _store_refs(self, pairs: list, dst: Any, slots: list[int]) -> list[PageRef]: ...
@@ -52,17 +52,19 @@ class StoresAhead:
         submitted at the next step's start: their host pages are asked for now, on the
         store thread (see :meth:`_prebook`). Only where the engine copies into the shared
         host pages, and with ``store_ahead`` on."""
-        if self.blocks is not None and self.config.store_ahead:
-            self._stores.submit(self._prebook, list(jobs))
+        if self.blocks is None or not self.config.store_ahead:
+            return
+        self._binds += 1
+        if jobs or self._prebooks:  # else nothing to ask for or give back
+            self._stores.submit(self._prebook, list(jobs), self._binds)
 
-    def _prebook(self, jobs: list[tuple[int, GPULoadStoreSpec, Any]]) -> None:
+    def _prebook(self, jobs: list[tuple[int, GPULoadStoreSpec, Any]], bind: int) -> None:
         """On the store thread, after every store submitted before this step's metadata
         was bound: prebooks from two announcements ago or more are of jobs never
         submitted (dropped, or vLLM shut down): given back. Then up to
         ``store_ahead_jobs`` prebooks are outstanding."""
         try:
-            self._binds += 1
-            for job_id in [j for j, e in self._prebooks.items() if e[3] <= self._binds - 2]:
+            for job_id in [j for j, e in self._prebooks.items() if e[3] <= bind - 2]:
                 self._drop_prebook(job_id)
             for job_id, src, dst in jobs:
                 if len(self._prebooks) >= self.config.store_ahead_jobs:
@@ -74,7 +76,7 @@ class StoresAhead:
                 refs = self._store_refs(pairs, dst, [0] * len(pairs))
                 prebook = self.blocks.prebook(refs, self.config.store_timeout_s, dst.tenant)
                 if prebook is not None:
-                    self._prebooks[job_id] = (prebook, pairs, refs, self._binds)
+                    self._prebooks[job_id] = (prebook, pairs, refs, bind)
         except Exception as exc:
             log.error("hicache: asking a step's store pages ahead failed: %s", exc)
             self.counters["store_errors"] += 1

@@ -158,7 +158,8 @@ class HiCacheOffloadingWorker(LayerwiseLoads, StoresAhead, OffloadingWorker):
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-store")
         # Stores whose host pages were asked for a step ahead, by job id (store thread).
         self._prebooks: dict[int, tuple[StorePrebook, list, list[PageRef], int]] = {}
-        self._binds = 0  # the steps whose stores were announced (store thread)
+        self._binds = 0  # the steps whose stores were announced (vLLM's thread)
+        self._shut = False
 
     # -- the page geometry ----------------------------------------------------------------
 
@@ -474,8 +475,9 @@ class HiCacheOffloadingWorker(LayerwiseLoads, StoresAhead, OffloadingWorker):
             event.wait()
 
     def shutdown(self) -> None:
-        if self.blocks is not None:  # after every store submitted: none of these is
-            self._stores.submit(self._drop_prebooks)
+        if self.blocks is not None and not self._shut:  # after every store submitted:
+            self._stores.submit(self._drop_prebooks)  # none of these is
+        self._shut = True
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
         self.client.close()

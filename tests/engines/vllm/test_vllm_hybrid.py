@@ -11,6 +11,7 @@ group's bytes must come back exact, and Mamba must hit only where its state was 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -172,10 +173,11 @@ def finish(worker, job_id: int, timeout_s: float = 60.0):
     raise AssertionError(f"job {job_id} did not finish")
 
 
-def store(manager, worker, req: Request, blocks: dict[int, list[int]], job_id: int) -> None:
-    """Offload the request's blocks as vLLM's scheduler builds a store job: every group's
-    keys go to ``prepare_store``; the job names only blocks that exist, and vLLM leaves
-    a Mamba group's (and a window's) earlier blocks out as null blocks, first."""
+def store_job(manager, req: Request, blocks: dict[int, list[int]]):
+    """The store job vLLM's scheduler builds for the request's blocks: every group's keys
+    go to ``prepare_store``; the job names only blocks that exist, and vLLM leaves a Mamba
+    group's (and a window's) earlier blocks out as null blocks, first. (The source spec,
+    the manager's answer.)"""
     ctx = ReqContext(req_id=req.request_id)
     keys, ids, sizes, starts = [], [], [], []
     for group in (FULL_G, SWA_G, MAMBA_G):
@@ -190,14 +192,30 @@ def store(manager, worker, req: Request, blocks: dict[int, list[int]], job_id: i
         ids += kept
         sizes.append(len(kept))
         starts.append(next((i for i, b in enumerate(present) if b != 0), 0))
-    stored_before = worker.counters["store_pages"]
     out = manager.prepare_store(keys, ctx)
     assert out is not None and out.keys_to_store == keys
-    assert worker.submit_store(job_id, GPULoadStoreSpec(ids, sizes, starts), out.store_spec)
+    return GPULoadStoreSpec(ids, sizes, starts), out, ctx
+
+
+def store(
+    manager, worker, req: Request, blocks: dict[int, list[int]], job_id: int, ahead: bool = False
+) -> None:
+    """Offload the request's blocks as vLLM's connector does; ``ahead``: announced a step
+    before it is submitted (``hicache_store_ahead``), so the store asks for no host page."""
+    src, out, ctx = store_job(manager, req, blocks)
+    before = Counter(worker.counters)
+    if ahead:  # the step's metadata bound; its stores go at the next step's start
+        worker.store_ahead([(job_id, src, out.store_spec)])
+    assert worker.submit_store(job_id, src, out.store_spec)
     worker.wait({job_id})
     assert finish(worker, job_id).success
     manager.complete_store(out.keys_to_store, ctx)
-    assert worker.counters["store_pages"] - stored_before == len(ids), worker.counters
+    done = Counter(worker.counters)
+    done.subtract(before)
+    n = len(src.block_ids)
+    assert done["store_pages"] == n, worker.counters
+    assert done["store_prebooked_pages"] == (n if ahead else 0), worker.counters
+    assert done["store_begins_on_path"] == (0 if ahead else 1), worker.counters
 
 
 def lookup_until_answered(scheduler, req: Request) -> int:
@@ -217,7 +235,10 @@ def complete(scheduler, job_id: int) -> None:
     )
 
 
-def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hybrid) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["asked-at-store", "asked-ahead"])
+def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(
+    hybrid, ahead: bool
+) -> None:
     scheduler, manager, worker, caches, sidecar = hybrid
     tokens = list(range(1, 5 * BLOCK + 1))  # five blocks
     first = request("first", tokens)
@@ -227,7 +248,7 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     # one Mamba state, kept where a prefill chunk ended (after block 4): vLLM's store job
     # names no block for the other Mamba keys.
     src = {FULL_G: [1, 2, 3, 4, 5], SWA_G: [0, 0, 8, 9, 10], MAMBA_G: [0, 0, 0, 14, 0]}
-    store(manager, worker, first, src, job_id=1)
+    store(manager, worker, first, src, job_id=1, ahead=ahead)
 
     second = request("second", tokens)
     scheduler.on_new_request(second)
@@ -278,7 +299,7 @@ def test_every_group_round_trips_exact_and_mamba_hits_only_where_its_state_is(hy
     # All attention pages of another prompt are stored, but no Mamba state: no hit.
     other = list(range(1000, 1000 + 5 * BLOCK))
     no_state = {FULL_G: [21, 22, 23, 24, 25], SWA_G: [0, 0, 26, 27, 28], MAMBA_G: [0] * 5}
-    store(manager, worker, request("no-state", other), no_state, job_id=2)
+    store(manager, worker, request("no-state", other), no_state, job_id=2, ahead=ahead)
     again = request("no-state-again", other)
     scheduler.on_new_request(again)
     assert lookup_until_answered(scheduler, again) == 0
