@@ -25,7 +25,9 @@ CPU; pinned host ↔ device on a GPU, each way):
 * ``backup``: the sidecar copies registered engine pools into host pages;
 * ``sidecar_load``: a load-back through the sidecar of pages on host (the engine copies
   them from the shared host pages);
-* ``in_process_load``: the same load-back by a :class:`LocalController` in this process.
+* ``in_process_load``: the same load-back by a :class:`LocalController` in this process;
+* ``sidecar_load_runs`` / ``in_process_load_runs`` (GPU): both load-backs as 2-D copies
+  over the runs of pages on the copy engines (``TransferEngine.load_runs``), not the kernel.
 
 The timed figure of each is the median of ``--repeat`` runs after one warm-up. The
 memcpy of each size is timed before and after the paths and the faster kept (on a CPU,
@@ -59,6 +61,7 @@ import torch
 from hicache import CacheConfig, DevicePools, ModelLayout, PageKey, PageRef
 from hicache.controller import ControllerConfig, LocalController
 from hicache.controller.client import SidecarClientConfig, SidecarController
+from hicache.controller.store.transfer_engine import TransferEngine
 from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks, HandedPages
 from hicache.keys import page_hashes
 from hicache.types import ComponentType
@@ -153,6 +156,7 @@ FLOOR_OF = {
     "vllm_load": "to_device",
     "vllm_load_handed": "to_device",
     "sidecar_load": "to_device", "in_process_load": "to_device",
+    "sidecar_load_runs": "to_device", "in_process_load_runs": "to_device",
     "vllm_store_and_load": "both",
 }  # fmt: skip
 
@@ -475,13 +479,20 @@ def pool_paths(
                         for r, d in zip(held, dst[:n])]  # fmt: skip
                 pin = ctl.pin([r.key for r in into], 600.0)
                 assert pin is not None
-                out[size][f"{where}_load"] = _beside(
-                    lambda _, into=into, pin=pin, ctl=ctl: ctl.load(into, pin, 600.0),
-                    f"{where}_load",
-                    memcpy,
-                    repeat,
-                    device,
-                )
+                for runs in (False, True) if device.type == "cuda" else (False,):
+                    TransferEngine.load_runs = runs  # 2-D copies over runs of pages
+                    name = f"{where}_load_runs" if runs else f"{where}_load"
+                    pools.full.buffer[:, :, _slots(dst[:n])] = 0
+                    out[size][name] = _beside(
+                        lambda _, into=into, pin=pin, ctl=ctl: ctl.load(into, pin, 600.0),
+                        name,
+                        memcpy,
+                        repeat,
+                        device,
+                    )
+                    buf = pools.full.buffer  # the bytes loaded are the ones backed up
+                    assert torch.equal(buf[:, :, _slots(src[:n])], buf[:, :, _slots(dst[:n])])
+                TransferEngine.load_runs = False
                 ctl.unpin(pin)
                 del memcpy
             ctl.close()
@@ -489,6 +500,11 @@ def pool_paths(
         sidecar.stop()
         pools.close()
     return out
+
+
+def _slots(pages: np.ndarray) -> torch.Tensor:
+    """The token slots of ``pages`` (of ``TOKENS`` tokens each), in order."""
+    return torch.as_tensor((pages[:, None] * TOKENS + np.arange(TOKENS)).reshape(-1))
 
 
 def check_segments(device: torch.device) -> None:

@@ -91,8 +91,7 @@ _Plans = dict[tuple[ComponentType, bool, tuple[int, int] | None], PreparedTransf
 
 log = logging.getLogger("hicache.controller.transfer")
 
-#: A layer-wise load goes as 2-D copies over runs of pages when its runs average at
-#: least this many pages (else as one batched 1-D copy per group).
+#: A load goes as 2-D copies over runs of pages when its runs average at least this many.
 RUN_COPY_MIN_ITEMS = 4
 
 #: The copies of one group's layers, per component: (host pages, device pages or slots).
@@ -108,10 +107,11 @@ class TransferEngine:
     #: on a GPU whose runtime has batched copies, one per layer group on the copy engines,
     #: which take no SM from the compute; else by kernel, on ``layer_tuning``'s grid.
     layer_dmas: bool = True
-    #: ... and as 2-D copies over runs of pages where the pages run (False: 1-D rows).
-    #: Off until measured on a GPU against the rows (``hf_ttft_gpu.py --layer-copies
-    #: dma,rows``): its address plan is tested, its speed is not known yet.
+    #: ... and as 2-D copies over runs of pages where the pages run (False: 1-D rows); and
+    #: a whole load so (False: the kernel). Off until measured on a GPU (``hf_ttft_gpu.py
+    #: --layer-copies dma,rows``; ``bench_data_plane.py``'s ``*_load_runs`` rows).
     layer_runs: bool = False
+    load_runs: bool = False
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
@@ -268,7 +268,12 @@ class TransferEngine:
         # (by their previous owner) must finish before they are overwritten.
         load.wait_stream(torch.cuda.current_stream(buffers.device))
         with torch.cuda.stream(load):
-            copy(device_index, host_pages)
+            two_d = copy.run_copies(device_index, host_pages) if _runs(self.load_runs, {
+                component: (host_pages, device_index)}) else None  # fmt: skip
+            if two_d is None:
+                copy(device_index, host_pages)
+            else:
+                issue_2d_copies(two_d, load.cuda_stream)
             done = torch.cuda.Event()
             done.record(load)
         return done
@@ -313,13 +318,7 @@ class TransferEngine:
         # Where the load's pages run consecutively on both sides (pools hand a request's
         # pages out in order), each group can go as one 2-D copy per row of each run: a
         # few large DMAs instead of one 128 KiB DMA per page and row (``layer_runs``).
-        runs = (
-            dmas
-            and self.layer_runs
-            and sum(run_count(np.asarray(h), np.asarray(d)) for h, d in plan.values())
-            * RUN_COPY_MIN_ITEMS
-            <= sum(len(h) for h, _ in plan.values())
-        )
+        runs = dmas and _runs(self.layer_runs, plan)
         # DMAs: every group's rows made here, at once (a fraction of a millisecond), so
         # that issuing a group is one call; the copies are issued on the layer thread.
         bounds, unplanned = [0], None
@@ -463,6 +462,14 @@ class LayerCopies:
         self._result = LoadResult.LOADED if ok else LoadResult.FAILED
         self._on_finish(ok)
         return self._result
+
+
+def _runs(wanted: bool, plan: dict) -> bool:
+    """Whether ``plan``'s (host pages, device pages) go as 2-D copies over their runs."""
+    if not wanted:
+        return False
+    count = sum(run_count(np.asarray(h), np.asarray(d)) for h, d in plan.values())
+    return count * RUN_COPY_MIN_ITEMS <= sum(len(h) for h, _ in plan.values())
 
 
 def check_refs(refs: Sequence[PageRef], buffers: EngineBuffers, layout: ModelLayout | None) -> None:

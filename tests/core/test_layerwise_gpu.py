@@ -20,8 +20,19 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "2d-runs"])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_each_layer_read_after_its_wait_is_the_prefix(mix, tmp_path):
+def test_each_layer_read_after_its_wait_is_the_prefix(mix, runs, tmp_path, monkeypatch):
+    """As rows (one DMA per page and row) and, ``layer_runs``, as 2-D copies over the runs
+    of pages (counted: a load of pages handed out in order goes that way)."""
+    import hicache.controller.store.transfer_engine as te
+
+    issued: list[int] = []
+    real = te.issue_2d_copies
+    monkeypatch.setattr(te.TransferEngine, "layer_runs", runs)
+    monkeypatch.setattr(
+        te, "issue_2d_copies", lambda plan, s: (issued.append(len(plan)), real(plan, s))
+    )
     ctrl, cache, engine, tokens = host_prefix(tmp_path, mix, pages=32, device="cuda")
     req = Request("gpu")
     m = cache.match_prefix(tokens, req=req)
@@ -32,6 +43,7 @@ def test_each_layer_read_after_its_wait_is_the_prefix(mix, tmp_path):
         assert layer_holds_prefix(cache, load, before, tokens, layer)
     assert load.finish()
     engine.verify_prefix(req, tokens, tokens.size)
+    assert bool(issued) == (runs and te.batched_copy_available())
     cache.cache_finished_req(req)
     cache.check_invariants()
     ctrl.check_invariants()

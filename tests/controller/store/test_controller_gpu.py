@@ -94,6 +94,28 @@ def test_restart_on_gpu_loads_from_disk(tmp_path):
     ctl.close()
 
 
+def test_a_whole_load_as_2d_copies_over_runs_of_pages_is_exact(tmp_path, monkeypatch):
+    """``TransferEngine.load_runs``: where a load's pages run on both sides, its copy goes
+    as 2-D copies on the copy engines (counted here), not the kernel; bytes as before."""
+    import hicache.controller.store.transfer_engine as te
+
+    issued: list[int] = []
+    real = te.issue_2d_copies
+    monkeypatch.setattr(te.TransferEngine, "load_runs", True)
+    monkeypatch.setattr(
+        te, "issue_2d_copies", lambda plan, s: (issued.append(len(plan)), real(plan, s))
+    )
+    _, engine, ctl = _setup(tmp_path)
+    chain = engine.place(*_hashes(engine, 16), mamba_at=[15])
+    engine.scribble(chain)
+    before = engine.snapshot(chain)
+    assert ctl.backup(chain.refs()).wait(30.0)
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), before)
+    assert issued, "no load went as 2-D copies"
+    ctl.check_invariants(deep=True)
+    ctl.close()
+
+
 def _hashes(engine: Engine, pages: int):
     hashes = page_hashes(list(range(pages * PAGE)), engine.fingerprint, PAGE)
     return hashes, [namespace_hash(engine.fingerprint, None), *hashes[:-1]]
