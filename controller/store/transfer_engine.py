@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,12 +33,7 @@ import torch
 from hicache.controller.store.host_pool import HostPool
 from hicache.controller_api import ControllerError, LayerGroups, LoadResult
 from hicache.kernels import PreparedTransfer
-from hicache.kernels.copy_engine import (
-    Copies1D,
-    batched_copy_available,
-    issue_2d_copies,
-    run_count,
-)
+from hicache.kernels.copy_engine import Copies1D, batched_copy_available, issue_2d_copies, run_count
 from hicache.kernels.tuning import DEFAULT_TUNING, LAYER_COPY_TUNING, TransferTuning
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -359,11 +355,12 @@ class TransferEngine:
             return load
         stream, _ = self._streams_for(buffers.device)
         stream.wait_stream(torch.cuda.current_stream(buffers.device))  # as start_to_device
-        # Issued group by group on the layer thread, so that the caller's compute starts
-        # at once: issuing a long load's row copies takes milliseconds of host time (a
-        # batched copy's runtime cost grows with its rows), which would otherwise all come
-        # before the first layer computes; each group is waited on as soon as it is issued.
-        self._layer_thread.submit(load.run_gpu, copy_group, stream)
+        # Rows on the layer thread, so that the compute starts at once (a long load's rows
+        # take milliseconds to issue); runs (a few 2-D copies a group) here, all at once:
+        # on a thread they would wait for the interpreter lock the compute's Python holds.
+        (load.run_gpu if runs else partial(self._layer_thread.submit, load.run_gpu))(
+            copy_group, stream
+        )
         return load
 
 
