@@ -480,6 +480,8 @@ class HiCacheOffloadingWorker(LayerwiseLoads, StoresAhead, OffloadingWorker):
         self._shut = True
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
+        counted = " ".join(f"{k}={v}" for k, v in sorted(self.counters.items()))
+        log.info("hicache worker %d: %s", self.rank, counted or "no transfers")
         self.client.close()
         if self.staging is not None:
             self.staging.close()

@@ -64,6 +64,15 @@ def sidecar_stats(sidecar: Sidecar) -> dict[str, Any]:
         admin.close()
 
 
+def worker_counters(log: Path, rank: int = 0) -> dict[str, int]:
+    """The counters a vLLM worker logged at its shutdown (``hicache worker N: k=v ...``)."""
+    mark = f"hicache worker {rank}: "
+    lines = [line for line in log.read_text().splitlines() if mark in line and "=" in line]
+    assert lines, f"no counters of worker {rank} in {log}"
+    pairs = (item.split("=") for item in lines[-1].split(mark, 1)[1].split())
+    return {k: int(v) for k, v in pairs}
+
+
 class Instance:
     """A vLLM instance process serving rounds of prompts (``vllm_instance.py``)."""
 

@@ -18,7 +18,7 @@ import random
 
 import lmdb
 import pytest
-from conftest import Instance, sidecar_stats
+from conftest import Instance, sidecar_stats, worker_counters
 
 from hicache.controller.store.page_codec import HEADER_BYTES
 from tests.support.sidecar import Sidecar, wait_for
@@ -74,6 +74,10 @@ def serve_first(sidecar_dir, model, sidecar: Sidecar, instances: list, p, q, r):
     assert a_cold_p["num_cached_tokens"] == 0 and a_native_p["num_cached_tokens"] == CACHED
     assert a_native_p["tokens"] == a_cold_p["tokens"]
     wait_committed(sidecar, 3 * pages_per_prompt)
+    # Its stores' host pages were asked for a step ahead (hicache_store_ahead, the default).
+    counters = worker_counters(a.log)
+    print(f"instance A's worker: {counters}")
+    assert counters.get("store_prebooked_pages", 0) >= 3 * pages_per_prompt, counters
     keys_r = disk_keys(sidecar) - keys_pq
     assert len(keys_r) == pages_per_prompt
     return results, keys_r

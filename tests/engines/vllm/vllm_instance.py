@@ -161,6 +161,25 @@ def main() -> None:
         help="before this round, empty vLLM's prefix cache (reset_prefix_cache)",
     )
     a = p.parse_args()
+    # The hicache worker's counters at shutdown (its INFO line) in the instance's log, from
+    # vLLM's worker processes too: vLLM applies this logging config in each of them.
+    logged = {"handlers": ["err"], "level": "INFO", "propagate": False}
+    logging_config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
+        "handlers": {
+            "err": {
+                "class": "logging.StreamHandler",
+                "formatter": "plain",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "loggers": {"vllm": logged, "hicache.integrations.vllm_worker": logged},
+    }
+    config_path = Path(a.out).with_suffix(".logging.json")
+    config_path.write_text(json.dumps(logging_config))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
