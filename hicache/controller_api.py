@@ -63,6 +63,44 @@ class PageRef:
         return PageKey(self.component, self.page_hash)
 
 
+def page_keys_of(components: Sequence, hashes: Sequence[bytes]) -> list[PageKey]:
+    """``PageKey(c, h)`` of each pair, built without a frozen dataclass's per-field
+    ``__setattr__`` (a third of the time: the sidecar builds one per page it is asked for);
+    the keys are equal, hash equal and stay as immutable as any other."""
+    out: list[PageKey] = []
+    append, new = out.append, object.__new__
+    for c, h in zip(components, hashes):
+        key = new(PageKey)
+        fields = key.__dict__
+        fields["component"] = c
+        fields["page_hash"] = h
+        append(key)
+    return out
+
+
+def page_refs_of(
+    components: Sequence,
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    device_indices: Sequence[int],
+    engine_keys: Sequence[bytes | None] | None = None,
+) -> list[PageRef]:
+    """``PageRef`` of each row of the columns, built as :func:`page_keys_of` builds keys."""
+    out: list[PageRef] = []
+    append, new = out.append, object.__new__
+    keys = engine_keys if engine_keys is not None else [None] * len(components)
+    for c, h, p, d, e in zip(components, hashes, parents, device_indices, keys):
+        ref = new(PageRef)
+        fields = ref.__dict__
+        fields["component"] = c
+        fields["page_hash"] = h
+        fields["parent_hash"] = p
+        fields["device_index"] = d
+        fields["engine_key"] = e
+        append(ref)
+    return out
+
+
 @dataclass
 class LookupResult:
     """Per component, the presence of each page of the asked chain (``Presence`` values)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from hicache.controller.wire.protocol import ErrorCode, ProtocolError
-from hicache.controller_api import PageKey, PageRef
+from hicache.controller_api import PageKey, PageRef, page_keys_of, page_refs_of
 from hicache.engine_keys import checked_engine_keys
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType, ConfigError
@@ -395,12 +395,12 @@ def decode_refs(v: Any) -> list[PageRef]:
     if index.size and index.min() < 0:
         raise bad_args("device indices must be >= 0")
     if "e" not in v:
-        return [PageRef(c, h, p, d) for c, h, p, d in zip(comps, hashes, parents, index.tolist())]
+        return page_refs_of(comps, hashes, parents, index.tolist())
     try:
         keys = checked_engine_keys(v["e"], n)
     except ValueError as exc:
         raise bad_args(f"'refs.e': {exc}") from None
-    return [PageRef(*ref) for ref in zip(comps, hashes, parents, index.tolist(), keys)]
+    return page_refs_of(comps, hashes, parents, index.tolist(), keys)
 
 
 def encode_keys(keys: Sequence[PageKey]) -> dict[str, bytes]:
@@ -428,7 +428,7 @@ def decode_keys(
             between_chunks()
         end = min(start + WORK_CHUNK_PAGES, len(comps))
         hashes = split_hashes(raw[start * HASH_BYTES : end * HASH_BYTES])
-        keys += [PageKey(c, h) for c, h in zip(comps[start:end], hashes)]
+        keys += page_keys_of(comps[start:end], hashes)
     return keys
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -23,6 +24,7 @@ from hicache.controller.wire.protocol import (
 )
 from hicache.controller.wire.verbs import SPECS
 from hicache.controller_api import PageRef
+from hicache.engine_keys import EngineKey, pack_engine_key
 from hicache.types import ComponentType, HicacheError
 from tests.support.cache import make_layout
 
@@ -39,6 +41,24 @@ def test_refs_and_keys_round_trip_as_columns():
     assert decode_refs(encode_refs(refs)) == refs
     keys = [r.key for r in refs]
     assert decode_keys(encode_keys(keys)) == keys
+    engine_keys = [pack_engine_key(EngineKey(bytes([i]) * 32, 0, "full", 16)) for i in range(10)]
+    named = [dataclasses.replace(r, engine_key=k) for r, k in zip(refs, engine_keys)]
+    assert decode_refs(encode_refs(named)) == named
+
+
+def test_refs_and_keys_decoded_are_what_their_constructors_make():
+    """The decoders build refs and keys past the dataclass's ``__init__`` (per page, on
+    the sidecar's path): equal, hashing equal, and as immutable as constructed ones."""
+    refs = _refs(6)
+    decoded, keys = decode_refs(encode_refs(refs)), decode_keys(encode_keys([r.key for r in refs]))
+    for ref, mine, key in zip(refs, decoded, keys):
+        assert type(mine) is PageRef and repr(mine) == repr(ref) and hash(mine) == hash(ref)
+        assert key == ref.key and hash(key) == hash(ref.key) and {key: 1}[ref.key] == 1
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            mine.device_index = 0
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            key.page_hash = b"\0" * 16
+    assert dataclasses.replace(decoded[0], device_index=99).device_index == 99
 
 
 @pytest.mark.parametrize(
