@@ -173,17 +173,19 @@ class CopyOps(StoreState):
             # Only once every page is known to be held: a doomed load reads nothing.
             cold: list[PageEntry] = []
             straight: list[PageEntry] = []
+            none, takes = HostState.NONE, (direct.takes if direct is not None else None)
             for e in entries:
-                if e.host_state is HostState.NONE:
-                    (straight if direct is not None and direct.takes(e) else cold).append(e)
+                if e.host_state is none:
+                    (straight if takes is not None and takes(e) else cold).append(e)
             if len(cold) > 1:  # a page named twice is read once
                 cold = list({id(e): e for e in cold}.values())
             if cold and not self._disk.fill_locked([e.key for e in cold], then):
                 return Claim(ClaimState.FAILED)
             fills = list({id(e.fill): e.fill for e in entries if e.fill is not None}.values())
             if straight:
-                for e in straight:
-                    self._hold_locked(e)
+                for e in straight:  # self._hold_locked(e)
+                    e.busy += 1
+                    e.copies += 1
                 fills += self._disk.read_direct_locked(straight, direct)
         return Claim(ClaimState.READING, entries, fills, straight)
 
