@@ -6,14 +6,10 @@ is asked for again and still stores."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from hicache.controller.config import ControllerConfig
-from hicache.controller.sidecar.config import SidecarConfig
-from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.integrations.engine_block_stores import StorePrebook
 from tests.integrations.test_engine_blocks import (
@@ -24,7 +20,7 @@ from tests.integrations.test_engine_blocks import (
     _refs,
     third_copy_fails,
 )
-from tests.support.sidecar import short_tmpdir, wait_for
+from tests.support.sidecar import ServerThread, short_tmpdir, wait_for
 
 
 class ThreadSidecar:
@@ -45,16 +41,11 @@ class ThreadSidecar:
         )
         layout = (_layout(), 1)  # the served layout, as `hicache serve --layout-file` has it
         self.controller = LocalController(cfg, *layout)
-        side = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0)
-        self.server = SidecarServer(self.controller, side, layout=layout)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served = ServerThread(self.controller, self.workdir / "s.sock", layout)
         return self
 
     def stop(self) -> None:
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         self.controller.close()
 
     def host_pages_used(self) -> int:

@@ -11,7 +11,6 @@ is bit-identical to the continuation from the live cache object of the same pref
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,14 +22,12 @@ transformers = pytest.importorskip("transformers")
 from hicache.config import PrefetchPolicy  # noqa: E402
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController  # noqa: E402
 from hicache.controller.config import ControllerConfig  # noqa: E402
-from hicache.controller.sidecar.config import SidecarConfig  # noqa: E402
-from hicache.controller.sidecar.server import SidecarServer  # noqa: E402
 from hicache.controller.store.local import LocalController  # noqa: E402
 from hicache.integrations.transformers import PrefixCachedLM  # noqa: E402
 from hicache.integrations.transformers_layout import layout_from_hf_config  # noqa: E402
 from hicache.integrations.transformers_models import FAMILIES, tiny_config  # noqa: E402
 from hicache.layout import ModelLayout  # noqa: E402
-from tests.support.sidecar import short_tmpdir  # noqa: E402
+from tests.support.sidecar import ServerThread, short_tmpdir  # noqa: E402
 
 PS = 4
 CHUNK = 8
@@ -95,16 +92,11 @@ class ThreadSidecar:
         # Shared host pages, as `hicache serve` has them: host hits are copied by the
         # engine, disk hits by the sidecar (controller/client/host_share.py).
         self.controller = LocalController(ctl_config(self.workdir / "lmdb", host_shared=True))
-        cfg = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0)
-        self.server = SidecarServer(self.controller, cfg)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served = ServerThread(self.controller, self.workdir / "s.sock")
         return self
 
     def stop(self) -> None:
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         assert self.controller.flush(30.0)
         self.controller.close()
 
@@ -201,7 +193,7 @@ def test_restored_prefix_is_bit_identical_through_the_sidecar(family):
         for lm, client in engines:
             client.close()
             lm.cache.pools.close()
-        if sidecars and sidecars[-1].thread.is_alive():
+        if sidecars and sidecars[-1].served.thread.is_alive():
             sidecars[-1].stop()
         shutil.rmtree(workdir, ignore_errors=True)
 

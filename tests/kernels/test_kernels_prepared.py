@@ -238,6 +238,19 @@ def _layered_tensors(seed: int) -> tuple[torch.Tensor, ...]:
     return dev, host, conv, ssm, host_conv, host_ssm
 
 
+def _kv_and_state_cases(dev, host, conv, ssm, host_conv, host_ssm) -> list[tuple]:
+    """(make a plan of device and host tensors, its device tensors, its host tensors) for
+    KV pages and for Mamba states, over :func:`_layered_tensors`' tensors."""
+    return [
+        (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
+        (
+            lambda d, h, **kw: PreparedTransfer.states(d[0], d[1], h[0], h[1], **kw),
+            (conv, ssm),
+            (host_conv, host_ssm),
+        ),
+    ]
+
+
 def test_a_layer_groups_rows_are_the_first_groups_moved_to_its_layers() -> None:
     """A layer-wise load plans its pages' rows once: another group's rows are the first
     group's shifted to that group's layers, equal to what planning them anew gives, for
@@ -271,14 +284,7 @@ def test_run_copies_move_what_the_reference_moves(layers) -> None:
     from hicache.kernels.copy_engine import run_count
 
     dev, host, conv, ssm, host_conv, host_ssm = _layered_tensors(6)
-    cases = [
-        (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
-        (
-            lambda d, h, **kw: PreparedTransfer.states(d[0], d[1], h[0], h[1], **kw),
-            (conv, ssm),
-            (host_conv, host_ssm),
-        ),
-    ]
+    cases = _kv_and_state_cases(dev, host, conv, ssm, host_conv, host_ssm)
     device_items, host_items = [1, 2, 3, 0], [2, 3, 4, 0]  # a run of 3, then one
     assert run_count(np.array(device_items), np.array(host_items)) == 2
     for make, device_side, host_side in cases:
@@ -310,14 +316,7 @@ def test_row_dmas_move_what_the_reference_moves(layers) -> None:
     import ctypes
 
     dev, host, conv, ssm, host_conv, host_ssm = _layered_tensors(4)
-    cases = [
-        (lambda d, h, **kw: PreparedTransfer.kv(d[0], h[0], PAGE, **kw), (dev,), (host,)),
-        (
-            lambda d, h, **kw: PreparedTransfer.states(d[0], d[1], h[0], h[1], **kw),
-            (conv, ssm),
-            (host_conv, host_ssm),
-        ),
-    ]
+    cases = _kv_and_state_cases(dev, host, conv, ssm, host_conv, host_ssm)
     for make, device_side, host_side in cases:
         want = [t.clone() for t in device_side]
         make(want, host_side, to_host=False, layers=layers, backend="torch")([2, 0], [5, 3])

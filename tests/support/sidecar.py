@@ -75,6 +75,33 @@ def token_tcp_args(workdir: Path, token: str, mix: str, page_size: int) -> list[
     ]
 
 
+class ServerThread:
+    """A ``SidecarServer`` over ``controller``, bound on ``socket_path`` (no metrics port)
+    and serving on a daemon thread of this process (``start``: at once; else call
+    :meth:`start` after patching it). ``options``: more ``SidecarConfig`` fields."""
+
+    def __init__(
+        self, controller: Any, socket_path: Path, layout: Any = None, start: bool = True, **options
+    ) -> None:
+        from hicache.controller.sidecar.config import SidecarConfig
+        from hicache.controller.sidecar.server import SidecarServer
+
+        cfg = SidecarConfig(socket_path=socket_path, metrics_port=0, **options)
+        self.server = SidecarServer(controller, cfg, layout=layout)
+        self.server.bind()
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread (the controller is left to its owner)."""
+        self.server.request_stop()
+        self.thread.join(60)
+
+
 class Sidecar:
     """``hicache serve`` in a subprocess, with its own socket, LMDB and log files."""
 

@@ -19,15 +19,13 @@ from hicache import CacheConfig, DevicePools, Request
 from hicache.config import WritePolicy
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.sidecar.config import SidecarConfig
-from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import PageRef, unsettled_load
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
 from tests.support.cache import MarkerEngine, make_cache, make_layout
-from tests.support.sidecar import wait_for
+from tests.support.sidecar import ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -46,12 +44,8 @@ class GatedSidecar:
 
     def __init__(self, workdir, **sidecar) -> None:
         self.controller = LocalController(ControllerConfig(host_pool_bytes=4 << 20))
-        cfg = SidecarConfig(socket_path=workdir / "s.sock", metrics_port=0, **sidecar)
         self.endpoint = "ipc://" + str(workdir / "s.sock")
-        self.server = SidecarServer(self.controller, cfg)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served = ServerThread(self.controller, workdir / "s.sock", **sidecar)
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Semaphore(0)
@@ -88,8 +82,7 @@ class GatedSidecar:
 
     def stop(self) -> None:
         self.gate.set()
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         self.controller.close()
 
 

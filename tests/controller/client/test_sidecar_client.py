@@ -21,15 +21,13 @@ from hicache.controller.client.sidecar_client import (
     SidecarController,
 )
 from hicache.controller.config import ControllerConfig
-from hicache.controller.sidecar.config import SidecarConfig
-from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.local import LocalController
 from hicache.controller_api import ControllerError, PageRef, Presence
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
-from tests.support.sidecar import wait_for
+from tests.support.sidecar import ServerThread, wait_for
 
 MIX = "full"
 PAGE = 4
@@ -49,7 +47,7 @@ class InProcessSidecar:
     def __init__(self, workdir, **sidecar) -> None:
         self.workdir = workdir
         self.sidecar = sidecar
-        self.thread: threading.Thread | None = None
+        self.served: ServerThread | None = None
 
     @property
     def endpoint(self) -> str:
@@ -63,16 +61,12 @@ class InProcessSidecar:
             disk_sync=False,
         )
         self.controller = LocalController(ctl_cfg)
-        cfg = SidecarConfig(socket_path=self.workdir / "s.sock", metrics_port=0, **self.sidecar)
-        self.server = SidecarServer(self.controller, cfg)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served = ServerThread(self.controller, self.workdir / "s.sock", **self.sidecar)
+        self.server = self.served.server
         return self
 
     def stop(self) -> None:
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         self.controller.close()
 
 

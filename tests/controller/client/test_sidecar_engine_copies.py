@@ -7,7 +7,6 @@ sidecar's new pages mapped again."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import msgpack
 import pytest
@@ -17,15 +16,13 @@ from hicache.controller.client import host_share
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar import host_share as sidecar_host_share
-from hicache.controller.sidecar.config import SidecarConfig
-from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.controller.store.transfer_engine import LayerCopies
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import LayerGroups, WholeLayerLoad
 from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
-from tests.support.sidecar import FullPages, wait_for
+from tests.support.sidecar import FullPages, ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -45,10 +42,8 @@ class Sidecar:
             host_shared=shared,
         )
         self.controller = LocalController(cfg)
-        self.server = SidecarServer(
-            self.controller, SidecarConfig(socket_path=workdir / "s.sock", metrics_port=0)
-        )
-        self.server.bind()
+        self.served = ServerThread(self.controller, workdir / "s.sock", start=False)
+        self.server = self.served.server
         self.load_requests = 0
         handlers = self.server.verbs.handlers
         on_worker = handlers[Verb.LOAD]
@@ -67,15 +62,13 @@ class Sidecar:
             return started
 
         inline.start = counted_inline
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served.start()
 
     def counter(self, *key: str) -> float:
         return self.controller.counters._values.get(key, 0)
 
     def stop(self) -> None:
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         self.controller.close()
 
 

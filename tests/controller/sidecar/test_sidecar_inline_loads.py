@@ -12,14 +12,12 @@ import pytest
 from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
-from hicache.controller.sidecar.config import SidecarConfig
-from hicache.controller.sidecar.server import SidecarServer
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType, Tier
 from tests.support.cache import make_layout
-from tests.support.sidecar import FullPages, wait_for
+from tests.support.sidecar import FullPages, ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -35,11 +33,8 @@ class Setup:
             host_pool_bytes=4 << 20, disk_path=workdir / "lmdb", disk_budget_bytes=32 << 20
         )
         self.controller = LocalController(ctl_cfg)
-        cfg = SidecarConfig(socket_path=workdir / "s.sock", metrics_port=0)
-        self.server = SidecarServer(self.controller, cfg)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
+        self.served = ServerThread(self.controller, workdir / "s.sock")
+        self.server = self.served.server
         self.worker_loads = 0
         handlers = self.server.verbs.handlers
         on_worker = handlers[Verb.LOAD]
@@ -60,8 +55,7 @@ class Setup:
 
     def close(self) -> None:
         self.client.close()
-        self.server.request_stop()
-        self.thread.join(60)
+        self.served.stop()
         self.controller.close()
         self.pools.close()
 
