@@ -52,6 +52,7 @@ for what in "$@"; do
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
         data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
+        probe_launch) python3 benchmarks/probe_launch.py --json "$out/probe_launch.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
     rc=$?
