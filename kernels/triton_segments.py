@@ -10,14 +10,17 @@ page is outside its tensor is skipped, never written.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from hicache.kernels.launch import jit_per_call
 
-# Specialised as Triton does by default: the vLLM worker that runs it lives as long as the
-# engine, and whether dropping the specialisations (launch.jit_per_call, as the row kernel
-# has) costs this kernel anything was not measured.
-@triton.jit
+
+# What changes from one call to the next (how many rows and tiles, where the index arrays
+# start) is not specialised on (launch.jit_per_call): a vLLM worker's loads and stores of
+# every size share one compiled variant, where Triton's default compiled (or loaded) a
+# new one on the step's path whenever a size first crossed "divisible by 16" or "equal to
+# 1". The page stride and segment table stay specialised: they are fixed per copy.
+@jit_per_call("num_rows", "num_tiles", pointers=("block_ptr", "page_ptr"))
 def copy_segments_kernel(
     dev_ptr,
     host_ptr,
