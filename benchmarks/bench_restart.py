@@ -76,6 +76,7 @@ FULL = ComponentType.FULL
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
 READAHEAD = False  # --readahead
 HOST_COPY = False  # --host-copy
+SETTINGS: list[str] = []  # --set KEY=VALUE: passed to every sidecar this run starts
 SIDECAR = "hicache.controller.sidecar.process"
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -121,6 +122,7 @@ class Sidecar:
                 # default) unless --host-copy: read into host pages first, kept there. A
                 # revision (--compare-ref) runs with its own default.
                 *(["--set", "disk_load_direct=false"] if HOST_COPY and self.env is None else []),
+                *(a for kv in SETTINGS for a in ("--set", kv)),
             ],
             cwd=self.work,  # not a checkout's root, whose hicache/ would shadow the installed one
             env=self.env,
@@ -364,11 +366,14 @@ def main() -> int:
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sidecar setting for every sidecar started (e.g. reader_threads=1)")
     p.add_argument("--compare-ref", metavar="REV",
                    help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()
     global READAHEAD, HOST_COPY
     READAHEAD, HOST_COPY = args.readahead, args.host_copy
+    SETTINGS[:] = args.set
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
     sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
