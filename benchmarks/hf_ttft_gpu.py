@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ DEVICE = "cuda"
 TRACE_DIR: pathlib.Path | None = None
 RESTART_DISK_HIT = False  # --restart-disk-hit
 LAYER_COPIES: list[str] = []  # --layer-copies: layer-wise rows again, copied these ways
+TIMELINE = False  # --timeline: one more layer-wise request per row, its GPU timeline summed up
 TRACED_LOADS = 30  # one-page loads timed with the trace on, through each controller
 SPIN_S = 0.05  # the clients' reply_spin_s, but the load-back table's "sleeping" one
 
@@ -896,6 +898,67 @@ def layer_loads():
         TransferEngine.start_layers_to_device = original
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """How much of ``[lo, hi)`` the (merged, sorted) ``spans`` cover."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
+    """``fn()`` under torch's profiler, its GPU work summed up (ms from the first GPU event):
+    when the host-to-device copies ran, how much of that the compute kernels overlapped,
+    the first and last compute kernel, and the time no kernel ran before the last copy
+    ended (compute waiting for the load)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    copies, kernels = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start = e.time_range.start / 1e3
+        span = (start, start + e.time_range.elapsed_us() / 1e3)
+        name = e.name.lower()
+        if "memcpy" in name and ("htod" in name or "h2d" in name):
+            copies.append(span)
+        elif "memcpy" in name or "memset" in name:
+            continue
+        else:
+            kernels.append(span)  # compute, and any copy kernel of the load
+    if not kernels:
+        return {}
+    t0 = min(a for a, _ in copies + kernels)
+    ks, cs = _union(kernels), _union(copies)
+    out = {
+        "first_kernel_ms": ks[0][0] - t0,
+        "last_kernel_end_ms": ks[-1][1] - t0,
+        "kernel_busy_ms": sum(b - a for a, b in ks),
+        "copies": float(len(copies)),
+    }
+    if cs:
+        lo, hi = cs[0][0], cs[-1][1]
+        out |= {
+            "copy_first_ms": lo - t0,
+            "copy_last_end_ms": hi - t0,
+            "copy_busy_ms": sum(b - a for a, b in cs),
+            "copy_overlapped_by_kernels_ms": sum(_covered(ks, a, b) for a, b in cs),
+            "no_kernel_while_loading_ms": (hi - lo) - _covered(ks, lo, hi),
+        }
+    return out
+
+
 def hit_fraction_rows(
     work: pathlib.Path, family: str, lengths: list[int], fractions: list[float], requests: int
 ) -> list[dict[str, Any]]:
@@ -1005,6 +1068,18 @@ def hit_fraction_rows(
                     "same_as_live_whole": same.get("whole"),
                     "same_as_live_layerwise": same.get("layerwise"),
                 }
+                if TIMELINE and DEVICE == "cuda":
+                    for name, lm in (("whole", whole), ("layerwise", layered)):
+                        for other in (whole, layered):
+                            other.cache.flush_backups()
+                            other.cache.evict(full_tokens=10**9)
+                        sync()
+                        prompt = prefix + toks(suffix_len)
+                        row[f"timeline_{name}"] = gpu_timeline(
+                            lambda p=prompt, m=lm: m.generate(p, 1)
+                        )
+                    prompt = prefix + toks(suffix_len)  # the layer-wise load left it on device
+                    row["timeline_device"] = gpu_timeline(lambda p=prompt: layered.generate(p, 1))
                 for how in LAYER_COPIES:  # the same layer-wise load, copied another way
                     row[f"ttft_host_layerwise_{how}_ms"] = med[f"layerwise_{how}"]
                     row[f"layerwise_{how}_vs_bound"] = med[f"layerwise_{how}"] / bound
@@ -1066,13 +1141,20 @@ def main() -> int:
         "(a kernel on N programs; 0: two per SM, as a whole load's)",
     )
     p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="--hit-fraction: one more layer-wise, whole and device-hit request per row under "
+        "torch's profiler, their GPU timelines summed up (copies, kernels, their overlap)",
+    )
+    p.add_argument(
         "--restart-disk-hit",
         action="store_true",
         help="also the first disk hit after a sidecar restart, per length, beside the warm one",
     )
     args = p.parse_args()
-    global DEVICE, TRACE_DIR, RESTART_DISK_HIT, LAYER_COPIES
+    global DEVICE, TRACE_DIR, RESTART_DISK_HIT, LAYER_COPIES, TIMELINE
     RESTART_DISK_HIT = args.restart_disk_hit
+    TIMELINE = args.timeline
     LAYER_COPIES = [x for x in args.layer_copies.split(",") if x]
     if args.dry_run:
         DEVICE = "cpu"
