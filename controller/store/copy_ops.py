@@ -200,7 +200,9 @@ class CopyOps(StoreState):
             self.load_fell_short(claim.entries, engine_id, timed_out=True)
             return False
         rest = claim.entries
-        if claim.direct:
+        if len(claim.direct) == len(rest):  # every page read straight into its slot
+            rest = ()
+        elif claim.direct:
             straight = {id(e) for e in claim.direct}
             rest = [e for e in rest if id(e) not in straight]
         if not filled or not self.hold_for_copy(rest):
