@@ -18,6 +18,7 @@ each one's ratio to the memcpy.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -72,8 +73,9 @@ def main() -> None:
 
     tmp = tempfile.TemporaryDirectory()
     hf = sgl.file_backend(tmp.name, pool)
+    workdir = short_tmpdir("hcbench")  # the sidecar's socket and LMDB, removed at the end
     car = Sidecar(
-        short_tmpdir("hcbench"), args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]
+        workdir, args=["--host-pool-bytes", "2GiB", "--disk-budget-bytes", "8GiB"]
     ).start()
     opts = {
         "hicache_staging_pages": pages,
@@ -132,6 +134,7 @@ def main() -> None:
         engine.close()
         car.stop()
         tmp.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
 
     best = {name: (min(t[0]), min(t[1])) for name, t in times.items()}
     base_set, base_get = best["memcpy"]

@@ -68,6 +68,8 @@ def test_kv_pages_same_hits_and_bytes_as_the_file_backend(
     backend = hicache_backend(sidecar.endpoint, pool, hicache_engine_copies=engine_copies)
     try:
         assert backend.zero_copy == (layout == "layer_first" and allocator == "shm")
+        # the sidecar's host pages are mapped at registration, not in SGLang's first call
+        assert (backend.controller.mapped_session() is not None) == engine_copies
         # every layout's KV pages are copied by the backend itself when it may
         assert (backend.pages.copies(ComponentType.FULL) is not None) == engine_copies
         ours = _run_controller(backend, pool, zero_copy, tokens, query)
