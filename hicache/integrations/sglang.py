@@ -321,7 +321,8 @@ class HiCacheSidecarStorage(HiCacheStorage):
                 ps,
             )
             return None
-        return [int(host_indices[i * ps]) for i in range(len(keys))]
+        # each page's first token index (one slice, not a tensor index per key)
+        return [int(o) for o in host_indices.reshape(-1)[::ps].tolist()]
 
     def _set_pool(
         self, name: str, keys: list[str], host_indices: Any, prefix: list[str] | None
