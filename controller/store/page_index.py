@@ -14,7 +14,11 @@ hash: they are leaves, evictable on their own, and evicting the FULL page evicts
 Eviction order is least recently used, in lazy min-heaps keyed by a logical clock: one
 per host component (host pages are pooled per component), one for disk (one budget). An
 entry is pushed when it becomes evictable or is touched; a popped item that no longer
-matches its entry's latest push is stale and skipped. Every operation is O(log n). Past
+matches its entry's latest push is stale and skipped. An entry of no tenant already
+queued at a lower key than its order key is not pushed again when it is released (the
+unpin of every page of every load): when its item comes up, it is queued again at its
+order key then, so it leaves the heap in the same order as if it had been pushed at each
+touch. Every operation is O(log n). Past
 1.5 items per entry, each push also removes the stale ones among the next few items of a
 cycling cursor, so a heap stays bounded without a whole compaction (a second's pause at
 a million pages), which remains only as a backstop.
@@ -35,6 +39,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from hicache.controller.store.index_checks import check_index
+from hicache.controller.store.index_restore import restore_disk
 from hicache.controller.store.lazy_heap import compact, sweep
 from hicache.controller.store.miss_reasons import ChainRoots
 from hicache.controller.store.page_entry import DiskRecordLike, DiskState, HostState, PageEntry
@@ -217,45 +222,10 @@ class PageIndex:
         self._aux_tags = tuple(_TAG[c] for c in _AUX if _TAG[c] in seen)
 
     def restore_disk(self, records: Iterable[DiskRecordLike]) -> None:
-        """Index the pages found on disk at start, oldest first, into an empty index.
-
-        The same entries, counts and eviction order as ``create`` + ``set_disk`` per
-        page, built in one pass with one heapify: a rebuild of a million pages is bound by
-        this loop, and the per-page calls doubled it.
-        """
-        assert not self._entries, "restore_disk fills an empty index"
-        entries = self._entries
-        children_of = self._children_of
-        pages = self.disk_pages
-        live = 0
-        for r in records:  # one per LMDB key: keys are unique
-            e = PageEntry(r.component, r.page_hash, r.parent_hash)
-            e.attached = True
-            self._clock += 1
-            e.last_access = self._clock
-            entries[e.skey] = e
-            if e.component is _FULL:
-                children_of.setdefault(e.parent_hash, set()).add(e)
-            elif e.skey[-1:] not in self._aux_tags:
-                self._note_aux(e.component)
-            e.disk_state = DiskState.READY
-            e.disk_nbytes = r.nbytes
-            live += r.nbytes
-            pages[e.component] += 1
-        self.disk_live_bytes += live
-        for parent_hash, kids in children_of.items():
-            parent = entries.get(parent_hash + _FULL_TAG)
-            if parent is not None:
-                parent.children[Tier.DISK] = len(kids)  # every entry is on disk now
-            else:
-                self.roots.note(parent_hash)
-        heap = self._disk_heap
-        for e in entries.values():
-            if self.evictable(e, Tier.DISK):
-                seq = next(self._seq)
-                e.heap_key[Tier.DISK] = (e.last_access, seq)
-                heap.append((e.last_access, seq, e))
-        heapq.heapify(heap)
+        """Index the pages found on disk at start, oldest first, into an empty index: the
+        same entries, counts and eviction order as ``create`` + ``set_disk`` per page, in
+        one pass with one heapify (index_restore.py)."""
+        restore_disk(self, records)
 
     def set_parent(self, entry: PageEntry, parent_hash: bytes) -> None:
         """Move ``entry`` to the chain of ``parent_hash``: for a page created before its
@@ -439,8 +409,8 @@ class PageIndex:
         else:
             key = entry.last_access
             heap = self._disk_heap
-        if current is not None and current[0] == key:
-            return  # its newest heap item is still valid
+        if current is not None and (current[0] == key or (current[0] < key and not entry.tenant)):
+            return  # its item is valid, or comes up earlier and is queued again then
         seq = next(self._seq)
         heap_key[tier] = (key, seq)
         heapq.heappush(heap, (key, seq, entry))
@@ -475,15 +445,34 @@ class PageIndex:
             key = entry.heap_key[tier]
             if not entry.attached or key is None or key[1] != seq:
                 continue  # stale: a newer item (or none) stands for this entry
+            if not self.evictable(entry, tier):
+                entry.heap_key[tier] = None  # queued again once it is
+                continue
+            order = entry.last_access + entry.retain if host else entry.last_access
+            if key[0] < order:  # touched since it was queued (see _maybe_push)
+                seq = next(self._seq)
+                entry.heap_key[tier] = (order, seq)
+                heapq.heappush(heap, (order, seq, entry))
+                if entry.tenant:
+                    self.tenants.push(entry, tier, (order, seq, entry))
+                continue
             entry.heap_key[tier] = None
-            if self.evictable(entry, tier):
-                if host:
-                    self._host_victims += 1
-                    age = self._clock - entry.last_access
-                    weight = 1.0 / min(self._host_victims, _TURNOVER_WINDOW)
-                    self.host_turnover += weight * (age - self.host_turnover)
-                return entry
+            if host:
+                self._host_victims += 1
+                age = self._clock - entry.last_access
+                weight = 1.0 / min(self._host_victims, _TURNOVER_WINDOW)
+                self.host_turnover += weight * (age - self.host_turnover)
+            return entry
         return None
+
+    def requeue(self, entry: PageEntry) -> None:
+        """Queue ``entry`` at its order key in each tier where it waits at a lower one (see
+        :meth:`_maybe_push`): before it joins a tenant's heaps, whose items stand exact."""
+        for tier in (_HOST, _DISK):
+            key = entry.heap_key[tier]
+            if key is not None and key[0] != self._order_key(entry, tier):
+                entry.heap_key[tier] = None
+                self._maybe_push(entry, tier)
 
     def pop_tenant_victim(
         self, tenant: int, tier: Tier, component: ComponentType | None = None

@@ -106,4 +106,5 @@ class TenantOps(StoreState):
                 if p in (P_HOST, P_DISK):
                     e = self._index.get(h + tag)
                     if e is not None and not e.tenant and e.held:
+                        self._index.requeue(e)
                         ledger.adopt(e, tid)

@@ -151,6 +151,32 @@ def test_heaps_stay_bounded_under_many_touches():
     assert drain(index, Tier.HOST) == ["d", "c", "b", "a"]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pages_loaded_again_and_again_leave_in_exact_lru_order_without_a_push_per_load(seed):
+    """A load pins, touches and unpins its pages: a page already queued is not pushed
+    again at the unpin, yet every tier still gives up its least recently used page
+    first (the waiting item is queued again when it comes up)."""
+    rng = random.Random(seed)
+    index = PageIndex()
+    names = "abcdefghijklmnop"
+    pages = {n: chain(index, n)[0] for n in names}  # leaves of their own chains
+    for e in pages.values():
+        index.set_disk(e, DiskState.READY, 100)
+    index.check_invariants()
+    queued = len(index._host_heaps[FULL]), len(index._disk_heap)
+    for _ in range(200):
+        load = rng.sample(names, rng.randint(1, 5))
+        entries = [pages[n] for n in load]
+        index.pin_all(entries)
+        index.touch_all(entries)
+        index.unpin_all(entries)
+        index.check_invariants()
+    assert (len(index._host_heaps[FULL]), len(index._disk_heap)) == queued
+    by_age = sorted(names, key=lambda n: pages[n].last_access)
+    assert drain(index, Tier.DISK) == by_age
+    assert drain(index, Tier.HOST) == by_age
+
+
 def test_disk_bytes_and_pages_follow_commits_and_evictions():
     index = PageIndex()
     e = index.create(FULL, h("a"), ROOT)
