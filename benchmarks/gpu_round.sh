@@ -38,6 +38,9 @@ for what in "$@"; do
         layerwise_timeline) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
             --lengths 8192,32768 --hit-fraction 0.9 --requests 3 --timeline \
             --json "$out/layerwise_timeline.json" ;;
+        layerwise_timeline_8k) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
+            --lengths 8192 --hit-fraction 0.9 --requests 1 --timeline \
+            --json "$out/layerwise_timeline_8k.json" ;;
         layerwise_hybrid) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models bamba \
             --lengths 8192 --hit-fraction 0.5,0.9 --requests 3 --json "$out/layerwise_hybrid.json" ;;
         restart_disk) python3 benchmarks/bench_restart.py --device cuda \
