@@ -14,7 +14,6 @@ import time
 import numpy as np
 import torch
 
-from hicache.kernels.launch import kernel_for, max_programs
 from hicache.kernels.segments import Segment, SegmentCopy
 
 
@@ -69,115 +68,83 @@ def main() -> None:
 def probe(n: int, copy: SegmentCopy, pages: torch.Tensor, nseg: int, repeat: int) -> dict:
     """One size's figures (µs)."""
     dev = copy.device
-    if True:
-        ids = list(range(n))
-        host = torch.zeros(n << 20, dtype=torch.uint8).pin_memory()
-        flat = torch.zeros(n << 20, dtype=torch.uint8, device=dev)
-        row = {}
-        row["memcpy_wall"] = median_us(
-            lambda: (flat.copy_(host, non_blocking=True), torch.cuda.synchronize()), repeat
-        )
-        row["memcpy_dev"] = device_us(lambda: flat.copy_(host, non_blocking=True), repeat)
-        row["to_device_wall"] = median_us(lambda: copy.to_device(ids, ids), repeat)
-        row["start_only"] = median_us(lambda: copy.start(ids, ids, False), repeat)
-        row["kernel_dev"] = device_us(
-            lambda: copy._launch(np.asarray(ids), np.asarray(ids), False), repeat
-        )
-        a = np.asarray(ids, dtype=np.int64)
-        row["np_and_check"] = median_us(
-            lambda: copy._check(np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)),
-            repeat,
-        )
-        s = torch.cuda.Stream(dev)
-        row["wait_stream"] = median_us(
-            lambda: s.wait_stream(torch.cuda.current_stream(dev)), repeat
-        )
-        row["idx_pageable_h2d"] = median_us(
-            lambda: torch.from_numpy(np.stack([a, a])).to(dev, non_blocking=True), repeat
-        )
-        pin = torch.empty((2, 4096), dtype=torch.int64).pin_memory()
-        devidx = torch.empty((2, 4096), dtype=torch.int64, device=dev)
+    ids = list(range(n))
+    host = torch.zeros(n << 20, dtype=torch.uint8).pin_memory()
+    flat = torch.zeros(n << 20, dtype=torch.uint8, device=dev)
+    row = {}
+    row["memcpy_wall"] = median_us(
+        lambda: (flat.copy_(host, non_blocking=True), torch.cuda.synchronize()), repeat
+    )
+    row["memcpy_dev"] = device_us(lambda: flat.copy_(host, non_blocking=True), repeat)
+    row["to_device_wall"] = median_us(lambda: copy.to_device(ids, ids), repeat)
+    row["start_only"] = median_us(lambda: copy.start(ids, ids, False), repeat)
+    row["kernel_dev"] = device_us(
+        lambda: copy._launch(np.asarray(ids), np.asarray(ids), False), repeat
+    )
+    a = np.asarray(ids, dtype=np.int64)
+    row["np_and_check"] = median_us(
+        lambda: copy._check(np.asarray(ids, dtype=np.int64), np.asarray(ids, dtype=np.int64)),
+        repeat,
+    )
+    s = torch.cuda.Stream(dev)
+    row["wait_stream"] = median_us(lambda: s.wait_stream(torch.cuda.current_stream(dev)), repeat)
+    row["idx_pageable_h2d"] = median_us(
+        lambda: torch.from_numpy(np.stack([a, a])).to(dev, non_blocking=True), repeat
+    )
+    pin = torch.empty((2, 4096), dtype=torch.int64).pin_memory()
+    devidx = torch.empty((2, 4096), dtype=torch.int64, device=dev)
 
-        def pinned_idx() -> None:
-            pin.numpy()[0, :n] = a
-            pin.numpy()[1, :n] = a
-            devidx[:, :n].copy_(pin[:, :n], non_blocking=True)
+    def pinned_idx() -> None:
+        pin.numpy()[0, :n] = a
+        pin.numpy()[1, :n] = a
+        devidx[:, :n].copy_(pin[:, :n], non_blocking=True)
 
-        row["idx_pinned_h2d"] = median_us(pinned_idx, repeat)
-        idx = torch.from_numpy(np.stack([a, a])).to(dev)
-        g = copy._gpu
-        n_rows = n * nseg
-        num_tiles = -(-n_rows // g["rows"]) * g["col_tiles"]
-        grid = (min(num_tiles, max_programs(dev, copy._tuning)),)
-        from hicache.kernels.triton_segments import copy_segments_kernel
+    row["idx_pinned_h2d"] = median_us(pinned_idx, repeat)
+    idx = torch.from_numpy(np.stack([a, a])).to(dev)
 
-        k = kernel_for(copy_segments_kernel, dev)
-        t = g["table"]
+    def launch() -> None:
+        copy._launch_on(idx, False)
 
-        def launch() -> None:
-            k[grid](
-                g["dev"],
-                g["host"],
-                idx[0],
-                idx[1],
-                t[0],
-                t[1],
-                t[2],
-                t[3],
-                n_rows,
-                nseg,
-                g["page_stride"],
-                copy.blocks,
-                pages.shape[0],
-                num_tiles,
-                g["col_tiles"],
-                TO_HOST=False,
-                ROWS=g["rows"],
-                COLS=g["cols"],
-                num_warps=copy._tuning.num_warps,
-            )
+    row["triton_launch"] = median_us(launch, repeat)
+    row["launch_dev"] = device_us(launch, repeat)
+    row["event_record_sync"] = median_us(
+        lambda: torch.cuda.Event().record() or torch.cuda.synchronize(), repeat
+    )
+    # The same copy as DMAs: one 2-D copy per segment (rows n, pitch the page), and
+    # one batched 1-D copy per segment and page.
+    from hicache.kernels.copy_engine import Copies1D, issue_2d_copies
 
-        row["triton_launch"] = median_us(launch, repeat)
-        row["launch_dev"] = device_us(launch, repeat)
-        row["event_record_sync"] = median_us(
-            lambda: torch.cuda.Event().record() or torch.cuda.synchronize(), repeat
-        )
-        row["grid"] = float(grid[0])
-        # The same copy as DMAs: one 2-D copy per segment (rows n, pitch the page), and
-        # one batched 1-D copy per segment and page.
-        from hicache.kernels.copy_engine import Copies1D, issue_2d_copies
+    seg_bytes = pages.shape[1] // nseg
+    plan = [
+        (s.tensor.data_ptr(), s.tensor.stride(0), pages.data_ptr() + s.dst_offset,
+         pages.shape[1], seg_bytes, n)
+        for s in copy.segments
+    ]  # fmt: skip
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    row["dma_2d_issue"] = median_us(lambda: issue_2d_copies(plan, stream), repeat)
+    row["dma_2d_dev"] = device_us(lambda: issue_2d_copies(plan, stream), repeat)
+    d1 = np.array(
+        [s.tensor.data_ptr() + b * s.tensor.stride(0) for b in range(n) for s in copy.segments],
+        dtype=np.uint64,
+    )
+    s1 = np.array(
+        [pages.data_ptr() + b * pages.shape[1] + s.dst_offset for b in range(n)
+         for s in copy.segments],
+        dtype=np.uint64,
+    )  # fmt: skip
+    z1 = np.full(d1.size, seg_bytes, dtype=np.uint64)
+    side = torch.cuda.Stream(dev)
+    batch = Copies1D(d1, s1, z1, side.cuda_stream, batched=True)
 
-        seg_bytes = pages.shape[1] // nseg
-        plan = [
-            (s.tensor.data_ptr(), s.tensor.stride(0), pages.data_ptr() + s.dst_offset,
-             pages.shape[1], seg_bytes, n)
-            for s in copy.segments
-        ]  # fmt: skip
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        row["dma_2d_issue"] = median_us(lambda: issue_2d_copies(plan, stream), repeat)
-        row["dma_2d_dev"] = device_us(lambda: issue_2d_copies(plan, stream), repeat)
-        d1 = np.array(
-            [s.tensor.data_ptr() + b * s.tensor.stride(0) for b in range(n) for s in copy.segments],
-            dtype=np.uint64,
-        )
-        s1 = np.array(
-            [pages.data_ptr() + b * pages.shape[1] + s.dst_offset for b in range(n)
-             for s in copy.segments],
-            dtype=np.uint64,
-        )  # fmt: skip
-        z1 = np.full(d1.size, seg_bytes, dtype=np.uint64)
-        side = torch.cuda.Stream(dev)
-        batch = Copies1D(d1, s1, z1, side.cuda_stream, batched=True)
+    def batched() -> None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+        batch.issue(0, d1.size)
+        torch.cuda.current_stream(dev).wait_stream(side)
 
-        def batched() -> None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-            batch.issue(0, d1.size)
-            torch.cuda.current_stream(dev).wait_stream(side)
-
-        row["dma_1d_issue"] = median_us(batched, repeat)
-        row["dma_1d_dev"] = device_us(batched, repeat)
-        row["ratio_dev"] = row["memcpy_dev"] / row["kernel_dev"]
-        row["ratio_wall"] = row["memcpy_wall"] / row["to_device_wall"]
+    row["dma_1d_issue"] = median_us(batched, repeat)
+    row["dma_1d_dev"] = device_us(batched, repeat)
+    row["ratio_dev"] = row["memcpy_dev"] / row["kernel_dev"]
+    row["ratio_wall"] = row["memcpy_wall"] / row["to_device_wall"]
     return row
 
 

@@ -193,9 +193,13 @@ class SegmentCopy:
         return done
 
     def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        g = self._gpu
         idx = torch.from_numpy(np.stack([blocks, pages])).to(self.device, non_blocking=True)
-        n_rows = blocks.size * len(self.segments)
+        self._launch_on(idx, to_host)
+
+    def _launch_on(self, idx: torch.Tensor, to_host: bool) -> None:
+        """The kernel over ``idx`` (``[2, items]``: blocks, pages) already on the device."""
+        g = self._gpu
+        n_rows = idx.shape[1] * len(self.segments)
         num_tiles = math.ceil(n_rows / g["rows"]) * g["col_tiles"]
         grid = (min(num_tiles, max_programs(self.device, self._tuning)),)
         table = g["table"]

@@ -448,7 +448,7 @@ class PageIndex:
             if not self.evictable(entry, tier):
                 entry.heap_key[tier] = None  # queued again once it is
                 continue
-            order = entry.last_access + entry.retain if host else entry.last_access
+            order = self._order_key(entry, tier)
             if key[0] < order:  # touched since it was queued (see _maybe_push)
                 seq = next(self._seq)
                 entry.heap_key[tier] = (order, seq)
