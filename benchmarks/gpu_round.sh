@@ -35,6 +35,9 @@ for what in "$@"; do
         layerwise_dma) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
             --lengths 8192,32768 --hit-fraction 0.5,0.9 --requests 3 --layer-copies dma \
             --json "$out/layerwise_dma.json" ;;
+        layerwise_ahead) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
+            --lengths 8192,32768 --hit-fraction 0.9 --requests 3 --layer-copies queued \
+            --json "$out/layerwise_ahead.json" ;;
         layerwise_timeline) python3 benchmarks/hf_ttft_gpu.py --skip-loadback --models llama-8b \
             --lengths 8192,32768 --hit-fraction 0.9 --requests 3 --timeline \
             --json "$out/layerwise_timeline.json" ;;

@@ -857,14 +857,23 @@ def hit_fraction_model(family: str):
 def layer_copies(how: str | None):
     """Layer-wise loads copied ``how`` inside the block: ``dma`` (on the copy engines:
     2-D copies over runs of pages where they run, else one batched copy per layer
-    group), ``rows`` (one batched 1-D copy per group, runs or not) or a kernel on that
-    many programs (``0``: two per SM, as a whole load's); None: the default."""
+    group), ``rows`` (one batched 1-D copy per group, runs or not), ``queued`` (the
+    default copies, every group queued at the start instead of a few ahead of the
+    compute) or a kernel on that many programs (``0``: two per SM, as a whole load's);
+    None: the default."""
     import dataclasses
 
     from hicache.controller.store.transfer_engine import TransferEngine
 
     if how is None:
         yield
+        return
+    if how == "queued":
+        ahead, TransferEngine.layer_ahead = TransferEngine.layer_ahead, 0
+        try:
+            yield
+        finally:
+            TransferEngine.layer_ahead = ahead
         return
     saved = TransferEngine.layer_dmas, TransferEngine.layer_tuning, TransferEngine.layer_runs
     TransferEngine.layer_dmas = how in ("dma", "rows")
@@ -1137,8 +1146,9 @@ def main() -> int:
         default="",
         help="--hit-fraction: the layer-wise rows again, copied each of these ways "
         "(comma-separated): dma (on the copy engines: 2-D copies over runs of pages, else a "
-        "batched copy per layer group), rows (a batched 1-D copy per group) or N "
-        "(a kernel on N programs; 0: two per SM, as a whole load's)",
+        "batched copy per layer group), rows (a batched 1-D copy per group), queued (the "
+        "default copies, every group queued at the start) or N (a kernel on N programs; 0: "
+        "two per SM, as a whole load's)",
     )
     p.add_argument(
         "--timeline",

@@ -1,7 +1,10 @@
 """Where a segment copy's fixed cost goes on a GPU: one vLLM-shaped copy (64 block tensors
 of 16 KiB rows, a 1 MiB host page per block) timed stage by stage on the host, and its
-device time by CUDA events, beside a pinned memcpy of the same bytes. Prints µs per call
-(median of ``--repeat``); ``--json`` writes the same figures. Diagnostic, not in CI.
+device time by CUDA events, beside a pinned memcpy of the same bytes and the same copy with
+its indices uploaded from pageable memory (as before they were read from a pinned buffer).
+Then what a small upload on the compute stream waits while a load's copies are queued on the
+copy engines from another stream (``behind_load``). Prints µs per call (median of
+``--repeat``); ``--json`` writes the same figures. Diagnostic, not in CI.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def main() -> None:
     for n in (1, 64, 1024):
         out[n] = row = probe(n, copy, pages, nseg, args.repeat)
         print(n, "MiB:", " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
+    out["behind_load"] = behind = behind_load(dev)
+    for k, v in behind.items():
+        print("behind a load:", k, " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -143,9 +149,65 @@ def probe(n: int, copy: SegmentCopy, pages: torch.Tensor, nseg: int, repeat: int
 
     row["dma_1d_issue"] = median_us(batched, repeat)
     row["dma_1d_dev"] = device_us(batched, repeat)
+    side2 = torch.cuda.Stream(dev)
+
+    def pageable_copy() -> None:  # the copy as it was: indices uploaded from pageable memory
+        side2.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side2):
+            up = torch.from_numpy(np.stack([a, a])).to(dev, non_blocking=True)
+            copy._launch_on(up, False)
+            done = torch.cuda.Event()
+            done.record(side2)
+        done.synchronize()
+
+    row["to_device_wall_pageable"] = median_us(pageable_copy, repeat)
     row["ratio_dev"] = row["memcpy_dev"] / row["kernel_dev"]
     row["ratio_wall"] = row["memcpy_wall"] / row["to_device_wall"]
+    row["ratio_wall_pageable"] = row["memcpy_wall"] / row["to_device_wall_pageable"]
     return row
+
+
+def behind_load(dev: torch.device, piece_mib: int = 32, pieces: int = 32) -> dict:
+    """Milliseconds a small upload, a small pinned copy and a small kernel queued on the
+    compute stream take to finish while ``queued`` pieces of a load (pinned host to device,
+    ``piece_mib`` each) wait on the copy engines from a stream of their own: whether the
+    compute stream's copies wait behind the load's."""
+    host = torch.empty(pieces, piece_mib << 20, dtype=torch.uint8).pin_memory()
+    devbuf = torch.empty(pieces, piece_mib << 20, dtype=torch.uint8, device=dev)
+    load = torch.cuda.Stream(dev, priority=-1)
+    small = np.arange(256, dtype=np.int64)
+    pinned_small = torch.from_numpy(small).pin_memory()
+    target = torch.empty(256, dtype=torch.int64, device=dev)
+    out = {}
+    for queued in (0, 2, pieces):
+        row = {}
+        for what in ("pageable_upload", "pinned_copy", "kernel"):
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                with torch.cuda.stream(load):
+                    for i in range(queued):
+                        devbuf[i].copy_(host[i], non_blocking=True)
+                t0 = time.perf_counter()
+                if what == "pageable_upload":  # as torch.tensor(list).to(device) does
+                    torch.from_numpy(small).to(dev)
+                else:
+                    if what == "pinned_copy":
+                        target.copy_(pinned_small, non_blocking=True)
+                    else:
+                        target.add_(1)
+                    torch.cuda.current_stream(dev).synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            row[what + "_ms"] = statistics.median(times)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(load):
+            for i in range(queued):
+                devbuf[i].copy_(host[i], non_blocking=True)
+        load.synchronize()
+        row["load_alone_ms"] = (time.perf_counter() - t0) * 1e3
+        out[f"queued_{queued}"] = row
+    return out
 
 
 if __name__ == "__main__":

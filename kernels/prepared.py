@@ -15,12 +15,14 @@ path and torch reference run behind it (``tests/kernels/test_kernels_prepared.py
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import numpy as np
 import torch
 
 from hicache.kernels import reference
 from hicache.kernels.geometry import RowCopy, kv_row_copy, state_row_copy
+from hicache.kernels.host_indices import IndexSlots
 from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning, parse_backend
 
 Indices = Sequence[int] | np.ndarray
@@ -69,6 +71,7 @@ class PreparedTransfer:
         self.device_limit = dev_side.num_items
         self.host_limit = min((c.dst if to_host else c.src).num_items for c in copies)
         self._launchers: list = [None] * len(copies)
+        self._slots: IndexSlots | None = None  # pinned index buffers (GPU launches)
 
     @classmethod
     def kv(
@@ -214,6 +217,10 @@ class PreparedTransfer:
         if idx.shape[1] == 0:
             return
         cpu = torch.from_numpy(idx)
+        with ExitStack() as launches:
+            self._copy(idx, cpu, launches)
+
+    def _copy(self, idx: np.ndarray, cpu: torch.Tensor, launches: ExitStack) -> None:
         on_device = None
         for i, copy in enumerate(self.copies):
             chosen = self._choose(copy, idx)
@@ -235,8 +242,8 @@ class PreparedTransfer:
                 )
                 continue
             if chosen is Backend.TRITON:
-                if on_device is None:
-                    on_device = cpu.to(self.device, non_blocking=True).unbind(0)
+                if on_device is None:  # the indices, where the kernels read them
+                    on_device = self._kernel_indices(idx, cpu, launches)
                 self._launch(i, copy, on_device)
             elif chosen is Backend.COPY_ENGINE:
                 if self.device.type != "cuda":
@@ -340,6 +347,19 @@ class PreparedTransfer:
             if self.backend is Backend.TRITON or chosen is Backend.TRITON:
                 for table in tables:
                     self._launch(i, copy, table.unbind(0))
+
+    def _kernel_indices(
+        self, idx: np.ndarray, cpu: torch.Tensor, launches: ExitStack
+    ) -> tuple[torch.Tensor, ...]:
+        """The index rows as the kernels read them: on a GPU from a pinned buffer that
+        stays untouched until the launches in ``launches`` have run (no upload on the
+        copy engines, see :mod:`~hicache.kernels.host_indices`); on a CPU as they are."""
+        if self.device.type != "cuda":
+            return cpu.unbind(0)
+        if self._slots is None:
+            self._slots = IndexSlots()
+        stream = torch.cuda.current_stream(self.device)
+        return launches.enter_context(self._slots.staged(idx, stream)).unbind(0)
 
     def _launch(self, i: int, copy: RowCopy, on_device: tuple[torch.Tensor, ...]) -> None:
         launcher = self._launchers[i]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from hicache.kernels.cpu_rows import copy_pool
+from hicache.kernels.host_indices import IndexSlots
 from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
@@ -105,6 +106,7 @@ class SegmentCopy:
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._gpu = None
         self._np_pages: np.ndarray | None = None  # the CPU copy's views (_prepare_cpu)
+        self._slots = IndexSlots()  # pinned index buffers for the kernel's launches
         if use_kernel if use_kernel is not None else device.type == "cuda":
             require_device_mapped("host pages", pages, device)
             self._gpu = self._prepare_gpu()
@@ -193,11 +195,17 @@ class SegmentCopy:
         return done
 
     def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        idx = torch.from_numpy(np.stack([blocks, pages])).to(self.device, non_blocking=True)
-        self._launch_on(idx, to_host)
+        idx = np.stack([blocks, pages])
+        if self.device.type != "cuda":
+            self._launch_on(torch.from_numpy(idx), to_host)
+            return
+        # Read by the kernel from pinned memory: no upload queued on the copy engines.
+        with self._slots.staged(idx, torch.cuda.current_stream(self.device)) as on_host:
+            self._launch_on(on_host, to_host)
 
     def _launch_on(self, idx: torch.Tensor, to_host: bool) -> None:
-        """The kernel over ``idx`` (``[2, items]``: blocks, pages) already on the device."""
+        """The kernel over ``idx`` (``[2, items]``: blocks, pages) where it can read them
+        (on the device, or pinned)."""
         g = self._gpu
         n_rows = idx.shape[1] * len(self.segments)
         num_tiles = math.ceil(n_rows / g["rows"]) * g["col_tiles"]

@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -108,6 +107,12 @@ class TransferEngine:
     #: --layer-copies dma,rows``; ``bench_data_plane.py``'s ``*_load_runs`` rows).
     layer_runs: bool = False
     load_runs: bool = False
+    #: Groups of a layer-wise load queued ahead of the one the compute waits for (0: every
+    #: group at the start). Copies queued on the copy engines are done in order, whichever
+    #: stream queued them: an upload the engine queues meanwhile (its inputs, a slot table)
+    #: waits behind every copy queued before it, so a load queued whole at the start holds
+    #: the engine's next upload, and its compute, until the whole load has arrived.
+    layer_ahead: int = 2
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
     def __init__(self, host_pool: HostPool) -> None:
@@ -348,31 +353,31 @@ class TransferEngine:
             elif copies is not None:  # one batched copy for the group, on the copy engines
                 copies.issue(bounds[g], bounds[g + 1])
 
-        if self._layer_thread is None:
-            self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
         if not on_gpu:
+            if self._layer_thread is None:
+                self._layer_thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-layers")
             self._layer_thread.submit(load.run_cpu, copy_group)
             return load
         stream, _ = self._streams_for(buffers.device)
         stream.wait_stream(torch.cuda.current_stream(buffers.device))  # as start_to_device
-        # Rows on the layer thread, so that the compute starts at once (a long load's rows
-        # take milliseconds to issue); runs (a few 2-D copies a group) here, all at once:
-        # on a thread they would wait for the interpreter lock the compute's Python holds.
-        (load.run_gpu if runs else partial(self._layer_thread.submit, load.run_gpu))(
-            copy_group, stream
-        )
+        # Issued by the caller's thread a few groups ahead of the layer its compute waits
+        # for (LayerCopies.issue_gpu): a thread of its own would issue them only as often as
+        # the interpreter lock that the compute's Python holds lets it run.
+        load.issue_gpu(copy_group, stream, self.layer_ahead)
         return load
 
 
 class LayerCopies:
-    """A load's copies, group of layers by group, issued at once (a
+    """A load's copies, group of layers by group (a
     :class:`~hicache.controller_api.LayerLoad`).
 
-    On a GPU every group's copy is queued on the load stream at start, each followed by an
-    event; :meth:`wait_group` makes the caller's stream wait for that event, so compute of
-    layer ``i`` queued after it overlaps the copies of the layers after ``i``. On a CPU a
-    copy thread copies the groups in order and sets a flag per group; :meth:`wait_group`
-    blocks until that group's copy has ended. A group that fails fails every later one.
+    On a GPU each group's copy is queued on the load stream, followed by an event:
+    ``ahead`` groups at the start, and then, as the caller waits for group ``g``
+    (:meth:`wait_group`), every group up to ``g + ahead``; :meth:`finish` queues the rest.
+    Waiting makes the caller's stream wait for the group's event, so compute of layer ``i``
+    queued after it overlaps the copies of the layers after ``i``. On a CPU a copy thread
+    copies the groups in order and sets a flag per group; :meth:`wait_group` blocks until
+    that group's copy has ended. A group that fails fails every later one.
     """
 
     def __init__(
@@ -386,8 +391,12 @@ class LayerCopies:
         self._failed_from = len(groups)  # the first group that failed
         self._on_finish = on_finish
         self._result: LoadResult | None = None
+        # A GPU's: what issues the next group, on which stream, how far ahead.
+        self._issue: tuple[Callable[[int], None], Any, int] | None = None
+        self._issue_lock = threading.Lock()
         #: Host seconds from the start to the first group's copy issued and to the last's.
         self.issue_s: tuple[float, float] | None = None
+        self._first_s: float | None = None
         self._t0 = time.perf_counter()
 
     def failed_at(self, group: int, exc: Exception) -> None:
@@ -409,33 +418,49 @@ class LayerCopies:
                 ev.set()
             self._ended.set()
 
-    def run_gpu(self, copy_group: Callable[[int], None], stream: torch.cuda.Stream) -> None:
-        """The layer thread's work on a GPU: each group's copy issued on ``stream`` in
-        order, followed by its event, its flag set once the event is recorded."""
-        first = None
-        try:
-            with torch.cuda.stream(stream):
-                for g in range(len(self.groups)):
-                    try:
-                        copy_group(g)
-                    except Exception as exc:
-                        self.failed_at(g, exc)
-                        break
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                    self.events.append(done)
-                    self._ready[g].set()
-                    if first is None:
-                        first = time.perf_counter() - self._t0
-        except Exception as exc:  # the stream or an event: nothing after it is issued
-            self.failed_at(len(self.events), exc)
-        finally:
-            self.issue_s = (first or 0.0, time.perf_counter() - self._t0)
-            for ev in self._ready:
-                ev.set()
-            self._ended.set()
+    def issue_gpu(
+        self, copy_group: Callable[[int], None], stream: torch.cuda.Stream, ahead: int
+    ) -> None:
+        """Start a GPU load: groups are issued by :meth:`_issue_through` on ``stream``,
+        ``ahead`` of the group waited for (0: all of them now)."""
+        self._issue = (copy_group, stream, ahead if ahead > 0 else len(self.groups))
+        self._issue_through(self._issue[2] - 1)
+
+    def _issue_through(self, last: int) -> None:
+        """Issue every group up to ``last`` not issued yet, in order, each followed by its
+        event; a group that fails ends the issuing (it and every later group fail)."""
+        if self._issue is None or self._ended.is_set() or last < len(self.events):
+            return
+        copy_group, stream, _ = self._issue
+        with self._issue_lock:
+            g = len(self.events)
+            last = min(last, len(self.groups) - 1)
+            try:
+                with torch.cuda.stream(stream):
+                    while g <= last and g < self._failed_from:
+                        try:
+                            copy_group(g)
+                        except Exception as exc:
+                            self.failed_at(g, exc)
+                            break
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                        self.events.append(done)
+                        self._ready[g].set()
+                        if self._first_s is None:
+                            self._first_s = time.perf_counter() - self._t0
+                        g += 1
+            except Exception as exc:  # the stream or an event: nothing after it is issued
+                self.failed_at(len(self.events), exc)
+            if len(self.events) >= min(len(self.groups), self._failed_from):
+                self.issue_s = (self._first_s or 0.0, time.perf_counter() - self._t0)
+                for ev in self._ready:
+                    ev.set()
+                self._ended.set()
 
     def wait_group(self, group: int) -> bool:
+        if self._issue is not None:
+            self._issue_through(group + self._issue[2])
         if group >= self._failed_from:
             return False
         self._ready[group].wait()
@@ -448,6 +473,7 @@ class LayerCopies:
     def finish(self) -> LoadResult:
         if self._result is not None:
             return self._result
+        self._issue_through(len(self.groups) - 1)  # what no wait has issued yet
         self._ended.wait()
         ok = self._failed_from >= len(self.groups)
         for ev in self.events:

@@ -20,16 +20,19 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("ahead", [1, 0], ids=["one-ahead", "all-at-start"])
 @pytest.mark.parametrize("runs", [False, True], ids=["rows", "2d-runs"])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_each_layer_read_after_its_wait_is_the_prefix(mix, runs, tmp_path, monkeypatch):
+def test_each_layer_read_after_its_wait_is_the_prefix(mix, runs, ahead, tmp_path, monkeypatch):
     """As rows (one DMA per page and row) and, ``layer_runs``, as 2-D copies over the runs
-    of pages (counted: a load of pages handed out in order goes that way)."""
+    of pages (counted: a load of pages handed out in order goes that way); its groups
+    queued one ahead of the wait (``layer_ahead``), or all at the start."""
     import hicache.controller.store.transfer_engine as te
 
     issued: list[int] = []
     real = te.issue_2d_copies
     monkeypatch.setattr(te.TransferEngine, "layer_runs", runs)
+    monkeypatch.setattr(te.TransferEngine, "layer_ahead", ahead)
     monkeypatch.setattr(
         te, "issue_2d_copies", lambda plan, s: (issued.append(len(plan)), real(plan, s))
     )
@@ -38,8 +41,13 @@ def test_each_layer_read_after_its_wait_is_the_prefix(mix, runs, tmp_path, monke
     m = cache.match_prefix(tokens, req=req)
     before = req.kv_slots.copy()
     load = cache.start_load_back(m.load_node, req=req)
+    groups = len(load.groups)
+    queued = load._copies.events  # one event per group issued
+    assert len(queued) == (min(ahead, groups) if ahead else groups)
     for layer in range(len(cache.layout.layer_kinds)):
         assert load.wait_layer(layer)
+        g = load.groups.group_of(layer)
+        assert len(queued) == (min(g + 1 + ahead, groups) if ahead else groups)
         assert layer_holds_prefix(cache, load, before, tokens, layer)
     assert load.finish()
     engine.verify_prefix(req, tokens, tokens.size)

@@ -98,3 +98,44 @@ def test_warming_a_prepared_transfer_moves_nothing_and_later_copies_are_exact() 
     paged = device_kv.view(2, 4, 16, 16, 8, 128)
     assert torch.equal(paged[:, :, 15], before_dev.view(2, 4, 16, 16, 8, 128)[:, :, 3])
     assert torch.equal(host_kv[0].cuda(), paged[:, :, 9])
+
+
+def test_segment_copies_queued_behind_a_busy_stream_read_their_own_indices() -> None:
+    """A segment copy's kernel reads its block and page ids from a pinned buffer, which a
+    later copy writes again only after the earlier kernel ran: thirty copies queued behind
+    a stream held busy (more than there are buffers) each move their own pages."""
+    from hicache.kernels.segments import Segment, SegmentCopy
+
+    blocks, row = 64, 4096
+    tensors = [torch.randint(0, 256, (blocks, row), dtype=torch.uint8, device="cuda")
+               for _ in range(3)]  # fmt: skip
+    segs = [Segment(t, 0, row, i * row) for i, t in enumerate(tensors)]
+    pages = torch.zeros(blocks, 3 * row, dtype=torch.uint8).pin_memory()
+    copy = SegmentCopy(segs, pages)
+    events = []
+    torch.cuda._sleep(200_000_000)  # the current stream busy for a while
+    for i in range(30):
+        events.append(copy.start([i, i + 30], [63 - i, 33 - i], to_host=True))
+    for ev in events:
+        ev.synchronize()
+    host = pages.cuda().view(blocks, 3, row)
+    for i in range(30):
+        for b, p in ((i, 63 - i), (i + 30, 33 - i)):
+            assert all(torch.equal(host[p, k], tensors[k][b]) for k in range(3)), (i, b, p)
+
+
+def test_prepared_copies_queued_behind_a_busy_stream_read_their_own_indices() -> None:
+    """The same for a prepared transfer (the load-back's kernel): forty loads of one page
+    each, queued behind a busy stream, land each in its own device page."""
+    from hicache.kernels import PreparedTransfer
+
+    host_kv = torch.randn(48, 2, 2, 16, 4, 64).bfloat16().pin_memory()
+    device_kv = torch.zeros(2, 2, 48 * 16, 4, 64, device="cuda").bfloat16()
+    load = PreparedTransfer.kv(device_kv, host_kv, 16, to_host=False, backend="triton")
+    torch.cuda._sleep(200_000_000)
+    for i in range(40):
+        load([i], [47 - i])
+    torch.cuda.synchronize()
+    paged = device_kv.view(2, 2, 48, 16, 4, 64)
+    for i in range(40):
+        assert torch.equal(paged[:, :, i].cpu(), host_kv[47 - i]), i
