@@ -366,8 +366,13 @@ def main() -> int:
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a sidecar setting for every sidecar started (e.g. reader_threads=1)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sidecar setting for every sidecar started (e.g. reader_threads=1)",
+    )
     p.add_argument("--compare-ref", metavar="REV",
                    help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()

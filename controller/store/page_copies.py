@@ -20,15 +20,11 @@ from typing import Any
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.counters import Counters, Failure
 from hicache.controller.store.fills import QueuedBackup
+from hicache.controller.store.layer_copies import LayerCopies
 from hicache.controller.store.load_reads import CopyAsRead, geometry
 from hicache.controller.store.page_index import PageEntry
 from hicache.controller.store.page_store import PageStore
-from hicache.controller.store.transfer_engine import (
-    EngineBuffers,
-    LayerCopies,
-    LayerPlan,
-    TransferEngine,
-)
+from hicache.controller.store.transfer_engine import EngineBuffers, LayerPlan, TransferEngine
 from hicache.controller_api import CompletedTransfer, LayerGroups, PageRef, TransferHandle
 from hicache.types import ComponentType
 

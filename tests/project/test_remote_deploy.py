@@ -198,8 +198,13 @@ def test_the_dashboards_remote_row_reads_only_exported_series():
     the breaker."""
     exprs = dashboard_exprs({REMOTE_ROW})
     text = " ".join(e for _, e in exprs)
-    for needed in ('result="remote"', "hicache_remote_ops_total", "hicache_remote_fills_total",
-                   "hicache_remote_write_dropped_total", "hicache_remote_breaker_state"):
+    for needed in (
+        'result="remote"',
+        "hicache_remote_ops_total",
+        "hicache_remote_fills_total",
+        "hicache_remote_write_dropped_total",
+        "hicache_remote_breaker_state",
+    ):
         assert needed in text, needed
     series = _exported_remote_series()
     problems = []

@@ -21,8 +21,9 @@ from hicache.controller.wire.security import PeerCredentials
 from hicache.layout import LayerKind, ModelLayout
 
 PAGE = 4
-LAYOUT = ModelLayout((LayerKind.FULL, LayerKind.FULL), num_kv_heads=2, head_dim=8,
-                     dtype=torch.float16)
+LAYOUT = ModelLayout(
+    (LayerKind.FULL, LayerKind.FULL), num_kv_heads=2, head_dim=8, dtype=torch.float16
+)
 SHAPE = [2, 2, 8 * PAGE, 2, 8]  # [2, layers, slots, heads, head_dim]
 NBYTES = 2 * 2 * 8 * PAGE * 2 * 8 * 2
 ME = PeerCredentials.of_this_process()
@@ -42,8 +43,18 @@ def _memfd(nbytes: int = NBYTES) -> int:
 
 
 def _desc(ticket: bytes, shape: list[int] = SHAPE) -> dict:
-    return {"device": "cpu", "buffers": {"full": {
-        "kind": "memfd", "ticket": ticket, "dtype": "float16", "shape": shape, "offset": 0}}}
+    return {
+        "device": "cpu",
+        "buffers": {
+            "full": {
+                "kind": "memfd",
+                "ticket": ticket,
+                "dtype": "float16",
+                "shape": shape,
+                "offset": 0,
+            }
+        },
+    }
 
 
 def test_a_memfd_reaches_the_sidecar_and_is_mapped_as_the_same_memory(inbox):
@@ -80,10 +91,13 @@ def test_a_ticket_is_redeemed_once_and_only_by_its_sender(inbox):
 
 def test_a_ticket_sent_by_another_process_is_foreign(inbox):
     fd = _memfd()
-    code = ("import os, sys; from hicache.controller.client.fd_pass import send_fds; "
-            f"sys.stdout.write(send_fds({str(inbox.path)!r}, [{fd}])[0].hex())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         pass_fds=[fd], check=True).stdout
+    code = (
+        "import os, sys; from hicache.controller.client.fd_pass import send_fds; "
+        f"sys.stdout.write(send_fds({str(inbox.path)!r}, [{fd}])[0].hex())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, pass_fds=[fd], check=True
+    ).stdout
     with pytest.raises(RegistrationRefused, match="foreign"):
         map_pools(LAYOUT, PAGE, _desc(bytes.fromhex(out)), peer=ME, fd_inbox=inbox)
     os.close(fd)

@@ -16,8 +16,8 @@ from hicache.controller.client import host_share
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar import host_share as sidecar_host_share
+from hicache.controller.store.layer_copies import LayerCopies
 from hicache.controller.store.local import LocalController
-from hicache.controller.store.transfer_engine import LayerCopies
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import LayerGroups, WholeLayerLoad
 from hicache.types import ComponentType, Tier

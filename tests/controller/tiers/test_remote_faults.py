@@ -176,9 +176,7 @@ def test_killed_master_with_replicas_hits_resume_after_failover(cluster_factory,
     b.close()
 
 
-def test_hung_master_every_call_returns_within_one_and_a_half_deadlines(
-    cluster_factory, tmp_path
-):
+def test_hung_master_every_call_returns_within_one_and_a_half_deadlines(cluster_factory, tmp_path):
     cluster = cluster_factory(masters=3).start()
     deadline_s = 0.3
     seeds, _, _ = parse_remote_url(cluster.url)

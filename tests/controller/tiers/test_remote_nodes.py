@@ -76,8 +76,10 @@ def test_node_b_hits_what_node_a_computed_with_identical_logits(cluster, tmp_pat
         deadline = time.monotonic() + 30
         while True:
             remote = a.controller.stats()["remote_tier"]
-            if remote["write_queue_pages"] == 0 and cluster.keys_per_master() and all(
-                cluster.keys_per_master().values()
+            if (
+                remote["write_queue_pages"] == 0
+                and cluster.keys_per_master()
+                and all(cluster.keys_per_master().values())
             ):
                 break
             assert time.monotonic() < deadline, remote

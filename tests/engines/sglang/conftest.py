@@ -48,4 +48,3 @@ def sidecar_per_layout():
 def token_base(request) -> int:
     """A first token of this test's own: tests sharing a sidecar never share a page."""
     return zlib.crc32(request.node.nodeid.encode()) % 1_000_000 * 1000
-

@@ -51,21 +51,39 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 DEVICE_TOKENS = 64
 
 
-def mha_host_pool(layout: str = "layer_first", allocator: str = "default",
-                  dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+def mha_host_pool(
+    layout: str = "layer_first", allocator: str = "default", dtype: torch.dtype = torch.bfloat16
+) -> MHATokenToKVPoolHost:
     """SGLang's MHA token-to-KV host pool over CPU "device" K/V buffers."""
     k = torch.zeros(LAYERS, DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype)
     v = torch.zeros_like(k)
     ptrs = [torch.tensor([t.data_ptr() for t in x.unbind(0)]) for x in (k, v)]
     info = MHABufferInfo(
-        buffers=KVBuffers(k=tuple(k.unbind(0)), v=tuple(v.unbind(0)), k_data_ptrs=ptrs[0],
-                          v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD),
-        page_size=PAGE_SIZE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-        dtype=dtype, device=torch.device("cpu"),
+        buffers=KVBuffers(
+            k=tuple(k.unbind(0)),
+            v=tuple(v.unbind(0)),
+            k_data_ptrs=ptrs[0],
+            v_data_ptrs=ptrs[1],
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=PAGE_SIZE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=dtype,
+        device=torch.device("cpu"),
     )
     return MHATokenToKVPoolHost(
-        info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device="cpu",
-        allocator_type=allocator, device_capacity_tokens=DEVICE_TOKENS, start_layer=0,
+        info,
+        2.0,
+        0,
+        PAGE_SIZE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=allocator,
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
         end_layer=LAYERS,
     )
 
@@ -75,17 +93,32 @@ def mamba_host_pool(allocator: str = "default") -> MambaPoolHost:
     temporal = torch.zeros(3, 8, 4, 5, dtype=torch.float32)
     conv = (torch.zeros(3, 8, 6, 3, dtype=torch.bfloat16),)
     return MambaPoolHost(
-        MambaStateBufferInfo(temporal=temporal, conv=conv), 2.0, 0, device_capacity=8,
-        pin_memory=False, device="cpu", allocator_type=allocator, layout="page_first",
+        MambaStateBufferInfo(temporal=temporal, conv=conv),
+        2.0,
+        0,
+        device_capacity=8,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=allocator,
+        layout="page_first",
     )
 
 
-def storage_config(extra: dict | None = None, model: str = "org/model", tp_rank: int = 0,
-                   tp_size: int = 1) -> HiCacheStorageConfig:
+def storage_config(
+    extra: dict | None = None, model: str = "org/model", tp_rank: int = 0, tp_size: int = 1
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-        is_page_first_layout=False, model_name=model, extra_config=extra,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config=extra,
     )
 
 
@@ -101,8 +134,9 @@ def hicache_extra(endpoint: str, **overrides: Any) -> dict:
     }
 
 
-def hicache_backend(endpoint: str, kv_pool: Any, extra_pools: dict | None = None,
-                    **overrides: Any) -> Any:
+def hicache_backend(
+    endpoint: str, kv_pool: Any, extra_pools: dict | None = None, **overrides: Any
+) -> Any:
     """hicache's backend as SGLang builds it: the dynamic factory, then the registrations."""
     config = storage_config(hicache_extra(endpoint, **overrides))
     backend = StorageBackendFactory.create_backend("dynamic", config, kv_pool)
@@ -178,8 +212,9 @@ def fill_pages(pool, pages: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     for p in range(pages):
         page = pool.get_data_page(int(idx[p * pool.page_size]), flat=True)
-        data = torch.randint(0, 255, (page.numel() * page.element_size(),), generator=gen,
-                             dtype=torch.uint8)
+        data = torch.randint(
+            0, 255, (page.numel() * page.element_size(),), generator=gen, dtype=torch.uint8
+        )
         pool.set_from_flat_data_page(int(idx[p * pool.page_size]), data.view(page.dtype))
     return idx
 
@@ -188,8 +223,12 @@ def host_page_bytes(pool, idx: torch.Tensor, pages: int) -> list[bytes]:
     """The bytes of the first ``pages`` host pages at ``idx``, as SGLang's file backend
     stores them."""
     ps = pool.page_size
-    return [bytes(pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8)
-                  .numpy()) for p in range(pages)]
+    return [
+        bytes(
+            pool.get_data_page(int(idx[p * ps]), flat=True).contiguous().view(torch.uint8).numpy()
+        )
+        for p in range(pages)
+    ]
 
 
 class _HostPoolGroup:
@@ -228,25 +267,36 @@ class HybridControllerShim(HybridCacheController):
     def backup(self, kv_idx: torch.Tensor, tokens: list[int], states: dict) -> int:
         """A hybrid write-through as the backup thread runs it: KV of ``tokens`` and, per
         extra pool, its state for the last page (``states``: pool name -> host slots)."""
-        transfers = [PoolTransfer(name=name, host_indices=slots, keys=None,
-                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)
-                     for name, slots in states.items()]
+        transfers = [
+            PoolTransfer(
+                name=name, host_indices=slots, keys=None, hit_policy=PoolHitPolicy.TRAILING_PAGES
+            )
+            for name, slots in states.items()
+        ]
         keys = page_keys(tokens)
         for t in transfers:
-            t.keys = keys[-len(t.host_indices):]
-        op = HybridStorageOperation(kv_idx, tokens, hash_value=keys, prefix_keys=[],
-                                    pool_transfers=transfers)
+            t.keys = keys[-len(t.host_indices) :]
+        op = HybridStorageOperation(
+            kv_idx, tokens, hash_value=keys, prefix_keys=[], pool_transfers=transfers
+        )
         self._page_backup_with_stable_layout(op)
         return op.completed_tokens
 
     def prefetch(self, tokens: list[int], kv_dst: torch.Tensor, states: dict) -> dict:
         """A hybrid prefetch as the prefetch threads run it: the hit query under the
         trailing-pages rule, then the KV and each extra pool read into host pages."""
-        transfers = [PoolTransfer(name=name, host_indices=slots, keys=[None] * len(slots),
-                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)
-                     for name, slots in states.items()]
-        op = HybridPrefetchOperation(SimpleNamespace(rid="req"), tokens, None, prefix_keys=[],
-                                     pool_transfers=transfers)
+        transfers = [
+            PoolTransfer(
+                name=name,
+                host_indices=slots,
+                keys=[None] * len(slots),
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            )
+            for name, slots in states.items()
+        ]
+        op = HybridPrefetchOperation(
+            SimpleNamespace(rid="req"), tokens, None, prefix_keys=[], pool_transfers=transfers
+        )
         hashes, hit_tokens = self._storage_hit_query(op)
         op.hash_value = hashes
         op.host_indices = kv_dst[:hit_tokens]
@@ -260,6 +310,9 @@ class HybridControllerShim(HybridCacheController):
             "restorable": op.pool_storage_result.restorable_prefix_pages,
             "query_pool_hit_pages": {str(k): v for k, v in op.query_pool_hit_pages.items()},
             "completed_tokens": [a.completed_tokens for a in acks if a.completed_tokens],
-            "pool_hits": [{str(k): v for k, v in (a.pool_hits or {}).items()} for a in acks
-                          if getattr(a, "pool_hits", None) is not None],
+            "pool_hits": [
+                {str(k): v for k, v in (a.pool_hits or {}).items()}
+                for a in acks
+                if getattr(a, "pool_hits", None) is not None
+            ],
         }
