@@ -23,7 +23,7 @@ import torch
 
 
 class IndexSlots:
-    """Pinned int64 buffers handed out in turn for kernel launches on ``device``.
+    """Pinned int64 buffers handed out in turn for GPU kernel launches.
 
     ``with slots.staged(idx, stream) as t:`` copies a ``[rows, n]`` int64 array into the
     next slot (after waiting for that slot's previous launch, ``count`` launches ago, which
@@ -46,8 +46,11 @@ class IndexSlots:
             ev = self._events[slot]
             if ev is not None:
                 ev.synchronize()  # the launch that read this slot last has ended
+            if self._bufs[0] is None:  # every slot's first buffer in one allocation
+                block = torch.empty(len(self._bufs), 1024, dtype=torch.int64, pin_memory=True)
+                self._bufs = list(block.unbind(0))
             buf = self._bufs[slot]
-            if buf is None or buf.numel() < idx.size:
+            if buf.numel() < idx.size:
                 size = 1 << max(10, (idx.size - 1).bit_length())
                 buf = self._bufs[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
             out = buf[: idx.size].view(idx.shape)
