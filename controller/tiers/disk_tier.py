@@ -52,6 +52,13 @@ log = logging.getLogger(__name__)
 
 # The most bytes one reader reads in one transaction for a load (see ``fill_locked``).
 READ_BATCH_BYTES = 8 << 20
+# A load whose pages are all smaller than this is read on one thread, its batches one
+# after another (``LmdbTier.submit_read(serial=True)``): every copy and check of such a
+# page holds the interpreter's lock, so readers beside each other only hand it over. On
+# the 2-core development box, 2,048 pages of 32 KiB read into an engine's slots took
+# 12.4 us a page on one thread against 14.1-14.2 on two or four (medians of 15 rounds,
+# taking turns); at 64 KiB the three were alike, at 256 KiB two threads were 1.4 x one.
+SERIAL_READ_BELOW_BYTES = 64 << 10
 
 _OK = ReadStatus.OK
 _ON_DISK = DiskState.READY
@@ -195,6 +202,7 @@ class DiskTier:
         sizes = self._value_bytes
         total = sum(sizes[k.component] for k in keys)
         target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
+        serial = self._serial({k.component for k in keys})
         ok = True
         begin = self._host.begin_fill_locked
         batch: list[PageEntry] = []
@@ -206,13 +214,19 @@ class DiskTier:
                 ok = False
                 continue
             if size and size + page.disk_nbytes > target:
-                self._submit_locked(batch, then)
+                self._submit_locked(batch, then, serial)
                 batch, size = [], 0
             batch.append(page)
             size += page.disk_nbytes
         if batch:
-            self._submit_locked(batch, then)
+            self._submit_locked(batch, then, serial)
         return ok
+
+    def _serial(self, components: set[ComponentType]) -> bool:
+        """Whether a load of pages of ``components`` is read on one thread (see
+        ``SERIAL_READ_BELOW_BYTES``)."""
+        sizes = self._value_bytes
+        return all(sizes[c] - HEADER_BYTES < SERIAL_READ_BELOW_BYTES for c in components)
 
     def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
         """Read ``pages`` (held, on this tier only) straight into where ``sink`` puts them
@@ -223,21 +237,24 @@ class DiskTier:
         sizes = self._value_bytes
         total = sum(sizes[p.component] for p in pages)
         target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
+        serial = self._serial({p.component for p in pages})
+        submit, read = self.lmdb.submit_read, self._read_direct
         futures: list[Future] = []
         batch: list[PageEntry] = []
         size = 0
         for page in pages:
             if size and size + sizes[page.component] > target:
-                futures.append(self.lmdb.submit_read(self._read_direct, batch, sink))
+                futures.append(submit(read, batch, sink, serial, serial=serial))
                 batch, size = [], 0
             batch.append(page)
             size += sizes[page.component]
         if batch:
-            futures.append(self.lmdb.submit_read(self._read_direct, batch, sink))
+            futures.append(submit(read, batch, sink, serial, serial=serial))
         return futures
 
-    def _read_direct(self, pages: list[PageEntry], sink: DirectSink) -> bool:
-        """A batch of :meth:`read_direct_locked` (a reader thread, one transaction)."""
+    def _read_direct(self, pages: list[PageEntry], sink: DirectSink, serial: bool) -> bool:
+        """A batch of :meth:`read_direct_locked` (a reader thread, one transaction;
+        ``serial``: on the serial reader)."""
         t0 = time.perf_counter()
         faults = self._host.faults
         if faults is not None and faults.disk_read_delay_s:
@@ -258,7 +275,7 @@ class DiskTier:
         nbytes = sum(self._value_bytes[p.component] - HEADER_BYTES for p in served)
         if served:
             seconds = time.perf_counter() - t0
-            self._read_cost.observe(nbytes, seconds)
+            self._observe(nbytes, seconds, serial)
             self._counters.transfer("disk_to_device", len(served), nbytes, seconds)
         if len(served) < len(pages):
             self._host.finish_direct_reads([FillResult(p, st) for p, st in zip(pages, statuses)])
@@ -268,19 +285,31 @@ class DiskTier:
                     self._counters.fail(_READ_FAILURES[status])
         return len(served) == len(pages)
 
+    def _observe(self, nbytes: int, seconds: float, serial: bool) -> None:
+        """A batch's read time to the cost rule, which takes it as one of
+        ``reader_threads`` readers side by side: a serial batch had the CPU to itself."""
+        self._read_cost.observe(nbytes, seconds * (self.config.reader_threads if serial else 1))
+
     def _submit_locked(
-        self, pages: list[PageEntry], then: Callable[[list[PageEntry]], None] | None
+        self,
+        pages: list[PageEntry],
+        then: Callable[[list[PageEntry]], None] | None,
+        serial: bool = False,
     ) -> None:
         # A reader settles its pages under the store's lock, which the caller holds: the
         # fill is recorded on them before any can be settled.
-        self._host.fill_started_locked(pages, self.lmdb.submit_read(self._read, pages, then))
+        future = self.lmdb.submit_read(self._read, pages, then, serial, serial=serial)
+        self._host.fill_started_locked(pages, future)
 
     def _read(
-        self, pages: list[PageEntry], then: Callable[[list[PageEntry]], None] | None = None
+        self,
+        pages: list[PageEntry],
+        then: Callable[[list[PageEntry]], None] | None = None,
+        serial: bool = False,
     ) -> bool:
         """Fill the host pages of ``pages`` with their stored bytes (a reader thread, one
         LMDB transaction), hand ``then`` those read well, and settle them; True when
-        every one is served."""
+        every one is served (``serial``: read on the serial reader)."""
         t0 = time.perf_counter()
         statuses = [ReadStatus.ERROR] * len(pages)
         try:
@@ -301,7 +330,7 @@ class DiskTier:
             if skeys:
                 for i, status in zip(stored, self.lmdb.read_many(skeys, dsts)):
                     statuses[i] = status
-                self._read_cost.observe(sum(d.nbytes for d in dsts), time.perf_counter() - t0)
+                self._observe(sum(d.nbytes for d in dsts), time.perf_counter() - t0, serial)
         except Exception:
             log.exception("disk read of %d pages failed", len(pages))
         if then is not None:

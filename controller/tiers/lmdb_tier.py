@@ -152,6 +152,9 @@ class LmdbTier:
         self._readers = ThreadPoolExecutor(
             config.reader_threads, thread_name_prefix="hicache-lmdb-reader"
         )
+        # Reads whose every step holds the interpreter's lock (small pages: see
+        # ``submit_read``) run here, one after another.
+        self._serial = ThreadPoolExecutor(1, thread_name_prefix="hicache-lmdb-serial-reader")
 
     def _take_lock(self) -> int:
         fd = os.open(self.path / "hicache.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
@@ -233,20 +236,24 @@ class LmdbTier:
 
     def start(self) -> None:
         """Start the writer (after the index is rebuilt, so its callbacks find it), and the
-        reader threads, each with its slot in LMDB's reader table: a first load pays for
-        neither."""
+        reader threads (the serial one too), each with its slot in LMDB's reader table: a
+        first load pays for neither."""
         self.writer.start()
         n = self.config.reader_threads
         gate = threading.Barrier(n)
 
-        def begin() -> None:
-            with contextlib.suppress(threading.BrokenBarrierError):
-                gate.wait(5.0)  # every task on a thread of its own
+        def begin_one() -> None:
             with self.env.begin(buffers=True):
                 pass
 
+        def begin() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                gate.wait(5.0)  # every task on a thread of its own
+            begin_one()
+
         for f in [self._readers.submit(begin) for _ in range(n)]:
             f.result()
+        self._serial.submit(begin_one).result()
 
     # -- submission ----------------------------------------------------------------------
 
@@ -259,8 +266,11 @@ class LmdbTier:
         """Queue deletions (pages the index has already dropped)."""
         self.writer.submit_delete(skeys)
 
-    def submit_read(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on a reader thread.
+    def submit_read(self, fn: Callable[..., Any], *args: Any, serial: bool = False) -> Future:
+        """Run ``fn(*args)`` on a reader thread; ``serial``: on the one thread that runs
+        such reads one after another, for reads that hold the interpreter's lock from end
+        to end (small pages' copies and checks), which more threads only slow down: each
+        hand-over of the lock between readers costs more than it lets run beside it.
 
         Once the tier is closed (a load racing shutdown) ``fn`` still runs, on a thread
         of its own, and :meth:`read_into` answers ERROR there without touching LMDB: the
@@ -268,7 +278,7 @@ class LmdbTier:
         """
         with self._closing:
             if not self._closed:
-                return self._readers.submit(fn, *args)
+                return (self._serial if serial else self._readers).submit(fn, *args)
         done: Future = Future()
 
         def run() -> None:
@@ -444,6 +454,7 @@ class LmdbTier:
                 return True
             self._closed = True
         self._readers.shutdown(wait=True)
+        self._serial.shutdown(wait=True)
         drained = self.writer.stop(timeout_s)
         if drained:
             self.env.sync(True)
