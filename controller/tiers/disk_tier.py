@@ -110,7 +110,7 @@ class DiskTier:
             on_written=self._written,
         )
         self.uses = UseLog(self.lmdb.path)
-        self._read_cost = ReadCost(config.reader_threads)
+        self._read_cost = ReadCost(self.lmdb.readers)
         self._value_bytes = {c: HEADER_BYTES + n for c, n in page_bytes.items()}
         self.prewarm = Prewarm([], 0, host.prewarm_fill)
 
@@ -201,7 +201,7 @@ class DiskTier:
         found no host page (counted: the others are still read)."""
         sizes = self._value_bytes
         total = sum(sizes[k.component] for k in keys)
-        target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
+        target = max(1, min(READ_BATCH_BYTES, -(-total // self.lmdb.readers)))
         serial = self._serial({k.component for k in keys})
         ok = True
         begin = self._host.begin_fill_locked
@@ -236,7 +236,7 @@ class DiskTier:
         here and deleted, as on a read into host."""
         sizes = self._value_bytes
         total = sum(sizes[p.component] for p in pages)
-        target = max(1, min(READ_BATCH_BYTES, -(-total // self.config.reader_threads)))
+        target = max(1, min(READ_BATCH_BYTES, -(-total // self.lmdb.readers)))
         serial = self._serial({p.component for p in pages})
         submit, read = self.lmdb.submit_read, self._read_direct
         futures: list[Future] = []
@@ -286,9 +286,9 @@ class DiskTier:
         return len(served) == len(pages)
 
     def _observe(self, nbytes: int, seconds: float, serial: bool) -> None:
-        """A batch's read time to the cost rule, which takes it as one of
-        ``reader_threads`` readers side by side: a serial batch had the CPU to itself."""
-        self._read_cost.observe(nbytes, seconds * (self.config.reader_threads if serial else 1))
+        """A batch's read time to the cost rule, which takes it as one of the tier's
+        readers side by side: a serial batch had the CPU to itself."""
+        self._read_cost.observe(nbytes, seconds * (self.lmdb.readers if serial else 1))
 
     def _submit_locked(
         self,

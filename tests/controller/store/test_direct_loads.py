@@ -7,10 +7,14 @@ up leaves nothing writing into the slots (test_load_copies.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from hicache.controller.store.faults import FaultPlan
 from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.tiers import disk_tier
+from hicache.controller.tiers.lmdb_tier import LmdbTier
 from hicache.controller.tiers.prewarm import UseLog
 from hicache.controller_api import LoadResult, PageRef, Presence
 from hicache.types import ComponentType
@@ -50,6 +54,36 @@ def test_pages_read_straight_into_the_slots_arrive_exact_and_stay_on_disk(tmp_pa
     assert moved["pages"] == len(chain.refs())
     assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)  # and again
     ctl.check_invariants(deep=True)
+    ctl.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("serial", [True, False])
+def test_small_pages_are_read_on_the_serial_reader_and_large_on_the_pool_both_exact(
+    tmp_path, monkeypatch, direct, serial
+):
+    """Pages below ``SERIAL_READ_BELOW_BYTES`` are read one batch after another on the
+    serial reader thread, larger ones on the pool; either way the bytes are exact."""
+    monkeypatch.setattr(disk_tier, "SERIAL_READ_BELOW_BYTES", (1 << 30) if serial else 0)
+    threads: set[str] = set()
+    for name in ("read_pieces", "read_many"):
+        original = getattr(LmdbTier, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            threads.add(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LmdbTier, name, spy)
+    engine, ctl, chain, snap = _on_disk(
+        tmp_path, pages=40, reader_threads=2, disk_load_direct=direct
+    )
+    threads.clear()  # the reads at the restart's prewarm, if any
+    assert_same_bytes(engine.snapshot(load_into(ctl, engine, chain)), snap)
+    ctl.check_invariants(deep=True)
+    _no_holds(ctl)
+    assert threads
+    on_serial = {t.startswith("hicache-lmdb-serial-reader") for t in threads}
+    assert on_serial == {serial}
     ctl.close()
 
 

@@ -13,6 +13,7 @@ import pytest
 from hicache.controller.admin.ops import clear
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.page_codec import HEADER_BYTES, decode_header, encode_value
+from hicache.controller.tiers import lmdb_tier
 from hicache.controller.tiers.lmdb_tier import LmdbTier, ReadStatus, WriteJob
 from hicache.controller_api import ControllerError
 from hicache.types import ComponentType, Tier
@@ -235,6 +236,22 @@ def test_a_write_or_read_after_close_is_settled_as_a_failure(tmp_path):
     dst = np.empty(PAGE_BYTES, np.uint8)
     read = tier.submit_read(tier.read_into, skey(1), dst)
     assert read.result(5.0) is ReadStatus.ERROR  # the job ran; LMDB was not touched
+
+
+def test_the_reader_pool_has_at_most_one_thread_per_usable_cpu(tmp_path, monkeypatch):
+    """Readers beyond the CPUs only take turns with the interpreter's lock: the pool is
+    ``reader_threads`` threads, at most one per CPU the process may run on."""
+    monkeypatch.setattr(lmdb_tier, "_usable_cpus", lambda: 2)
+    for asked, got in ((4, 2), (1, 1)):
+        index = FakeIndex()
+        tier = open_tier(tmp_path / str(asked), index, reader_threads=asked)
+        assert tier.readers == got
+        write(tier, [1, 2, 3])
+        reads = [tier.submit_read(tier.read_into, skey(i), np.empty(PAGE_BYTES, np.uint8))
+                 for i in (1, 2, 3)]  # fmt: skip
+        assert [r.result(5.0) for r in reads] == [ReadStatus.OK] * 3
+        assert tier._readers._max_workers == got
+        assert tier.close(10.0)
 
 
 def test_a_backup_and_a_load_racing_shutdown_leave_their_pages_consistent(tmp_path):
