@@ -206,7 +206,8 @@ class ControllerConfig:
     cost_rule_recheck_s: float = 30.0
 
     # The writer commits up to this many pages / bytes per transaction, waiting at most
-    # the flush interval for a batch to fill; reads run on reader_threads threads.
+    # the flush interval for a batch to fill; reads run on reader_threads threads (at most
+    # one per CPU the process may run on; a load of pages under 64 KiB on one thread).
     writer_batch_pages: int = 64
     writer_batch_bytes: int = 64 * MIB
     writer_flush_interval_s: float = 0.002

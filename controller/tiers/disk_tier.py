@@ -55,9 +55,10 @@ READ_BATCH_BYTES = 8 << 20
 # A load whose pages are all smaller than this is read on one thread, its batches one
 # after another (``LmdbTier.submit_read(serial=True)``): every copy and check of such a
 # page holds the interpreter's lock, so readers beside each other only hand it over. On
-# the 2-core development box, 2,048 pages of 32 KiB read into an engine's slots took
-# 12.4 us a page on one thread against 14.1-14.2 on two or four (medians of 15 rounds,
-# taking turns); at 64 KiB the three were alike, at 256 KiB two threads were 1.4 x one.
+# the 2-core development box, in one process, loads of 2,048 pages of 32 KiB from disk
+# into an engine's CPU slots took 14.1-14.6 us a page read this way against 16.3-16.8
+# spread over four readers (medians of 20 loads each, taking turns); pages of 64 KiB
+# read alike either way, and at 256 KiB two readers were 1.3 x one.
 SERIAL_READ_BELOW_BYTES = 64 << 10
 
 _OK = ReadStatus.OK

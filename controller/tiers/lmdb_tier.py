@@ -78,11 +78,12 @@ _MADVISE = _libc_madvise()
 def _usable_cpus() -> int:
     """The CPUs this process may run on: readers beyond them only take turns, and each
     hand-over of the interpreter's lock costs (on the 2-core development box, 256 KiB to
-    8 MiB pages read into an engine's slots 9-14% slower on four threads than on two)."""
+    8 MiB pages loaded into an engine's slots 10-15% slower on four threads than on two)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
 
 __all__ = ["DiskRecord", "LmdbTier", "ReadStatus", "WriteJob", "WriteResult"]
 
