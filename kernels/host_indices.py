@@ -3,10 +3,11 @@
 A copy kernel needs its page and block indices where it can address them. Uploading a
 numpy array with ``tensor.to(device)`` goes through pageable memory: the host waits for a
 staging copy, and on the device the upload is a copy-engine transfer queued on the kernel's
-stream before the kernel, which waits behind every earlier copy on that engine (a load in
-flight). A pinned buffer is addressable by the kernel itself (as the host pool is), so the
-indices are written there and the kernel loads them over the bus as it needs them: no
-upload, no staging, nothing on the copy engines.
+stream before the kernel (for one page, most of the copy's device time besides the kernel,
+``benchmarks/probe_launch.py``), behind whatever else is queued on the copy engines. A
+pinned buffer is addressable by the kernel itself (as the host pool is), so the indices are
+written there and the kernel loads them over the bus as it needs them: no upload, no
+staging, nothing on the copy engines.
 
 A buffer is written again only once the kernel that read it has ended: :class:`IndexSlots`
 keeps a few pinned buffers in turn, each with the event recorded after its last launch.

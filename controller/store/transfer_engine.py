@@ -107,10 +107,10 @@ class TransferEngine:
     layer_runs: bool = False
     load_runs: bool = False
     #: Groups of a layer-wise load queued ahead of the one the compute waits for (0: every
-    #: group at the start). Copies queued on the copy engines are done in order, whichever
-    #: stream queued them: an upload the engine queues meanwhile (its inputs, a slot table)
-    #: waits behind every copy queued before it, so a load queued whole at the start holds
-    #: the engine's next upload, and its compute, until the whole load has arrived.
+    #: group at the start). An upload the engine queues meanwhile (its inputs, a slot
+    #: table) may wait on the copy engines behind the copies queued before it; a load
+    #: queued whole at the start would then hold it, and the compute after it, until the
+    #: whole load has arrived (docs/architecture.md, "Layer-wise load-back").
     layer_ahead: int = 2
     layer_tuning: TransferTuning = LAYER_COPY_TUNING
 
