@@ -34,7 +34,8 @@ class IndexSlots:
     """
 
     def __init__(self, count: int = 16) -> None:
-        self._bufs: list[torch.Tensor | None] = [None] * count
+        self._count = count
+        self._bufs: list[torch.Tensor] = []  # pinned on the first launch, not before
         self._events: list[torch.cuda.Event | None] = [None] * count
         self._next = 0
         self._lock = threading.Lock()
@@ -43,12 +44,12 @@ class IndexSlots:
     def staged(self, idx: np.ndarray, stream: torch.cuda.Stream) -> Iterator[torch.Tensor]:
         with self._lock:
             slot = self._next
-            self._next = (slot + 1) % len(self._bufs)
+            self._next = (slot + 1) % self._count
             ev = self._events[slot]
             if ev is not None:
                 ev.synchronize()  # the launch that read this slot last has ended
-            if self._bufs[0] is None:  # every slot's first buffer in one allocation
-                block = torch.empty(len(self._bufs), 1024, dtype=torch.int64, pin_memory=True)
+            if not self._bufs:  # every slot's first buffer in one allocation
+                block = torch.empty(self._count, 1024, dtype=torch.int64, pin_memory=True)
                 self._bufs = list(block.unbind(0))
             buf = self._bufs[slot]
             if buf.numel() < idx.size:

@@ -71,7 +71,7 @@ class PreparedTransfer:
         self.device_limit = dev_side.num_items
         self.host_limit = min((c.dst if to_host else c.src).num_items for c in copies)
         self._launchers: list = [None] * len(copies)
-        self._slots: IndexSlots | None = None  # pinned index buffers (GPU launches)
+        self._slots = IndexSlots()  # pinned index buffers for the kernels' launches
 
     @classmethod
     def kv(
@@ -356,8 +356,6 @@ class PreparedTransfer:
         copy engines, see :mod:`~hicache.kernels.host_indices`); on a CPU as they are."""
         if self.device.type != "cuda":
             return cpu.unbind(0)
-        if self._slots is None:
-            self._slots = IndexSlots()
         stream = torch.cuda.current_stream(self.device)
         return launches.enter_context(self._slots.staged(idx, stream)).unbind(0)
 

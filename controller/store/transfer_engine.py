@@ -320,7 +320,7 @@ class TransferEngine:
         # few large DMAs instead of one 128 KiB DMA per page and row (``layer_runs``).
         runs = dmas and _runs(self.layer_runs, plan)
         # DMAs: every group's rows made here, at once (a fraction of a millisecond), so
-        # that issuing a group is one call; the copies are issued on the layer thread.
+        # that issuing a group is one call as the compute reaches it (LayerCopies).
         bounds, unplanned = [0], None
         copies = None
         if dmas and not runs:
