@@ -117,6 +117,7 @@ def run_cell(model, device: str, tier: str, delay_s: float, args, workdir: Path)
         controller=ctl,
         chunk_tokens=256,
         keep_logits=False,
+        layerwise=False,  # a hit's whole load against recomputing it, as the rule weighs them
         prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
     )
     seed = int(delay_s * 1e6) + (7 if tier == "remote" else 0) * 10**7

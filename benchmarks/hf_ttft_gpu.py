@@ -463,6 +463,7 @@ def ttft_rows(work: pathlib.Path, family: str, lengths: list[int]) -> list[dict[
         lm = PrefixCachedLM.build(
             model, page_size=page, full_slots=slots, mamba_slots=64, controller=c,
             chunk_tokens=chunk, keep_logits=True, shared_memory=DEVICE == "cpu", **extra,
+            layerwise=False,  # these rows time whole loads (--hit-fraction: both ways)
         )  # fmt: skip
         made.append((lm, c))
         return lm

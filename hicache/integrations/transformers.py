@@ -113,7 +113,7 @@ class PrefixCachedLM:
         hf_map: HFLayerMap,
         chunk_tokens: int = 64,
         keep_logits: bool = True,
-        layerwise: bool = False,
+        layerwise: bool | None = None,
         layer_group_size: int = 1,
     ) -> None:
         ps = cache.page_size
@@ -129,7 +129,11 @@ class PrefixCachedLM:
         self._kw = cache_keyword(model)
         self._has_mamba = bool(hf_map.mamba)
         # Host hits loaded layer by layer while the suffix's first chunk computes
-        # (transformers_layerwise.py), in groups of ``layer_group_size`` layers.
+        # (transformers_layerwise.py), in groups of ``layer_group_size`` layers. None: on
+        # a GPU, where it was measured faster than a whole load (docs/performance.md,
+        # "Layer-wise load-back"), off on a CPU, where its copy thread shares the cores.
+        if layerwise is None:
+            layerwise = self.device.type == "cuda"
         self.layer_groups = layer_groups(hf_map, layer_group_size) if layerwise else None
         self.decoder_layers = decoder_layers(model) if layerwise else None  # checked now
         # The engine's prefill rate, measured on each prompt's computed suffix and handed
@@ -149,7 +153,7 @@ class PrefixCachedLM:
         chunk_tokens: int = 64,
         keep_logits: bool = True,
         model_id: str | None = None,
-        layerwise: bool = False,
+        layerwise: bool | None = None,
         **config: Any,
     ) -> PrefixCachedLM:
         """Pools on the model's device sized as given, a cache over ``controller``.

@@ -6,7 +6,10 @@ recomputes, exactly as a request with no hit would."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -92,5 +95,47 @@ def test_a_failure_at_any_layer_leaves_no_trace_and_the_request_recomputes(famil
         r = lm.generate(cont, NEW_TOKENS)
         assert r.host_hit_tokens == PREFIX
         assert_same(r, lm.reference(cont, NEW_TOKENS, PREFIX))
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_layer_wise_load_back_is_the_default_on_a_gpu_only_and_a_host_hit_stays_exact(
+    device, tmp_path
+):
+    """Left unset, ``layerwise`` is on where the model runs on a GPU (measured faster than a
+    whole load there) and off on a CPU; asked for either way, it is what was asked."""
+    ctrl = LocalController(ctl_config(tmp_path / "lmdb"))
+    try:
+        model = model_of("llama")
+        if device != "cpu":  # a copy: the cached model stays on the CPU for the other tests
+            model = copy.deepcopy(model).to(device)
+        lm = build(model, ctrl)
+        assert (lm.layer_groups is not None) == (device == "cuda")
+        assert build(model, ctrl, layerwise=False).layer_groups is None
+        assert build(model, ctrl, layerwise=True).layer_groups is not None
+        a = tokens(1, PREFIX)
+        lm.generate([*a, 5], 1)
+        lm.cache.flush_backups()
+        assert ctrl.flush(30.0)
+        lm.cache.evict(full_tokens=10**6)
+        cont = a + tokens(7, 5)
+        r = lm.generate(cont, NEW_TOKENS)
+        assert r.host_hit_tokens == PREFIX
+        assert_same(r, lm.reference(cont, NEW_TOKENS, PREFIX))
+        lm.cache.check_invariants()
+        ctrl.check_invariants()
     finally:
         ctrl.close()
