@@ -2,7 +2,7 @@
 
     python benchmarks/bench_restart.py [--device cpu|cuda] [--sizes-kib 32,256,1024,8192]
         [--total-mib 128] [--repeat 3] [--json OUT] [--sample-stacks] [--compare-ref REV]
-        [--readahead] [--host-copy]
+        [--readahead] [--host-copy] [--no-engine-reads] [--both]
 
 For each page size, a real ``hicache serve`` (a subprocess with its own LMDB directory
 under a temporary directory) is filled by an engine — pools registered through the public
@@ -12,7 +12,11 @@ committed) and started again on the same LMDB (its warm start off: ``prewarm_byt
 so that every load below reads disk; on a CPU ``disk_load_direct`` is left on, its
 default, pages read straight into the engine's slots, unless ``--host-copy``; a GPU's loads
 go through host pages either way), and the same engine, never restarted, loads the whole
-prefix back (pin, load, unpin) once its client has reconnected by itself.
+prefix back (pin, load, unpin) once its client has reconnected by itself. On a CPU the
+engine reads those pages itself from the sidecar's LMDB file, straight into its slots
+(``engine_disk_reads``, controller/client/disk_share.py), unless ``--no-engine-reads``
+(the sidecar reads them, as above); ``--both`` runs each page size both ways, one after
+the other, each row saying which.
 Timed, each as GB/s:
 
 * ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left
@@ -76,6 +80,7 @@ FULL = ComponentType.FULL
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler.py"
 READAHEAD = False  # --readahead
 HOST_COPY = False  # --host-copy
+ENGINE_READS = True  # not --no-engine-reads
 SETTINGS: list[str] = []  # --set KEY=VALUE: passed to every sidecar this run starts
 SIDECAR = "hicache.controller.sidecar.process"
 KIB, MIB = 1 << 10, 1 << 20
@@ -213,7 +218,8 @@ class Engine:
         self.refs_dst = [PageRef(FULL, r.page_hash, r.parent_hash, int(d))
                          for r, d in zip(self.refs_src, self.dst)]  # fmt: skip
         client_cfg = SidecarClientConfig(request_timeout_s=600.0, backup_timeout_s=600.0,
-                                         reconnect_interval_s=0.05)  # fmt: skip
+                                         reconnect_interval_s=0.05,
+                                         engine_disk_reads=ENGINE_READS)  # fmt: skip
         self.client = SidecarController(endpoint, "bench-restart", client_cfg)
         self.client.register(layout, 1, self.pools)
 
@@ -313,6 +319,9 @@ def run_size(
             sidecar.stop()
         out["first_warm_all_s"] = firsts
         out["first_warm_s"] = statistics.median(firsts)
+        # The engine's map of the LMDB file closed (the sidecar is stopped; its client
+        # would close it when it noticed): a mapped page stays cached through the drop.
+        engine.client.end_disk_reads()
         out["drop"] = drop_page_cache(disk)
         out["raw_cold_s"] = raw_read_s(disk / "data.mdb", total, page_bytes)
         drop_page_cache(disk)
@@ -363,6 +372,15 @@ def main() -> int:
         help="loads read pages into host pages first and keep them there (disk_load_direct "
         "off); without it they are read straight into the engine's slots (the default)",
     )
+    p.add_argument(
+        "--no-engine-reads",
+        action="store_true",
+        help="the sidecar reads the pages only on disk (engine_disk_reads off); without it "
+        "a CPU engine reads them itself from the sidecar's LMDB file",
+    )
+    p.add_argument(
+        "--both", action="store_true", help="each page size with and without engine reads"
+    )
     p.add_argument("--sample-stacks", action="store_true",
                    help="where the sidecar's and the engine's time goes in the first load "
                    "after a restart and in the next (benchmarks/stack_sampler.py)")  # fmt: skip
@@ -376,8 +394,8 @@ def main() -> int:
     p.add_argument("--compare-ref", metavar="REV",
                    help="also run each size with the sidecar of this git revision")  # fmt: skip
     args = p.parse_args()
-    global READAHEAD, HOST_COPY
-    READAHEAD, HOST_COPY = args.readahead, args.host_copy
+    global READAHEAD, HOST_COPY, ENGINE_READS
+    READAHEAD, HOST_COPY, ENGINE_READS = args.readahead, args.host_copy, not args.no_engine_reads
     SETTINGS[:] = args.set
     logging.getLogger("hicache.sidecar.client").setLevel(logging.ERROR)  # the restarts
     device = torch.device(args.device)
@@ -388,6 +406,8 @@ def main() -> int:
     try:
         direct = device.type == "cpu" and not HOST_COPY
         how = "read straight into the engine's slots" if direct else "read into host pages"
+        if direct and not args.both:
+            how += ", by the engine" if ENGINE_READS else ", by the sidecar"
         print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size, {how}): GB/s")
         head = ("page KiB", "first warm", "first cold", "steady", "again", "raw warm",
                 "raw cold", "first/steady", "steady×raw", "cold×raw")  # fmt: skip
@@ -397,13 +417,17 @@ def main() -> int:
             ref = work / "ref"
             import_revision(args.compare_ref, ref)
         runs = [(args.compare_ref, ref), ("this", None)] if ref else [(None, None)]
-        for size, (code, at) in ((s, run) for s in sizes for run in runs):
+        ways = [True, False] if args.both else [ENGINE_READS]
+        for size, (code, at), way in ((s, r, w) for s in sizes for r in runs for w in ways):
+            ENGINE_READS = way
             r = run_size(
                 work, size, args.total_mib * MIB, device, args.repeat, args.sample_stacks, at
             )
-            r["sidecar"] = code
+            r["sidecar"], r["engine_reads"] = code, way
             rows.append(r)
             kib = r["page_KiB"] if code is None else f"{r['page_KiB']} {code[:7]}"
+            if args.both:
+                kib = f"{kib} {'engine' if way else 'sidecar'}"
             cells = [kib, r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
                      r["again_GBps"], r["raw_warm_GBps"], r["raw_cold_GBps"],
                      r["first_warm_over_steady"],

@@ -87,6 +87,9 @@ class SidecarClientConfig:
     # Map the sidecar's shared host pages (an ipc:// sidecar whose host_shared is on) and
     # copy load-backs of pages on host here (controller/client/host_share.py).
     engine_copies: bool = True
+    # With engine_copies, a CPU engine of a sidecar in another process also reads pages
+    # only on disk itself, from the sidecar's LMDB file (controller/client/disk_share.py).
+    engine_disk_reads: bool = True
     # This engine's prefill rate, tokens per second, sent with its lookups for the
     # sidecar's cost rule (None: not reported; the client's ``prefill_rate`` attribute
     # changes it at run time).

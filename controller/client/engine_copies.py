@@ -104,6 +104,19 @@ class EngineCopies:
                 return started
         return WholeLayerLoad(groups, self.load(refs, pin, timeout_s))
 
+    def end_disk_reads(self) -> None:
+        """Stop reading pages only on disk here until the next session: the read-only map
+        of the sidecar's LMDB file closed now (client/disk_share.py), e.g. by a caller
+        that stopped the sidecar and drops the file's cached pages."""
+        share = self._share
+        if share is not None:
+            share.close()
+
+    def _drop_share(self) -> None:
+        """Forget the mapped host pages of an earlier session, its disk reads ended."""
+        self.end_disk_reads()
+        self._share = None
+
     def map_host_pages(self, device: Any) -> WritableHostPages | None:
         """The sidecar's host pages mapped read-write here (page-locked for a GPU
         ``device``), for an engine that copies its stores into the pages

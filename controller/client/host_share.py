@@ -36,6 +36,7 @@ import mmap
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ from hicache.controller.store.transfer_engine import (
     TransferEngine,
     check_refs,
 )
+from hicache.controller.wire.verbs import UnpinArgs
 from hicache.controller_api import (
     ControllerError,
     LayerGroups,
@@ -61,6 +63,7 @@ from hicache.controller_api import (
 from hicache.types import ComponentType
 
 if TYPE_CHECKING:
+    from hicache.controller.client.disk_share import DiskShare
     from hicache.controller_api import PageRef, PinReceipt
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
@@ -83,7 +86,9 @@ class HostShare:
         self.buffers = buffers
         self._engine = TransferEngine(pool)
         self._registered = registered
-        self._loaded: dict[int, float] = {}  # pin id -> seconds its copy here took
+        # pin id -> (seconds its load here took, bytes read from disk here, in seconds)
+        self._loaded: dict[int, tuple[float, int | None, float | None]] = {}
+        self.disk: DiskShare | None = None  # pages only on disk read here (disk_share.py)
         self.open_s = 0.0  # how long mapping (and page-locking) the pages took
 
     @classmethod
@@ -94,9 +99,12 @@ class HostShare:
         page_size: int,
         buffers: EngineBuffers,
         generation: int,
+        disk_reads: bool = False,
     ) -> HostShare | None:
         """Map the host pages of the sidecar at ``fd_path``; None (logged) when it shares
-        none, they are not this layout's, or they cannot be page-locked here."""
+        none, they are not this layout's, or they cannot be page-locked here. With
+        ``disk_reads`` (a sidecar of another process), a CPU engine also reads pages only
+        on disk itself where the sidecar names its disk tier (:attr:`disk`)."""
         t0 = time.perf_counter()
         try:
             header, fds = receive_fds(fd_path)
@@ -128,6 +136,12 @@ class HostShare:
         pool = HostPool(layout, page_size, None, mapped=mapped)
         share = cls(pool, registered, generation, buffers)
         share._engine.warm(buffers)  # the copies' plans and kernels now, not at a first load
+        if disk_reads and buffers.device.type == "cpu":
+            entry = msgpack.unpackb(header, raw=False).get("disk")
+            if entry is not None:
+                from hicache.controller.client.disk_share import DiskShare
+
+                share.disk = DiskShare.open(entry, layout, page_size, pool, share._engine, buffers)
         share.open_s = time.perf_counter() - t0
         log.info(
             "mapped the sidecar's host pages (%.1f GiB, %.2f s): load-backs of host pages "
@@ -143,52 +157,85 @@ class HostShare:
         page_size: int,
         pools: DevicePools | None,
         generation: int,
+        disk_reads: bool = False,
     ) -> HostShare | None:
         """:meth:`open` for a client of ``endpoint`` whose ``pools`` are registered; None
         for a TCP endpoint or a client without pools."""
         if pools is None or not endpoint.startswith("ipc://"):
             return None
         path = fd_socket_path(endpoint[len("ipc://") :])
-        return cls.open(path, layout, page_size, EngineBuffers.from_pools(pools), generation)
+        buffers = EngineBuffers.from_pools(pools)
+        return cls.open(path, layout, page_size, buffers, generation, disk_reads)
 
-    def try_load(self, refs: Sequence[PageRef], pin: PinReceipt) -> bool | None:
-        """Copy ``refs`` here when every page has a host page under ``pin``: whether the
-        bytes arrived (recorded for the unpin, :meth:`loaded_s`); None when the sidecar
-        must load them."""
-        pages = self.host_pages(pin, refs)
+    def try_load(
+        self, refs: Sequence[PageRef], pin: PinReceipt, counters: Counter | None = None
+    ) -> bool | None:
+        """Copy ``refs`` here when every page has a host page under ``pin`` or, with
+        :attr:`disk`, is only on disk and read here: whether the bytes arrived (recorded
+        for the unpin, :meth:`unpin_args`); None when the sidecar must load them (a read
+        from disk that was not OK: counted in ``counters``)."""
+        disk = self.disk
+        pages = self.host_pages(pin, refs, disk)
         if pages is None:
             return None
         t0 = time.perf_counter()
         if self.buffers.device.type == "cuda":  # the slots' earlier work ends first
             torch.cuda.current_stream(self.buffers.device).synchronize()
+        read, read_s = None, None
         try:
+            if disk is not None and -1 in pages:
+                check_refs(refs, self.buffers, self.pool.layout)
+                reads = [(r.component, r.page_hash, r.device_index)
+                         for r, p in zip(refs, pages) if p < 0]  # fmt: skip
+                read = disk.read(reads)
+                read_s = time.perf_counter() - t0
+                if counters is not None:
+                    counters["load_engine_read" + ("_fell_back" if read is None else "")] += 1
+                if read is None:
+                    return None
+                refs = [r for r, p in zip(refs, pages) if p >= 0]
+                pages = [p for p in pages if p >= 0]
             ok = self.load(refs, pages)
         except ControllerError as exc:  # refs outside this engine's pools: as the sidecar
             log.warning("load-back refused: %s", exc)  # would answer, a failed load
             return False
         if ok:
-            self._loaded[pin.pin_id] = time.perf_counter() - t0
+            self._loaded[pin.pin_id] = (time.perf_counter() - t0, read, read_s)
         return ok
 
     def loaded_s(self, pin: PinReceipt) -> float | None:
         """How long the copy of ``pin``'s pages took here; None if they were not copied
         here (forgotten once asked)."""
-        return self._loaded.pop(pin.pin_id, None)
+        return self._loaded.pop(pin.pin_id, (None,))[0]
 
-    def host_pages(self, pin: PinReceipt, refs: Sequence[PageRef]) -> list[int] | None:
-        """The host page of each ref, or None when the sidecar must load them (a page
-        not on host, a pin close to its deadline or of another session)."""
+    def unpin_args(self, pin: PinReceipt, loaded_s: float | None) -> UnpinArgs:
+        """The unpin of ``pin``: how long its load here took (``loaded_s`` if given) and
+        what it read from disk here (forgotten once asked)."""
+        took, read, read_s = self._loaded.pop(pin.pin_id, (None, None, None))
+        return UnpinArgs(pin.pin_id, took if loaded_s is None else loaded_s, read, read_s)
+
+    def host_pages(
+        self, pin: PinReceipt, refs: Sequence[PageRef], disk: DiskShare | None = None
+    ) -> list[int] | None:
+        """The host page of each ref (-1 for a page only on disk that ``disk`` reads), or
+        None when the sidecar must load them (a page not on host nor read here, a pin
+        close to its deadline or of another session)."""
         pages = pin.host_pages
         if pages is None or pin.deadline - time.monotonic() < TTL_MARGIN_S:
             return None
         by_key = dict(zip(pin.keys, pages))
         out = []
         for ref in refs:
-            page = by_key.get(ref.key, -1)
-            if page < 0:
+            page = by_key.get(ref.key)
+            if page is None or (page < 0 and (disk is None or not disk.covers(ref.component))):
                 return None
             out.append(page)
         return out
+
+    def close(self) -> None:
+        """Stop reading disk pages here (the LMDB map closed); host copies go on."""
+        if self.disk is not None:
+            self.disk.close()
 
     def try_start_layers(
         self, refs: Sequence[PageRef], pin: PinReceipt, groups: LayerGroups
@@ -209,7 +256,7 @@ class HostShare:
 
         def finished(ok: bool) -> None:
             if ok:
-                self._loaded[pin.pin_id] = time.perf_counter() - t0
+                self._loaded[pin.pin_id] = (time.perf_counter() - t0, None, None)
 
         return self._engine.start_layers_to_device(self.buffers, plan, groups, finished)
 
@@ -248,6 +295,7 @@ class HostShare:
 
     def __del__(self) -> None:
         _unregister(self._registered)
+        self.close()
 
 
 def _map(

@@ -83,13 +83,8 @@ if TYPE_CHECKING:
     from hicache.layout import ModelLayout
     from hicache.pools import DevicePools
 
-__all__ = [
-    "RemoteError",
-    "RemoteLayoutMismatch",
-    "SidecarClientConfig",
-    "SidecarController",
-    "SidecarUnavailable",
-]
+__all__ = ["RemoteError", "RemoteLayoutMismatch", "SidecarClientConfig"]
+__all__ += ["SidecarController", "SidecarUnavailable"]
 
 log = logging.getLogger("hicache.sidecar.client")
 
@@ -168,6 +163,7 @@ class SidecarController(EngineCopies):
                 self._open = True
                 self._next_attempt = time.monotonic()
                 self.counters["breaker_opened"] += 1
+                self.end_disk_reads()  # no mapping of a sidecar's LMDB file kept meanwhile
                 log.warning(
                     "sidecar %s unavailable (%s); serving from the device tier until it is back",
                     self.endpoint,
@@ -226,14 +222,15 @@ class SidecarController(EngineCopies):
             register = RegisterArgs(page_size, desc["device"], desc["buffers"])
             if ch.call(Verb.REGISTER, register, max(t, self.config.register_timeout_s)).fenced:
                 self._fenced_generation = ch.generation
-        self._share = None  # the pages of an earlier session's sidecar are not this one's
+        self._drop_share()  # the pages of an earlier session's sidecar are not this one's
         if desc is not None and self.config.engine_copies:
             # Loaded here, not at import: an engine that registers no pools, or copies
             # nothing itself, never maps host pages (nor loads the page geometry).
             from hicache.controller.client.host_share import HostShare
 
+            reads = self.config.engine_disk_reads and welcome.pid != os.getpid()  # one env
             self._share = HostShare.for_session(
-                self.endpoint, layout, page_size, self._pools, ch.generation
+                self.endpoint, layout, page_size, self._pools, ch.generation, reads
             )
         with self._state_lock:
             self._open = False
@@ -440,7 +437,7 @@ class SidecarController(EngineCopies):
             return LoadResult.FAILED
         share = self._share  # pages all on host: copied here (host_share.py)
         mine = share is not None and share.generation == pin.generation
-        copied = share.try_load(refs, pin) if mine else None
+        copied = share.try_load(refs, pin, self.counters) if mine else None
         if copied is not None:
             self.counters["load_engine_copied" if copied else "load_engine_copy_failed"] += 1
             return LoadResult.LOADED if copied else LoadResult.FAILED
@@ -453,9 +450,8 @@ class SidecarController(EngineCopies):
         if pin.generation != self._channel.generation or self._open or pin.pin_id == LOAD_PINS:
             return  # released with its session, or a load's own pin (released by the load)
         share = self._share
-        if loaded_s is None and share is not None:
-            loaded_s = share.loaded_s(pin)
-        args, timeout = UnpinArgs(pin.pin_id, loaded_s), self.config.request_timeout_s
+        args = UnpinArgs(pin.pin_id, loaded_s) if share is None else share.unpin_args(pin, loaded_s)
+        timeout = self.config.request_timeout_s
         try:
             self._channel.send(Verb.UNPIN, args, timeout, reply_wanted=False)
         except SidecarUnavailable as exc:
@@ -494,6 +490,7 @@ class SidecarController(EngineCopies):
             with contextlib.suppress(ControllerError):
                 self._channel.call(Verb.BYE, NoArgs(), min(1.0, self.config.request_timeout_s))
         self._closed = True
+        self._drop_share()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

@@ -1,6 +1,8 @@
 """The sidecar's half of host-page sharing: the description and descriptors it hands an
 engine over the descriptor socket (the engine's half, which maps them and copies its own
-load-backs, is :mod:`hicache.controller.client.host_share`)."""
+load-backs, is :mod:`hicache.controller.client.host_share`), and where its LMDB disk tier
+is, for an engine that reads pages only on disk itself
+(:mod:`hicache.controller.client.disk_share`)."""
 
 from __future__ import annotations
 
@@ -29,4 +31,7 @@ def describe(ctl: LocalController) -> tuple[bytes, list[int]] | None:
             for c in shared.components
         ],
     }
+    disk = ctl.store.engine_disk_reads()
+    if disk is not None:  # where engines read pages only on disk themselves (client/disk_share.py)
+        header["disk"] = disk
     return msgpack.packb(header), [c.fd for c in shared.components]

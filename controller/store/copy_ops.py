@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # PageKey.storage_key() without building a PageKey is ``page_hash + _TAG[component]``:
 # this runs once per page per call. Enum members are bound once for the same reason.
 _READY, _FILLING = HostState.READY, HostState.FILLING
-_DISK_NONE = DiskState.NONE
+_DISK_NONE, _ON_DISK = DiskState.NONE, DiskState.READY
 _FROM_DEVICE = Tier.DEVICE
 
 
@@ -103,17 +103,51 @@ class CopyOps(StoreState):
         with self._lock:
             return self._pins.get(pin_id) is not None
 
-    def _served_directly_locked(self, entries: list[PageEntry], seconds: float) -> None:
-        """An engine copied ``entries`` (pinned, on host) into its slots itself: count the
-        transfer and keep the pages as any page that served a load-back."""
+    def engine_disk_reads(self) -> dict | None:
+        """Where an engine may read pages only on disk itself (the LMDB directory and the
+        layout digest its values carry); None without a disk tier."""
+        return None if self._disk is None else self._disk.engine_reads()
+
+    def unpin(
+        self,
+        pin_id: int,
+        engine_id: str,
+        loaded_s: float | None = None,
+        disk_read: tuple[int, float] | None = None,
+    ) -> None:
+        """Release a pin; harmless when released already or expired. ``loaded_s``: the
+        engine loaded the pinned pages itself (from shared host pages and, with
+        ``disk_read``, ``(payload bytes, seconds)``, the pages only on disk from LMDB), in
+        that long: they count as served. Raises ControllerError for another engine's pin."""
+        with self._lock:
+            rec = self._pins.get(pin_id)
+            if rec is not None and rec.engine_id != engine_id:
+                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
+            if rec is not None and (loaded_s is not None or disk_read is not None):
+                self._served_directly_locked(rec.entries, loaded_s or 0.0, disk_read)
+            self._pins.release(pin_id)
+
+    def _served_directly_locked(
+        self, entries: list[PageEntry], seconds: float, disk_read: tuple[int, float] | None
+    ) -> None:
+        """An engine copied ``entries`` (pinned) into its slots itself, those on host from
+        the shared host pages and, with ``disk_read``, those only on disk from LMDB: count
+        the transfers and keep the pages as any page that served a load-back."""
         ready = [e for e in entries if e.host_state is _READY]
-        self._index.served_all(ready)
+        read = [] if disk_read is None or self._disk is None else [
+            e for e in entries if e.host_state is not _READY and e.disk_state is _ON_DISK
+        ]  # fmt: skip
+        self._index.served_all(ready + read)
         for tier in self._tiers:
-            tier.on_served_locked(ready)
-        page_bytes = self.host_page_bytes()
-        nbytes = sum(page_bytes[e.component] for e in ready)
-        self._counters.transfer("host_to_device", len(entries), nbytes, max(seconds, 0.0))
-        self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
+            tier.on_served_locked(ready + read)
+        if read:
+            self._disk.read_by_engine_locked(read, disk_read[0], disk_read[1])
+            self._counters.inc("load", "engine_read")
+        if ready:
+            page_bytes = self.host_page_bytes()
+            nbytes = sum(page_bytes[e.component] for e in ready)
+            self._counters.transfer("host_to_device", len(ready), nbytes, max(seconds, 0.0))
+            self._counters.inc("load", "engine_copied")  # not a load request: not ("load", "ok")
 
     def claim(
         self,

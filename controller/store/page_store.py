@@ -56,7 +56,7 @@ from hicache.controller.store.tenants import TenantLedger
 from hicache.controller.store.tier_host import TierHostOps
 from hicache.controller.tiers.disk_tier import DiskTier
 from hicache.controller.tiers.remote_tier import open_remote
-from hicache.controller_api import ControllerError, PageKey
+from hicache.controller_api import PageKey
 from hicache.types import ComponentType, Tier
 
 if TYPE_CHECKING:
@@ -281,24 +281,14 @@ class PageStore(CopyOps, TierHostOps, AdminOps, MissOps, TenantOps):
                 self._index.touch_all(entries)
         return rec
 
-    def unpin(self, pin_id: int, engine_id: str, loaded_s: float | None = None) -> None:
-        """Release a pin; harmless when released already or expired. ``loaded_s``: the
-        engine copied the pinned pages itself from shared host pages, in that long (they
-        count as served). Raises ControllerError for another engine's pin."""
-        with self._lock:
-            rec = self._pins.get(pin_id)
-            if rec is not None and rec.engine_id != engine_id:
-                raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
-            if rec is not None and loaded_s is not None:
-                self._served_directly_locked(rec.entries, loaded_s)
-            self._pins.release(pin_id)
-
     def release_engine(self, engine_id: str) -> int:
         """Release every pin of ``engine_id`` and give back the host pages handed to it for
         its own stores (it went away); returns the pins released."""
         with self._lock:
             n = self._pins.release_engine(engine_id)
             self._abort_reservations_locked(self._engine_stores.of_engine_locked(engine_id))
+        for tier in self._tiers:  # a killed engine may have left LMDB readers behind
+            tier.clear_stale_readers()
         return n
 
     def _expire_pins_locked(self) -> None:

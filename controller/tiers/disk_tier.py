@@ -371,6 +371,23 @@ class DiskTier:
         """Record the use of the pages this tier holds (the order of the next prewarm)."""
         self.uses.record(*[p.skey for p in pages if p.disk_state is _ON_DISK])
 
+    def engine_reads(self) -> dict[str, Any]:
+        return {"path": str(self.lmdb.path.resolve()), "digest": self.lmdb.layout_digest}
+
+    def read_by_engine_locked(self, pages: Sequence[PageEntry], nbytes: int, s: float) -> None:
+        # Read by one thread of the engine, as a whole load: a serial batch's cost.
+        self._observe(nbytes, s, serial=True)
+        self._counters.transfer("disk_to_device", len(pages), nbytes, max(s, 0.0))
+
+    def clear_stale_readers(self) -> None:
+        try:
+            stale = self.lmdb.env.reader_check()
+        except Exception as exc:  # closed, or LMDB refused: the next check tries again
+            log.debug("LMDB reader check failed: %s", exc)
+            return
+        if stale:
+            log.info("freed %d LMDB reader slots of processes gone", stale)
+
     def on_close_locked(self) -> None:
         """Write-back keeps pages in memory only: queue every page held only on host, so
         that a clean shutdown does not lose them."""

@@ -134,6 +134,17 @@ class LowerTier(Protocol):
     def on_served_locked(self, pages: Sequence[PageEntry]) -> None:
         """``pages`` served a load-back from the host tier (or straight from this one)."""
 
+    def engine_reads(self) -> dict[str, Any] | None:
+        """Where an engine on this host may read this tier's pages itself (docs/protocol.md,
+        "Disk pages the engine reads itself"); None: it may not."""
+
+    def read_by_engine_locked(self, pages: Sequence[PageEntry], nbytes: int, s: float) -> None:
+        """An engine read ``pages`` (``nbytes`` of payload, in ``s`` seconds) of this tier
+        into its slots itself: count the transfer and its cost."""
+
+    def clear_stale_readers(self) -> None:
+        """Free what readers of a process gone hold (an engine that read pages itself)."""
+
     def on_close_locked(self) -> None:
         """The store is closing: queue what must not be lost (LMDB write-back)."""
 
@@ -184,10 +195,20 @@ class DirectSink(Protocol):
 
 
 class FillsHostOnly:
-    """:meth:`LowerTier.read_direct_locked` of a tier that is never asked it."""
+    """:meth:`LowerTier.read_direct_locked` and the engines' own reads of a tier that is
+    never asked them."""
 
     def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
         raise NotImplementedError("only the indexed tier reads pages straight into a load")
+
+    def engine_reads(self) -> dict[str, Any] | None:
+        return None  # engines read only the indexed tier's pages themselves
+
+    def read_by_engine_locked(self, pages: Sequence[PageEntry], nbytes: int, s: float) -> None:
+        raise NotImplementedError("engines read only the indexed tier's pages themselves")
+
+    def clear_stale_readers(self) -> None:
+        pass  # no engine reads this tier
 
 
 class TierHost(Protocol):

@@ -130,7 +130,7 @@ def registry() -> Registry:
     """A sidecar with a disk tier; an engine stores a prefix, loses it from its device,
     loads it back from host, then (after a host eviction) from disk, straight into its
     shared-memory CPU pools; then a scrape."""
-    from hicache.controller.client.sidecar_client import SidecarController
+    from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 
     work = short_tmpdir("hcdeploy")
     layout_path = layout_file(work, MIX, PAGE)
@@ -142,7 +142,10 @@ def registry() -> Registry:
         page_size=PAGE, full_slots=64 * PAGE, shared_memory=True, prefetch_policy="wait_complete"
     )
     pools = DevicePools.allocate(layout, cfg)
-    client = SidecarController(sidecar.endpoint, "deploy-test-engine")
+    # The sidecar reads the disk pages (not this engine: client/disk_share.py), so that
+    # the scrape holds its load verb too.
+    config = SidecarClientConfig(engine_disk_reads=False)
+    client = SidecarController(sidecar.endpoint, "deploy-test-engine", config)
     admin = AdminClient(sidecar.endpoint, timeout_s=30.0)
     try:
         cache = UnifiedRadixCache(layout, cfg, pools, controller=client)

@@ -23,10 +23,13 @@ API_MODULES = (
     "hicache.apps.engine",
 )
 # What the engine half of host sharing may use from the store's package: the host pool's
-# page geometry and the copy engine, which both processes run over the same pages.
+# page geometry and the copy engine, which both processes run over the same pages, and
+# the stored page's form and a slot's geometry, with which both read disk pages into slots.
 SHARED_DATA_PLANE = (
     "hicache.controller.store.host_pool",
     "hicache.controller.store.transfer_engine",
+    "hicache.controller.store.page_codec",
+    "hicache.controller.store.load_reads",
 )
 
 

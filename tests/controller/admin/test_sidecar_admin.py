@@ -46,9 +46,9 @@ class Env:
         self.fp = self.layout.fingerprint(PAGE)
         cfg = CacheConfig(page_size=PAGE, full_slots=512 * PAGE, shared_memory=True)
         self.pools = DevicePools.allocate(self.layout, cfg)
-        self.client = SidecarController(
-            sidecar.endpoint, "admin-test-engine", SidecarClientConfig(lookup_timeout_s=10.0)
-        )
+        # Not reading LMDB itself: a test here opens the sidecar's LMDB file in this process.
+        config = SidecarClientConfig(lookup_timeout_s=10.0, engine_disk_reads=False)
+        self.client = SidecarController(sidecar.endpoint, "admin-test-engine", config)
         self.client.register(self.layout, PAGE, self.pools)
         self.admin = sidecar.admin()
 

@@ -128,6 +128,8 @@ def test_a_page_only_on_disk_is_loaded_by_the_sidecar(pair):
     dst = engine.retarget(src)
     pin = engine.client.pin([r.key for r in dst], 30)
     assert pin is not None and all(p == -1 for p in pin.host_pages)
+    # A sidecar of this same process: the engine never opens its LMDB file a second time.
+    assert engine.client._share.disk is None
     assert engine.client.load(dst, pin, 10)
     assert engine.same_bytes(src, dst)
     assert side.load_requests == 1 and engine.client.counters["load_engine_copied"] == 0

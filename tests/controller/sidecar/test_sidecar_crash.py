@@ -196,7 +196,10 @@ def test_engine_killed_mid_load_loses_its_pins_within_the_lease():
     )
     tokens = list(range(500, 500 + 8 * PAGE))
     with sidecar.launch():
-        engine = EngineProc(sidecar.endpoint, "doomed", reconnect_interval_s=0.2)
+        # The sidecar reads the disk pages (its reads slowed), not the engine itself.
+        engine = EngineProc(
+            sidecar.endpoint, "doomed", reconnect_interval_s=0.2, engine_disk_reads=False
+        )
         try:
             sidecar.wait_ready()
             admin = sidecar.admin()

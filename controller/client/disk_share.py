@@ -1,0 +1,160 @@
+"""Pages only on disk that a CPU engine reads itself, straight from the sidecar's LMDB file.
+
+Through the sidecar, a load of pages held only on disk is read and checked by the
+sidecar's reader threads into the engine's slots (``disk_load_direct``): one Python
+process whose interpreter lock also does every engine's bookkeeping, while the engine's
+process waits for the reply. An engine whose pools are CPU memory, talking to a sidecar
+of another process on this host over ``ipc://``, reads them itself instead, as it copies
+the pages on host itself (:mod:`hicache.controller.client.host_share`):
+
+* the sidecar's host-share description names its LMDB directory and the layout digest
+  its values carry (``describe``'s ``disk`` entry); this engine checks the digest against
+  its own layout's and opens the environment read-only (``MDB_RDONLY``: it never writes,
+  and LMDB's MVCC keeps a read transaction's values whole while the sidecar writes);
+* a **load** whose pin answered ``-1`` for some pages (on disk only) reads those in one
+  read transaction, each value copied from the map into its slot and checked there
+  (``page_codec.verify_runs``: header CRC, component, layout digest, length, and the
+  payload checksum over the bytes as they lie in the slot), and copies the others from
+  the shared host pages;
+* the **unpin** tells the sidecar how many bytes it read in how long: the sidecar counts
+  the ``disk_to_device`` transfer, feeds the disk tier's read cost, and keeps the pages
+  as any that served a load (LRU, the warm start's order of use).
+
+Anything not OK (a value missing, corrupt or of another layout, an LMDB error, a map the
+sidecar grew since) fails the read here, and the whole load goes through the sidecar as
+before, which reads again and deals with a bad value as it always does (counted,
+dropped): a wrong byte is never served. Closed with its session (a mapping held open
+keeps ``data.mdb``'s pages cached): a reconnect opens it again. Never opened in the
+sidecar's own process (an LMDB environment is opened once per process).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hicache.controller.store.load_reads import SlotGeometry
+from hicache.controller.store.page_codec import ReadStatus, verify_runs
+from hicache.types import ComponentType
+
+if TYPE_CHECKING:
+    from hicache.controller.store.host_pool import HostPool
+    from hicache.controller.store.transfer_engine import EngineBuffers, TransferEngine
+    from hicache.layout import ModelLayout
+
+log = logging.getLogger("hicache.sidecar.disk_share")
+
+_OK = ReadStatus.OK
+_TAG = {c: bytes((int(c),)) for c in ComponentType}
+
+
+class DiskShare:
+    """The sidecar's LMDB environment opened read-only here, and the reads out of it
+    straight into this engine's slots."""
+
+    def __init__(
+        self,
+        env: Any,
+        digest: bytes,
+        geometry: dict[ComponentType, SlotGeometry],
+        nbytes: dict[ComponentType, int],
+    ) -> None:
+        self._env: Any = env
+        self._digest = digest
+        self._spans = {c: g.spans for c, g in geometry.items()}
+        self._geometry = geometry  # keeps the slots' storages mapped
+        self._nbytes = nbytes
+        self._lock = threading.Lock()  # a read is wholly before or after close()
+
+    @classmethod
+    def open(
+        cls,
+        entry: Any,
+        layout: ModelLayout,
+        page_size: int,
+        pool: HostPool,
+        engine: TransferEngine,
+        buffers: EngineBuffers,
+    ) -> DiskShare | None:
+        """Open the disk tier that ``entry`` (the description's ``disk``) names for reads
+        into ``buffers``; None (logged) when it is unusable here: another layout's, slots
+        that are not CPU memory in whole rows, an environment that does not open."""
+        if not isinstance(entry, dict):
+            return None
+        path, digest = entry.get("path"), entry.get("digest")
+        if not isinstance(path, str) or digest != layout.fingerprint(page_size):
+            log.warning("the sidecar's disk tier is not this layout's: it reads disk pages")
+            return None
+        geometry: dict[ComponentType, SlotGeometry] = {}
+        for comp in pool.components:
+            try:
+                plan = engine.prepared(comp, buffers, to_host=False)
+            except Exception:  # no pool of this component here
+                continue
+            g = SlotGeometry.of(plan, pool[comp])
+            if g is not None:
+                geometry[comp] = g
+        if not geometry:
+            return None  # slots a GPU's, or not in whole rows: the sidecar reads
+        import lmdb  # loaded here: an engine that never reads disk pages never loads it
+
+        try:
+            env = lmdb.open(
+                path,
+                readonly=True,
+                lock=True,  # a reader slot: the sidecar's writer keeps what it reads
+                create=False,
+                subdir=True,
+                readahead=False,  # random page reads, as the sidecar's own
+                max_dbs=0,
+            )
+        except lmdb.Error as exc:
+            log.info("cannot read the sidecar's disk tier here (%s): it reads disk pages", exc)
+            return None
+        nbytes = {c: layout.page_bytes(c, page_size) for c in geometry}
+        log.info("reading pages only on disk here, from %s", path)
+        return cls(env, digest, geometry, nbytes)
+
+    def covers(self, component: ComponentType) -> bool:
+        """Whether pages of ``component`` are read here."""
+        return component in self._spans
+
+    def read(self, pages: Sequence[tuple[ComponentType, bytes, int]]) -> int | None:
+        """Read each ``(component, page hash, slot)`` into its slot, checked there, in one
+        read transaction: the payload bytes read, or None when any is not OK (the slots
+        are then undefined; nothing is read once :meth:`close` has run)."""
+        digest, spans, sizes = self._digest, self._spans, self._nbytes
+        total = 0
+        with self._lock:
+            env = self._env
+            if env is None:
+                return None
+            import lmdb
+
+            try:
+                with env.begin(buffers=True) as txn:
+                    get = txn.get
+                    for comp, page_hash, slot in pages:
+                        value = get(page_hash + _TAG[comp])
+                        n = sizes[comp]
+                        if value is None or verify_runs(
+                            value, int(comp), digest, n, spans[comp], slot
+                        ) is not _OK:  # fmt: skip
+                            return None
+                        total += n
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # the sidecar grew the map: the next read sees it
+                return None
+            except (lmdb.Error, ValueError, IndexError) as exc:
+                log.warning("reading disk pages here failed (%s): the sidecar reads", exc)
+                return None
+        return total
+
+    def close(self) -> None:
+        """Close the environment (its map, its reader slot); later reads return None."""
+        with self._lock:
+            env, self._env = self._env, None
+        if env is not None:
+            env.close()

@@ -1,0 +1,166 @@
+"""Pages only on disk that an engine process reads itself from the sidecar's LMDB file
+(controller/client/disk_share.py): the sidecar serves in this process (its controller's
+counters and invariants at hand), the engine is another process (CPU shared-memory pools).
+The bytes are exact and the pages stay on disk only; the unpin books the read at the
+sidecar; a value corrupt or missing makes the load go through the sidecar, which never
+serves the bad page and drops it; ``engine_disk_reads = False`` leaves the reads to the
+sidecar."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hicache.controller.config import ControllerConfig
+from hicache.controller.store.local import LocalController
+from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.types import ComponentType, Tier
+from tests.support.sidecar import EngineProc, ServerThread, wait_for
+
+PAGE = 4
+PREFIX = 8 * PAGE
+TOKENS = list(range(3000, 3000 + PREFIX + 3))
+FULL = ComponentType.FULL
+ON_DISK = {"prefix_len": 0, "host_hit_len": 0, "disk_hit_len": PREFIX}
+
+
+class Sidecar:
+    """A sidecar of this process (LMDB disk tier, shared host pages)."""
+
+    def __init__(self, workdir) -> None:
+        cfg = ControllerConfig(
+            host_pool_bytes=4 << 20,
+            disk_path=workdir / "lmdb",
+            disk_budget_bytes=32 << 20,
+            host_shared=True,
+        )
+        self.controller = LocalController(cfg)
+        self.socket = workdir / "s.sock"
+        self.served = ServerThread(self.controller, self.socket)
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + str(self.socket)
+
+    def counter(self, *key: str) -> float:
+        return self.controller.counters._values.get(key, 0)
+
+    def to_disk_only(self) -> None:
+        """Every page of the host tier written to disk, then dropped from host."""
+        assert self.controller.flush(30)
+        for comp in ComponentType:
+            self.controller.store.evict(Tier.HOST, 1 << 30, comp)
+
+    def lmdb_env(self):
+        return self.controller.store._disk.lmdb.env
+
+    def stored_keys(self) -> list[bytes]:
+        with self.lmdb_env().begin() as txn:
+            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+
+    def stop(self) -> None:
+        self.served.stop()
+        self.controller.close()
+
+
+def _engine(side: Sidecar, mix: str = "full", **config) -> EngineProc:
+    engine = EngineProc(side.endpoint, "engine-R", mix=mix, request_timeout_s=10.0, **config)
+    engine.receive()
+    assert engine.call("wait_available", timeout_s=60)["available"], engine.stderr()
+    return engine
+
+
+def _stored_on_disk_only(side: Sidecar, engine: EngineProc) -> None:
+    assert engine.call("run", tokens=TOKENS)["backup_done"] >= 1
+    assert engine.call("evict_all")["full_tokens"] >= PREFIX
+    side.to_disk_only()
+    assert engine.call("match", tokens=TOKENS) == ON_DISK
+
+
+@pytest.mark.parametrize("mix", ["full", "full+swa+mamba"])
+def test_the_engine_reads_pages_only_on_disk_itself(workdir, mix):
+    side = Sidecar(workdir)
+    engine = _engine(side, mix)
+    try:
+        _stored_on_disk_only(side, engine)
+        for n in (1, 2):  # ``start`` checks every byte it loaded
+            assert engine.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+            counters = engine.call("status")["counters"]
+            assert counters.get("load_engine_read") == n, counters
+            assert not counters.get("load_engine_read_fell_back"), counters
+            # The unpin told the sidecar, which booked the read and kept the pages.
+            wait_for(lambda: side.counter("load", "engine_read") == n, 10, "the unpin")  # noqa: B023
+            assert engine.call("evict_all")["full_tokens"] >= PREFIX
+            assert engine.call("match", tokens=TOKENS) == ON_DISK  # still on disk only
+        assert side.counter("load", "ok") == 0, "no load went through the sidecar"
+        pages = side.counter("transfer", "disk_to_device", "pages")
+        assert pages >= 2 * PREFIX // PAGE
+        assert side.counter("transfer", "disk_to_device", "bytes") > 0
+        assert side.controller.store._disk.read_cost().seconds_per_byte is not None
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
+
+
+def _flip_a_payload_bit(side: Sidecar, skey: bytes) -> None:
+    """Flip one bit of ``skey``'s stored payload inside data.mdb (the file, under LMDB)."""
+    with side.lmdb_env().begin(buffers=True) as txn:
+        head = bytes(txn.get(skey)[: HEADER_BYTES + 32])
+    path = side.controller.store._disk.lmdb.path / "data.mdb"
+    data = path.read_bytes()
+    at = data.find(head)
+    assert at >= 0 and data.find(head, at + 1) < 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, at + HEADER_BYTES + 5)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), at + HEADER_BYTES + 5)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_bad_value_makes_the_sidecar_load_and_drop_it(workdir, damage):
+    side = Sidecar(workdir)
+    engine = _engine(side)
+    try:
+        _stored_on_disk_only(side, engine)
+        keys = side.stored_keys()
+        assert len(keys) == PREFIX // PAGE
+        last = keys[-1] if damage == "missing" else keys[0]
+        if damage == "corrupt":
+            _flip_a_payload_bit(side, last)
+        else:  # gone from LMDB behind the index's back
+            with side.lmdb_env().begin(write=True) as txn:
+                assert txn.delete(last)
+        # ``start`` checks every byte it has: what it loaded and what it recomputed.
+        assert engine.call("start", tokens=TOKENS)["prefix_len"] < PREFIX
+        counters = engine.call("status")["counters"]
+        assert counters.get("load_engine_read_fell_back") == 1, counters
+        assert not counters.get("load_engine_read"), counters
+        failure = "checksum" if damage == "corrupt" else "disk_missing"
+        assert side.counter("failures", failure) == 1, side.controller.counters._values
+        assert side.counter("load", "engine_read") == 0
+        assert side.controller.flush(30)
+        assert last not in side.stored_keys(), "the bad value was dropped"
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
+
+
+def test_without_engine_disk_reads_the_sidecar_reads(workdir):
+    side = Sidecar(workdir)
+    engine = _engine(side, engine_disk_reads=False)
+    try:
+        _stored_on_disk_only(side, engine)
+        assert engine.call("start", tokens=TOKENS)["prefix_len"] == PREFIX
+        counters = engine.call("status")["counters"]
+        assert not counters.get("load_engine_read"), counters
+        assert side.counter("load", "engine_read") == 0
+        assert side.counter("transfer", "disk_to_device", "pages") >= PREFIX // PAGE
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
