@@ -14,7 +14,8 @@ default, pages read straight into the engine's slots, unless ``--host-copy``; a 
 go through host pages either way), and the same engine, never restarted, loads the whole
 prefix back (pin, load, unpin) once its client has reconnected by itself. On a CPU the
 engine reads those pages itself from the sidecar's LMDB file, straight into its slots
-(``engine_disk_reads``, controller/client/disk_share.py), unless ``--no-engine-reads``
+(``engine_disk_reads``, controller/client/disk_share.py; pages under its
+``MAX_PAGE_BYTES``, 64 KiB: larger ones the sidecar reads either way), unless ``--no-engine-reads``
 (the sidecar reads them, as above); ``--both`` runs each page size both ways, one after
 the other, each row saying which.
 Timed, each as GB/s:

@@ -11,7 +11,9 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
   its values carry (``describe``'s ``disk`` entry); this engine checks the digest against
   its own layout's and opens the environment read-only (``MDB_RDONLY``: it never writes,
   and LMDB's MVCC keeps a read transaction's values whole while the sidecar writes);
-* a **load** whose pin answered ``-1`` for some pages (on disk only) reads those in one
+* a **load** whose pin answered ``-1`` for some pages (on disk only), all of pages under
+  ``MAX_PAGE_BYTES`` (larger ones the sidecar's readers read faster, side by side), reads
+  those in one
   read transaction, each value copied from the map into its slot and checked there
   (``page_codec.verify_runs``: header CRC, component, layout digest, length, and the
   payload checksum over the bytes as they lie in the slot), and copies the others from
@@ -48,6 +50,14 @@ log = logging.getLogger("hicache.sidecar.disk_share")
 
 _OK = ReadStatus.OK
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
+
+
+# Pages of this size or more are left to the sidecar: its reader threads then copy and
+# hash them without the interpreter's lock, side by side, and on the 2-core development
+# box beat one thread here (``bench_restart.py``: 4.2 against 2.9 GB/s at 256 KiB, 4.5
+# against 3.5 at 1 MiB); below it they read one after another, as this engine does, but
+# beside every engine's bookkeeping (the sidecar's ``SERIAL_READ_BELOW_BYTES``).
+MAX_PAGE_BYTES = 64 << 10
 
 
 class DiskShare:
@@ -89,6 +99,8 @@ class DiskShare:
             return None
         geometry: dict[ComponentType, SlotGeometry] = {}
         for comp in pool.components:
+            if layout.page_bytes(comp, page_size) >= MAX_PAGE_BYTES:
+                continue
             try:
                 plan = engine.prepared(comp, buffers, to_host=False)
             except Exception:  # no pool of this component here
@@ -97,7 +109,7 @@ class DiskShare:
             if g is not None:
                 geometry[comp] = g
         if not geometry:
-            return None  # slots a GPU's, or not in whole rows: the sidecar reads
+            return None  # large pages, slots a GPU's or not in whole rows: the sidecar reads
         import lmdb  # loaded here: an engine that never reads disk pages never loads it
 
         try:
@@ -107,7 +119,9 @@ class DiskShare:
                 lock=True,  # a reader slot: the sidecar's writer keeps what it reads
                 create=False,
                 subdir=True,
-                readahead=False,  # random page reads, as the sidecar's own
+                # A load reads whole values, many pages each, of prefixes written in
+                # order: the pages next to a fault are the ones read next.
+                readahead=True,
                 max_dbs=0,
             )
         except lmdb.Error as exc:

@@ -114,6 +114,12 @@ class ControllerCollector(Collector):
             "Load-backs an engine copied itself from the shared host pages (no load request).",
             value=_get(s, "load", "engine_copied"),
         )
+        yield CounterMetricFamily(
+            "hicache_loads_engine_read",
+            "Load-backs an engine did itself reading pages only on disk from LMDB (no load "
+            "request).",
+            value=_get(s, "load", "engine_read"),
+        )
 
         fams = {
             unit: CounterMetricFamily(
