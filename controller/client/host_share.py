@@ -19,9 +19,10 @@ with CUDA (page-locked, as the sidecar's are), and then:
   load-back.
 
 A pinned page is never freed or rewritten, so the copy reads what the pin promised. A
-pin within ``TTL_MARGIN_S`` of its deadline, a page not on host, a sidecar of another
-session: the load goes through the sidecar as before. This mapping is ``PROT_READ``; an
-engine that copies its own stores maps the pages read-write instead
+pin within ``TTL_MARGIN_S`` of its deadline, a page not on host (unless a CPU engine
+reads it from disk itself, :attr:`HostShare.disk`, controller/client/disk_share.py), a
+sidecar of another session: the load goes through the sidecar as before. This mapping
+is ``PROT_READ``; an engine that copies its own stores maps the pages read-write instead
 (:class:`WritableHostPages`, docs/protocol.md, "Stores an engine copies itself").
 
 The sidecar's side is :func:`hicache.controller.sidecar.host_share.describe`: the
@@ -202,11 +203,6 @@ class HostShare:
         if ok:
             self._loaded[pin.pin_id] = (time.perf_counter() - t0, read, read_s)
         return ok
-
-    def loaded_s(self, pin: PinReceipt) -> float | None:
-        """How long the copy of ``pin``'s pages took here; None if they were not copied
-        here (forgotten once asked)."""
-        return self._loaded.pop(pin.pin_id, (None,))[0]
 
     def unpin_args(self, pin: PinReceipt, loaded_s: float | None) -> UnpinArgs:
         """The unpin of ``pin``: how long its load here took (``loaded_s`` if given) and

@@ -9,6 +9,8 @@ sidecar."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,7 +30,7 @@ ON_DISK = {"prefix_len": 0, "host_hit_len": 0, "disk_hit_len": PREFIX}
 class Sidecar:
     """A sidecar of this process (LMDB disk tier, shared host pages)."""
 
-    def __init__(self, workdir) -> None:
+    def __init__(self, workdir, **options) -> None:
         cfg = ControllerConfig(
             host_pool_bytes=4 << 20,
             disk_path=workdir / "lmdb",
@@ -37,7 +39,7 @@ class Sidecar:
         )
         self.controller = LocalController(cfg)
         self.socket = workdir / "s.sock"
-        self.served = ServerThread(self.controller, self.socket)
+        self.served = ServerThread(self.controller, self.socket, **options)
 
     @property
     def endpoint(self) -> str:
@@ -164,3 +166,39 @@ def test_without_engine_disk_reads_the_sidecar_reads(workdir):
     finally:
         engine.close()
         side.stop()
+
+
+def test_the_sidecar_frees_the_reader_slot_of_a_killed_engine(workdir):
+    side = Sidecar(workdir)
+    engine = _engine(side)
+    # A process killed in the middle of a read transaction, as an engine reading disk
+    # pages may be: its slot in lock.mdb stays behind, holding back the reuse of pages.
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(side.controller.store._disk.lmdb.path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        reader.kill()
+        reader.wait(30)
+        pid = str(reader.pid)
+        assert pid in side.lmdb_env().readers().split(), "the dead reader's slot is left"
+        engine.close()  # an engine's session ends: the sidecar frees what the dead held
+        wait_for(lambda: pid not in side.lmdb_env().readers().split(), 30, "the slot freed")
+        side.controller.check_invariants()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(30)
+        engine.close()
+        side.stop()
+
+
+READER = """
+import sys, time, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=True, create=False)
+txn = env.begin()
+print("reading", flush=True)
+time.sleep(120)
+"""
