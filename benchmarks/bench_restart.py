@@ -17,7 +17,7 @@ engine reads those pages itself from the sidecar's LMDB file, straight into its 
 (``engine_disk_reads``, controller/client/disk_share.py; pages under its
 ``MAX_PAGE_BYTES``, 64 KiB: larger ones the sidecar reads either way), unless ``--no-engine-reads``
 (the sidecar reads them, as above); ``--both`` runs each page size both ways, one after
-the other, each row saying which.
+the other, each row saying who read the pages.
 Timed, each as GB/s:
 
 * ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left
@@ -340,6 +340,8 @@ def run_size(
         out["again_s"] = statistics.median(again)
         out["raw_warm_s"] = min(raw_read_s(disk / "data.mdb", total, page_bytes) for _ in range(3))
     finally:
+        out["engine_read_loads"] = engine.client.counters["load_engine_read"]
+        out["engine_read_fell_back"] = engine.client.counters["load_engine_read_fell_back"]
         engine.close()
         if sidecar.proc is not None:
             sidecar.stop()
@@ -427,8 +429,8 @@ def main() -> int:
             r["sidecar"], r["engine_reads"] = code, way
             rows.append(r)
             kib = r["page_KiB"] if code is None else f"{r['page_KiB']} {code[:7]}"
-            if args.both:
-                kib = f"{kib} {'engine' if way else 'sidecar'}"
+            if args.both:  # who read the pages (the engine only those under 64 KiB)
+                kib = f"{kib} {'engine' if r['engine_read_loads'] else 'sidecar'}"
             cells = [kib, r["first_warm_GBps"], r["first_cold_GBps"], r["steady_GBps"],
                      r["again_GBps"], r["raw_warm_GBps"], r["raw_cold_GBps"],
                      r["first_warm_over_steady"],
