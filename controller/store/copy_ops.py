@@ -140,12 +140,15 @@ class CopyOps(StoreState):
         self._index.served_all(ready + read)
         for tier in self._tiers:
             tier.on_served_locked(ready + read)
+        page_bytes = self.host_page_bytes()
         if ready:
-            page_bytes = self.host_page_bytes()
             nbytes = sum(page_bytes[e.component] for e in ready)
             self._counters.transfer("host_to_device", len(ready), nbytes, max(seconds, 0.0))
         if read:
-            self._disk.read_by_engine_locked(read, disk_read[0], disk_read[1])
+            # The bytes of the pages this store knows were on disk only, not the count the
+            # engine sent: a wrong count would skew the read cost the cost rule weighs.
+            nbytes = sum(page_bytes[e.component] for e in read)
+            self._disk.read_by_engine_locked(read, nbytes, disk_read[1])
         # Not a load request (not ("load", "ok")); one load-back, counted once.
         self._counters.inc("load", "engine_read" if read else "engine_copied")
 
