@@ -135,16 +135,15 @@ class DiskShare:
         """Whether pages of ``component`` are read here."""
         return component in self._spans
 
-    def read(self, pages: Sequence[tuple[ComponentType, bytes, int]]) -> int | None:
+    def read(self, pages: Sequence[tuple[ComponentType, bytes, int]]) -> bool:
         """Read each ``(component, page hash, slot)`` into its slot, checked there, in one
-        read transaction: the payload bytes read, or None when any is not OK (the slots
-        are then undefined; nothing is read once :meth:`close` has run)."""
+        read transaction: whether every page was OK (if not, the slots are undefined;
+        nothing is read once :meth:`close` has run)."""
         digest, spans, sizes = self._digest, self._spans, self._nbytes
-        total = 0
         with self._lock:
             env = self._env
             if env is None:
-                return None
+                return False
             import lmdb
 
             try:
@@ -152,22 +151,20 @@ class DiskShare:
                     get = txn.get
                     for comp, page_hash, slot in pages:
                         value = get(page_hash + _TAG[comp])
-                        n = sizes[comp]
                         if value is None or verify_runs(
-                            value, int(comp), digest, n, spans[comp], slot
+                            value, int(comp), digest, sizes[comp], spans[comp], slot
                         ) is not _OK:  # fmt: skip
-                            return None
-                        total += n
+                            return False
             except lmdb.MapResizedError:
                 env.set_mapsize(0)  # the sidecar grew the map: the next read sees it
-                return None
+                return False
             except (lmdb.Error, ValueError, IndexError) as exc:
                 log.warning("reading disk pages here failed (%s): the sidecar reads", exc)
-                return None
-        return total
+                return False
+        return True
 
     def close(self) -> None:
-        """Close the environment (its map, its reader slot); later reads return None."""
+        """Close the environment (its map, its reader slot); later reads return False."""
         with self._lock:
             env, self._env = self._env, None
         if env is not None:

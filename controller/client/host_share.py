@@ -87,8 +87,8 @@ class HostShare:
         self.buffers = buffers
         self._engine = TransferEngine(pool)
         self._registered = registered
-        # pin id -> (seconds its load here took, bytes read from disk here, in seconds)
-        self._loaded: dict[int, tuple[float, int | None, float | None]] = {}
+        # pin id -> (seconds its load here took, of which reading disk pages here or None)
+        self._loaded: dict[int, tuple[float, float | None]] = {}
         self.disk: DiskShare | None = None  # pages only on disk read here (disk_share.py)
         self.open_s = 0.0  # how long mapping (and page-locking) the pages took
 
@@ -182,7 +182,7 @@ class HostShare:
         t0 = time.perf_counter()
         if self.buffers.device.type == "cuda":  # the slots' earlier work ends first
             torch.cuda.current_stream(self.buffers.device).synchronize()
-        read, read_s = None, None
+        read_s = None
         try:
             if disk is not None and -1 in pages:
                 check_refs(refs, self.buffers, self.pool.layout)
@@ -191,8 +191,8 @@ class HostShare:
                 read = disk.read(reads)
                 read_s = time.perf_counter() - t0
                 if counters is not None:
-                    counters["load_engine_read" + ("_fell_back" if read is None else "")] += 1
-                if read is None:
+                    counters["load_engine_read" + ("" if read else "_fell_back")] += 1
+                if not read:
                     return None
                 refs = [r for r, p in zip(refs, pages) if p >= 0]
                 pages = [p for p in pages if p >= 0]
@@ -201,14 +201,14 @@ class HostShare:
             log.warning("load-back refused: %s", exc)  # would answer, a failed load
             return False
         if ok:
-            self._loaded[pin.pin_id] = (time.perf_counter() - t0, read, read_s)
+            self._loaded[pin.pin_id] = (time.perf_counter() - t0, read_s)
         return ok
 
     def unpin_args(self, pin: PinReceipt, loaded_s: float | None) -> UnpinArgs:
         """The unpin of ``pin``: how long its load here took (``loaded_s`` if given) and
         what it read from disk here (forgotten once asked)."""
-        took, read, read_s = self._loaded.pop(pin.pin_id, (None, None, None))
-        return UnpinArgs(pin.pin_id, took if loaded_s is None else loaded_s, read, read_s)
+        took, read_s = self._loaded.pop(pin.pin_id, (None, None))
+        return UnpinArgs(pin.pin_id, took if loaded_s is None else loaded_s, read_s)
 
     def host_pages(
         self, pin: PinReceipt, refs: Sequence[PageRef], disk: DiskShare | None = None
@@ -252,7 +252,7 @@ class HostShare:
 
         def finished(ok: bool) -> None:
             if ok:
-                self._loaded[pin.pin_id] = (time.perf_counter() - t0, None, None)
+                self._loaded[pin.pin_id] = (time.perf_counter() - t0, None)
 
         return self._engine.start_layers_to_device(self.buffers, plan, groups, finished)
 

@@ -235,8 +235,7 @@ class VerbHandlers(AdminVerbs):
 
     def unpin(self, call: Call, a: UnpinArgs) -> Empty:
         pin = PinReceipt(a.pin_id, [], 0.0)
-        disk = None if a.disk_bytes is None or a.disk_s is None else (a.disk_bytes, a.disk_s)
-        self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s, disk_read=disk)
+        self.ctl.unpin(pin, engine_id=call.conn.engine_id, loaded_s=a.loaded_s, disk_s=a.disk_s)
         return Empty()
 
     def _open_layout(self, layout: Any, page_size: int) -> None:

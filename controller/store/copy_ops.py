@@ -113,28 +113,28 @@ class CopyOps(StoreState):
         pin_id: int,
         engine_id: str,
         loaded_s: float | None = None,
-        disk_read: tuple[int, float] | None = None,
+        disk_s: float | None = None,
     ) -> None:
         """Release a pin; harmless when released already or expired. ``loaded_s``: the
         engine loaded the pinned pages itself (from shared host pages and, with
-        ``disk_read``, ``(payload bytes, seconds)``, the pages only on disk from LMDB), in
-        that long: they count as served. Raises ControllerError for another engine's pin."""
+        ``disk_s``, the pages only on disk from LMDB in that long), in that long: they count
+        as served. Raises ControllerError for another engine's pin."""
         with self._lock:
             rec = self._pins.get(pin_id)
             if rec is not None and rec.engine_id != engine_id:
                 raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
-            if rec is not None and (loaded_s is not None or disk_read is not None):
-                self._served_directly_locked(rec.entries, loaded_s or 0.0, disk_read)
+            if rec is not None and (loaded_s is not None or disk_s is not None):
+                self._served_directly_locked(rec.entries, loaded_s or 0.0, disk_s)
             self._pins.release(pin_id)
 
     def _served_directly_locked(
-        self, entries: list[PageEntry], seconds: float, disk_read: tuple[int, float] | None
+        self, entries: list[PageEntry], seconds: float, disk_s: float | None
     ) -> None:
         """An engine copied ``entries`` (pinned) into its slots itself, those on host from
-        the shared host pages and, with ``disk_read``, those only on disk from LMDB: count
+        the shared host pages and, with ``disk_s``, those only on disk from LMDB: count
         the transfers and keep the pages as any page that served a load-back."""
         ready = [e for e in entries if e.host_state is _READY]
-        read = [] if disk_read is None or self._disk is None else [
+        read = [] if disk_s is None or self._disk is None else [
             e for e in entries if e.host_state is not _READY and e.disk_state is _ON_DISK
         ]  # fmt: skip
         self._index.served_all(ready + read)
@@ -145,10 +145,10 @@ class CopyOps(StoreState):
             nbytes = sum(page_bytes[e.component] for e in ready)
             self._counters.transfer("host_to_device", len(ready), nbytes, max(seconds, 0.0))
         if read:
-            # The bytes of the pages this store knows were on disk only, not the count the
-            # engine sent: a wrong count would skew the read cost the cost rule weighs.
+            # The bytes of the pages this store knows were on disk only: the engine sends
+            # none, so none can skew the read cost the cost rule weighs.
             nbytes = sum(page_bytes[e.component] for e in read)
-            self._disk.read_by_engine_locked(read, nbytes, disk_read[1])
+            self._disk.read_by_engine_locked(read, nbytes, disk_s)
         # Not a load request (not ("load", "ok")); one load-back, counted once.
         self._counters.inc("load", "engine_read" if read else "engine_copied")
 

@@ -345,12 +345,12 @@ class LocalController:
         pin: PinReceipt,
         engine_id: str = DEFAULT_ENGINE,
         loaded_s: float | None = None,
-        disk_read: tuple[int, float] | None = None,
+        disk_s: float | None = None,
     ) -> None:
         """Release a pin; harmless when released already or expired. ``loaded_s``: the
         engine copied the pinned pages itself from shared host pages, in that long;
-        ``disk_read``: and read those only on disk from LMDB, ``(bytes, seconds)``."""
-        self._store.unpin(pin.pin_id, engine_id, loaded_s, disk_read)
+        ``disk_s``: and read those only on disk from LMDB, in that long."""
+        self._store.unpin(pin.pin_id, engine_id, loaded_s, disk_s)
 
     def prefetch(self, keys: Sequence[PageKey], engine_id: str = DEFAULT_ENGINE) -> TransferHandle:
         """Start reading disk-only (and remote-hinted) pages into host pages; the handle

@@ -163,8 +163,7 @@ class UnpinArgs:
     pin_id: int = wire(Int())
     # The engine copied the pinned pages from the shared host pages, in this many seconds.
     loaded_s: float | None = wire(Float(0.0, MAX_LOAD_TIMEOUT_S), optional=True)
-    # It read this many payload bytes of pages only on disk from LMDB itself, in so long.
-    disk_bytes: int | None = wire(Int(0), optional=True)
+    # Of those, it read the pages only on disk from LMDB itself, in this many seconds.
     disk_s: float | None = wire(Float(0.0, MAX_LOAD_TIMEOUT_S), optional=True)
 
 

@@ -185,16 +185,16 @@ def test_direct_reads_cover_every_component_of_a_hybrid_layout(tmp_path):
     ctl.close()
 
 
-def test_an_engines_own_disk_read_is_booked_by_what_the_store_holds_not_the_count_sent(tmp_path):
-    """An unpin saying the engine read pages only on disk itself books the bytes of the
-    pinned pages the store holds on disk only, whatever byte count the engine sent (a
-    wrong one would skew the read cost the cost rule weighs), and the pages stay on disk."""
+def test_an_engines_own_disk_read_is_booked_by_the_pages_the_store_holds_on_disk(tmp_path):
+    """An unpin saying the engine read pages only on disk itself books the pages and bytes
+    of the pin the store holds on disk only (the engine sends only the seconds), and the
+    pages stay on disk."""
     engine, ctl, chain, snap = _on_disk(tmp_path, pages=6)
     refs = chain.refs()
     keys = list(dict.fromkeys(r.key for r in refs))
     pin = ctl.pin(keys, 30.0)
     assert pin is not None
-    ctl.unpin(pin, loaded_s=0.01, disk_read=(10**15, 0.001))
+    ctl.unpin(pin, loaded_s=0.01, disk_s=0.001)
     moved = ctl.stats()["transfer"]["disk_to_device"]
     page_bytes = ctl.store.host_page_bytes()
     assert moved["pages"] == len(keys)
