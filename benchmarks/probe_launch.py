@@ -63,6 +63,9 @@ def main() -> None:
     for n in (1, 64, 1024):
         out[n] = row = probe(n, copy, pages, nseg, args.repeat)
         print(n, "MiB:", " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
+    out["pool_kernel"] = pools = pool_kernel(dev, args.repeat)
+    for k, v in pools.items():
+        print("load-back kernel:", k, " ".join(f"{a}={b:.3f}" for a, b in v.items()), flush=True)
     out["behind_load"] = behind = behind_load(dev)
     for k, v in behind.items():
         print("behind a load:", k, " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
@@ -161,9 +164,48 @@ def probe(n: int, copy: SegmentCopy, pages: torch.Tensor, nseg: int, repeat: int
         done.synchronize()
 
     row["to_device_wall_pageable"] = median_us(pageable_copy, repeat)
+    # The kernel each way with 16-byte accesses (as it runs) and one word per access (as it
+    # ran before), beside a memcpy the same way: device µs.
+    row["memcpy_dev_to_host"] = device_us(lambda: host.copy_(flat, non_blocking=True), repeat)
+    vec = copy._gpu["vec"]
+    for v in sorted({vec, 1}):
+        copy._gpu["vec"] = v
+        for to_host in (False, True):
+            way = "to_host" if to_host else "to_device"
+            row[f"kernel_dev_{way}_vec{v}"] = device_us(
+                lambda to_host=to_host: copy._launch(a, a, to_host), repeat
+            )
+    copy._gpu["vec"] = vec
     row["ratio_dev"] = row["memcpy_dev"] / row["kernel_dev"]
     row["ratio_wall"] = row["memcpy_wall"] / row["to_device_wall"]
     row["ratio_wall_pageable"] = row["memcpy_wall"] / row["to_device_wall_pageable"]
+    return row
+
+
+def pool_kernel(dev: torch.device, repeat: int) -> dict:
+    """The load-back's own kernel (a prepared KV transfer: 16 layers, 8 KV heads of 128,
+    bf16, 16-token pages of 1 MiB, as bench_data_plane's pools) alone, each way, at 64 and
+    1024 pages: device µs beside a pinned memcpy of the same bytes, and the ratio."""
+    return {n: _pool_row(dev, n, repeat) for n in (64, 1024)}
+
+
+def _pool_row(dev: torch.device, n: int, repeat: int) -> dict:
+    from hicache.kernels import PreparedTransfer
+
+    host_kv = torch.zeros(n, 2, 16, 16, 8, 128, dtype=torch.bfloat16).pin_memory()
+    device_kv = torch.zeros(2, 16, n * 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    ids = list(range(n))
+    flat_h, flat_d = host_kv.view(-1), device_kv.view(-1)
+    row = {}
+    for to_host in (False, True):
+        way = "to_host" if to_host else "to_device"
+        move = PreparedTransfer.kv(device_kv, host_kv, 16, to_host=to_host, backend="triton")
+        row[f"kernel_{way}_us"] = device_us(lambda move=move: move(ids, ids), repeat)
+        src, dst = (flat_d, flat_h) if to_host else (flat_h, flat_d)
+        row[f"memcpy_{way}_us"] = device_us(
+            lambda src=src, dst=dst: dst.copy_(src, non_blocking=True), repeat
+        )
+        row[f"ratio_{way}"] = row[f"memcpy_{way}_us"] / row[f"kernel_{way}_us"]
     return row
 
 

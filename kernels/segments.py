@@ -122,6 +122,10 @@ class SegmentCopy:
              pages.data_ptr(), pages.shape[1]]
         )  # fmt: skip
         size = word.itemsize
+        # 16-byte accesses where every offset, stride and length allows them (the kernel is
+        # told so; its pointers' own alignment is Triton's specialisation).
+        relative = [*(a - first.data_ptr() for a in addrs), *strides, *dsts, pages.shape[1]]
+        vec = 16 // size if all(v % 16 == 0 for v in [*relative, *(s.nbytes for s in segs)]) else 1
         dev_base = first.view(-1)[: first.numel() - first.numel() % size]
         dev_words = dev_base.view(word)
         host_words = pages.view(-1).view(word)
@@ -147,6 +151,7 @@ class SegmentCopy:
             "cols": cols,
             "col_tiles": math.ceil(longest / cols),
             "rows": max(1, tile // cols),
+            "vec": vec,
         }
 
     def _check(self, blocks: np.ndarray, pages: np.ndarray) -> None:
@@ -232,6 +237,7 @@ class SegmentCopy:
             TO_HOST=to_host,
             ROWS=g["rows"],
             COLS=g["cols"],
+            VEC=g["vec"],
             num_warps=self._tuning.num_warps,
         )
 

@@ -40,6 +40,7 @@ def copy_segments_kernel(
     TO_HOST: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -58,8 +59,13 @@ def copy_segments_kernel(
         stride = tl.load(seg_stride_ptr + seg, mask=in_rows, other=0)
         dst = tl.load(seg_dst_ptr + seg, mask=in_rows, other=0)
         length = tl.load(seg_len_ptr + seg, mask=in_rows, other=0)
-        dev_row = base + block * stride
-        host_row = page * page_stride + dst
+        # Every segment's base, stride, offset and length and the page stride are
+        # multiples of VEC words (the caller checks): said here, the compiler moves 16
+        # bytes per access rather than one word, which halves the requests a copy makes
+        # over PCIe (on some hosts a host read moved at 0.6 of memcpy without it).
+        length = tl.multiple_of(length, VEC)
+        dev_row = tl.multiple_of(base + block * stride, VEC)
+        host_row = tl.multiple_of(page * page_stride + dst, VEC)
         mask = ok[:, None] & (cols[None, :] < length[:, None])
         if TO_HOST:
             values = tl.load(dev_ptr + dev_row[:, None] + cols[None, :], mask=mask)

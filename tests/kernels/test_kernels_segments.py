@@ -60,6 +60,32 @@ def test_a_store_and_a_load_move_exactly_the_segments(use_kernel, unaligned):
     assert not any(t[[0, 2, 4, 5, 6, 8, 9]].any() for t in tensors)  # other blocks untouched
 
 
+@pytest.mark.parametrize("step, vec", [(16, 2), (8, 1)], ids=["16-byte", "8-byte"])
+def test_the_kernel_is_told_of_16_byte_accesses_only_where_every_offset_allows_them(step, vec):
+    """A layout whose offsets, strides and lengths are all multiples of 16 bytes is copied
+    with 16-byte accesses (two int64 words); one 8-byte offset anywhere keeps one word per
+    access. Both move exactly the reference's bytes, both ways."""
+    tensors = _engine(4, row=8 * step, blocks=8)
+    a, b, c = tensors
+    segs = [Segment(a, 0, 8 * step, 0), Segment(b, step, 3 * step, 8 * step),
+            Segment(c, 2 * step, 5 * step, 11 * step)]  # fmt: skip
+    got = torch.zeros(6, PAYLOAD + 16 * step, dtype=torch.uint8)
+    want = got.clone()
+    copy = SegmentCopy(segs, got, PAYLOAD, use_kernel=True)
+    assert copy._gpu["vec"] == vec
+    copy.to_host([7, 2, 4], [1, 5, 0])
+    SegmentCopy(segs, want, PAYLOAD).reference([7, 2, 4], [1, 5, 0], True)
+    assert torch.equal(got, want)
+    before = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    copy.to_device([1, 5, 0], [7, 2, 4])
+    for seg in segs:
+        i = next(n for n, t in enumerate(tensors) if t is seg.tensor)
+        cols = slice(seg.src_offset, seg.src_offset + seg.nbytes)
+        assert torch.equal(seg.tensor[[7, 2, 4], cols], before[i][[7, 2, 4], cols])
+
+
 def test_the_widest_word_that_divides_everything_is_used():
     assert _word_dtype([0, 16, 4096]) is torch.int64
     assert _word_dtype([0, 12, 4096]) is torch.int32
