@@ -466,12 +466,19 @@ def pool_paths(
                 n = size // page_bytes
                 memcpy = Memcpy(size, device)
                 if where == "sidecar":
+                    # Each run backs up new pages; their refs (hashes) are made untimed.
+                    fresh: dict[str, list[PageRef]] = {}
+
+                    def make(_: int, n=n, fresh=fresh) -> None:
+                        fresh["refs"] = refs(src, n, next(counter))
+
                     out[size]["backup"] = _beside(
-                        lambda _, n=n, ctl=ctl: ctl.backup(refs(src, n, next(counter))).wait(600),
+                        lambda _, ctl=ctl, fresh=fresh: ctl.backup(fresh["refs"]).wait(600),
                         "backup",
                         memcpy,
                         repeat,
                         device,
+                        prepare=make,
                     )
                 held = refs(src, n, next(counter))
                 assert ctl.backup(held).wait(600)
