@@ -66,6 +66,8 @@ def main() -> None:
     out["pool_kernel"] = pools = pool_kernel(dev, args.repeat)
     for k, v in pools.items():
         print("load-back kernel:", k, " ".join(f"{a}={b:.3f}" for a, b in v.items()), flush=True)
+    out["ipc_event"] = ipc = ipc_event_us(args.repeat)
+    print("interprocess event:", " ".join(f"{a}={b:.1f}" for a, b in ipc.items()), flush=True)
     out["behind_load"] = behind = behind_load(dev)
     for k, v in behind.items():
         print("behind a load:", k, " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
@@ -206,6 +208,49 @@ def _pool_row(dev: torch.device, n: int, repeat: int) -> dict:
             lambda src=src, dst=dst: dst.copy_(src, non_blocking=True), repeat
         )
         row[f"ratio_{way}"] = row[f"memcpy_{way}_us"] / row[f"kernel_{way}_us"]
+    return row
+
+
+_OPEN_EVENTS = """
+import sys, time, statistics, torch
+dev = torch.device("cuda", 0)
+torch.cuda.init()
+times = []
+for line in sys.stdin:
+    handle = bytes.fromhex(line.strip())
+    t0 = time.perf_counter()
+    ev = torch.cuda.Event.from_ipc_handle(dev, handle)
+    torch.cuda.current_stream(dev).wait_event(ev)
+    times.append(time.perf_counter() - t0)
+print(statistics.median(times) * 1e6)
+"""
+
+
+def ipc_event_us(repeat: int) -> dict:
+    """What a backup's interprocess event costs each time: µs to create, record and export
+    one (the engine's side), and to open it and make a stream wait on it in another
+    process (the sidecar's side), medians of ``repeat``."""
+    import subprocess
+    import sys
+
+    handles, times, alive = [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record(torch.cuda.current_stream())
+        handles.append(bytes(ev.ipc_handle()).hex())
+        times.append(time.perf_counter() - t0)
+        alive.append(ev)
+    torch.cuda.synchronize()
+    opened = subprocess.run(
+        [sys.executable, "-c", _OPEN_EVENTS], input="\n".join(handles), text=True,
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    row = {"export_us": statistics.median(times) * 1e6}
+    try:
+        row["open_and_wait_us"] = float(opened.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print("opening the events failed:", opened.stderr[-500:], flush=True)
     return row
 
 
