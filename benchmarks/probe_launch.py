@@ -4,9 +4,10 @@ device time by CUDA events, beside a pinned memcpy of the same bytes and the sam
 its indices uploaded from pageable memory (as before they were read from a pinned buffer),
 and the kernel alone each way with 16-byte accesses and with one word per access. Then the
 load-back's own kernel (a prepared KV transfer) alone each way (``pool_kernel``), what a
-backup's interprocess event costs (``ipc_event``), and what a small upload on the compute stream waits while a load's copies are queued on the
-copy engines from another stream (``behind_load``). Prints µs per call (median of
-``--repeat``); ``--json`` writes the same figures. Diagnostic, not in CI.
+backup's interprocess event costs (``ipc_event``), and what a small upload on the compute
+stream waits while a load's copies are queued on the copy engines from another stream
+(``behind_load``). Prints µs per call (median of ``--repeat``); ``--json`` writes the same
+figures. Diagnostic, not in CI.
 """
 
 from __future__ import annotations
