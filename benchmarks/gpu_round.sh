@@ -62,6 +62,11 @@ for what in "$@"; do
         data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         probe_launch) python3 benchmarks/probe_launch.py --json "$out/probe_launch.json" ;;
+        sweep_tuning) python3 benchmarks/sweep_copy_tuning.py --json "$out/sweep_tuning.json" ;;
+        data_plane_spy)  # the 64 MiB paths with the bench and its sidecar sampled (py-spy wheel in .whl)
+            /tmp/site/bin/py-spy record --subprocesses --idle --threads -r 250 -f raw \
+                -o "$out/data_plane_spy.txt" -- python3 benchmarks/bench_data_plane.py \
+                --device cuda --sizes-mib 64 --repeat 20 --json "$out/data_plane_spy.json" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
     rc=$?
