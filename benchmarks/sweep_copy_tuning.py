@@ -7,7 +7,9 @@ page per block; blocks and pages in a shuffled order, as an engine's are) and th
 load-back's prepared KV copy (16 layers, 8 KV heads of 128, bf16, 16-token pages of 1 MiB)
 are timed on the device (CUDA events, median of ``--repeat``) to the device, to the host,
 and both at once on two streams (a load and a store of as many bytes each), under each
-tuning of :data:`TUNINGS` (tile bytes, programs per SM, warps). Each is printed as the
+tuning of :data:`TUNINGS` (tile bytes, programs per SM, warps); and the segment copy staged
+(``segments_staged``: a device staging ring and one copy-engine DMA per page,
+kernels/staged_segments.py) under the default tuning. Each is printed as the
 ratio to a pinned memcpy of the same bytes the same way (both at once: two memcpys on two
 streams, one each way), measured in the same run. Diagnostic, for choosing the defaults
 of :class:`hicache.kernels.TransferTuning`; one CUDA GPU.
@@ -30,6 +32,8 @@ from hicache.kernels.tuning import TransferTuning
 MIB = 1 << 20
 LAYERS, SEG = 16, 64 << 10
 # (tile bytes, programs per SM, warps): the default first.
+# The staged segment copy (kernels/staged_segments.py) forced on, whatever the size.
+STAGED = TransferTuning(staged_segments_min_bytes=1, staged_min_dma_bytes=1)
 TUNINGS = [(16384, 2, 4), (16384, 1, 4), (16384, 4, 4), (32768, 2, 8), (8192, 4, 4), (16384, 2, 8)]
 
 
@@ -108,6 +112,12 @@ def main() -> None:
                 ),
                 "load_back": (partial(kv_in, *lists[:2]), partial(kv_out, *lists[2:])),
             }
+            if (tile, pps, warps) == TUNINGS[0]:  # the staged segment copy, beside
+                staged = SegmentCopy(segs, pages, 0, STAGED).staged()
+                kinds["segments_staged"] = (
+                    partial(staged.run, load_b, load_p, False),
+                    partial(staged.run, store_b, store_p, True),
+                )
             for kind, (to_device, to_host) in kinds.items():
                 us = {
                     "to_device": device_us([to_device], args.repeat, [a]),
@@ -119,7 +129,7 @@ def main() -> None:
                        "ratio": {k: memcpy[k] / v for k, v in us.items()}}  # fmt: skip
                 out["rows"].append(row)
                 print(
-                    f"{n:5d} MiB {kind:9s} tile {tile:5d} per-SM {pps} warps {warps}: "
+                    f"{n:5d} MiB {kind:15s} tile {tile:5d} per-SM {pps} warps {warps}: "
                     + " ".join(f"{k} {v:.3f}" for k, v in row["ratio"].items()),
                     flush=True,
                 )

@@ -8,7 +8,9 @@ mapping once: *segments*, each a run of ``nbytes`` bytes of a block row of one t
 copy then moves ``blocks[i] <-> pages[i]`` for every segment:
 
 * on a GPU, one launch of a Triton kernel that reads the engine's tensors and writes the
-  host pages through their device-mapped address (or the reverse): no staging buffer;
+  host pages through their device-mapped address (or the reverse): no staging buffer; or,
+  for copies of ``TransferTuning.staged_segments_min_bytes`` and more, the kernel into a
+  device staging ring and a copy-engine DMA per page (:mod:`.staged_segments`);
 * on a CPU, a strided numpy copy per segment for runs of consecutive blocks going to
   consecutive pages, else a ``memmove`` per segment and block, split across threads for
   large copies;
@@ -33,6 +35,7 @@ import torch
 from hicache.kernels.cpu_rows import copy_pool
 from hicache.kernels.host_indices import IndexSlots
 from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
+from hicache.kernels.staged_segments import StagedSegments
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
 # A run of at least this many consecutive blocks to consecutive pages is copied as one
@@ -107,6 +110,7 @@ class SegmentCopy:
         self._gpu = None
         self._np_pages: np.ndarray | None = None  # the CPU copy's views (_prepare_cpu)
         self._slots = IndexSlots()  # pinned index buffers for the kernel's launches
+        self._staged = None  # the staged form (kernels/staged_segments.py), when first wanted
         if use_kernel if use_kernel is not None else device.type == "cuda":
             require_device_mapped("host pages", pages, device)
             self._gpu = self._prepare_gpu()
@@ -194,10 +198,21 @@ class SegmentCopy:
             stream = self._streams[to_host] = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._launch(blocks_a, pages_a, to_host)
+            staged = self.staged()
+            if staged.wanted(blocks_a.size, to_host):
+                staged.run(blocks_a, pages_a, to_host)
+            else:
+                self._launch(blocks_a, pages_a, to_host)
             done = torch.cuda.Event()
             done.record(stream)
         return done
+
+    def staged(self) -> StagedSegments:
+        """This copy through a device staging ring and copy-engine DMAs (used on a GPU for
+        copies of ``TransferTuning.staged_segments_min_bytes`` and more)."""
+        if self._staged is None:
+            self._staged = StagedSegments(self)
+        return self._staged
 
     def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         idx = np.stack([blocks, pages])

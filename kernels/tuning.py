@@ -79,6 +79,12 @@ class TransferTuning:
     fixed host time cost more than that gained, and with DMAs of 384 KiB a backup alone
     fell to 87% of a memcpy (docs/performance.md).
 
+    ``staged_segments_min_bytes`` (0: never): a segment copy on CUDA (an engine's own
+    block tensors ↔ host pages, :mod:`hicache.kernels.staged_segments`) of at least this
+    many bytes, whose pages' payloads are at least ``staged_min_dma_bytes``, goes through
+    the same staging ring, one DMA per page: a store and a load at once then share the
+    copy engines' two directions instead of the SMs.
+
     ``cpu_copy_threads`` (0: torch's intra-op thread count) threads run one CPU transfer
     of at least ``cpu_parallel_min_bytes`` (``Backend.CPU``); below it one thread does,
     since handing work to a thread costs more than copying a few MiB.
@@ -98,6 +104,7 @@ class TransferTuning:
     staged_batched_dma: bool = True
     staged_min_transfer_bytes: int = 256 << 20
     staged_min_dma_bytes: int = 1 << 20
+    staged_segments_min_bytes: int = 16 << 20
     cpu_copy_threads: int = 0
     cpu_parallel_min_bytes: int = 8 << 20
 
@@ -115,8 +122,9 @@ class TransferTuning:
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"TransferTuning.{name} must be >= 1, got {getattr(self, name)}")
-        if self.grid_limit < 0:
-            raise ValueError(f"TransferTuning.grid_limit must be >= 0, got {self.grid_limit}")
+        for name in ("grid_limit", "staged_segments_min_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TransferTuning.{name} must be >= 0, got {getattr(self, name)}")
 
     def auto_backend(
         self, item_bytes: int, to_host: bool, *, transfer_bytes: int = 0, dma_bytes: int = 0

@@ -1,0 +1,140 @@
+"""A segment copy through a device staging ring, its PCIe hop done by copy-engine DMAs.
+
+:class:`~hicache.kernels.segments.SegmentCopy`'s kernel reads and writes the pinned host
+pages straight from the SMs. One way that moves 0.86-0.94 of a pinned memcpy, but a store
+and a load at once level off at 0.64-0.81 of two concurrent memcpys, where the copy engines
+run both ways at full speed (docs/performance.md). Here, as for KV pools
+(:mod:`hicache.kernels.staged`), the kernel only gathers (a store) or scatters (a load)
+between the engine's block tensors and a staging chunk in device memory, laid out as the
+pages' payloads back to back, and one DMA per page moves each payload between the chunk and
+its host page on the copy engines:
+
+* store: the kernel gathers a chunk of blocks into a staging chunk; the DMAs copy it out;
+* load: the DMAs copy a chunk of pages in; the kernel scatters it into the blocks.
+
+The ring, its helper stream, its events and the order of the work are those of the KV
+path (``staged._ring_for``, ``staged._issue_on_gpu``): a kernel on the caller's stream
+overlaps the DMAs of the chunk before it. A DMA moves the span of the payload the
+segments cover; a store stages only where the segments tile that span without a gap
+(else the DMA would write bytes of the page that are not the copy's), a load either way.
+On CPU tensors the same plan runs with memmoves standing in for the DMAs (the tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hicache.kernels.staged import DmaPlan, StagingRing, _emulated_dmas, _issue_on_gpu, _ring_for
+
+if TYPE_CHECKING:
+    from hicache.kernels.segments import SegmentCopy
+
+
+class _Launch:
+    """One staging slot's segment copy, called as the KV path calls its row launchers:
+    ``launch(device items, staging items)`` for a store, the reverse for a load."""
+
+    def __init__(self, copy: SegmentCopy, to_host: bool) -> None:
+        self.copy = copy
+        self.to_host = to_host
+
+    def launch(self, first: np.ndarray, second: np.ndarray) -> None:
+        blocks, slots = (first, second) if self.to_host else (second, first)
+        self.copy._launch(np.asarray(blocks), np.asarray(slots), self.to_host)
+
+
+class StagedSegments:
+    """The staged form of one :class:`SegmentCopy` (its segments, host pages, tuning)."""
+
+    def __init__(self, copy: SegmentCopy) -> None:
+        spans = sorted((s.dst_offset, s.dst_offset + s.nbytes) for s in copy.segments)
+        self.lo = spans[0][0]
+        self.span = max(end for _, end in spans) - self.lo
+        # Staged pages start 16-byte aligned, so the kernel keeps its 16-byte accesses.
+        self.stride = -(-self.span // 16) * 16
+        self.gapless = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        self.copy = copy
+        self._stages: dict[tuple[int, int], SegmentCopy] = {}
+
+    def wanted(self, pages: int, to_host: bool) -> bool:
+        """Whether a copy of ``pages`` pages this way goes through the ring: on a GPU, a
+        transfer of at least ``staged_segments_min_bytes`` whose DMAs are at least
+        ``staged_min_dma_bytes`` each; a store only where its segments leave no gap."""
+        tuning = self.copy._tuning
+        if self.copy.device.type != "cuda" or not tuning.staged_segments_min_bytes:
+            return False
+        if to_host and not self.gapless:
+            return False
+        big = pages * self.span >= tuning.staged_segments_min_bytes
+        return big and self.span >= tuning.staged_min_dma_bytes
+
+    def _stage(self, buffer: torch.Tensor, chunk_pages: int) -> SegmentCopy:
+        """The segment copy between the engine's blocks and ``buffer`` seen as
+        ``chunk_pages`` staged pages (built once per ring slot)."""
+        from hicache.kernels.segments import Segment, SegmentCopy
+
+        key = (buffer.data_ptr(), chunk_pages)
+        stage = self._stages.get(key)
+        if stage is None:
+            if len(self._stages) >= 16:  # rings come and go: keep only recent slots
+                self._stages.clear()
+            pages = buffer[: chunk_pages * self.stride].view(chunk_pages, self.stride)
+            segs = [
+                Segment(s.tensor, s.src_offset, s.nbytes, s.dst_offset - self.lo)
+                for s in self.copy.segments
+            ]
+            stage = SegmentCopy(segs, pages, 0, self.copy._tuning, use_kernel=True)
+            self._stages[key] = stage
+        return stage
+
+    def run(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
+        """Copy ``blocks[i] <-> pages[i]`` (checked by the caller): queued on the current
+        stream on a GPU (the caller records its event after), done on return on a CPU."""
+        copy = self.copy
+        tuning = copy._tuning
+        device = copy.device
+        n = int(blocks.size)
+        chunk_pages = max(1, tuning.staging_chunk_bytes // self.stride)
+        slot_bytes = chunk_pages * self.stride
+        if device.type == "cuda":
+            stream_key = torch.cuda.current_stream(device).cuda_stream
+            ring = _ring_for(device, stream_key, slot_bytes, tuning)
+        else:
+            ring = StagingRing(device, slot_bytes, tuning.staging_chunks)
+        # One DMA per page: page i of the transfer sits at position i % chunk_pages of
+        # slot (i // chunk_pages) % slots.
+        pos = np.arange(n, dtype=np.int64)
+        bases = np.array([b.data_ptr() for b in ring.buffers], dtype=np.uint64)
+        stage_addr = bases[(pos // chunk_pages) % ring.slots] + (
+            (pos % chunk_pages) * self.stride
+        ).astype(np.uint64)
+        row = copy.pages.stride(0) * copy.pages.element_size()
+        host_base = copy.pages.data_ptr() + copy.payload_offset + self.lo
+        host_addr = (host_base + pages.astype(np.int64) * row).astype(np.uint64)
+        sizes = np.full(n, self.span, dtype=np.uint64)
+        bounds = np.minimum(np.arange(-(-n // chunk_pages) + 1, dtype=np.int64) * chunk_pages, n)
+        offsets = ((pos % chunk_pages) * self.stride).astype(np.uint64)
+        plan = DmaPlan(chunk_pages, self.stride, bounds, bounds, host_addr, offsets, sizes)
+        dsts, srcs = (host_addr, stage_addr) if to_host else (stage_addr, host_addr)
+        launchers = [_Launch(self._stage(b, chunk_pages), to_host) for b in ring.buffers]
+        stage_items = np.arange(chunk_pages, dtype=np.int64)
+        if device.type != "cuda":
+            for c in range(plan.num_chunks):
+                lo, hi = int(bounds[c]), int(bounds[c + 1])
+                launcher = launchers[c % ring.slots]
+                if to_host:
+                    launcher.launch(blocks[lo:hi], stage_items[: hi - lo])
+                    _emulated_dmas(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi])
+                else:
+                    _emulated_dmas(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi])
+                    launcher.launch(stage_items[: hi - lo], blocks[lo:hi])
+            return
+        from hicache.kernels.copy_engine import Copies1D
+
+        dmas = Copies1D(dsts, srcs, sizes, ring.stream_handle, tuning.staged_batched_dma)
+        caller = torch.cuda.current_stream(device).cuda_stream
+        _issue_on_gpu(plan, ring, launchers, blocks, stage_items, dmas, caller, to_host)
