@@ -174,6 +174,34 @@ class SegmentCopy:
         """Copy each host page's segments into its block (waits for the copy)."""
         _wait(self.start(blocks, pages, to_host=False))
 
+    def warm(self) -> None:
+        """Compile (or load) every kernel variant a copy may launch, both ways, moving
+        nothing (each launch's only block is -1, which the kernel skips), on the streams
+        the copies run on: the direct kernel, and the staged form's, whose staging ring is
+        allocated here where it would be used. A CUDA copy's first transfer then costs what
+        later ones do; elsewhere nothing to do."""
+        if self._gpu is None or self.device.type != "cuda":
+            return
+        staged = self.staged()
+        for to_host in (True, False):
+            stream = self._stream(to_host)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                # Tables of one and two items: the second row of a [2, n] index table is
+                # 16-byte aligned only for an even n, which Triton may specialise on.
+                for n in (1, 2):
+                    skip = np.full(n, -1, dtype=np.int64)
+                    self._launch(skip, skip, to_host)
+                    if staged.could_stage(to_host):
+                        staged.warm(to_host, skip)
+            stream.synchronize()
+
+    def _stream(self, to_host: bool) -> torch.cuda.Stream:
+        stream = self._streams.get(to_host)
+        if stream is None:
+            stream = self._streams[to_host] = torch.cuda.Stream(self.device)
+        return stream
+
     def start(
         self, blocks: Sequence[int], pages: Sequence[int], to_host: bool
     ) -> torch.cuda.Event | None:
@@ -193,9 +221,7 @@ class SegmentCopy:
             return None
         # Each direction on a stream of its own, so that a store and a load overlap;
         # after what the calling thread's stream has queued (the engine's writes).
-        stream = self._streams.get(to_host)
-        if stream is None:
-            stream = self._streams[to_host] = torch.cuda.Stream(self.device)
+        stream = self._stream(to_host)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             staged = self.staged()

@@ -60,17 +60,38 @@ class StagedSegments:
         self.copy = copy
         self._stages: dict[tuple[int, int], SegmentCopy] = {}
 
-    def wanted(self, pages: int, to_host: bool) -> bool:
-        """Whether a copy of ``pages`` pages this way goes through the ring: on a GPU, a
-        transfer of at least ``staged_segments_min_bytes`` whose DMAs are at least
-        ``staged_min_dma_bytes`` each; a store only where its segments leave no gap."""
+    def could_stage(self, to_host: bool) -> bool:
+        """Whether a large enough copy this way would be staged: on a GPU, pages whose
+        DMAs are at least ``staged_min_dma_bytes``; a store only where its segments leave
+        no gap; never with ``staged_segments_min_bytes`` 0."""
         tuning = self.copy._tuning
         if self.copy.device.type != "cuda" or not tuning.staged_segments_min_bytes:
             return False
-        if to_host and not self.gapless:
-            return False
-        big = pages * self.span >= tuning.staged_segments_min_bytes
-        return big and self.span >= tuning.staged_min_dma_bytes
+        return self.span >= tuning.staged_min_dma_bytes and (self.gapless or not to_host)
+
+    def wanted(self, pages: int, to_host: bool) -> bool:
+        """Whether a copy of ``pages`` pages this way goes through the ring: one that
+        :meth:`could_stage` of at least ``staged_segments_min_bytes``."""
+        big = pages * self.span >= self.copy._tuning.staged_segments_min_bytes
+        return big and self.could_stage(to_host)
+
+    def _ring(self) -> tuple[StagingRing, int]:
+        """The ring of the current stream (a fresh one on a CPU) and its pages a slot."""
+        copy = self.copy
+        tuning = copy._tuning
+        chunk_pages = max(1, tuning.staging_chunk_bytes // self.stride)
+        slot_bytes = chunk_pages * self.stride
+        if copy.device.type == "cuda":
+            stream_key = torch.cuda.current_stream(copy.device).cuda_stream
+            return _ring_for(copy.device, stream_key, slot_bytes, tuning), chunk_pages
+        return StagingRing(copy.device, slot_bytes, tuning.staging_chunks), chunk_pages
+
+    def warm(self, to_host: bool, skip: np.ndarray) -> None:
+        """Launch each slot's kernel of the current stream's ring over ``skip`` (blocks
+        of -1, which it skips): compiled before the first staged copy needs it."""
+        ring, chunk_pages = self._ring()
+        for buffer in ring.buffers:
+            self._stage(buffer, chunk_pages)._launch(skip, np.zeros_like(skip), to_host)
 
     def _stage(self, buffer: torch.Tensor, chunk_pages: int) -> SegmentCopy:
         """The segment copy between the engine's blocks and ``buffer`` seen as
@@ -98,13 +119,7 @@ class StagedSegments:
         tuning = copy._tuning
         device = copy.device
         n = int(blocks.size)
-        chunk_pages = max(1, tuning.staging_chunk_bytes // self.stride)
-        slot_bytes = chunk_pages * self.stride
-        if device.type == "cuda":
-            stream_key = torch.cuda.current_stream(device).cuda_stream
-            ring = _ring_for(device, stream_key, slot_bytes, tuning)
-        else:
-            ring = StagingRing(device, slot_bytes, tuning.staging_chunks)
+        ring, chunk_pages = self._ring()
         # One DMA per page: page i of the transfer sits at position i % chunk_pages of
         # slot (i // chunk_pages) % slots.
         pos = np.arange(n, dtype=np.int64)

@@ -139,6 +139,19 @@ class EngineBlocks(BlockStores):
             self._host = host
         return self._copies
 
+    def warm(self) -> None:
+        """Compile the copies' kernels now, both ways (on a GPU; :meth:`SegmentCopy.warm`),
+        so that the first store or load costs what later ones do; nothing while the host
+        pages are not mapped here. A failure is logged: the copies still run without it."""
+        if self.device.type != "cuda":  # nothing to compile: memmove runs
+            return
+        try:
+            for copy in self._copies_now() or []:
+                if copy is not None:
+                    copy.warm()
+        except Exception as exc:
+            log.warning("the copy kernels could not be prepared ahead: %s", exc)
+
     @property
     def available(self) -> bool:
         """Whether the host pages are mapped here (else the caller takes another path)."""

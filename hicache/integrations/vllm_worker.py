@@ -134,6 +134,7 @@ class HiCacheOffloadingWorker(LayerwiseLoads, StoresAhead, OffloadingWorker):
             # A local sidecar shares its host pages: mapped at each session, and while they
             # are not (the sidecar is down), a store is dropped and a load misses.
             self.blocks = EngineBlocks(self.client, groups, device, FULL)
+            self.blocks.warm()  # the first store or load compiles nothing
         else:
             pages = max(1, config.staging_bytes // namespace.page_bytes)
             self.staging = StagingArea(self.layout, page_size=1, pages=pages, device=device)

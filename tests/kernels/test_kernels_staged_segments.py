@@ -116,3 +116,34 @@ def test_staged_segment_copies_on_a_gpu_match_the_kernel_both_ways_and_at_once()
     SegmentCopy(segs, want, 128, use_kernel=False).reference(list(range(40, 64)), list(range(24)),
                                                              True)  # fmt: skip
     assert torch.equal(pages, want)
+
+
+def _compiled(kernel) -> int:
+    """How many variants of a Triton kernel are compiled (or loaded) in this process."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_warmed_segment_copy_compiles_nothing_at_its_first_copies():
+    """After ``warm()``, the first store and load, direct and staged, of a fresh copy's
+    shape launch only variants compiled already."""
+    from hicache.kernels.triton_segments import copy_segments_kernel
+
+    dev = torch.device("cuda")
+    seg_bytes, nseg, blocks = 8192, 6, 48
+    tensors = [torch.zeros(blocks, seg_bytes + 48, dtype=torch.uint8, device=dev)
+               for _ in range(nseg)]  # fmt: skip
+    segs = [Segment(t, 16, seg_bytes, i * seg_bytes) for i, t in enumerate(tensors)]
+    pages = torch.zeros(blocks, 256 + nseg * seg_bytes, dtype=torch.uint8).pin_memory()
+    tuning = TransferTuning(staging_chunk_bytes=5 * nseg * seg_bytes,
+                            staged_segments_min_bytes=8 * nseg * seg_bytes,
+                            staged_min_dma_bytes=1)  # fmt: skip
+    copy = SegmentCopy(segs, pages, 256, tuning)
+    copy.warm()
+    before = _compiled(copy_segments_kernel)
+    for n in (1, 2, 3, 20):  # direct below 8 pages, staged from 8
+        ids = list(range(n))
+        copy.to_host(ids, ids[::-1])
+        copy.to_device(ids[::-1], ids)
+    assert _compiled(copy_segments_kernel) == before
