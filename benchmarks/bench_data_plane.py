@@ -308,6 +308,7 @@ def engine_block_paths(
         client.attach(layout, 1)
         engine = EngineBlocks(client, [segments], device, FULL)
         assert engine.available, "the sidecar's host pages could not be mapped"
+        engine.warm()  # as the vLLM worker does: no first copy compiles its kernel
         counter = iter(range(1 << 30))
 
         def refs(n: int, tag: int) -> list[PageRef]:
