@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hicache.kernels.staged import DmaPlan, StagingRing, _emulated_dmas, _issue_on_gpu, _ring_for
+from hicache.kernels.staged import (
+    StagingRing,
+    _emulated_dmas,
+    _issue_on_gpu,
+    _ring_for,
+    plan_dmas,
+)
 
 if TYPE_CHECKING:
     from hicache.kernels.segments import SegmentCopy
@@ -57,8 +63,9 @@ class StagedSegments:
         # Staged pages start 16-byte aligned, so the kernel keeps its 16-byte accesses.
         self.stride = -(-self.span // 16) * 16
         self.gapless = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        self.row = copy.pages.stride(0) * copy.pages.element_size()  # a host page's row
         self.copy = copy
-        self._stages: dict[tuple[int, int], SegmentCopy] = {}
+        self._stages: dict[tuple[int, int, int], SegmentCopy] = {}
 
     def could_stage(self, to_host: bool) -> bool:
         """Whether a large enough copy this way would be staged: on a GPU, pages whose
@@ -75,35 +82,47 @@ class StagedSegments:
         big = pages * self.span >= self.copy._tuning.staged_segments_min_bytes
         return big and self.could_stage(to_host)
 
-    def _ring(self) -> tuple[StagingRing, int]:
-        """The ring of the current stream (a fresh one on a CPU) and its pages a slot."""
+    def _layout(self, to_host: bool) -> tuple[int, int]:
+        """Bytes from one staged page to the next, and pages a slot. A store stages the
+        payload spans back to back (16-byte aligned). A load stages them a host row
+        apart, as they lie in the host pool, so that one DMA reads a run of consecutive
+        host pages whole (the frames between their spans come along and are not used)."""
+        stride = self.row if not to_host else self.stride
+        return stride, max(1, self.copy._tuning.staging_chunk_bytes // stride)
+
+    def _ring(self, to_host: bool) -> tuple[StagingRing, int, int]:
+        """The ring of the current stream (a fresh one on a CPU), the staged page stride,
+        and the pages a slot holds."""
         copy = self.copy
         tuning = copy._tuning
-        chunk_pages = max(1, tuning.staging_chunk_bytes // self.stride)
-        slot_bytes = chunk_pages * self.stride
+        stride, chunk_pages = self._layout(to_host)
+        slot_bytes = chunk_pages * stride
         if copy.device.type == "cuda":
             stream_key = torch.cuda.current_stream(copy.device).cuda_stream
-            return _ring_for(copy.device, stream_key, slot_bytes, tuning), chunk_pages
-        return StagingRing(copy.device, slot_bytes, tuning.staging_chunks), chunk_pages
+            ring = _ring_for(copy.device, stream_key, slot_bytes, tuning)
+        else:
+            ring = StagingRing(copy.device, slot_bytes, tuning.staging_chunks)
+        return ring, stride, chunk_pages
 
     def warm(self, to_host: bool, skip: np.ndarray) -> None:
         """Launch each slot's kernel of the current stream's ring over ``skip`` (blocks
         of -1, which it skips): compiled before the first staged copy needs it."""
-        ring, chunk_pages = self._ring()
+        ring, stride, chunk_pages = self._ring(to_host)
         for buffer in ring.buffers:
-            self._stage(buffer, chunk_pages)._launch(skip, np.zeros_like(skip), to_host)
+            stage = self._stage(buffer, stride, chunk_pages)
+            stage._launch(skip, np.zeros_like(skip), to_host)
 
-    def _stage(self, buffer: torch.Tensor, chunk_pages: int) -> SegmentCopy:
+    def _stage(self, buffer: torch.Tensor, stride: int, chunk_pages: int) -> SegmentCopy:
         """The segment copy between the engine's blocks and ``buffer`` seen as
-        ``chunk_pages`` staged pages (built once per ring slot)."""
+        ``chunk_pages`` staged pages ``stride`` bytes apart (built once per ring slot)."""
         from hicache.kernels.segments import Segment, SegmentCopy
 
-        key = (buffer.data_ptr(), chunk_pages)
+        key = (buffer.data_ptr(), stride, chunk_pages)
         stage = self._stages.get(key)
         if stage is None:
             if len(self._stages) >= 16:  # rings come and go: keep only recent slots
                 self._stages.clear()
-            pages = buffer[: chunk_pages * self.stride].view(chunk_pages, self.stride)
+            pages = buffer[: chunk_pages * stride].view(chunk_pages, stride)
             segs = [
                 Segment(s.tensor, s.src_offset, s.nbytes, s.dst_offset - self.lo)
                 for s in self.copy.segments
@@ -118,34 +137,32 @@ class StagedSegments:
         copy = self.copy
         tuning = copy._tuning
         device = copy.device
-        n = int(blocks.size)
-        ring, chunk_pages = self._ring()
-        # One DMA per page: page i of the transfer sits at position i % chunk_pages of
-        # slot (i // chunk_pages) % slots.
-        pos = np.arange(n, dtype=np.int64)
-        bases = np.array([b.data_ptr() for b in ring.buffers], dtype=np.uint64)
-        stage_addr = bases[(pos // chunk_pages) % ring.slots] + (
-            (pos % chunk_pages) * self.stride
-        ).astype(np.uint64)
-        row = copy.pages.stride(0) * copy.pages.element_size()
+        ring, stride, chunk_pages = self._ring(to_host)
         host_base = copy.pages.data_ptr() + copy.payload_offset + self.lo
-        host_addr = (host_base + pages.astype(np.int64) * row).astype(np.uint64)
-        sizes = np.full(n, self.span, dtype=np.uint64)
-        bounds = np.minimum(np.arange(-(-n // chunk_pages) + 1, dtype=np.int64) * chunk_pages, n)
-        offsets = ((pos % chunk_pages) * self.stride).astype(np.uint64)
-        plan = DmaPlan(chunk_pages, self.stride, bounds, bounds, host_addr, offsets, sizes)
-        dsts, srcs = (host_addr, stage_addr) if to_host else (stage_addr, host_addr)
-        launchers = [_Launch(self._stage(b, chunk_pages), to_host) for b in ring.buffers]
+        # Page i of the transfer sits at position i % chunk_pages of slot
+        # (i // chunk_pages) % slots. A store: one DMA a page. A load: one DMA a run of
+        # consecutive host pages within a chunk, from the first span's start to the last
+        # one's end (never past the pool's last byte).
+        plan = plan_dmas(pages, host_base, self.row, stride, chunk_pages)
+        sizes = plan.size - np.uint64(stride - self.span)
+        bases = np.array([b.data_ptr() for b in ring.buffers], dtype=np.uint64)
+        chunk_of_dma = np.repeat(
+            np.arange(plan.num_chunks, dtype=np.int64), np.diff(plan.dma_bounds)
+        )
+        stage_addr = bases[chunk_of_dma % ring.slots] + plan.stage_offset
+        dsts, srcs = (plan.host_addr, stage_addr) if to_host else (stage_addr, plan.host_addr)
+        launchers = [_Launch(self._stage(b, stride, chunk_pages), to_host) for b in ring.buffers]
         stage_items = np.arange(chunk_pages, dtype=np.int64)
         if device.type != "cuda":
             for c in range(plan.num_chunks):
-                lo, hi = int(bounds[c]), int(bounds[c + 1])
+                lo, hi = int(plan.page_bounds[c]), int(plan.page_bounds[c + 1])
+                d = slice(int(plan.dma_bounds[c]), int(plan.dma_bounds[c + 1]))
                 launcher = launchers[c % ring.slots]
                 if to_host:
                     launcher.launch(blocks[lo:hi], stage_items[: hi - lo])
-                    _emulated_dmas(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi])
+                    _emulated_dmas(dsts[d], srcs[d], sizes[d])
                 else:
-                    _emulated_dmas(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi])
+                    _emulated_dmas(dsts[d], srcs[d], sizes[d])
                     launcher.launch(stage_items[: hi - lo], blocks[lo:hi])
             return
         from hicache.kernels.copy_engine import Copies1D

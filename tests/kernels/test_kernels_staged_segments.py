@@ -56,6 +56,40 @@ def test_a_staged_store_and_load_move_exactly_the_segments(chunk_bytes):
         assert not seg.tensor[others].any()  # no other block written
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 900, 1 << 20], ids=["page-a-chunk", "2-a-chunk", "one"])
+def test_a_staged_load_reads_a_run_of_consecutive_pages_in_one_dma(chunk_bytes, monkeypatch):
+    """Consecutive host pages within a chunk are read by one DMA, from the first span's
+    start to the last one's end: never past the pool's last byte, and the blocks get the
+    reference's bytes."""
+    from hicache.kernels import staged_segments
+
+    tensors = _tensors(4)
+    segs = _gapless(tensors)
+    pages = torch.randint(0, 256, (9, PAYLOAD + 320), dtype=torch.uint8)
+    copy = SegmentCopy(segs, pages, PAYLOAD, _tuning(chunk_bytes), use_kernel=True)
+    dmas: list[tuple[int, int]] = []
+    real = staged_segments._emulated_dmas
+
+    def record(dsts, srcs, sizes):
+        dmas.extend(zip(srcs.tolist(), sizes.tolist()))
+        real(dsts, srcs, sizes)
+
+    monkeypatch.setattr(staged_segments, "_emulated_dmas", record)
+    blocks, src = np.array([2, 4, 6, 8, 10, 1]), np.array([5, 6, 7, 8, 0, 3])
+    for t in tensors:
+        t.zero_()
+    copy.staged().run(blocks, src, to_host=False)
+    for seg in segs:
+        got = seg.tensor[blocks, seg.src_offset : seg.src_offset + seg.nbytes]
+        at = PAYLOAD + seg.dst_offset
+        assert torch.equal(got, pages[src, at : at + seg.nbytes])
+    end = pages.data_ptr() + pages.numel()
+    assert all(a + n <= end for a, n in dmas)
+    chunk_pages = max(1, chunk_bytes // pages.shape[1])
+    runs = {1: 6, 2: 4}.get(chunk_pages, 3)  # pages 5-8 one run when a chunk holds them
+    assert len(dmas) == runs
+
+
 def test_a_layout_with_a_gap_stages_loads_only_and_loads_stay_exact():
     tensors = _tensors(2)
     segs = [Segment(tensors[0], 0, 64, 0), Segment(tensors[1], 0, 64, 128)]  # a gap of 64
@@ -116,6 +150,10 @@ def test_staged_segment_copies_on_a_gpu_match_the_kernel_both_ways_and_at_once()
     SegmentCopy(segs, want, 128, use_kernel=False).reference(list(range(40, 64)), list(range(24)),
                                                              True)  # fmt: skip
     assert torch.equal(pages, want)
+    # consecutive host pages: a load reads each chunk's run in one DMA
+    stored = [t[40:64].clone() for t in tensors]
+    copy.to_device(list(range(24)), list(range(24)))
+    assert all(torch.equal(t[:24], stored[k]) for k, t in enumerate(tensors))
 
 
 def _compiled(kernel) -> int:
