@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.controller.store.page_index import PageEntry, PageIndex
 
@@ -23,6 +23,9 @@ class PinRecord:
     entries: list[PageEntry]
     skeys: frozenset[bytes]
     deadline: float
+    # The pages a load through the store under this pin claimed: an engine that read the
+    # others itself (a load parted between them) books only those at its unpin.
+    loaded: set[bytes] = field(default_factory=set)
 
 
 class PinTable:
