@@ -225,7 +225,7 @@ class CopyOps(StoreState):
                 for e in straight:  # self._hold_locked(e)
                     e.busy += 1
                     e.copies += 1
-                fills += self._disk.read_direct_locked(straight, direct)
+                fills += self._disk.read_direct_locked(straight, direct, rec.parted())
         return Claim(ClaimState.READING, entries, fills, straight)
 
     def reads_done(self, claim: Claim, deadline: float, engine_id: str) -> bool:
