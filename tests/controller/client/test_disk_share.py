@@ -124,11 +124,17 @@ def test_large_pages_are_read_part_here_part_by_the_sidecar(workdir, damage):
     """With ``engine_split_read_bytes`` at or under the page size, a load of pages only on
     disk goes part to the sidecar (the first half) and is read part here, side by side:
     the bytes exact, each part booked once (the unpin books only the pages the sidecar's
-    load did not claim), the pages still on disk only. A bad value fails the sidecar's
+    load did not claim), the sidecar's part read on one thread, the pages still on disk
+    only. A bad value fails the sidecar's
     part (and is dropped); one in this engine's part makes the sidecar load that part too
     (which fails it and drops the value): the load falls short, no wrong byte served."""
     side = Sidecar(workdir)
     engine = _engine(side, engine_split_read_bytes=1)
+    disk, serial = side.controller.store._disk, []
+    direct = disk.read_direct_locked
+    disk.read_direct_locked = lambda pages, sink, s=False: (
+        serial.append(s) or direct(pages, sink, s)
+    )
     try:
         _stored_on_disk_only(side, engine)
         pages = PREFIX // PAGE
@@ -151,6 +157,7 @@ def test_large_pages_are_read_part_here_part_by_the_sidecar(workdir, damage):
             wait_for(lambda: side.counter("load", "engine_read") == 1, 10, "the unpin")
             # The sidecar's part (its load) and this engine's (the unpin): every page once.
             assert side.counter("load", "ok") == 1
+            assert serial == [True], "the sidecar read its part on its serial reader"
             assert side.counter("transfer", "disk_to_device", "pages") == pages
             assert engine.call("evict_all")["full_tokens"] >= PREFIX
             assert engine.call("match", tokens=TOKENS) == ON_DISK
