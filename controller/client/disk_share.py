@@ -55,14 +55,14 @@ _OK = ReadStatus.OK
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
 
 
-# Pages of this size or more are read half here, half by the sidecar at the same time
+# Pages of this size or more are read part here, part by the sidecar at the same time
 # (``engine_split_read_bytes``' default). Two reader threads in one process hand the
 # interpreter's lock back and forth between each page's copies and hashes, and a waiting
 # thread often misses its turn: on the 2-core development box, 64 MiB of 256 KiB pages
-# took 13-14 ms on two readers, as on one, sometimes 26. Read alone by either process,
-# the same load took about 18.4 ms; parted between the two, 13.7 (``bench_restart.py``
-# probe, medians of 16 loads each). Below it the pages are read here alone, one after
-# another (the sidecar too reads them serially: ``SERIAL_READ_BELOW_BYTES``).
+# took 13-14 ms on two readers, as on one, sometimes 26; through the sidecar alone a load
+# of them took 18-21 ms, parted 12-15 (probe runs of bench_restart's set-up, medians of
+# 16 loads). Below it the pages are read here alone, one after another (the sidecar too
+# reads them serially: ``SERIAL_READ_BELOW_BYTES``).
 SPLIT_PAGE_BYTES = 64 << 10
 
 

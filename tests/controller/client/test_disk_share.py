@@ -122,7 +122,7 @@ def _chain(side: Sidecar) -> list[bytes]:
 @pytest.mark.parametrize("damage", [None, "theirs", "ours"])
 def test_large_pages_are_read_part_here_part_by_the_sidecar(workdir, damage):
     """With ``engine_split_read_bytes`` at or under the page size, a load of pages only on
-    disk goes part to the sidecar (the first half) and is read part here, side by side:
+    disk goes part to the sidecar (the first 40 %) and is read part here, side by side:
     the bytes exact, each part booked once (the unpin books only the pages the sidecar's
     load did not claim), the sidecar's part read on one thread, the pages still on disk
     only. A bad value fails the sidecar's
