@@ -206,8 +206,10 @@ def split_load(
     with a bad value) goes to the sidecar after."""
     theirs, ours = parts
     finish = start_sidecar_load(client, theirs, pin, timeout_s)
-    copied = share.try_load(ours, pin, client.counters)
-    res = finish()
+    try:
+        copied = share.try_load(ours, pin, client.counters)
+    finally:  # whatever happened here, the sidecar's part has ended (or timed out)
+        res = finish()
     client.counters["load_split"] += 1
     if res.ok and copied is None:
         return sidecar_load(client, ours, pin, timeout_s)
