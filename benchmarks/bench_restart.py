@@ -14,10 +14,11 @@ default, pages read straight into the engine's slots, unless ``--host-copy``; a 
 go through host pages either way), and the same engine, never restarted, loads the whole
 prefix back (pin, load, unpin) once its client has reconnected by itself. On a CPU the
 engine reads those pages itself from the sidecar's LMDB file, straight into its slots
-(``engine_disk_reads``, controller/client/disk_share.py; pages under its
-``MAX_PAGE_BYTES``, 64 KiB: larger ones the sidecar reads either way), unless ``--no-engine-reads``
-(the sidecar reads them, as above); ``--both`` runs each page size both ways, one after
-the other, each row saying who read the pages.
+(``engine_disk_reads``, controller/client/disk_share.py; pages of 64 KiB or more,
+``engine_split_read_bytes``, half of them, the sidecar reading the other half at the same
+time), unless ``--no-engine-reads`` (the sidecar reads them all, as above); ``--both`` runs
+each page size both ways, one after the other, each row saying who read the pages
+(``engine``: all or part of them).
 Timed, each as GB/s:
 
 * ``first_warm``: the first load after a restart, the OS page cache of the LMDB file left

@@ -90,6 +90,10 @@ class SidecarClientConfig:
     # With engine_copies, a CPU engine of a sidecar in another process also reads pages
     # only on disk itself, from the sidecar's LMDB file (controller/client/disk_share.py).
     engine_disk_reads: bool = True
+    # With engine_disk_reads, pages of this size (bytes) or more only on disk are read
+    # part here, part by the sidecar, side by side (two processes: two cores busy); the
+    # smaller ones are read here alone.
+    engine_split_read_bytes: int = 64 << 10
     # This engine's prefill rate, tokens per second, sent with its lookups for the
     # sidecar's cost rule (None: not reported; the client's ``prefill_rate`` attribute
     # changes it at run time).
@@ -112,6 +116,8 @@ class SidecarClientConfig:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.reply_spin_s >= 0:
             raise ConfigError(f"reply_spin_s must be >= 0 seconds, got {self.reply_spin_s}")
+        if self.engine_split_read_bytes < 0:
+            raise ConfigError("engine_split_read_bytes must be >= 0")
         if self.breaker_failures < 1:
             raise ConfigError("breaker_failures must be >= 1")
 

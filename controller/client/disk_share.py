@@ -11,13 +11,16 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
   its values carry (``describe``'s ``disk`` entry); this engine checks the digest against
   its own layout's and opens the environment read-only (``MDB_RDONLY``: it never writes,
   and LMDB's MVCC keeps a read transaction's values whole while the sidecar writes);
-* a **load** whose pin answered ``-1`` for some pages (on disk only), all of pages under
-  ``MAX_PAGE_BYTES`` (larger ones the sidecar's readers read faster, side by side), reads
-  those in one
+* a **load** whose pin answered ``-1`` for some pages (on disk only) reads those in one
   read transaction, each value copied from the map into its slot and checked there
   (``page_codec.verify_runs``: header CRC, component, layout digest, length, and the
   payload checksum over the bytes as they lie in the slot), and copies the others from
-  the shared host pages;
+  the shared host pages. Pages of ``engine_split_read_bytes`` (``SPLIT_PAGE_BYTES``) or
+  more it reads **beside the sidecar**: their first ``SIDECAR_SHARE`` goes to the
+  sidecar as a load of its own, sent first, and this engine reads the rest meanwhile
+  (``inflight.split_load``). Each process's copies and checks hold its own interpreter's
+  lock between the lock-free parts; two reader threads of one process mostly wait on it
+  for each other, two processes keep two cores busy;
 * the **unpin** tells the sidecar how many bytes it read in how long: the sidecar counts
   the ``disk_to_device`` transfer, feeds the disk tier's read cost, and keeps the pages
   as any that served a load (LRU, the warm start's order of use).
@@ -52,12 +55,15 @@ _OK = ReadStatus.OK
 _TAG = {c: bytes((int(c),)) for c in ComponentType}
 
 
-# Pages of this size or more are left to the sidecar: its reader threads then copy and
-# hash them without the interpreter's lock, side by side, and on the 2-core development
-# box beat one thread here (``bench_restart.py``: 4.2 against 2.9 GB/s at 256 KiB, 4.5
-# against 3.5 at 1 MiB); below it they read one after another, as this engine does, but
-# beside every engine's bookkeeping (the sidecar's ``SERIAL_READ_BELOW_BYTES``).
-MAX_PAGE_BYTES = 64 << 10
+# Pages of this size or more are read part here, part by the sidecar at the same time
+# (``engine_split_read_bytes``' default). Two reader threads in one process hand the
+# interpreter's lock back and forth between each page's copies and hashes, and a waiting
+# thread often misses its turn: on the 2-core development box, 64 MiB of 256 KiB pages
+# took 13-14 ms on two readers, as on one, sometimes 26; through the sidecar alone a load
+# of them took 18-21 ms, parted 12-15 (probe runs of bench_restart's set-up, medians of
+# 16 loads). Below it the pages are read here alone, one after another (the sidecar too
+# reads them serially: ``SERIAL_READ_BELOW_BYTES``).
+SPLIT_PAGE_BYTES = 64 << 10
 
 
 class DiskShare:
@@ -70,6 +76,7 @@ class DiskShare:
         digest: bytes,
         geometry: dict[ComponentType, SlotGeometry],
         nbytes: dict[ComponentType, int],
+        split_bytes: int = 1 << 62,
     ) -> None:
         self._env: Any = env
         self._digest = digest
@@ -77,6 +84,8 @@ class DiskShare:
         self._geometry = geometry  # keeps the slots' storages mapped
         self._nbytes = nbytes
         self._lock = threading.Lock()  # a read is wholly before or after close()
+        # Components whose pages are read here only beside the sidecar (see ``shares``).
+        self._shared = {c for c, n in nbytes.items() if n >= split_bytes}
 
     @classmethod
     def open(
@@ -87,10 +96,12 @@ class DiskShare:
         pool: HostPool,
         engine: TransferEngine,
         buffers: EngineBuffers,
+        split_bytes: int = SPLIT_PAGE_BYTES,
     ) -> DiskShare | None:
         """Open the disk tier that ``entry`` (the description's ``disk``) names for reads
-        into ``buffers``; None (logged) when it is unusable here: another layout's, slots
-        that are not CPU memory in whole rows, an environment that does not open."""
+        into ``buffers`` (pages of ``split_bytes`` or more: beside the sidecar); None
+        (logged) when it is unusable here: another layout's, slots that are not CPU memory
+        in whole rows, an environment that does not open."""
         if not isinstance(entry, dict):
             return None
         path, digest = entry.get("path"), entry.get("digest")
@@ -99,8 +110,6 @@ class DiskShare:
             return None
         geometry: dict[ComponentType, SlotGeometry] = {}
         for comp in pool.components:
-            if layout.page_bytes(comp, page_size) >= MAX_PAGE_BYTES:
-                continue
             try:
                 plan = engine.prepared(comp, buffers, to_host=False)
             except Exception:  # no pool of this component here
@@ -129,11 +138,20 @@ class DiskShare:
             return None
         nbytes = {c: layout.page_bytes(c, page_size) for c in geometry}
         log.info("reading pages only on disk here, from %s", path)
-        return cls(env, digest, geometry, nbytes)
+        return cls(env, digest, geometry, nbytes, split_bytes)
 
     def covers(self, component: ComponentType) -> bool:
-        """Whether pages of ``component`` are read here."""
+        """Whether pages of ``component`` are read here (alone)."""
+        return component in self._spans and component not in self._shared
+
+    def reads(self, component: ComponentType) -> bool:
+        """Whether pages of ``component`` are read here, alone or beside the sidecar."""
         return component in self._spans
+
+    def shares(self, component: ComponentType) -> bool:
+        """Whether pages of ``component`` are read here beside the sidecar, which reads
+        the other part of a load at the same time."""
+        return component in self._shared
 
     def read(self, pages: Sequence[tuple[ComponentType, bytes, int]]) -> bool:
         """Read each ``(component, page hash, slot)`` into its slot, checked there, in one

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache.controller.client.channel import (
     POLL_SLICE_S,
@@ -18,6 +18,9 @@ from hicache.controller.client.channel import (
 from hicache.controller.wire.protocol import Verb
 from hicache.controller.wire.verbs import LoadArgs
 from hicache.controller_api import LoadResult, PageRef, PinReceipt
+
+if TYPE_CHECKING:
+    from hicache.controller.client.host_share import HostShare
 
 log = logging.getLogger("hicache.sidecar.client")
 LOAD_PINS = 0  # the pin id of a pin left to the load (pin_at_load); the sidecar's start at 1
@@ -134,6 +137,14 @@ def sidecar_load(
     ``ok`` when it copied every page. When no answer came in time, the copy may still run:
     the result is then a failure whose ``pending`` handle is done once it can no longer
     write (the reply, or a newer session)."""
+    return start_sidecar_load(client, refs, pin, timeout_s)()
+
+
+def start_sidecar_load(
+    client: Any, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float
+) -> Callable[[], LoadResult]:
+    """:func:`sidecar_load` sent now, not waited for: the returned call waits for it (once)
+    and answers as :func:`sidecar_load` does, meanwhile this thread does something else."""
     device = client._cuda_device()
     if device is not None:
         # Work the engine queued on these slots (their previous owner's) must finish
@@ -144,7 +155,7 @@ def sidecar_load(
     if pin.pin_id == LOAD_PINS:  # the load pins its pages for what is left of the TTL
         ttl = pin.deadline - time.monotonic()
         if ttl <= 0:
-            return LoadResult.FAILED  # expired, as a pin would have
+            return _failed  # expired, as a pin would have
         args = LoadArgs(list(refs), float(timeout_s), pin_ttl_s=max(ttl, 0.001))
     else:
         args = LoadArgs(list(refs), float(timeout_s), pin_id=pin.pin_id)
@@ -153,20 +164,56 @@ def sidecar_load(
     except SidecarUnavailable as exc:  # never sent: nothing can run
         client._failed(exc)
         log.warning("load-back through the sidecar failed: %s", exc)
-        return LoadResult.FAILED
+        return _failed
     generation, deadline = ch.generation, time.monotonic() + timeout
+
+    def finish() -> LoadResult:
+        try:
+            left = max(deadline - time.monotonic(), 0.0)
+            res = ch.wait(rid, left, forget=False, spin_s=client.config.reply_spin_s)
+        except RemoteError as exc:
+            client._call_failed(exc)
+            log.warning("load-back through the sidecar failed: %s", exc)
+            return LoadResult.FAILED
+        except SidecarUnavailable:
+            # No answer in time: the sidecar may still be copying into these slots.
+            client.counters["load_abandoned"] += 1
+            log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
+            pending = RemoteTransfer(client, rid, generation, 0.0, deadline)
+            pending.done()  # past its deadline: opens the breaker for a new session
+            return LoadResult(False, pending)
+        client._succeeded()
+        return LoadResult.LOADED if res.ok else LoadResult.FAILED
+
+    return finish
+
+
+def _failed() -> LoadResult:
+    return LoadResult.FAILED
+
+
+def split_load(
+    client: Any,
+    share: HostShare,
+    parts: tuple[list[PageRef], list[PageRef]],
+    pin: PinReceipt,
+    timeout_s: float,
+) -> LoadResult:
+    """A load that the sidecar and ``client``'s engine read from disk at once, each in its
+    own process (``HostShare.split``: the sidecar's part, this engine's): the sidecar's
+    part sent first, this engine's read meanwhile, then the sidecar's answer waited for. A
+    part that could not be read here (a read not OK: the sidecar reads again and deals
+    with a bad value) goes to the sidecar after."""
+    theirs, ours = parts
+    finish = start_sidecar_load(client, theirs, pin, timeout_s)
     try:
-        res = ch.wait(rid, timeout, forget=False, spin_s=client.config.reply_spin_s)
-    except RemoteError as exc:
-        client._call_failed(exc)
-        log.warning("load-back through the sidecar failed: %s", exc)
-        return LoadResult.FAILED
-    except SidecarUnavailable:
-        # No answer in time: the sidecar may still be copying into these slots.
-        client.counters["load_abandoned"] += 1
-        log.warning("load-back through the sidecar got no answer in %.3fs", timeout)
-        pending = RemoteTransfer(client, rid, generation, 0.0, deadline)
-        pending.done()  # past its deadline: opens the breaker for a new session
-        return LoadResult(False, pending)
-    client._succeeded()
-    return LoadResult.LOADED if res.ok else LoadResult.FAILED
+        copied = share.try_load(ours, pin, client.counters)
+    finally:  # whatever happened here, the sidecar's part has ended (or timed out)
+        res = finish()
+    client.counters["load_split"] += 1
+    if res.ok and copied is None:
+        return sidecar_load(client, ours, pin, timeout_s)
+    if res.ok and copied:
+        return LoadResult.LOADED
+    share.forget(pin)  # no load: its unpin books nothing read here
+    return LoadResult.FAILED if res.ok else res

@@ -46,6 +46,7 @@ from hicache.controller.client.inflight import (
     RemoteTransfer,
     current_stream,
     sidecar_load,
+    split_load,
 )
 from hicache.controller.wire.fields import MAX_LOOKUP_HASHES, MAX_PIN_KEYS
 from hicache.controller.wire.protocol import (
@@ -224,11 +225,11 @@ class SidecarController(EngineCopies):
                 self._fenced_generation = ch.generation
         self._drop_share()  # the pages of an earlier session's sidecar are not this one's
         if desc is not None and self.config.engine_copies:
-            # Loaded here, not at import: an engine that registers no pools, or copies
-            # nothing itself, never maps host pages (nor loads the page geometry).
+            # Loaded here: an engine that copies nothing itself never maps host pages.
             from hicache.controller.client.host_share import HostShare
 
             reads = self.config.engine_disk_reads and welcome.pid != os.getpid()  # one env
+            reads = self.config.engine_split_read_bytes if reads else None
             self._share = HostShare.for_session(
                 self.endpoint, layout, page_size, self._pools, ch.generation, reads
             )
@@ -437,6 +438,8 @@ class SidecarController(EngineCopies):
             return LoadResult.FAILED
         share = self._share  # pages all on host: copied here (host_share.py)
         mine = share is not None and share.generation == pin.generation
+        if mine and (parts := share.split(refs, pin)) is not None:  # read here and there
+            return split_load(self, share, parts, pin, timeout_s)
         copied = share.try_load(refs, pin, self.counters) if mine else None
         if copied is not None:
             self.counters["load_engine_copied" if copied else "load_engine_copy_failed"] += 1

@@ -124,7 +124,8 @@ class CopyOps(StoreState):
             if rec is not None and rec.engine_id != engine_id:
                 raise ControllerError(f"pin {pin_id} belongs to engine {rec.engine_id!r}")
             if rec is not None and (loaded_s is not None or disk_s is not None):
-                self._served_directly_locked(rec.entries, loaded_s or 0.0, disk_s)
+                mine = [e for e in rec.entries if e.skey not in rec.loaded]
+                self._served_directly_locked(mine, loaded_s or 0.0, disk_s)
             self._pins.release(pin_id)
 
     def _served_directly_locked(
@@ -199,6 +200,7 @@ class CopyOps(StoreState):
                     self._count_absent_locked(ref.key, engine_id)
                     return Claim(ClaimState.FAILED)
                 entries.append(e)
+            rec.loaded.update(e.skey for e in entries)
             ready = HostState.READY
             if all(e.host_state is ready for e in entries):
                 # All on host already: hold them now, in the same section.
@@ -223,7 +225,7 @@ class CopyOps(StoreState):
                 for e in straight:  # self._hold_locked(e)
                     e.busy += 1
                     e.copies += 1
-                fills += self._disk.read_direct_locked(straight, direct)
+                fills += self._disk.read_direct_locked(straight, direct, rec.parted())
         return Claim(ClaimState.READING, entries, fills, straight)
 
     def reads_done(self, claim: Claim, deadline: float, engine_id: str) -> bool:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hicache.controller.store.page_entry import DiskState, HostState
 from hicache.controller.store.page_index import PageEntry, PageIndex
 
 
@@ -23,6 +24,21 @@ class PinRecord:
     entries: list[PageEntry]
     skeys: frozenset[bytes]
     deadline: float
+    # The pages a load through the store under this pin claimed: an engine that read the
+    # others itself (a load parted between them) books only those at its unpin.
+    loaded: set[bytes] = field(default_factory=set)
+
+    def parted(self) -> bool:
+        """Whether the loads claimed only part of this pin's pages, some of the others on
+        disk only: the sidecar's part of a load parted with the engine, which reads the
+        rest at the same time on a core of its own (``inflight.split_load``); the sidecar
+        then reads its part on one thread: its readers beside each other and the engine
+        would only take turns at the cores and at the interpreter's lock."""
+        loaded, none, ready = self.loaded, HostState.NONE, DiskState.READY
+        return any(
+            e.skey not in loaded and e.host_state is none and e.disk_state is ready
+            for e in self.entries
+        )
 
 
 class PinTable:

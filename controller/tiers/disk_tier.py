@@ -229,16 +229,19 @@ class DiskTier:
         sizes = self._value_bytes
         return all(sizes[c] - HEADER_BYTES < SERIAL_READ_BELOW_BYTES for c in components)
 
-    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+    def read_direct_locked(
+        self, pages: Sequence[PageEntry], sink: DirectSink, serial: bool = False
+    ) -> list[Future]:
         """Read ``pages`` (held, on this tier only) straight into where ``sink`` puts them
         (a load's slots in an engine's memory), no host page between: batched and spread
-        over the reader pool as :meth:`fill_locked` does; the futures of the batches, each
-        True when every page of it was served. A value that fails its checks is forgotten
-        here and deleted, as on a read into host."""
+        over the reader pool as :meth:`fill_locked` does (``serial``, or small pages: on
+        the serial reader); the futures of the batches, each True when every page of it
+        was served. A value that fails its checks is forgotten here and deleted, as on a
+        read into host."""
         sizes = self._value_bytes
         total = sum(sizes[p.component] for p in pages)
         target = max(1, min(READ_BATCH_BYTES, -(-total // self.lmdb.readers)))
-        serial = self._serial({p.component for p in pages})
+        serial = serial or self._serial({p.component for p in pages})
         submit, read = self.lmdb.submit_read, self._read_direct
         futures: list[Future] = []
         batch: list[PageEntry] = []

@@ -114,11 +114,14 @@ class LowerTier(Protocol):
         read that passed every check, before they are settled (their host pages held by
         the read, their bytes final): a load copies them on from there."""
 
-    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+    def read_direct_locked(
+        self, pages: Sequence[PageEntry], sink: DirectSink, serial: bool = False
+    ) -> list[Future]:
         """Start reading ``pages`` (held by the load, on this tier only) straight into
         where ``sink`` puts them, no host page between; the futures of the reads, each
-        True when all its pages were served. Only the indexed tier is asked; the others
-        read into host pages only (:class:`FillsHostOnly`)."""
+        True when all its pages were served (``serial``: on one thread, whatever their
+        size). Only the indexed tier is asked; the others read into host pages only
+        (:class:`FillsHostOnly`)."""
 
     def read_cost(self) -> ReadCost | None:
         """What reading from this tier costs, as measured on its reads (None: not known;
@@ -198,7 +201,9 @@ class FillsHostOnly:
     """:meth:`LowerTier.read_direct_locked` and the engines' own reads of a tier that is
     never asked them."""
 
-    def read_direct_locked(self, pages: Sequence[PageEntry], sink: DirectSink) -> list[Future]:
+    def read_direct_locked(
+        self, pages: Sequence[PageEntry], sink: DirectSink, serial: bool = False
+    ) -> list[Future]:
         raise NotImplementedError("only the indexed tier reads pages straight into a load")
 
     def engine_reads(self) -> dict[str, Any] | None:

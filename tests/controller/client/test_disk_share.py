@@ -16,7 +16,7 @@ import pytest
 
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.local import LocalController
-from hicache.controller.store.page_codec import HEADER_BYTES
+from hicache.controller.store.page_codec import HEADER_BYTES, decode_header
 from hicache.types import ComponentType, Tier
 from tests.support.sidecar import EngineProc, ServerThread, wait_for
 
@@ -100,6 +100,67 @@ def test_the_engine_reads_pages_only_on_disk_itself(workdir, mix):
         assert pages >= 2 * PREFIX // PAGE
         assert side.counter("transfer", "disk_to_device", "bytes") > 0
         assert side.controller.store._disk.read_cost().seconds_per_byte is not None
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
+
+
+def _chain(side: Sidecar) -> list[bytes]:
+    """The stored keys in prefix order (each value's header names its parent)."""
+    with side.lmdb_env().begin(buffers=True) as txn:
+        parents = {bytes(k): decode_header(v).parent_hash for k, v in txn.cursor().iternext()}
+    by_parent = {p: k for k, p in parents.items()}
+    key = next(k for k, p in parents.items() if p + k[-1:] not in parents)  # the first
+    chain = [key]
+    while key[:-1] in by_parent:
+        key = by_parent[key[:-1]]
+        chain.append(key)
+    return chain
+
+
+@pytest.mark.parametrize("damage", [None, "theirs", "ours"])
+def test_large_pages_are_read_part_here_part_by_the_sidecar(workdir, damage):
+    """With ``engine_split_read_bytes`` at or under the page size, a load of pages only on
+    disk goes part to the sidecar (the first 40 %) and is read part here, side by side:
+    the bytes exact, each part booked once (the unpin books only the pages the sidecar's
+    load did not claim), the sidecar's part read on one thread, the pages still on disk
+    only. A bad value fails the sidecar's
+    part (and is dropped); one in this engine's part makes the sidecar load that part too
+    (which fails it and drops the value): the load falls short, no wrong byte served."""
+    side = Sidecar(workdir)
+    engine = _engine(side, engine_split_read_bytes=1)
+    disk, serial = side.controller.store._disk, []
+    direct = disk.read_direct_locked
+    disk.read_direct_locked = lambda pages, sink, s=False: (
+        serial.append(s) or direct(pages, sink, s)
+    )
+    try:
+        _stored_on_disk_only(side, engine)
+        pages = PREFIX // PAGE
+        chain = _chain(side)
+        assert len(chain) == pages
+        if damage:
+            _flip_a_payload_bit(side, chain[0] if damage == "theirs" else chain[-1])
+        prefix = engine.call("start", tokens=TOKENS)["prefix_len"]  # checks every byte
+        counters = engine.call("status")["counters"]
+        assert counters.get("load_split") == 1, counters
+        if damage:
+            assert prefix < PREFIX
+            fell_back = counters.get("load_engine_read_fell_back")
+            assert fell_back == (1 if damage == "ours" else None), counters
+            assert side.counter("failures", "checksum") == 1
+            assert side.counter("load", "engine_read") == 0
+        else:
+            assert prefix == PREFIX
+            assert counters.get("load_engine_read") == 1, counters
+            wait_for(lambda: side.counter("load", "engine_read") == 1, 10, "the unpin")
+            # The sidecar's part (its load) and this engine's (the unpin): every page once.
+            assert side.counter("load", "ok") == 1
+            assert serial == [True], "the sidecar read its part on its serial reader"
+            assert side.counter("transfer", "disk_to_device", "pages") == pages
+            assert engine.call("evict_all")["full_tokens"] >= PREFIX
+            assert engine.call("match", tokens=TOKENS) == ON_DISK
         side.controller.check_invariants()
     finally:
         engine.close()
