@@ -23,7 +23,7 @@ On CPU tensors the same plan runs with memmoves standing in for the DMAs (the te
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +36,8 @@ from hicache.kernels.staged import (
     plan_dmas,
 )
 
-if TYPE_CHECKING:
-    from hicache.kernels.segments import SegmentCopy
+# A :class:`hicache.kernels.segments.SegmentCopy` (that module imports this one).
+SegmentCopy = Any
 
 
 class _Launch:
@@ -115,19 +115,18 @@ class StagedSegments:
     def _stage(self, buffer: torch.Tensor, stride: int, chunk_pages: int) -> SegmentCopy:
         """The segment copy between the engine's blocks and ``buffer`` seen as
         ``chunk_pages`` staged pages ``stride`` bytes apart (built once per ring slot)."""
-        from hicache.kernels.segments import Segment, SegmentCopy
-
         key = (buffer.data_ptr(), stride, chunk_pages)
         stage = self._stages.get(key)
         if stage is None:
             if len(self._stages) >= 16:  # rings come and go: keep only recent slots
                 self._stages.clear()
             pages = buffer[: chunk_pages * stride].view(chunk_pages, stride)
+            # The copy's own classes (segments.py imports this module, not the reverse).
             segs = [
-                Segment(s.tensor, s.src_offset, s.nbytes, s.dst_offset - self.lo)
+                type(s)(s.tensor, s.src_offset, s.nbytes, s.dst_offset - self.lo)
                 for s in self.copy.segments
             ]
-            stage = SegmentCopy(segs, pages, 0, self.copy._tuning, use_kernel=True)
+            stage = type(self.copy)(segs, pages, 0, self.copy._tuning, use_kernel=True)
             self._stages[key] = stage
         return stage
 
