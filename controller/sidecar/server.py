@@ -47,6 +47,7 @@ from hicache.controller.sidecar.fd_inbox import FdInbox
 from hicache.controller.sidecar.handlers import VerbHandlers
 from hicache.controller.sidecar.inline_loads import InlineLoads
 from hicache.controller.sidecar.metrics import SidecarMetrics
+from hicache.controller.sidecar.prestart import prestart
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
 from hicache.controller.wire.protocol import (
     ErrorCode,
@@ -199,6 +200,7 @@ class SidecarServer:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(self._reply_addr)
+        prestart(self._executor, self.config.worker_threads, self._lane, self._push_socket)
         self.endpoints.append(self._bind_ipc())
         ctl = self.verbs.ctl
         self.verbs.fd_inbox = FdInbox(
@@ -422,6 +424,9 @@ class SidecarServer:
     # -- workers -------------------------------------------------------------------------
 
     def _push(self, frames: list[bytes]) -> None:
+        self._push_socket().send_multipart(frames)
+
+    def _push_socket(self) -> zmq.Socket:  # this thread's, opened at its first use
         sock = getattr(self._local, "push", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -430,7 +435,7 @@ class SidecarServer:
             self._local.push = sock
             with self._push_lock:
                 self._push_sockets.append(sock)
-        sock.send_multipart(frames)
+        return sock
 
     def _run_job(
         self, conn: Connection, spec: VerbSpec, req: Request, deadline: float, t0: float
