@@ -29,9 +29,13 @@ def prestart(
         open_socket()
         barrier.wait(10.0)
 
-    def on_lane() -> None:
-        open_socket()
-        lane_done.set()
+    def on_lane() -> None:  # a lane job must not raise
+        try:
+            open_socket()
+        except Exception as exc:
+            log.warning("the lane's socket could not be opened ahead: %s", exc)
+        finally:
+            lane_done.set()
 
     try:
         jobs = [executor.submit(on_worker) for _ in range(workers)]
