@@ -267,3 +267,28 @@ def test_the_sidecar_freezes_its_index_once_built_and_again_when_it_has_grown(
         index.check_invariants()
     finally:
         ctl.close()
+
+
+def test_bind_starts_every_worker_thread_with_its_socket_before_any_request(tmp_path):
+    """A sidecar is ready with its threads running: every worker of the pool and the lane's
+    thread have started and opened their sockets to the I/O loop at bind, so the first
+    requests after a (re)start pay for neither."""
+    from hicache.controller.config import ControllerConfig
+    from hicache.controller.sidecar.config import SidecarConfig
+    from hicache.controller.sidecar.server import SidecarServer
+
+    ctl = LocalController(ControllerConfig(host_pool_bytes=1 << 20), make_layout("full"), 4)
+    config = SidecarConfig(socket_path=tmp_path / "s.sock", worker_threads=3)
+    srv = SidecarServer(ctl, config)
+    try:
+        before = set(threading.enumerate())  # other tests' threads, if any are left
+        srv.bind()
+        workers = [t for t in set(threading.enumerate()) - before
+                   if t.name.startswith("hicache-sidecar-worker")]  # fmt: skip
+        assert len(workers) == 3 and all(t.is_alive() for t in workers)
+        assert len(srv._push_sockets) == 3 + 1  # the workers' and the lane's
+        ctl.check_invariants()
+    finally:
+        srv.request_stop()
+        srv.serve()  # stops at once: nothing in flight
+        ctl.close()
