@@ -10,7 +10,7 @@ copy then moves ``blocks[i] <-> pages[i]`` for every segment:
 * on a GPU, one launch of a Triton kernel that reads the engine's tensors and writes the
   host pages through their device-mapped address (or the reverse): no staging buffer; or,
   for copies of ``TransferTuning.staged_segments_min_bytes`` and more, the kernel into a
-  device staging ring and a copy-engine DMA per page (:mod:`.staged_segments`);
+  device staging ring and copy-engine DMAs over PCIe (:mod:`.staged_segments`);
 * on a CPU, a strided numpy copy per segment for runs of consecutive blocks going to
   consecutive pages, else a ``memmove`` per segment and block, split across threads for
   large copies;

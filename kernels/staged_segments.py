@@ -5,12 +5,13 @@ pages straight from the SMs. One way that moves 0.86-0.94 of a pinned memcpy, bu
 and a load at once level off at 0.64-0.81 of two concurrent memcpys, where the copy engines
 run both ways at full speed (docs/performance.md). Here, as for KV pools
 (:mod:`hicache.kernels.staged`), the kernel only gathers (a store) or scatters (a load)
-between the engine's block tensors and a staging chunk in device memory, laid out as the
-pages' payloads back to back, and one DMA per page moves each payload between the chunk and
-its host page on the copy engines:
+between the engine's block tensors and a staging chunk in device memory, and DMAs on the
+copy engines move the payloads between the chunk and the host pages:
 
-* store: the kernel gathers a chunk of blocks into a staging chunk; the DMAs copy it out;
-* load: the DMAs copy a chunk of pages in; the kernel scatters it into the blocks.
+* store: the kernel gathers a chunk of blocks into a staging chunk (the payloads back to
+  back); one DMA a page copies it out;
+* load: one DMA a run of consecutive host pages copies a chunk in (staged a host row
+  apart, as they lie in the pool); the kernel scatters it into the blocks.
 
 The ring, its helper stream, its events and the order of the work are those of the KV
 path (``staged._ring_for``, ``staged._issue_on_gpu``): a kernel on the caller's stream

@@ -82,8 +82,8 @@ class TransferTuning:
     ``staged_segments_min_bytes`` (0: never): a segment copy on CUDA (an engine's own
     block tensors ↔ host pages, :mod:`hicache.kernels.staged_segments`) of at least this
     many bytes, whose pages' payloads are at least ``staged_min_dma_bytes``, goes through
-    the same staging ring, one DMA per page: a store and a load at once then share the
-    copy engines' two directions instead of the SMs.
+    the same staging ring, its PCIe hop done by DMAs: a store and a load at once then share
+    the copy engines' two directions instead of the SMs.
 
     ``cpu_copy_threads`` (0: torch's intra-op thread count) threads run one CPU transfer
     of at least ``cpu_parallel_min_bytes`` (``Backend.CPU``); below it one thread does,

@@ -140,10 +140,6 @@ class DiskShare:
         log.info("reading pages only on disk here, from %s", path)
         return cls(env, digest, geometry, nbytes, split_bytes)
 
-    def covers(self, component: ComponentType) -> bool:
-        """Whether pages of ``component`` are read here (alone)."""
-        return component in self._spans and component not in self._shared
-
     def reads(self, component: ComponentType) -> bool:
         """Whether pages of ``component`` are read here, alone or beside the sidecar."""
         return component in self._spans

@@ -176,14 +176,19 @@ class HostShare:
         return cls.open(path, layout, page_size, buffers, generation, disk_reads)
 
     def try_load(
-        self, refs: Sequence[PageRef], pin: PinReceipt, counters: Counter | None = None
+        self,
+        refs: Sequence[PageRef],
+        pin: PinReceipt,
+        counters: Counter | None = None,
+        pages: list[int] | None = None,
     ) -> bool | None:
         """Copy ``refs`` here when every page has a host page under ``pin`` or, with
         :attr:`disk`, is only on disk and read here: whether the bytes arrived (recorded
         for the unpin, :meth:`unpin_args`); None when the sidecar must load them (a read
-        from disk that was not OK: counted in ``counters``)."""
+        from disk that was not OK: counted in ``counters``). ``pages``: what
+        :meth:`host_pages` answered for them, where the caller asked it already."""
         disk = self.disk
-        pages = self.host_pages(pin, refs, disk)
+        pages = self.host_pages(pin, refs, disk) if pages is None else pages
         if pages is None:
             return None
         t0 = time.perf_counter()
@@ -240,24 +245,23 @@ class HostShare:
         return out
 
     def split(
-        self, refs: Sequence[PageRef], pin: PinReceipt
-    ) -> tuple[list[PageRef], list[PageRef]] | None:
-        """A load whose pages only on disk include pages :attr:`disk` reads beside the
-        sidecar (``DiskShare.shares``), parted: (the refs the sidecar loads, the refs loaded
-        here), the first ``SIDECAR_SHARE`` of those pages the sidecar's; None for any other
-        load (:meth:`try_load` takes it whole, or the sidecar does)."""
+        self, refs: Sequence[PageRef], pages: list[int]
+    ) -> tuple[list[PageRef], list[PageRef], list[int]] | None:
+        """A load (``pages``: what :meth:`host_pages` answered for ``refs``) whose pages
+        only on disk include pages :attr:`disk` reads beside the sidecar
+        (``DiskShare.shares``), parted: (the refs the sidecar loads, the refs loaded here,
+        their host pages), the first ``SIDECAR_SHARE`` of those pages the sidecar's; None
+        for any other load (:meth:`try_load` takes it whole)."""
         disk = self.disk
         if disk is None:
-            return None
-        pages = self.host_pages(pin, refs, disk)
-        if pages is None:
             return None
         shared = [i for i, p in enumerate(pages) if p < 0 and disk.shares(refs[i].component)]
         k = round(len(shared) * SIDECAR_SHARE)
         if not k:
             return None
         theirs = set(shared[:k])
-        return [refs[i] for i in shared[:k]], [r for i, r in enumerate(refs) if i not in theirs]
+        ours = [i for i in range(len(refs)) if i not in theirs]
+        return [refs[i] for i in shared[:k]], [refs[i] for i in ours], [pages[i] for i in ours]
 
     def close(self) -> None:
         """Stop reading disk pages here (the LMDB map closed); host copies go on."""

@@ -195,19 +195,19 @@ def _failed() -> LoadResult:
 def split_load(
     client: Any,
     share: HostShare,
-    parts: tuple[list[PageRef], list[PageRef]],
+    parts: tuple[list[PageRef], list[PageRef], list[int]],
     pin: PinReceipt,
     timeout_s: float,
 ) -> LoadResult:
     """A load that the sidecar and ``client``'s engine read from disk at once, each in its
-    own process (``HostShare.split``: the sidecar's part, this engine's): the sidecar's
-    part sent first, this engine's read meanwhile, then the sidecar's answer waited for. A
-    part that could not be read here (a read not OK: the sidecar reads again and deals
-    with a bad value) goes to the sidecar after."""
-    theirs, ours = parts
+    own process (``HostShare.split``: the sidecar's part, this engine's and its host
+    pages): the sidecar's part sent first, this engine's read meanwhile, then the
+    sidecar's answer waited for. A part that could not be read here (a read not OK: the
+    sidecar reads again and deals with a bad value) goes to the sidecar after."""
+    theirs, ours, pages = parts
     finish = start_sidecar_load(client, theirs, pin, timeout_s)
     try:
-        copied = share.try_load(ours, pin, client.counters)
+        copied = share.try_load(ours, pin, client.counters, pages)
     finally:  # whatever happened here, the sidecar's part has ended (or timed out)
         res = finish()
     client.counters["load_split"] += 1

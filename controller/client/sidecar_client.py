@@ -428,9 +428,8 @@ class SidecarController(EngineCopies):
         return self._receipt(res, keys, ttl_s, self._channel.generation)
 
     def load(self, refs: Sequence[PageRef], pin: PinReceipt, timeout_s: float) -> LoadResult:
-        """``ok`` when every page was copied: here, from the sidecar's shared host pages,
-        or by the sidecar (``sidecar_transfer.sidecar_load``: without an answer in time,
-        a failure whose ``pending`` handle is done once the copy can no longer write)."""
+        """``ok`` when every page was copied, here or by the sidecar (``sidecar_load``: no
+        answer in time is a failure whose ``pending`` is done once no copy can write)."""
         if pin.generation != self._channel.generation:
             return LoadResult.FAILED  # pinned on a session that is gone
         if self._open:
@@ -438,9 +437,10 @@ class SidecarController(EngineCopies):
             return LoadResult.FAILED
         share = self._share  # pages all on host: copied here (host_share.py)
         mine = share is not None and share.generation == pin.generation
-        if mine and (parts := share.split(refs, pin)) is not None:  # read here and there
-            return split_load(self, share, parts, pin, timeout_s)
-        copied = share.try_load(refs, pin, self.counters) if mine else None
+        pages = share.host_pages(pin, refs, share.disk) if mine else None  # None: the sidecar's
+        if pages is not None and (parts := share.split(refs, pages)) is not None:
+            return split_load(self, share, parts, pin, timeout_s)  # read here and there
+        copied = None if pages is None else share.try_load(refs, pin, self.counters, pages)
         if copied is not None:
             self.counters["load_engine_copied" if copied else "load_engine_copy_failed"] += 1
             return LoadResult.LOADED if copied else LoadResult.FAILED
