@@ -28,14 +28,26 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
 Anything not OK (a value missing, corrupt or of another layout, an LMDB error, a map the
 sidecar grew since) fails the read here, and the whole load goes through the sidecar as
 before, which reads again and deals with a bad value as it always does (counted,
-dropped): a wrong byte is never served. Closed with its session (a mapping held open
-keeps ``data.mdb``'s pages cached): a reconnect opens it again. Never opened in the
-sidecar's own process (an LMDB environment is opened once per process).
+dropped): a wrong byte is never served. Never opened in the sidecar's own process (an
+LMDB environment is opened once per process).
+
+**Kept over a sidecar restart.** When a session ends (the sidecar stopped, restarted or
+unreachable) the client keeps the environment aside (:meth:`DiskShare.keep`), reading
+nothing through it, and the next session's :meth:`DiskShare.open` takes it over when
+the sidecar names the same directory and its ``data.mdb`` is the same file (device and
+inode): a fresh map of the file would take a page fault for each part of it a first
+load touches, which a restarted sidecar's first load would pay and no later one.
+Another file, another directory, another layout or no disk tier at all closes it; so do
+:meth:`SidecarController.end_disk_reads` and the client's ``close``. A read-only reader
+held across the restart is what LMDB is made for: the sidecar's open finds the lock file
+in use and keeps its reader table, and LMDB's MVCC keeps every value a read transaction
+sees whole while the sidecar writes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -77,8 +89,15 @@ class DiskShare:
         geometry: dict[ComponentType, SlotGeometry],
         nbytes: dict[ComponentType, int],
         split_bytes: int = 1 << 62,
+        path: str = "",
+        identity: tuple[int, int] | None = None,
     ) -> None:
         self._env: Any = env
+        self.path = path  # the LMDB directory, as the sidecar named it
+        # The (device, inode) of the data.mdb that ``env`` maps, taken before it opened
+        # (so never a file newer than the map), or None: never kept.
+        self.identity = identity
+        self.kept = False  # its map taken over from an earlier session (see the module)
         self._digest = digest
         self._spans = {c: g.spans for c, g in geometry.items()}
         self._geometry = geometry  # keeps the slots' storages mapped
@@ -97,11 +116,14 @@ class DiskShare:
         engine: TransferEngine,
         buffers: EngineBuffers,
         split_bytes: int = SPLIT_PAGE_BYTES,
+        kept: DiskShare | None = None,
     ) -> DiskShare | None:
         """Open the disk tier that ``entry`` (the description's ``disk``) names for reads
         into ``buffers`` (pages of ``split_bytes`` or more: beside the sidecar); None
         (logged) when it is unusable here: another layout's, slots that are not CPU memory
-        in whole rows, an environment that does not open."""
+        in whole rows, an environment that does not open. ``kept``: an earlier session's
+        (:meth:`keep`), whose environment is taken over when it is of the same file, else
+        closed (by the caller where this returns before it looked)."""
         if not isinstance(entry, dict):
             return None
         path, digest = entry.get("path"), entry.get("digest")
@@ -119,11 +141,23 @@ class DiskShare:
                 geometry[comp] = g
         if not geometry:
             return None  # large pages, slots a GPU's or not in whole rows: the sidecar reads
+        nbytes = {c: layout.page_bytes(c, page_size) for c in geometry}
+        map_size = entry.get("map_size")
+        map_size = map_size if isinstance(map_size, int) and map_size > 0 else 0
+        env = None if kept is None else kept._hand_over(path, map_size)
+        if env is not None:
+            log.info("reading pages only on disk here, from %s (its map kept)", path)
+            share = cls(env, digest, geometry, nbytes, split_bytes, path, kept.identity)
+            share.kept = True
+            return share
+        identity = _identity(path)
         import lmdb  # loaded here: an engine that never reads disk pages never loads it
 
         try:
             env = lmdb.open(
                 path,
+                # The sidecar's map (0: the file's size, remapped as the file outgrows it)
+                map_size=map_size,
                 readonly=True,
                 lock=True,  # a reader slot: the sidecar's writer keeps what it reads
                 create=False,
@@ -136,9 +170,8 @@ class DiskShare:
         except lmdb.Error as exc:
             log.info("cannot read the sidecar's disk tier here (%s): it reads disk pages", exc)
             return None
-        nbytes = {c: layout.page_bytes(c, page_size) for c in geometry}
         log.info("reading pages only on disk here, from %s", path)
-        return cls(env, digest, geometry, nbytes, split_bytes)
+        return cls(env, digest, geometry, nbytes, split_bytes, path, identity)
 
     def reads(self, component: ComponentType) -> bool:
         """Whether pages of ``component`` are read here, alone or beside the sidecar."""
@@ -177,9 +210,44 @@ class DiskShare:
                 return False
         return True
 
+    def keep(self) -> DiskShare | None:
+        """This share as its session ends, to be handed to the next session's
+        :meth:`open` (see the module): no read goes through it meanwhile. None when it
+        has nothing worth keeping (closed, or its file unknown)."""
+        with self._lock:
+            if self._env is None or self.identity is None:
+                return None
+            kept = DiskShare(self._env, self._digest, {}, {}, 0, self.path, self.identity)
+            self._env = None  # reads through this one return False from now on
+        return kept
+
+    def _hand_over(self, path: str, map_size: int) -> Any:
+        """The environment, for a share of ``path`` whose ``data.mdb`` is still the file
+        it maps, as far as ``map_size`` (then no longer this share's); None otherwise,
+        closed first (one environment of a file at a time in a process: closing one
+        releases the locks of the other)."""
+        with self._lock:
+            env = self._env
+            same = path == self.path and _identity(path) == self.identity
+            if env is not None and same and env.info()["map_size"] >= map_size:
+                self._env = None
+                return env
+        self.close()
+        return None
+
     def close(self) -> None:
         """Close the environment (its map, its reader slot); later reads return False."""
         with self._lock:
             env, self._env = self._env, None
         if env is not None:
             env.close()
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of the ``data.mdb`` in ``path``: the same pair is the same
+    file, however it was renamed or rewritten in place."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino

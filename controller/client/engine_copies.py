@@ -31,6 +31,7 @@ from hicache.controller_api import (
 
 if TYPE_CHECKING:
     from hicache.controller.client.channel import Channel, SidecarClientConfig
+    from hicache.controller.client.disk_share import DiskShare
     from hicache.controller.client.host_share import HostShare, WritableHostPages
 
 log = logging.getLogger("hicache.sidecar.client")
@@ -84,6 +85,9 @@ class EngineCopies:
     _pages_generation: int
     _share: HostShare | None
     _instance: tuple[int, int | None]
+    _pools: Any
+    counters: Any
+    _kept_disk: DiskShare | None = None  # an ended session's disk map (_keep_disk_reads)
 
     def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
     def _call_failed(self, exc: Any) -> None: ...
@@ -106,15 +110,54 @@ class EngineCopies:
 
     def end_disk_reads(self) -> None:
         """Stop reading pages only on disk here until the next session: the read-only map
-        of the sidecar's LMDB file closed now (client/disk_share.py), e.g. by a caller
-        that stopped the sidecar and drops the file's cached pages."""
-        share = self._share
+        of the sidecar's LMDB file closed now, the one kept from an earlier session too
+        (client/disk_share.py), e.g. by a caller that stopped the sidecar and drops the
+        file's cached pages."""
+        share, kept, self._kept_disk = self._share, self._kept_disk, None
         if share is not None:
             share.close()
+        if kept is not None:
+            kept.close()
 
-    def _drop_share(self) -> None:
-        """Forget the mapped host pages of an earlier session, its disk reads ended."""
-        self.end_disk_reads()
+    def _keep_disk_reads(self) -> None:
+        """The session ended: no disk page is read here until the next one, whose share
+        takes the map of the sidecar's LMDB file over if it is still the same file
+        (:meth:`DiskShare.keep`)."""
+        share = self._share
+        disk = None if share is None else share.disk
+        kept = None if disk is None else disk.keep()
+        if kept is not None:
+            old, self._kept_disk = self._kept_disk, kept
+            if old is not None:
+                old.close()
+
+    def _open_share(
+        self, layout: Any, page_size: int, generation: int, disk_reads: int | None
+    ) -> HostShare | None:
+        """The host pages of session ``generation`` mapped here (``HostShare.for_session``),
+        through the disk map kept from the last session where it is of the same file."""
+        # Loaded here: an engine that copies nothing itself never maps host pages.
+        from hicache.controller.client.host_share import HostShare
+
+        kept, self._kept_disk = self._kept_disk, None
+        try:
+            share = HostShare.for_session(
+                self.endpoint, layout, page_size, self._pools, generation, disk_reads, kept
+            )
+        finally:
+            if kept is not None:
+                kept.close()  # not taken over (a no-op where it was)
+        if share is not None and share.disk is not None and share.disk.kept:
+            self.counters["disk_map_kept"] += 1
+        return share
+
+    def _drop_share(self, keep: bool = False) -> None:
+        """Forget the mapped host pages of an earlier session, its disk reads ended (their
+        map kept for the next session with ``keep``)."""
+        if keep:
+            self._keep_disk_reads()
+        else:
+            self.end_disk_reads()
         self._share = None
 
     def map_host_pages(self, device: Any) -> WritableHostPages | None:

@@ -105,12 +105,15 @@ class HostShare:
         buffers: EngineBuffers,
         generation: int,
         disk_reads: int | None = None,
+        kept: DiskShare | None = None,
     ) -> HostShare | None:
         """Map the host pages of the sidecar at ``fd_path``; None (logged) when it shares
         none, they are not this layout's, or they cannot be page-locked here. With
         ``disk_reads`` (a sidecar of another process), a CPU engine also reads pages only
         on disk itself where the sidecar names its disk tier (:attr:`disk`), those of
-        ``disk_reads`` bytes or more beside the sidecar (``engine_split_read_bytes``)."""
+        ``disk_reads`` bytes or more beside the sidecar (``engine_split_read_bytes``),
+        through ``kept``'s map where that is still of the same file
+        (:meth:`DiskShare.open`)."""
         t0 = time.perf_counter()
         try:
             header, fds = receive_fds(fd_path)
@@ -148,7 +151,7 @@ class HostShare:
                 from hicache.controller.client.disk_share import DiskShare
 
                 share.disk = DiskShare.open(
-                    entry, layout, page_size, pool, share._engine, buffers, disk_reads
+                    entry, layout, page_size, pool, share._engine, buffers, disk_reads, kept
                 )
         share.open_s = time.perf_counter() - t0
         log.info(
@@ -166,6 +169,7 @@ class HostShare:
         pools: DevicePools | None,
         generation: int,
         disk_reads: int | None = None,
+        kept: DiskShare | None = None,
     ) -> HostShare | None:
         """:meth:`open` for a client of ``endpoint`` whose ``pools`` are registered; None
         for a TCP endpoint or a client without pools."""
@@ -173,7 +177,7 @@ class HostShare:
             return None
         path = fd_socket_path(endpoint[len("ipc://") :])
         buffers = EngineBuffers.from_pools(pools)
-        return cls.open(path, layout, page_size, buffers, generation, disk_reads)
+        return cls.open(path, layout, page_size, buffers, generation, disk_reads, kept)
 
     def try_load(
         self,

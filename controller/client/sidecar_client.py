@@ -164,7 +164,7 @@ class SidecarController(EngineCopies):
                 self._open = True
                 self._next_attempt = time.monotonic()
                 self.counters["breaker_opened"] += 1
-                self.end_disk_reads()  # no mapping of a sidecar's LMDB file kept meanwhile
+                self._keep_disk_reads()  # no disk page read here until a new session
                 log.warning(
                     "sidecar %s unavailable (%s); serving from the device tier until it is back",
                     self.endpoint,
@@ -223,16 +223,11 @@ class SidecarController(EngineCopies):
             register = RegisterArgs(page_size, desc["device"], desc["buffers"])
             if ch.call(Verb.REGISTER, register, max(t, self.config.register_timeout_s)).fenced:
                 self._fenced_generation = ch.generation
-        self._drop_share()  # the pages of an earlier session's sidecar are not this one's
+        self._drop_share(keep=True)  # an earlier session's host pages are not this one's
         if desc is not None and self.config.engine_copies:
-            # Loaded here: an engine that copies nothing itself never maps host pages.
-            from hicache.controller.client.host_share import HostShare
-
             reads = self.config.engine_disk_reads and welcome.pid != os.getpid()  # one env
             reads = self.config.engine_split_read_bytes if reads else None
-            self._share = HostShare.for_session(
-                self.endpoint, layout, page_size, self._pools, ch.generation, reads
-            )
+            self._share = self._open_share(layout, page_size, ch.generation, reads)
         with self._state_lock:
             self._open = False
             self._failures = 0

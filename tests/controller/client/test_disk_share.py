@@ -263,3 +263,51 @@ txn = env.begin()
 print("reading", flush=True)
 time.sleep(120)
 """
+
+
+def _restarted(side: Sidecar, workdir, engine: EngineProc) -> Sidecar:
+    """``side`` stopped and a new sidecar started on the same LMDB directory and socket;
+    the engine, never restarted, reconnected to it."""
+    side.stop()
+    wait_for(lambda: not engine.call("status")["available"], 30, "the engine to notice")
+    side = Sidecar(workdir)
+    wait_for(lambda: engine.call("wait_available", timeout_s=1)["available"], 60, "reconnect")
+    return side
+
+
+@pytest.mark.parametrize("same_file", [True, False])
+def test_the_engine_keeps_its_map_of_the_disk_tier_over_a_sidecar_restart(workdir, same_file):
+    """A restarted sidecar on the same LMDB file: the engine reads its disk pages through
+    the map it had (no fresh map to fault in), exactly. A new file in the same directory
+    (another inode: the old one deleted under the kept map) is mapped afresh: the kept
+    map, of the old file, never serves a byte."""
+    side = Sidecar(workdir)
+    engine = _engine(side)
+    try:
+        _stored_on_disk_only(side, engine)
+        assert engine.call("start", tokens=TOKENS)["prefix_len"] == PREFIX  # the map in use
+        assert engine.call("evict_all")["full_tokens"] >= PREFIX
+        if same_file:
+            side = _restarted(side, workdir, engine)
+        else:
+            side.stop()
+            wait_for(lambda: not engine.call("status")["available"], 30, "the engine to notice")
+            lmdb_dir = workdir / "lmdb"
+            for f in lmdb_dir.iterdir():
+                f.unlink()
+            side = Sidecar(workdir)  # an empty tier: the pages are stored again below
+            wait_for(lambda: engine.call("wait_available", timeout_s=1)["available"], 60, "up")
+            assert engine.call("match", tokens=TOKENS)["prefix_len"] == 0
+            engine.call("run", tokens=TOKENS)  # prefilled again: nothing cached anywhere
+            assert engine.call("evict_all")["full_tokens"] >= PREFIX
+            side.to_disk_only()
+        assert engine.call("match", tokens=TOKENS) == ON_DISK
+        assert engine.call("start", tokens=TOKENS)["prefix_len"] == PREFIX  # every byte checked
+        counters = engine.call("status")["counters"]
+        assert counters.get("disk_map_kept") == (1 if same_file else None), counters
+        assert counters.get("load_engine_read") == 2, counters
+        assert not counters.get("load_engine_read_fell_back"), counters
+        side.controller.check_invariants()
+    finally:
+        engine.close()
+        side.stop()
