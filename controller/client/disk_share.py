@@ -16,9 +16,14 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
   (``page_codec.verify_runs``: header CRC, component, layout digest, length, and the
   payload checksum over the bytes as they lie in the slot), and copies the others from
   the shared host pages. Pages of ``engine_split_read_bytes`` (``SPLIT_PAGE_BYTES``) or
-  more it reads **beside the sidecar**: their first ``SIDECAR_SHARE`` goes to the
-  sidecar as a load of its own, sent first, and this engine reads the rest meanwhile
-  (``inflight.split_load``). Each process's copies and checks hold its own interpreter's
+  more it reads **beside the sidecar**: their first part (``sidecar_share``) goes to
+  the sidecar as a load of its own, sent first, and this engine reads the rest meanwhile
+  (``inflight.split_load``). That part follows what the loads before showed
+  (:meth:`DiskShare.observe`): where this engine waited for the sidecar's answer, the
+  part each side would have needed to end together; where it did not, a little more
+  for the sidecar. So it settles where the sidecar ends just before this engine, on any
+  machine (a box whose sidecar has more cores to itself gives it more), and it is kept
+  over a sidecar restart with the map. Each process's copies and checks hold its own interpreter's
   lock between the lock-free parts; two reader threads of one process mostly wait on it
   for each other, two processes keep two cores busy;
 * the **unpin** tells the sidecar how many bytes it read in how long: the sidecar counts
@@ -76,6 +81,14 @@ _TAG = {c: bytes((int(c),)) for c in ComponentType}
 # 16 loads). Below it the pages are read here alone, one after another (the sidecar too
 # reads them serially: ``SERIAL_READ_BELOW_BYTES``).
 SPLIT_PAGE_BYTES = 64 << 10
+# The sidecar's part of a parted load to begin with: less than half, as its part starts
+# later (the request, its threads woken; 256 KiB pages, 64 MiB on the 2-core development
+# box: at a half the sidecar ended ~3 ms after the engine, at 0.4 within 0.5 ms).
+SIDECAR_SHARE = 0.4
+SHARE_LIMITS = (0.1, 0.7)  # never all one side's: each load measures both
+SHARE_GAIN = 0.25  # how far one load moves the part towards what it showed
+SHARE_STEP = 0.05  # the sidecar was done first: try this much more for it
+WAITED_S = 0.3e-3  # an answer waited for longer than this was not there yet
 
 
 class DiskShare:
@@ -98,6 +111,7 @@ class DiskShare:
         # (so never a file newer than the map), or None: never kept.
         self.identity = identity
         self.kept = False  # its map taken over from an earlier session (see the module)
+        self.sidecar_share = SIDECAR_SHARE  # of a parted load's pages (see the module)
         self._digest = digest
         self._spans = {c: g.spans for c, g in geometry.items()}
         self._geometry = geometry  # keeps the slots' storages mapped
@@ -149,6 +163,7 @@ class DiskShare:
             log.info("reading pages only on disk here, from %s (its map kept)", path)
             share = cls(env, digest, geometry, nbytes, split_bytes, path, kept.identity)
             share.kept = True
+            share.sidecar_share = kept.sidecar_share
             return share
         identity = _identity(path)
         import lmdb  # loaded here: an engine that never reads disk pages never loads it
@@ -210,6 +225,22 @@ class DiskShare:
                 return False
         return True
 
+    def observe(self, theirs: int, ours: int, ours_s: float, waited_s: float) -> None:
+        """A parted load ended: the sidecar's ``theirs`` pages and this engine's ``ours``
+        read in ``ours_s``, after which its answer took ``waited_s`` more. Moves
+        :attr:`sidecar_share` part of the way to the part that would have ended both
+        together (see the module)."""
+        if theirs <= 0 or ours <= 0 or ours_s <= 0:
+            return
+        share = self.sidecar_share
+        if waited_s > WAITED_S:  # the sidecar's rate: its pages over all that time
+            mine, its = ours / ours_s, theirs / (ours_s + waited_s)
+            target = its / (mine + its)
+        else:  # done before this engine by an unknown margin
+            target = share + SHARE_STEP
+        share += SHARE_GAIN * (target - share)
+        self.sidecar_share = min(max(share, SHARE_LIMITS[0]), SHARE_LIMITS[1])
+
     def keep(self) -> DiskShare | None:
         """This share as its session ends, to be handed to the next session's
         :meth:`open` (see the module): no read goes through it meanwhile. None when it
@@ -218,6 +249,7 @@ class DiskShare:
             if self._env is None or self.identity is None:
                 return None
             kept = DiskShare(self._env, self._digest, {}, {}, 0, self.path, self.identity)
+            kept.sidecar_share = self.sidecar_share
             self._env = None  # reads through this one return False from now on
         return kept
 

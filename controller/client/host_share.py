@@ -72,10 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.sidecar.host_share")
 
 TTL_MARGIN_S = 1.0  # a pin with less left than this is loaded by the sidecar
-# Of a load's pages read beside the sidecar, its part (HostShare.split): less than half,
-# as its part starts later (the request, its threads woken; 256 KiB pages, 64 MiB: at a
-# half the sidecar ended ~3 ms after the engine, at 0.4 within 0.5 ms, loads 12.2 -> 11.0 ms).
-SIDECAR_SHARE = 0.4
 SHARE_VERSION = 1
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
@@ -254,13 +250,13 @@ class HostShare:
         """A load (``pages``: what :meth:`host_pages` answered for ``refs``) whose pages
         only on disk include pages :attr:`disk` reads beside the sidecar
         (``DiskShare.shares``), parted: (the refs the sidecar loads, the refs loaded here,
-        their host pages), the first ``SIDECAR_SHARE`` of those pages the sidecar's; None
-        for any other load (:meth:`try_load` takes it whole)."""
+        their host pages), the first ``DiskShare.sidecar_share`` of those pages the
+        sidecar's; None for any other load (:meth:`try_load` takes it whole)."""
         disk = self.disk
         if disk is None:
             return None
         shared = [i for i, p in enumerate(pages) if p < 0 and disk.shares(refs[i].component)]
-        k = round(len(shared) * SIDECAR_SHARE)
+        k = round(len(shared) * disk.sidecar_share)
         if not k:
             return None
         theirs = set(shared[:k])

@@ -206,14 +206,19 @@ def split_load(
     sidecar reads again and deals with a bad value) goes to the sidecar after."""
     theirs, ours, pages = parts
     finish = start_sidecar_load(client, theirs, pin, timeout_s)
+    t0 = time.perf_counter()
     try:
         copied = share.try_load(ours, pin, client.counters, pages)
     finally:  # whatever happened here, the sidecar's part has ended (or timed out)
+        t1 = time.perf_counter()
         res = finish()
     client.counters["load_split"] += 1
     if res.ok and copied is None:
         return sidecar_load(client, ours, pin, timeout_s)
     if res.ok and copied:
+        if share.disk is not None:  # the next load's parts (DiskShare.observe)
+            mine = sum(1 for p in pages if p < 0)
+            share.disk.observe(len(theirs), mine, t1 - t0, time.perf_counter() - t1)
         return LoadResult.LOADED
     share.forget(pin)  # no load: its unpin books nothing read here
     return LoadResult.FAILED if res.ok else res

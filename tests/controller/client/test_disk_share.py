@@ -311,3 +311,45 @@ def test_the_engine_keeps_its_map_of_the_disk_tier_over_a_sidecar_restart(workdi
     finally:
         engine.close()
         side.stop()
+
+
+def test_the_sidecar_s_part_of_a_parted_load_follows_what_the_loads_showed():
+    """Where the engine waited for the sidecar's answer, the part moves towards the one
+    that would have ended both together; where it did not, a little more goes to the
+    sidecar; it stays within its limits, and a keep hands it to the next session."""
+    from hicache.controller.client.disk_share import SHARE_LIMITS, SIDECAR_SHARE, DiskShare
+
+    share = DiskShare(None, b"", {}, {})
+    assert share.sidecar_share == SIDECAR_SHARE
+    # 40 pages there, 60 here in 10 ms, then 10 ms more waited: the sidecar read 40 in
+    # 20 ms (2/ms) against 6/ms here, so a quarter would have ended both together.
+    for _ in range(40):
+        share.observe(40, 60, 10e-3, 10e-3)
+    assert abs(share.sidecar_share - 0.25) < 0.01
+    for _ in range(3):  # answers there when this engine ended: more for the sidecar
+        before = share.sidecar_share
+        share.observe(25, 75, 10e-3, 0.0)
+        assert share.sidecar_share > before
+    for _ in range(100):
+        share.observe(25, 75, 10e-3, 0.0)
+    assert share.sidecar_share == SHARE_LIMITS[1]
+    for _ in range(100):  # a sidecar that never keeps up: never all the engine's
+        share.observe(10, 90, 1e-3, 1.0)
+    assert share.sidecar_share == SHARE_LIMITS[0]
+    share.observe(0, 90, 1e-3, 1.0)  # nothing to learn from
+    assert share.sidecar_share == SHARE_LIMITS[0]
+
+    class Env:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    env = Env()
+    mapped = DiskShare(env, b"", {}, {}, identity=(1, 2))
+    mapped.sidecar_share = 0.3
+    kept = mapped.keep()
+    assert kept is not None and kept.sidecar_share == 0.3
+    assert not mapped.read([]), "a kept map reads nothing through the share it left"
+    kept.close()
+    assert env.closed
