@@ -146,6 +146,12 @@ class LmdbTier:
                 max_dbs=0,
                 mode=PRIVATE_FILE_MODE,  # data.mdb and lock.mdb: pages of users' prompts
             )
+            # Reader slots of processes gone: an engine that keeps its map open over a
+            # restart (client/disk_share.py) keeps lock.mdb's table too, with the slots a
+            # killed sidecar held, which would keep old pages from reuse.
+            stale = self.env.reader_check()
+            if stale:
+                log.info("freed %d LMDB reader slots of processes gone", stale)
             self._leave_room_to_delete()
         except lmdb.Error as exc:
             os.close(self._lock_fd)

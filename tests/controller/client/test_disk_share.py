@@ -353,3 +353,42 @@ def test_the_sidecar_s_part_of_a_parted_load_follows_what_the_loads_showed():
     assert not mapped.read([]), "a kept map reads nothing through the share it left"
     kept.close()
     assert env.closed
+
+
+def test_a_sidecar_opening_frees_reader_slots_of_processes_gone(workdir):
+    """A process killed in a read transaction while another (an engine keeping its map
+    over the restart) holds the environment open: lock.mdb's table survives, the dead
+    slot with it, and the sidecar that opens next frees it."""
+    side = Sidecar(workdir)
+    engine = _engine(side)  # the tiers open with the first registration
+    path = str(side.controller.store._disk.lmdb.path)
+    engine.close()
+    side.stop()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, text=True)  # fmt: skip
+    reader = subprocess.Popen([sys.executable, "-c", READER, path], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert reader.stdout.readline().strip() == "reading"
+        reader.kill()
+        reader.wait(30)
+        side = Sidecar(workdir)  # the table kept (the holder), the dead slot in it
+        engine = _engine(side)  # the tier opens: the slot freed then, not at a session end
+        assert str(reader.pid) not in side.lmdb_env().readers().split()
+        side.controller.check_invariants()
+        engine.close()
+        side.stop()
+    finally:
+        for proc in (reader, holder):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+HOLDER = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=True, create=False)
+print("open", flush=True)
+sys.stdin.read()
+"""
