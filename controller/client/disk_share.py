@@ -21,11 +21,11 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
   (``inflight.split_load``). That part follows what the loads before showed
   (:meth:`DiskShare.observe`): where this engine waited for the sidecar's answer, the
   part each side would have needed to end together; where it did not, a little more
-  for the sidecar. So it settles where the sidecar ends just before this engine, on any
-  machine (a box whose sidecar has more cores to itself gives it more), and it is kept
-  over a sidecar restart with the map. Each process's copies and checks hold its own interpreter's
-  lock between the lock-free parts; two reader threads of one process mostly wait on it
-  for each other, two processes keep two cores busy;
+  for the sidecar. So it moves towards where the sidecar ends just before this engine,
+  whatever the machine, and it is kept over a sidecar restart with the map. Each
+  process's copies and checks hold its own interpreter's lock between the lock-free
+  parts; two reader threads of one process mostly wait on it for each other, two
+  processes keep two cores busy;
 * the **unpin** tells the sidecar how many bytes it read in how long: the sidecar counts
   the ``disk_to_device`` transfer, feeds the disk tier's read cost, and keeps the pages
   as any that served a load (LRU, the warm start's order of use).
@@ -45,8 +45,9 @@ load touches, which a restarted sidecar's first load would pay and no later one.
 Another file, another directory, another layout or no disk tier at all closes it; so do
 :meth:`SidecarController.end_disk_reads` and the client's ``close``. A read-only reader
 held across the restart is what LMDB is made for: the sidecar's open finds the lock file
-in use and keeps its reader table, and LMDB's MVCC keeps every value a read transaction
-sees whole while the sidecar writes.
+in use and keeps its reader table (freeing the slots of processes gone, such as a killed
+sidecar's), and LMDB's MVCC keeps every value a read transaction sees whole while the
+sidecar writes.
 """
 
 from __future__ import annotations
