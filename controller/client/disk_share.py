@@ -43,7 +43,8 @@ the sidecar names the same directory and its ``data.mdb`` is the same file (devi
 inode): a fresh map of the file would take a page fault for each part of it a first
 load touches, which a restarted sidecar's first load would pay and no later one.
 Another file, another directory, another layout or no disk tier at all closes it; so do
-:meth:`SidecarController.end_disk_reads` and the client's ``close``. A read-only reader
+:meth:`SidecarController.end_disk_reads`, the client's ``close`` and a sidecar away for
+longer than a restart takes (``engine_copies.KEPT_DISK_MAP_S``). A read-only reader
 held across the restart is what LMDB is made for: the sidecar's open finds the lock file
 in use and keeps its reader table (freeing the slots of processes gone, such as a killed
 sidecar's), and LMDB's MVCC keeps every value a read transaction sees whole while the

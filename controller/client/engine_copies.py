@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from hicache.controller.client.host_share import HostShare, WritableHostPages
 
 log = logging.getLogger("hicache.sidecar.client")
+# How long the map of a sidecar's LMDB file is kept for the next session (see
+# client/disk_share.py): a restart takes seconds; a sidecar away longer is not restarting.
+KEPT_DISK_MAP_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class EngineCopies:
     _pools: Any
     counters: Any
     _kept_disk: DiskShare | None = None  # an ended session's disk map (_keep_disk_reads)
+    _kept_disk_at = 0.0  # when it was kept (time.monotonic)
 
     def _call(self, verb: Verb, args: Any, timeout_s: float, spin: bool = False) -> Any: ...
     def _call_failed(self, exc: Any) -> None: ...
@@ -128,8 +132,17 @@ class EngineCopies:
         kept = None if disk is None else disk.keep()
         if kept is not None:
             old, self._kept_disk = self._kept_disk, kept
+            self._kept_disk_at = time.monotonic()
             if old is not None:
                 old.close()
+
+    def _expire_kept_disk(self, now: float) -> None:
+        """Close the kept map once no session took it over for ``KEPT_DISK_MAP_S``: a
+        sidecar gone for good (its directory perhaps deleted) leaves no file mapped here."""
+        if self._kept_disk is not None and now - self._kept_disk_at > KEPT_DISK_MAP_S:
+            kept, self._kept_disk = self._kept_disk, None
+            if kept is not None:
+                kept.close()
 
     def _open_share(
         self, layout: Any, page_size: int, generation: int, disk_reads: int | None

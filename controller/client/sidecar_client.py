@@ -253,6 +253,7 @@ class SidecarController(EngineCopies):
                 return
             now = time.monotonic()
             if self._open:
+                self._expire_kept_disk(now)
                 if now >= self._next_attempt:
                     self._try_reconnect()
                 continue

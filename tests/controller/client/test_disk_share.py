@@ -392,3 +392,31 @@ env = lmdb.open(sys.argv[1], readonly=True, lock=True, create=False)
 print("open", flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_kept_map_is_closed_when_no_session_takes_it_over_in_time(workdir):
+    """A sidecar away longer than a restart takes: the map kept for it is closed (its
+    file, perhaps deleted meanwhile, no longer held mapped here); a fresh one is kept."""
+    import time
+
+    from hicache.controller.client import SidecarController
+    from hicache.controller.client.disk_share import DiskShare
+    from hicache.controller.client.engine_copies import KEPT_DISK_MAP_S
+
+    class Env:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    ctl = SidecarController("ipc://" + str(workdir / "nobody.sock"), "engine-K")
+    try:
+        for age, closed in ((1.0, False), (KEPT_DISK_MAP_S + 1.0, True)):
+            env = Env()
+            ctl._kept_disk = DiskShare(env, b"", {}, {}, identity=(1, 2))
+            ctl._kept_disk_at = time.monotonic() - age
+            ctl._expire_kept_disk(time.monotonic())
+            assert env.closed is closed
+            assert (ctl._kept_disk is None) is closed
+    finally:
+        ctl.close()
