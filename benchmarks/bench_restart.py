@@ -27,14 +27,14 @@ Timed, each as GB/s:
 * ``first_cold``: the first load after a second restart, the LMDB file's cached pages
   dropped first (``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no privilege; the
   bytes still cached afterwards are printed when ``fincore`` is there);
-* ``steady``: the median of ``--repeat`` later loads, each of pages held only on disk
+* ``steady``: the median of 3 × ``--repeat`` later loads, each of pages held only on disk
   (the host tier cleared with the admin ``clear`` verb before each), one right after
   the other;
 * ``after_idle``: as ``steady``, but each load after the lead-in a first load has: the
   engine idle for ``--pause-s`` (0.05 s), then a lookup. A load after the processes sat
   idle costs more whether or not the sidecar restarted (on the 2-core development box
   a 64 MiB load of 256 KiB pages took ~13 ms after a 0.1 s pause against ~10.6 back to
-  back): this is the steady load a first load is compared with;
+  back): this is the steady load a first load is compared with; 3 × ``--repeat`` of them;
 * ``again``: the median of ``--repeat`` loads right after the steady ones, the host tier
   left as they left it: what the next load of the same pages gets (read straight into the
   slots, they stayed on disk only and are read from disk again; read into host pages, as
@@ -42,6 +42,12 @@ Timed, each as GB/s:
 * ``raw_warm`` / ``raw_cold``: one thread reading as many bytes of the LMDB file (its
   first ``total`` bytes, in reads of one page) into one buffer touched beforehand, with
   the page cache warm, and after the same drop.
+
+* ``box idle``: the same pause's cost to the machine alone, no cache in it: one thread
+  copying and hashing as many bytes in 256 KiB pieces (a disk load's reads' work), the
+  median after a ``--pause-s`` sleep over the median back to back (on the 2-core
+  development box 1.2-1.3: a small virtual machine's CPU runs slower for a while after
+  sitting idle, which every first load pays).
 
 Printed ratios: ``first_warm / after_idle`` (seconds: what a restart adds, the goal is
 at most 1.2; ``first/busy``: over ``steady`` instead), ``steady ÷ raw_warm`` and
@@ -285,6 +291,33 @@ class Engine:
         self.pools.close()
 
 
+def box_idle_cost(total: int, samples: int) -> float:
+    """What sitting idle for ``--pause-s`` costs this machine, not the cache: one thread
+    copying and hashing ``total`` bytes in 256 KiB pieces (the work of a disk load's
+    reads, with no other process or thread), the median after a pause over the median
+    back to back."""
+    import xxhash
+
+    piece = 256 * KIB
+    src = np.frombuffer(os.urandom(total), np.uint8)
+    dst = np.empty_like(src)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for lo in range(0, total, piece):
+            np.copyto(dst[lo : lo + piece], src[lo : lo + piece])
+            xxhash.xxh3_64_intdigest(dst[lo : lo + piece])
+        return time.perf_counter() - t0
+
+    once()
+    busy = statistics.median(once() for _ in range(samples))
+    idle = []
+    for _ in range(samples):
+        time.sleep(PAUSE_S)
+        idle.append(once())
+    return statistics.median(idle) / busy
+
+
 def run_size(
     work: Path,
     page_bytes: int,
@@ -348,19 +381,21 @@ def run_size(
         sidecar.start()
         engine.wait_connected()
         out["first_cold_s"] = engine.load_s()
-        steady = []
+        steady, idle = [], []
         admin = sidecar.admin()
-        for _ in range(repeat):
+        # Three times as many steady and after-idle loads as restarts (each a fraction
+        # of a second): the ratios' denominators are then the steadier medians.
+        for _ in range(3 * repeat):
             admin.clear(("host",), all_namespaces=True)
             steady.append(engine.load_s())
         again = [engine.load_s() for _ in range(repeat)]  # the host tier left as it is
-        idle = []
-        for _ in range(repeat):  # the lead-in of a first load: idle, then a lookup
+        for _ in range(3 * repeat):  # the lead-in of a first load: idle, then a lookup
             admin.clear(("host",), all_namespaces=True)
             time.sleep(PAUSE_S)
             engine.wait_connected()
             idle.append(engine.load_s())
         out["after_idle_s"] = statistics.median(idle)
+        out["box_idle_cost"] = box_idle_cost(total, 3 * repeat)
         admin.close()
         out["steady_s"] = statistics.median(steady)
         out["again_s"] = statistics.median(again)
@@ -450,7 +485,7 @@ def main() -> int:
         print(f"restart and disk loads on {name} ({args.total_mib} MiB per page size, {how}): GB/s")
         head = ("page KiB", "first warm", "first cold", "steady", "after idle", "again",
                 "raw warm", "raw cold", "first/idle", "first/busy", "steady×raw",
-                "cold×raw")  # fmt: skip
+                "cold×raw", "box idle")  # fmt: skip
         print("  " + " ".join(f"{h:>12}" for h in head))
         ref = None
         if args.compare_ref:
@@ -472,7 +507,8 @@ def main() -> int:
                      r["after_idle_GBps"], r["again_GBps"], r["raw_warm_GBps"],
                      r["raw_cold_GBps"], r["first_warm_over_after_idle"],
                      r["first_warm_over_steady"],
-                     r["steady_x_raw_warm"], r["first_cold_x_raw_cold"]]  # fmt: skip
+                     r["steady_x_raw_warm"], r["first_cold_x_raw_cold"],
+                     r["box_idle_cost"]]  # fmt: skip
             print(
                 "  " + " ".join(f"{c:12.2f}" if isinstance(c, float) else f"{c:>12}" for c in cells)
             )

@@ -25,7 +25,9 @@ the pages on host itself (:mod:`hicache.controller.client.host_share`):
   whatever the machine, and it is kept over a sidecar restart with the map. Each
   process's copies and checks hold its own interpreter's lock between the lock-free
   parts; two reader threads of one process mostly wait on it for each other, two
-  processes keep two cores busy;
+  processes keep two cores busy. While it reads, this engine gives its core away
+  once the sidecar's part is sent and after each 1 MiB (``channel.yield_cpu``): a thread
+  of the sidecar's that the kernel queued on this core runs then, not a time slice later;
 * the **unpin** tells the sidecar how many bytes it read in how long: the sidecar counts
   the ``disk_to_device`` transfer, feeds the disk tier's read cost, and keeps the pages
   as any that served a load (LRU, the warm start's order of use).
@@ -59,6 +61,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hicache.controller.client.channel import yield_cpu
 from hicache.controller.store.load_reads import SlotGeometry
 from hicache.controller.store.page_codec import ReadStatus, verify_runs
 from hicache.types import ComponentType
@@ -91,6 +94,8 @@ SHARE_LIMITS = (0.1, 0.7)  # never all one side's: each load measures both
 SHARE_GAIN = 0.25  # how far one load moves the part towards what it showed
 SHARE_STEP = 0.05  # the sidecar was done first: try this much more for it
 WAITED_S = 0.3e-3  # an answer waited for longer than this was not there yet
+# A read here gives its core away this often (bytes read): see ``channel.yield_cpu``.
+YIELD_EVERY_BYTES = 1 << 20
 
 
 class DiskShare:
@@ -213,12 +218,17 @@ class DiskShare:
             try:
                 with env.begin(buffers=True) as txn:
                     get = txn.get
+                    unyielded = 0
                     for comp, page_hash, slot in pages:
                         value = get(page_hash + _TAG[comp])
                         if value is None or verify_runs(
                             value, int(comp), digest, sizes[comp], spans[comp], slot
                         ) is not _OK:  # fmt: skip
                             return False
+                        unyielded += sizes[comp]
+                        if unyielded >= YIELD_EVERY_BYTES:  # (see yield_cpu)
+                            yield_cpu()
+                            unyielded = 0
             except lmdb.MapResizedError:
                 env.set_mapsize(0)  # the sidecar grew the map: the next read sees it
                 return False

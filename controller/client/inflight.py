@@ -14,6 +14,7 @@ from hicache.controller.client.channel import (
     RemoteError,
     SidecarUnavailable,
     result_of,
+    yield_cpu,
 )
 from hicache.controller.wire.protocol import Verb
 from hicache.controller.wire.verbs import LoadArgs
@@ -206,6 +207,7 @@ def split_load(
     sidecar reads again and deals with a bad value) goes to the sidecar after."""
     theirs, ours, pages = parts
     finish = start_sidecar_load(client, theirs, pin, timeout_s)
+    yield_cpu()  # the request's way out (libzmq's thread) before this core reads
     t0 = time.perf_counter()
     try:
         copied = share.try_load(ours, pin, client.counters, pages)
