@@ -130,7 +130,17 @@ class BlockStores:
 
         ``prebook`` (:meth:`prebook` of these ``refs``): every part's pages were asked for
         already, so the store only takes the answers; a part whose answer failed, is from
-        an earlier session or came too long ago is asked for as without one."""
+        an earlier session or came too long ago is asked for as without one.
+
+        **No commit is waited for**, the last one neither: the store ends when its last
+        copy has ended and its commit is sent. The sidecar applies one connection's
+        requests in order, so this engine's own later lookups, pins and loads find the
+        pages; another client's find them once the sidecar has read the commit (its I/O
+        thread reads requests in their order of arrival, and the commit left first): a
+        lookup that overtook it is a miss, never a wrong page. The pages counted as
+        written are those the sidecar handed out for it; a commit it refuses (late, or
+        of a session gone) gives them back unseen, as ever, and only that count says
+        more than was published."""
         copies = self._copies_now()
         parts = self._parts(len(refs))
         ahead = self._prebooked(prebook, len(parts))
@@ -169,10 +179,7 @@ class BlockStores:
                 # the previous part: its copy ends while this one runs
                 committed += self._commit_copied(pending)
                 pending.append((store, events))
-            for done, done_events in pending:  # the last: its answer covers the others
-                wait_all(done_events)
-                committed += self.client.commit_store(done, True)
-            pending = []
+            committed += self._commit_copied(pending)  # the last (see the docstring)
         finally:
             self._give_back(ahead)  # parts asked for and not copied: their pages back
             for done, done_events in pending:  # a copy failed: give the rest back
@@ -216,7 +223,8 @@ class BlockStores:
         finally:
             if on_copied is not None:  # the blocks are no longer read
                 on_copied()
-        return self.client.commit_store(store, True), int((store.pages == -2).sum())
+        # Not waited for (see :meth:`store`).
+        return self.client.commit_store(store, True, wait=False), int((store.pages == -2).sum())
 
     def _commit_copied(self, pending: list) -> int:
         """Wait for the copies of the parts in ``pending`` and publish them (not waiting

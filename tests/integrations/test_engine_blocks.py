@@ -104,6 +104,45 @@ def test_blocks_stored_by_one_engine_load_into_another_bit_for_bit(sidecar, chun
         reader.client.close()
 
 
+@pytest.mark.parametrize("chunk_pages", [64, 3], ids=["one-chunk", "chunks-of-3"])
+def test_a_store_waits_for_no_commit_and_its_pages_are_found_at_once(sidecar, chunk_pages):
+    """No commit's answer is waited for (the last neither): the store returns once its
+    commits are sent. The same engine's next lookup, on the same connection, finds every
+    page at once; another client finds them too, and loads them bit for bit."""
+    writer, src = _engine(sidecar, 11, chunk_pages)
+    reader, dst = _engine(sidecar, 12, chunk_pages)
+    waited: list[Verb] = []
+    call = writer.client._call
+
+    def counting_call(verb, *args, **kwargs):
+        waited.append(verb)
+        return call(verb, *args, **kwargs)
+
+    writer.client._call = counting_call
+    try:
+        ids = list(range(300, 310))
+        stored, dropped = writer.store(_refs(ids), [0] * 10, [i - 300 for i in ids], 30.0)
+        assert (stored, dropped) == (10, 0)
+        assert Verb.STORE_COMMIT not in waited, waited
+        hits = writer.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
+        assert all(int(p) != 0 for p in hits)  # ordered behind the commits it sent
+        wait_for(
+            lambda: all(
+                int(p) != 0
+                for p in reader.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
+            ),
+            5.0,
+            "the other client to see the pages",
+        )
+        targets = [40 + i for i in range(10)]
+        assert reader.load([_hash(i) for i in ids], [0] * 10, targets, 30.0, 30.0)
+        for s, d in zip(src, dst):
+            assert torch.equal(d[targets], s[:10])
+    finally:
+        writer.client.close()
+        reader.client.close()
+
+
 def test_on_a_cpu_a_store_and_a_load_go_whole_by_default(sidecar, monkeypatch):
     """A CPU engine's copy runs in its own thread: by default a store or a load of up to
     ``io_part_pages`` pages is one part (one copy, one reservation or pin), and the bytes
