@@ -355,6 +355,56 @@ def test_the_sidecar_s_part_of_a_parted_load_follows_what_the_loads_showed():
     assert env.closed
 
 
+def test_a_read_here_gives_its_core_away_after_each_mib_and_checks_every_byte(monkeypatch):
+    """While the engine reads, a thread of the sidecar's that the kernel queued on its
+    core waits for this thread's time slice (channel.yield_cpu): the read gives the core
+    away after each MiB it has read, and still copies and checks every page."""
+    import contextlib
+
+    import numpy as np
+
+    from hicache.controller.client import disk_share
+    from hicache.controller.client.disk_share import YIELD_EVERY_BYTES, DiskShare
+    from hicache.controller.store.load_reads import SlotGeometry
+    from hicache.controller.store.page_codec import encode_value
+
+    nbytes, pages = 512 << 10, 5  # 2.5 MiB: a yield after pages 2 and 4
+    assert YIELD_EVERY_BYTES == 1 << 20
+    digest, rng = b"d" * 16, np.random.default_rng(7)
+    payloads = [rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes() for _ in range(pages)]
+    tag = bytes((int(FULL),))
+    values = {
+        bytes([i]) * 16 + tag: encode_value(FULL, digest, b"\0" * 16, payloads[i])
+        for i in range(pages)
+    }
+
+    class Txn:
+        def get(self, key):
+            return values.get(key)
+
+    class Env:
+        def begin(self, buffers=False):
+            return contextlib.nullcontext(Txn())
+
+    slots = bytearray(pages * nbytes)
+    geometry = {FULL: SlotGeometry([(memoryview(slots), 0, nbytes, nbytes, 0)], [])}
+    share = DiskShare(Env(), digest, geometry, {FULL: nbytes})
+    yields: list[int] = []
+
+    def read_so_far() -> int:
+        return sum(slots[i * nbytes : (i + 1) * nbytes] == payloads[i] for i in range(pages))
+
+    monkeypatch.setattr(disk_share, "yield_cpu", lambda: yields.append(read_so_far()))
+    # Each page into its own slot, checked there.
+    assert share.read([(FULL, bytes([i]) * 16, i) for i in range(pages)])
+    assert yields == [2, 4]  # after each MiB read, not per page nor only at the end
+    assert all(slots[i * nbytes : (i + 1) * nbytes] == payloads[i] for i in range(pages))
+    bad = bytearray(values[bytes([3]) * 16 + tag])
+    bad[-1] ^= 1  # one payload bit
+    values[bytes([3]) * 16 + tag] = bytes(bad)
+    assert not share.read([(FULL, bytes([i]) * 16, i) for i in range(pages)])  # checked
+
+
 def test_a_sidecar_opening_frees_reader_slots_of_processes_gone(workdir):
     """A process killed in a read transaction while another (an engine keeping its map
     over the restart) holds the environment open: lock.mdb's table survives, the dead
