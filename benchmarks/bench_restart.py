@@ -46,8 +46,8 @@ Timed, each as GB/s:
 * ``box idle``: the same pause's cost to the machine alone, no cache in it: one thread
   copying and hashing as many bytes in 256 KiB pieces (a disk load's reads' work), the
   median after a ``--pause-s`` sleep over the median back to back (on the 2-core
-  development box 1.2-1.3: a small virtual machine's CPU runs slower for a while after
-  sitting idle, which every first load pays).
+  development box 1.04-1.42 over five runs: a small virtual machine's CPU runs slower for
+  a while after sitting idle, which every first load pays).
 
 Printed ratios: ``first_warm / after_idle`` (seconds: what a restart adds, the goal is
 at most 1.2; ``first/busy``: over ``steady`` instead), ``steady ÷ raw_warm`` and

@@ -139,10 +139,10 @@ class EngineCopies:
     def _expire_kept_disk(self, now: float) -> None:
         """Close the kept map once no session took it over for ``KEPT_DISK_MAP_S``: a
         sidecar gone for good (its directory perhaps deleted) leaves no file mapped here."""
-        if self._kept_disk is not None and now - self._kept_disk_at > KEPT_DISK_MAP_S:
-            kept, self._kept_disk = self._kept_disk, None
-            if kept is not None:
-                kept.close()
+        kept = self._kept_disk
+        if kept is not None and now - self._kept_disk_at > KEPT_DISK_MAP_S:
+            self._kept_disk = None
+            kept.close()
 
     def _open_share(
         self, layout: Any, page_size: int, generation: int, disk_reads: int | None
