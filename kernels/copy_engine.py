@@ -10,6 +10,7 @@ the 1-D copies, the batched copy and the stream calls defined here too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -21,6 +22,7 @@ from hicache.kernels.geometry import RowCopy, RowSide
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 _CUDA_STREAM_NON_BLOCKING = 1  # no implicit sync with the legacy default stream
+_CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: an event or stream still has work
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read sources in stream order
 
 
@@ -65,6 +67,8 @@ def _cudart() -> ctypes.CDLL:
             ("cudaEventSynchronize", [vp]),
             ("cudaStreamWaitEvent", [vp, vp, ctypes.c_uint]),
             ("cudaStreamSynchronize", [vp]),
+            ("cudaEventQuery", [vp]),
+            ("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint]),
         ):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
@@ -277,6 +281,55 @@ class RawEvents:
         for handle in self.handles:
             lib.cudaEventDestroy(handle)
         self.handles = []
+
+
+class CopyDone:
+    """The end of the work queued so far on a raw stream: a CUDA event of its own, made
+    and recorded at a few microseconds of host time, with the methods of
+    ``torch.cuda.Event`` that a copy's callers use. Freed with the object."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, stream: int) -> None:
+        lib = _cudart()
+        handle = ctypes.c_void_p()
+        _check(
+            lib.cudaEventCreateWithFlags(ctypes.byref(handle), RawEvents._DISABLE_TIMING),
+            "cudaEventCreateWithFlags",
+        )
+        self._handle = int(handle.value or 0)
+        _check(lib.cudaEventRecord(self._handle, stream), "cudaEventRecord")
+
+    def synchronize(self) -> None:
+        """Wait on the host until the work has ended."""
+        _check(_cudart().cudaEventSynchronize(self._handle), "cudaEventSynchronize")
+
+    def query(self) -> bool:
+        """Whether the work has ended (an error of the work raises)."""
+        err = _cudart().cudaEventQuery(self._handle)
+        if err == _CUDA_ERROR_NOT_READY:
+            return False
+        _check(err, "cudaEventQuery")
+        return True
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the work."""
+        handle = (stream or torch.cuda.current_stream()).cuda_stream
+        _check(_cudart().cudaStreamWaitEvent(handle, self._handle, 0), "cudaStreamWaitEvent")
+
+    def __del__(self) -> None:
+        if self._handle:
+            with contextlib.suppress(Exception):  # at interpreter exit
+                _cudart().cudaEventDestroy(self._handle)
+
+
+def device_pointer(host_ptr: int) -> int:
+    """The address a kernel uses for pinned or registered host memory at ``host_ptr``
+    (the same address under unified addressing, on every current GPU)."""
+    out = ctypes.c_void_p()
+    _check(_cudart().cudaHostGetDevicePointer(ctypes.byref(out), host_ptr, 0),
+           "cudaHostGetDevicePointer")  # fmt: skip
+    return int(out.value or 0)
 
 
 def synchronize_stream(handle: int) -> None:

@@ -63,3 +63,59 @@ class IndexSlots:
                 if ev is None:
                     ev = self._events[slot] = torch.cuda.Event()
                 ev.record(stream)
+
+
+class PairSlots:
+    """:class:`IndexSlots` for a kernel that reads two index arrays (blocks and pages) on a
+    raw stream handle, at a few microseconds of host time: ``with slots.pair(a, b,
+    stream) as (ta, tb, pa, pb):`` writes ``a`` and ``b`` into the next pinned slot, each
+    starting 16 bytes aligned (so a compiled kernel's alignment assumption always holds),
+    and yields them as tensors and as the addresses a kernel reads them at; on leaving, a
+    raw event on ``stream`` marks when the slot may be written again. Thread-safe."""
+
+    def __init__(self, count: int = 16) -> None:
+        self._count = count
+        self._bufs: list[torch.Tensor | None] = [None] * count
+        self._views: list[np.ndarray | None] = [None] * count
+        self._addrs = [0] * count
+        self._events = None  # copy_engine.RawEvents, made with the first buffer
+        self._recorded = [False] * count
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _slot_buffer(self, slot: int, words: int) -> tuple[torch.Tensor, np.ndarray, int]:
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < words:
+            from hicache.kernels.copy_engine import device_pointer
+
+            size = 1 << max(11, (words - 1).bit_length())
+            buf = self._bufs[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._views[slot] = buf.numpy()
+            self._addrs[slot] = device_pointer(buf.data_ptr())
+        view, addr = self._views[slot], self._addrs[slot]
+        assert view is not None
+        return buf, view, addr
+
+    @contextmanager
+    def pair(
+        self, a: np.ndarray, b: np.ndarray, stream: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        n = int(a.size)
+        m = n + (n & 1)  # b starts 16 bytes after a's start times a whole number
+        with self._lock:
+            if self._events is None:
+                from hicache.kernels.copy_engine import RawEvents
+
+                self._events = RawEvents(self._count)
+            slot = self._next
+            self._next = (slot + 1) % self._count
+            if self._recorded[slot]:
+                self._events.synchronize(slot)  # the launch that read it last has ended
+            buf, view, addr = self._slot_buffer(slot, 2 * m)
+            view[:n] = a
+            view[m : m + n] = b
+            try:
+                yield buf[:n], buf[m : m + n], addr, addr + 8 * m
+            finally:  # after the launch: the slot is written again once it has run
+                self._events.record(slot, stream)
+                self._recorded[slot] = True

@@ -41,6 +41,22 @@ def jit_per_call(*varying: str, pointers: tuple[str, ...] = ()) -> Any:
     return triton.jit(**options)
 
 
+def compiled_runner(compiled: Any) -> Any:
+    """A launch of ``compiled`` (what a Triton kernel's launch returned on a GPU: the
+    compiled variant it chose) without Triton's per-call binding, specialisation and
+    cache lookup: ``run(grid, stream, args)`` on a 1-D grid and a raw stream handle, with
+    every argument in the kernel's order (pointers may be addresses). Only for calls that
+    the same variant fits (the caller keeps the specialised arguments as they were). None
+    where ``compiled`` is not a compiled kernel (interpreted)."""
+    if compiled is None or not hasattr(compiled, "function") or not hasattr(compiled, "run"):
+        return None
+
+    def run(grid: int, stream: int, args: tuple) -> None:
+        compiled[(grid, 1, 1)](*args, stream=stream)
+
+    return run
+
+
 def kernel_for(kernel: Any, device: torch.device) -> Any:
     """``kernel`` as it must be launched for tensors on ``device``."""
     from triton.runtime.interpreter import InterpretedFunction

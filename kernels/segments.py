@@ -26,15 +26,23 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hicache.kernels.copy_engine import CopyDone, device_pointer
 from hicache.kernels.cpu_rows import copy_pool
-from hicache.kernels.host_indices import IndexSlots
-from hicache.kernels.launch import kernel_for, max_programs, next_pow2, require_device_mapped
+from hicache.kernels.host_indices import PairSlots
+from hicache.kernels.launch import (
+    compiled_runner,
+    kernel_for,
+    max_programs,
+    next_pow2,
+    require_device_mapped,
+)
 from hicache.kernels.staged_segments import StagedSegments
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
@@ -109,7 +117,11 @@ class SegmentCopy:
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._gpu = None
         self._np_pages: np.ndarray | None = None  # the CPU copy's views (_prepare_cpu)
-        self._slots = IndexSlots()  # pinned index buffers for the kernel's launches
+        self._slots = PairSlots()  # pinned index buffers for the kernel's launches
+        self._handles: dict[bool, int] = {}  # each direction's raw stream handle
+        self._order = None  # RawEvents: a copy after its caller's stream (_stream_handle)
+        self._order_lock = threading.Lock()
+        self._compiled: dict[bool, object] = {}  # each direction's compiled launch, or None
         self._staged = None  # the staged form (kernels/staged_segments.py), when first wanted
         if use_kernel if use_kernel is not None else device.type == "cuda":
             require_device_mapped("host pages", pages, device)
@@ -147,10 +159,17 @@ class SegmentCopy:
         # One program moves about ``tile_bytes`` per step, as the row-copy kernel does.
         tile = max(1, self._tuning.tile_bytes // size)
         cols = min(next_pow2(longest), next_pow2(tile))
+        host_addr = host_words.data_ptr()
+        if pages.device.type == "cpu" and self.device.type == "cuda":
+            host_addr = device_pointer(host_addr)  # where the kernel addresses the pages
+        self._programs = max_programs(self.device, self._tuning)
         return {
             "dev": dev_words,
             "host": host_words,
             "table": on,
+            "dev_addr": dev_words.data_ptr(),
+            "host_addr": host_addr,
+            "table_addrs": tuple(on[i].data_ptr() for i in range(4)),
             "page_stride": pages.shape[1] // size,
             "cols": cols,
             "col_tiles": math.ceil(longest / cols),
@@ -187,8 +206,9 @@ class SegmentCopy:
             stream = self._stream(to_host)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                # Tables of one and two items: the second row of a [2, n] index table is
-                # 16-byte aligned only for an even n, which Triton may specialise on.
+                # One item and two: the launches that capture each direction's compiled
+                # variant (index rows always start 16-byte aligned: PairSlots), and the
+                # staged form's kernels.
                 for n in (1, 2):
                     skip = np.full(n, -1, dtype=np.int64)
                     self._launch(skip, skip, to_host)
@@ -202,12 +222,11 @@ class SegmentCopy:
             stream = self._streams[to_host] = torch.cuda.Stream(self.device)
         return stream
 
-    def start(
-        self, blocks: Sequence[int], pages: Sequence[int], to_host: bool
-    ) -> torch.cuda.Event | None:
+    def start(self, blocks: Sequence[int], pages: Sequence[int], to_host: bool) -> CopyDone | None:
         """Begin the copy of ``blocks[i] <-> pages[i]``: on a GPU, the event recorded after
-        it (wait on it before the bytes are used); elsewhere the copy is done on return
-        (None)."""
+        it (:class:`~hicache.kernels.copy_engine.CopyDone`, which has the methods of
+        ``torch.cuda.Event`` a caller uses: wait on it before the bytes are used);
+        elsewhere the copy is done on return (None)."""
         blocks_a = np.asarray(blocks, dtype=np.int64)
         pages_a = np.asarray(pages, dtype=np.int64)
         self._check(blocks_a, pages_a)
@@ -220,18 +239,33 @@ class SegmentCopy:
             self._launch(blocks_a, pages_a, to_host)
             return None
         # Each direction on a stream of its own, so that a store and a load overlap;
-        # after what the calling thread's stream has queued (the engine's writes).
-        stream = self._stream(to_host)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            staged = self.staged()
-            if staged.wanted(blocks_a.size, to_host):
-                staged.run(blocks_a, pages_a, to_host)
-            else:
-                self._launch(blocks_a, pages_a, to_host)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
+        # after what the calling thread's stream has queued (the engine's writes). Raw
+        # handles and events throughout: torch's stream context, stream waits and events
+        # cost several times their host time (benchmarks/probe_staged.py), and a copy's
+        # host time before its first launch is time the copy has not started.
+        stream = self._stream_handle(to_host)
+        caller = torch.cuda.current_stream(self.device).cuda_stream
+        with self._order_lock:
+            self._order.record(int(to_host), caller)
+            self._order.wait(stream, int(to_host))
+        staged = self._staged if self._staged is not None else self.staged()
+        if staged.wanted(blocks_a.size, to_host):
+            staged.run(blocks_a, pages_a, to_host, stream)
+        else:
+            self._launch(blocks_a, pages_a, to_host, stream)
+        return CopyDone(stream)
+
+    def _stream_handle(self, to_host: bool) -> int:
+        """The raw handle of this direction's stream (made on first use), and the events
+        that order it after a caller's stream."""
+        handle = self._handles.get(to_host)
+        if handle is None:
+            from hicache.kernels.copy_engine import RawEvents
+
+            if self._order is None:
+                self._order = RawEvents(2)
+            handle = self._handles[to_host] = self._stream(to_host).cuda_stream
+        return handle
 
     def staged(self) -> StagedSegments:
         """This copy through a device staging ring and copy-engine DMAs (used on a GPU for
@@ -240,26 +274,57 @@ class SegmentCopy:
             self._staged = StagedSegments(self)
         return self._staged
 
-    def _launch(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        idx = np.stack([blocks, pages])
+    def _launch(
+        self, blocks: np.ndarray, pages: np.ndarray, to_host: bool, stream: int | None = None
+    ) -> None:
+        """The kernel over ``blocks[i] <-> pages[i]``, on the raw ``stream`` (default: the
+        current one); on CPU tensors, interpreted."""
         if self.device.type != "cuda":
-            self._launch_on(torch.from_numpy(idx), to_host)
+            self._launch_on(torch.from_numpy(np.stack([blocks, pages])), to_host)
             return
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
         # Read by the kernel from pinned memory: no upload queued on the copy engines.
-        with self._slots.staged(idx, torch.cuda.current_stream(self.device)) as on_host:
-            self._launch_on(on_host, to_host)
+        with self._slots.pair(blocks, pages, stream) as (b_t, p_t, b_addr, p_addr):
+            n_rows = blocks.size * len(self.segments)
+            num_tiles = math.ceil(n_rows / self._gpu["rows"]) * self._gpu["col_tiles"]
+            grid = min(num_tiles, self._programs)
+            compiled = self._compiled.get(to_host)
+            if compiled:
+                try:
+                    # The variant chosen at the first launch, with raw addresses: the
+                    # same arguments but the indices' (16-byte aligned, as then), and no
+                    # per-call binding (launch.compiled_runner).
+                    compiled(grid, stream, self._args(b_addr, p_addr, n_rows, num_tiles, to_host))
+                    return
+                except (TypeError, ValueError, SystemError):  # a launcher of other arguments
+                    self._compiled[to_host] = None
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+                ran = self._launch_on((b_t, p_t), to_host)
+            if to_host not in self._compiled:
+                self._compiled[to_host] = compiled_runner(ran)
 
-    def _launch_on(self, idx: torch.Tensor, to_host: bool) -> None:
-        """The kernel over ``idx`` (``[2, items]``: blocks, pages) where it can read them
-        (on the device, or pinned)."""
+    def _args(self, b_addr: int, p_addr: int, n_rows: int, num_tiles: int, to_host: bool) -> tuple:
+        """The kernel's arguments in order, every pointer as an address."""
         g = self._gpu
-        n_rows = idx.shape[1] * len(self.segments)
+        return (
+            g["dev_addr"], g["host_addr"], b_addr, p_addr, *g["table_addrs"], n_rows,
+            len(self.segments), g["page_stride"], self.blocks, self.pages.shape[0], num_tiles,
+            g["col_tiles"], to_host, g["rows"], g["cols"], g["vec"],
+        )  # fmt: skip
+
+    def _launch_on(self, idx, to_host: bool):
+        """The kernel over ``idx`` (blocks, pages: a ``[2, items]`` tensor or a pair) where
+        it can read them (on the device, or pinned), through Triton's launch; what that
+        returns (the compiled variant on a GPU)."""
+        g = self._gpu
+        n_rows = idx[0].shape[0] * len(self.segments)
         num_tiles = math.ceil(n_rows / g["rows"]) * g["col_tiles"]
         grid = (min(num_tiles, max_programs(self.device, self._tuning)),)
         table = g["table"]
         from hicache.kernels.triton_segments import copy_segments_kernel
 
-        kernel_for(copy_segments_kernel, self.device)[grid](
+        return kernel_for(copy_segments_kernel, self.device)[grid](
             g["dev"],
             g["host"],
             idx[0],

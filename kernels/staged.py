@@ -95,35 +95,52 @@ def plan_dmas(
     host_stride_bytes: int,
     page_bytes: int,
     chunk_pages: int,
+    small_end: bool | None = None,
 ) -> DmaPlan:
     """Cut a transfer of ``host_pages`` into chunks and DMAs.
 
     Host page ``p`` starts at ``host_base + p * host_stride_bytes``. Within a chunk, pages
     that are consecutive in the index and in the host buffer (stride equal to the page)
     merge into one DMA; a staging chunk holds its pages back to back in index order.
+
+    Chunks hold ``chunk_pages`` pages each, but with ``small_end`` False the first chunk
+    and with True the last one an eighth of that, where the transfer has more pages than
+    that eighth: the step that runs alone (a store's first gather, before any DMA; a
+    load's last scatter, after every DMA) is then an eighth as long.
     """
     if chunk_pages < 1 or page_bytes < 1:
         raise ValueError(f"chunk_pages={chunk_pages} and page_bytes={page_bytes} must be >= 1")
     h = host_pages.astype(np.int64, copy=False)
     n = int(h.size)
-    pos = np.arange(n, dtype=np.int64)
-    starts_mask = pos % chunk_pages == 0
+    small = max(1, chunk_pages // 8)
+    if small_end is None or n <= small or small == chunk_pages:
+        num_chunks = -(-n // chunk_pages)
+        page_bounds = np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * chunk_pages, n)
+    elif small_end:  # the rest in whole chunks from the start, the last an eighth
+        body = n - small
+        page_bounds = np.append(np.arange(0, body, chunk_pages, dtype=np.int64), [body, n])
+        page_bounds = np.unique(page_bounds)
+    else:
+        page_bounds = np.append([0], np.arange(small, n, chunk_pages, dtype=np.int64))
+        page_bounds = np.append(page_bounds, n)
+    starts_mask = np.zeros(n, dtype=bool)
+    starts_mask[page_bounds[:-1]] = True
     if host_stride_bytes == page_bytes:
         starts_mask[1:] |= h[1:] != h[:-1] + 1
     else:
         starts_mask[:] = True
     starts = np.flatnonzero(starts_mask)
     ends = np.append(starts[1:], n)
-    num_chunks = -(-n // chunk_pages)
-    page_bounds = np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * chunk_pages, n)
     dma_bounds = np.searchsorted(starts, page_bounds)
+    # Each DMA's page position within its chunk: from the chunk's first page.
+    chunk_first = page_bounds[np.searchsorted(page_bounds, starts, side="right") - 1]
     return DmaPlan(
         chunk_pages=chunk_pages,
         page_bytes=page_bytes,
         page_bounds=page_bounds,
         dma_bounds=dma_bounds,
         host_addr=(host_base + h[starts] * host_stride_bytes).astype(np.uint64),
-        stage_offset=((starts % chunk_pages) * page_bytes).astype(np.uint64),
+        stage_offset=((starts - chunk_first) * page_bytes).astype(np.uint64),
         size=((ends - starts) * page_bytes).astype(np.uint64),
     )
 

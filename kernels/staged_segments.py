@@ -45,13 +45,14 @@ class _Launch:
     """One staging slot's segment copy, called as the KV path calls its row launchers:
     ``launch(device items, staging items)`` for a store, the reverse for a load."""
 
-    def __init__(self, copy: SegmentCopy, to_host: bool) -> None:
+    def __init__(self, copy: SegmentCopy, to_host: bool, stream: int | None = None) -> None:
         self.copy = copy
         self.to_host = to_host
+        self.stream = stream
 
     def launch(self, first: np.ndarray, second: np.ndarray) -> None:
         blocks, slots = (first, second) if self.to_host else (second, first)
-        self.copy._launch(np.asarray(blocks), np.asarray(slots), self.to_host)
+        self.copy._launch(np.asarray(blocks), np.asarray(slots), self.to_host, self.stream)
 
 
 class StagedSegments:
@@ -91,15 +92,15 @@ class StagedSegments:
         stride = self.row if not to_host else self.stride
         return stride, max(1, self.copy._tuning.staging_chunk_bytes // stride)
 
-    def _ring(self, to_host: bool) -> tuple[StagingRing, int, int]:
-        """The ring of the current stream (a fresh one on a CPU), the staged page stride,
-        and the pages a slot holds."""
+    def _ring(self, to_host: bool, stream: int | None = None) -> tuple[StagingRing, int, int]:
+        """The ring of the raw ``stream`` (default: the current one; a fresh ring on a
+        CPU), the staged page stride, and the pages a slot holds."""
         copy = self.copy
         tuning = copy._tuning
         stride, chunk_pages = self._layout(to_host)
         slot_bytes = chunk_pages * stride
         if copy.device.type == "cuda":
-            stream_key = torch.cuda.current_stream(copy.device).cuda_stream
+            stream_key = stream or torch.cuda.current_stream(copy.device).cuda_stream
             ring = _ring_for(copy.device, stream_key, slot_bytes, tuning)
         else:
             ring = StagingRing(copy.device, slot_bytes, tuning.staging_chunks)
@@ -131,19 +132,24 @@ class StagedSegments:
             self._stages[key] = stage
         return stage
 
-    def run(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        """Copy ``blocks[i] <-> pages[i]`` (checked by the caller): queued on the current
-        stream on a GPU (the caller records its event after), done on return on a CPU."""
+    def run(
+        self, blocks: np.ndarray, pages: np.ndarray, to_host: bool, stream: int | None = None
+    ) -> None:
+        """Copy ``blocks[i] <-> pages[i]`` (checked by the caller): queued on the raw
+        ``stream`` on a GPU (default: the current one; the caller records its event
+        after), done on return on a CPU."""
         copy = self.copy
         tuning = copy._tuning
         device = copy.device
-        ring, stride, chunk_pages = self._ring(to_host)
+        ring, stride, chunk_pages = self._ring(to_host, stream)
         host_base = copy.pages.data_ptr() + copy.payload_offset + self.lo
-        # Page i of the transfer sits at position i % chunk_pages of slot
-        # (i // chunk_pages) % slots. A store: one DMA a page. A load: one DMA a run of
-        # consecutive host pages within a chunk, from the first span's start to the last
-        # one's end (never past the pool's last byte).
-        plan = plan_dmas(pages, host_base, self.row, stride, chunk_pages)
+        # Chunk c (pages plan.page_bounds[c] onwards) goes through slot c % slots; a
+        # store's first chunk and a load's last are an eighth of the others (plan_dmas),
+        # so the gather before the first DMA and the scatter after the last are short. A
+        # store: one DMA a page. A load: one DMA a run of consecutive host pages within a
+        # chunk, from the first span's start to the last one's end (never past the pool's
+        # last byte).
+        plan = plan_dmas(pages, host_base, self.row, stride, chunk_pages, small_end=not to_host)
         sizes = plan.size - np.uint64(stride - self.span)
         bases = np.array([b.data_ptr() for b in ring.buffers], dtype=np.uint64)
         chunk_of_dma = np.repeat(
@@ -151,7 +157,9 @@ class StagedSegments:
         )
         stage_addr = bases[chunk_of_dma % ring.slots] + plan.stage_offset
         dsts, srcs = (plan.host_addr, stage_addr) if to_host else (stage_addr, plan.host_addr)
-        launchers = [_Launch(self._stage(b, stride, chunk_pages), to_host) for b in ring.buffers]
+        launchers = [
+            _Launch(self._stage(b, stride, chunk_pages), to_host, stream) for b in ring.buffers
+        ]
         stage_items = np.arange(chunk_pages, dtype=np.int64)
         if device.type != "cuda":
             for c in range(plan.num_chunks):
@@ -168,5 +176,5 @@ class StagedSegments:
         from hicache.kernels.copy_engine import Copies1D
 
         dmas = Copies1D(dsts, srcs, sizes, ring.stream_handle, tuning.staged_batched_dma)
-        caller = torch.cuda.current_stream(device).cuda_stream
+        caller = stream or torch.cuda.current_stream(device).cuda_stream
         _issue_on_gpu(plan, ring, launchers, blocks, stage_items, dmas, caller, to_host)

@@ -33,6 +33,36 @@ def test_plan_takes_one_dma_per_page_when_host_pages_are_padded() -> None:
     assert host_dma_count(np.array([0, 1, 2, 3]), 128, 100) == 4
 
 
+@pytest.mark.parametrize("small_end", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 40])
+def test_a_plan_with_a_small_first_or_last_chunk_covers_every_page_once(small_end, n) -> None:
+    """A store's plan (``small_end`` False) starts with a chunk an eighth of the others,
+    a load's ends with one; each DMA lands inside its own chunk's slot, every page once,
+    where the page's position in its chunk says."""
+    rng = np.random.default_rng(n)
+    pages = rng.permutation(64)[:n]
+    pages[n // 3 : n // 3 + n // 4] = np.arange(50, 50 + n // 4)  # a run of neighbours
+    plan = plan_dmas(pages, 0, 10, 10, 16, small_end=small_end)
+    sizes = np.diff(plan.page_bounds)
+    assert plan.page_bounds[0] == 0 and plan.page_bounds[-1] == n and (sizes > 0).all()
+    assert (sizes <= 16).all()
+    if n > 2:  # more pages than an eighth of a chunk: the small one where asked
+        assert sizes[-1 if small_end else 0] == 2
+        middle = sizes[:-2] if small_end else sizes[1:-1]  # the rest whole, but one
+        assert (middle == 16).all()
+    # Replay the DMAs: each page's bytes land at its position within its chunk.
+    seen = []
+    for c in range(plan.num_chunks):
+        lo, hi = plan.page_bounds[c], plan.page_bounds[c + 1]
+        for d in range(plan.dma_bounds[c], plan.dma_bounds[c + 1]):
+            first, count = int(plan.stage_offset[d]) // 10, int(plan.size[d]) // 10
+            assert first + count <= hi - lo
+            for k in range(count):
+                assert int(plan.host_addr[d]) // 10 + k == pages[lo + first + k]
+                seen.append(lo + first + k)
+    assert sorted(seen) == list(range(n))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_dma_count_matches_the_plan_when_one_chunk_holds_everything(seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -1,0 +1,197 @@
+"""Where a staged segment copy's time goes on a GPU, beside a pinned memcpy of its bytes.
+
+    python3 benchmarks/probe_staged.py [--sizes-mib 64,1024] [--repeat 20] [--json OUT]
+
+A vLLM-shaped segment copy (16 per-layer byte tensors, 64 KiB of each a block, a 1 MiB
+payload per host page in rows of 1 MiB + the pool's 128-byte frame, blocks and pages in a
+shuffled order) is timed each way three ways (medians of ``--repeat``):
+
+* ``gpu``: device µs with the stream held (``torch.cuda._sleep``) while the host issues,
+  so that only the GPU's own work counts;
+* ``issue``: host µs of the call that issues it;
+* ``wall``: µs from the call to its end, synchronised (what an engine waits).
+
+``kernel_triton_launch`` is the direct kernel launched through Triton's own launch each
+time, beside ``kernel_to_pinned``, which launches the compiled variant it kept.
+
+Beside it, in the same run: one contiguous pinned memcpy of the same bytes (the
+baseline), the DMAs alone (one 1-D DMA per page into shuffled rows, batched; one 2-D DMA
+over consecutive rows), the gather or scatter kernel alone (device to device staging), the
+kernel straight to host memory, and the staged copy with several staging chunk sizes and
+ring depths. Diagnostic, for :class:`hicache.kernels.TransferTuning`; one CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hicache.kernels.copy_engine import Copies1D, _cudart
+from hicache.kernels.segments import Segment, SegmentCopy
+from hicache.kernels.staged import release_rings
+from hicache.kernels.tuning import TransferTuning
+
+MIB = 1 << 20
+LAYERS, SEG, FRAME = 16, 64 << 10, 128
+PAGE = LAYERS * SEG
+#: (staging chunk MiB, chunks in the ring) of the staged rows; the default first
+STAGINGS = [(64, 2), (32, 2), (16, 2), (8, 2), (8, 4), (4, 4)]
+
+
+class Clock:
+    """Times a call on ``stream`` (the current stream while it runs) three ways."""
+
+    def __init__(self, stream: torch.cuda.Stream, repeat: int) -> None:
+        self.stream = stream
+        self.repeat = repeat
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(10_000_000)
+        torch.cuda.synchronize()
+        self.cycles_per_us = 10_000_000 / ((time.perf_counter() - t0) * 1e6)
+
+    def __call__(self, fn: Callable[[], object]) -> dict[str, float]:
+        gpu, issue, wall = [], [], []
+        hold_us = 3000.0  # longer where the host takes longer to issue (after the warm-up)
+        with torch.cuda.stream(self.stream):
+            for i in range(self.repeat + 1):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(self.cycles_per_us * hold_us))
+                start.record()
+                t0 = time.perf_counter()
+                done = fn()
+                t1 = time.perf_counter()
+                if done is not None:
+                    self.stream.wait_event(done)
+                end.record()
+                end.synchronize()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                done = fn()
+                if done is not None:
+                    done.synchronize()
+                torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                hold_us = max(hold_us, 2 * (t1 - t0) * 1e6 + 500)
+                if i:
+                    gpu.append(start.elapsed_time(end) * 1e3)
+                    issue.append((t1 - t0) * 1e6)
+                    wall.append((t3 - t2) * 1e6)
+        return {
+            "gpu": statistics.median(gpu),
+            "issue": statistics.median(issue),
+            "wall": statistics.median(wall),
+        }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mib", default="64,1024")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit")
+    args = ap.parse_args()
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    dev = torch.device("cuda")
+    n_max = max(sizes)
+    rng = np.random.default_rng(0)
+    stream = torch.cuda.Stream(dev)
+    clock = Clock(stream, args.repeat)
+    row = PAGE + FRAME
+    tensors = [torch.zeros(n_max, SEG, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+    pages = torch.zeros(n_max, row, dtype=torch.uint8).pin_memory()
+    segs = [Segment(t, 0, SEG, i * SEG) for i, t in enumerate(tensors)]
+    flat_h = torch.zeros(n_max * MIB, dtype=torch.uint8).pin_memory()
+    flat_d = torch.zeros(n_max * MIB, dtype=torch.uint8, device=dev)
+    stage_d = torch.zeros(n_max * PAGE, dtype=torch.uint8, device=dev)
+    t_start = time.monotonic()
+    out: dict = {"device": torch.cuda.get_device_name(0), "rows": []}
+
+    def add(n: int, what: str, way: str, t: dict[str, float], base: dict[str, float]) -> None:
+        """A row: ``t`` beside ``base`` (the memcpy's times), gpu to gpu, wall to wall."""
+        t = {**t, "ratio_gpu": base["gpu"] / t["gpu"], "ratio_wall": base["wall"] / t["wall"]}
+        out["rows"].append({"MiB": n, "what": what, "way": way, **t})
+        print(
+            f"{time.monotonic() - t_start:6.1f}s {n:5d} MiB {way:9s} {what:24s} "
+            f"gpu {t['gpu']:8.1f} µs ({t['ratio_gpu']:.3f})  "
+            f"issue {t['issue']:7.1f}  wall {t['wall']:8.1f} ({t['ratio_wall']:.3f})",
+            flush=True,
+        )
+
+    for n in sizes:
+        for way in ("to_host", "to_device"):
+            ways(n, way, clock, add, rng, tensors, pages, segs, flat_h, flat_d, stage_d)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def ways(n, way, clock, add, rng, tensors, pages, segs, flat_h, flat_d, stage_d) -> None:
+    """The rows of ``n`` MiB one way."""
+    n_max, row, nb = pages.shape[0], pages.shape[1], n * MIB
+    to_host = way == "to_host"
+    blocks = rng.permutation(n_max)[:n].astype(np.int64)
+    hosts = rng.permutation(n_max)[:n].astype(np.int64)
+    host_addr = (pages.data_ptr() + FRAME + hosts * row).astype(np.uint64)
+    dev_addr = (stage_d.data_ptr() + np.arange(n, dtype=np.uint64) * PAGE).astype(np.uint64)
+    sizes_u = np.full(n, PAGE, dtype=np.uint64)
+    run_host = pages.data_ptr() + FRAME + int(rng.integers(0, n_max - n + 1)) * row
+    stream = clock.stream
+    lib = _cudart()
+    dst, src = (flat_h[:nb], flat_d[:nb]) if to_host else (flat_d[:nb], flat_h[:nb])
+    memcpy = clock(lambda: (dst.copy_(src, non_blocking=True), None)[1])
+    floor = memcpy
+    add(n, "memcpy", way, memcpy, floor)
+    dsts, srcs = (host_addr, dev_addr) if to_host else (dev_addr, host_addr)
+    for name, batched in (("dma_per_page_batched", True), ("dma_per_page_each", False)):
+        if not batched and n > 256:  # a queue this deep blocks the issuing thread
+            continue
+        copies = Copies1D(dsts, srcs, sizes_u, stream.cuda_stream, batched)
+        add(n, name, way, clock(lambda c=copies: c.issue(0, n)), floor)
+
+    def dma_2d() -> None:
+        if to_host:
+            args_ = (run_host, row, stage_d.data_ptr(), PAGE, PAGE, n)
+        else:
+            args_ = (stage_d.data_ptr(), PAGE, run_host, row, PAGE, n)
+        err = lib.cudaMemcpy2DAsync(*args_, 4, ctypes.c_void_p(stream.cuda_stream))
+        assert not err, err
+
+    add(n, "dma_2d_consecutive", way, clock(dma_2d), floor)
+    direct = SegmentCopy(segs, pages, FRAME, TransferTuning(staged_segments_min_bytes=0))
+    direct.warm()
+    add(n, "kernel_to_pinned", way, clock(lambda: direct.start(blocks, hosts, to_host)), floor)
+    # The same launched through Triton's own launch every time (no compiled variant kept).
+    bound = SegmentCopy(segs, pages, FRAME, TransferTuning(staged_segments_min_bytes=0))
+    bound._compiled = {True: None, False: None}
+    add(n, "kernel_triton_launch", way, clock(lambda: bound.start(blocks, hosts, to_host)), floor)
+    # The gather (a store) or scatter (a load) alone: blocks <-> a device staging buffer
+    # of n back-to-back pages.
+    stage_pages = stage_d[: n * PAGE].view(n, PAGE)
+    off = TransferTuning(staged_segments_min_bytes=0)
+    alone = SegmentCopy(segs, stage_pages, 0, off, use_kernel=True)
+    slots = np.arange(n, dtype=np.int64)
+    add(n, "kernel_device_only", way, clock(lambda: alone.start(blocks, slots, to_host)), floor)
+    for chunk_mib, chunks in STAGINGS:
+        tuning = TransferTuning(staging_chunk_bytes=chunk_mib * MIB, staging_chunks=chunks)
+        staged = SegmentCopy(segs, pages, FRAME, tuning)
+        staged.warm()
+        timed = clock(lambda s=staged: s.start(blocks, hosts, to_host))
+        add(n, f"staged_{chunk_mib}MiBx{chunks}", way, timed, floor)
+        release_rings()
+
+
+if __name__ == "__main__":
+    main()
