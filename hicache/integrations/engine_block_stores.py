@@ -151,6 +151,8 @@ class BlockStores:
         g_arr, b_arr = np.asarray(groups), np.asarray(blocks, dtype=np.int64)
         if len(parts) == 1:
             return self._store_whole(refs, g_arr, b_arr, ttl_s, on_copied, tenant, ahead)
+        if ahead is not None and all(p is None or self.client.begin_answered(p) for p in ahead):
+            return self._store_answered(refs, parts, ahead, g_arr, b_arr, ttl_s, on_copied, tenant)
         committed = not_stored = 0
         pending: list = []  # (reservation, events) started, not yet committed
         if ahead is None:
@@ -225,6 +227,46 @@ class BlockStores:
                 on_copied()
         # Not waited for (see :meth:`store`).
         return self.client.commit_store(store, True, wait=False), int((store.pages == -2).sum())
+
+    def _store_answered(
+        self, refs: Sequence[PageRef], parts: list[tuple[int, int]], ahead: list,
+        groups: np.ndarray, blocks: np.ndarray, ttl_s: float,
+        on_copied: Callable[[], object] | None, tenant: str | None,
+    ) -> tuple[int, int]:  # fmt: skip
+        """:meth:`store` of a prebook whose every answer is in: nothing left to overlap,
+        so the parts are copied as one (a launch per group, not per part and group), then
+        each is committed, its answer not waited for."""
+        stores: list = []
+        not_stored = 0
+        copied = False
+        try:
+            pages = np.full(len(refs), -1, dtype=np.int64)
+            for i, (lo, hi) in enumerate(parts):
+                asked, ahead[i] = ahead[i], None
+                store = self._reserve(asked, True, refs[lo:hi], ttl_s, tenant)
+                if store is not None and store.host is not self._host:
+                    self.client.commit_store(store, False)  # of a session gone
+                    store = None
+                if store is None:
+                    not_stored += hi - lo
+                    continue
+                stores.append(store)
+                pages[lo:hi] = store.pages
+                not_stored += int((store.pages == -2).sum())
+            copies = self._copies_now()
+            if copies is None or any(st.host is not self._host for st in stores):
+                return 0, len(refs)  # mapped again meanwhile: nothing to write into
+            wait_all(self._start(copies, groups, blocks, pages, True))
+            copied = True
+        finally:
+            self._give_back(ahead)  # parts not taken (an error on the way)
+            if not copied:  # handed out, not (wholly) written: given back unseen
+                for st in stores:
+                    self.client.commit_store(st, False)
+            if on_copied is not None:
+                on_copied()
+        committed = sum(self.client.commit_store(st, True, wait=False) for st in stores)
+        return committed, not_stored
 
     def _commit_copied(self, pending: list) -> int:
         """Wait for the copies of the parts in ``pending`` and publish them (not waiting

@@ -119,6 +119,8 @@ def test_a_store_whose_copy_fails_gives_back_every_prebooked_part_after_it(sidec
     writer, _ = _engine(sidecar, 24, chunk_pages=3)
     ids = list(range(200, 210))  # parts of 1, 3, 3, 3 pages, all asked for ahead
     started = third_copy_fails(writer, monkeypatch)
+    # Answers still on their way when the store runs: it copies part by part.
+    monkeypatch.setattr(writer.client, "begin_answered", lambda pending: False)
     try:
         prebook = writer.prebook(_refs(ids), 30.0)
         with pytest.raises(RuntimeError, match="the copy failed"):
@@ -128,6 +130,44 @@ def test_a_store_whose_copy_fails_gives_back_every_prebooked_part_after_it(sidec
         sidecar.controller.check_invariants()
         hits = writer.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
         assert [int(p) != 0 for p in hits] == [True] * 4 + [False] * 6
+    finally:
+        writer.client.close()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["copied", "copy-fails"])
+def test_a_prebook_whose_answers_are_all_in_is_copied_as_one(sidecar, monkeypatch, fails):
+    """Every part's pages handed out before the store runs: one copy for all the parts,
+    each part committed; a copy that fails gives every page back (none visible, none
+    held)."""
+    writer, src = _engine(sidecar, 27, chunk_pages=3)
+    copy = writer._copies_now()[0]
+    started, real_start = [], copy.start
+
+    def start(blocks, pages, to_host):
+        started.append(len(blocks))
+        if fails:
+            raise RuntimeError("the copy failed")
+        return real_start(blocks, pages, to_host)
+
+    monkeypatch.setattr(copy, "start", start)
+    try:
+        ids = list(range(400, 410))  # parts of 1, 3, 3, 3 pages
+        prebook = writer.prebook(_refs(ids), 30.0)
+        wait_for(lambda: writer.prebook_answered(prebook), 30, "the prebook's answers")
+        if fails:
+            with pytest.raises(RuntimeError, match="the copy failed"):
+                writer.store(_refs(ids), [0] * 10, list(range(10)), 30.0, prebook=prebook)
+        else:
+            stored = writer.store(_refs(ids), [0] * 10, list(range(10)), 30.0, prebook=prebook)
+            assert stored == (10, 0)
+        assert started == [10]  # one copy, not one a part
+        assert (writer.begins_on_path, writer.prebook_missed) == (0, 0)
+        sidecar.controller.check_invariants()
+        hits = writer.client.lookup([_hash(i) for i in ids], [FULL]).presence[FULL]
+        assert [int(p) != 0 for p in hits] == [not fails] * 10
+        assert sidecar.host_pages_used() == (0 if fails else 10)
+        if not fails:
+            _stored_exact(sidecar, writer, src, ids, 28)
     finally:
         writer.client.close()
 
