@@ -16,7 +16,7 @@ keeps a few pinned buffers in turn, each with the event recorded after its last 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -68,9 +68,10 @@ class IndexSlots:
 class PairSlots:
     """:class:`IndexSlots` for a kernel that reads two index arrays (blocks and pages) on a
     raw stream handle, at a few microseconds of host time: ``with slots.pair(a, b,
-    stream) as (ta, tb, pa, pb):`` writes ``a`` and ``b`` into the next pinned slot, each
+    stream) as (pa, pb, tensors):`` writes ``a`` and ``b`` into the next pinned slot, each
     starting 16 bytes aligned (so a compiled kernel's alignment assumption always holds),
-    and yields them as tensors and as the addresses a kernel reads them at; on leaving, a
+    and yields the addresses a kernel reads them at (``tensors()``: the two as pinned
+    tensors, for a launch that takes tensors); on leaving, a
     raw event on ``stream`` marks when the slot may be written again. Thread-safe."""
 
     def __init__(self, count: int = 16) -> None:
@@ -84,22 +85,32 @@ class PairSlots:
         self._lock = threading.Lock()
 
     def _slot_buffer(self, slot: int, words: int) -> tuple[torch.Tensor, np.ndarray, int]:
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < words:
-            from hicache.kernels.copy_engine import device_pointer
+        """Slot ``slot``'s buffer of at least ``words`` int64s: every slot's first one
+        from one pinned allocation made at the first launch (an allocation of pinned
+        memory costs far more than a launch), a larger one alone when a launch needs it."""
+        from hicache.kernels.copy_engine import device_pointer
 
-            size = 1 << max(11, (words - 1).bit_length())
-            buf = self._bufs[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        if self._bufs[slot] is None:
+            block = _pinned(self._count, 2048)
+            base, addr = block.data_ptr(), device_pointer(block.data_ptr())
+            for i, row in enumerate(block.unbind(0)):
+                self._bufs[i], self._views[i] = row, row.numpy()
+                self._addrs[i] = addr + (row.data_ptr() - base)
+        buf = self._bufs[slot]
+        assert buf is not None
+        if buf.numel() < words:
+            size = 1 << (words - 1).bit_length()
+            buf = self._bufs[slot] = _pinned(size)
             self._views[slot] = buf.numpy()
             self._addrs[slot] = device_pointer(buf.data_ptr())
-        view, addr = self._views[slot], self._addrs[slot]
+        view = self._views[slot]
         assert view is not None
-        return buf, view, addr
+        return buf, view, self._addrs[slot]
 
     @contextmanager
     def pair(
         self, a: np.ndarray, b: np.ndarray, stream: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    ) -> Iterator[tuple[int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
         n = int(a.size)
         m = n + (n & 1)  # b starts 16 bytes after a's start times a whole number
         with self._lock:
@@ -115,7 +126,12 @@ class PairSlots:
             view[:n] = a
             view[m : m + n] = b
             try:
-                yield buf[:n], buf[m : m + n], addr, addr + 8 * m
+                yield addr, addr + 8 * m, lambda: (buf[:n], buf[m : m + n])
             finally:  # after the launch: the slot is written again once it has run
                 self._events.record(slot, stream)
                 self._recorded[slot] = True
+
+
+def _pinned(*shape: int) -> torch.Tensor:
+    """A pinned int64 tensor (one allocation)."""
+    return torch.empty(*shape, dtype=torch.int64, pin_memory=True)

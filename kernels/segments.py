@@ -285,7 +285,7 @@ class SegmentCopy:
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         # Read by the kernel from pinned memory: no upload queued on the copy engines.
-        with self._slots.pair(blocks, pages, stream) as (b_t, p_t, b_addr, p_addr):
+        with self._slots.pair(blocks, pages, stream) as (b_addr, p_addr, tensors):
             n_rows = blocks.size * len(self.segments)
             num_tiles = math.ceil(n_rows / self._gpu["rows"]) * self._gpu["col_tiles"]
             grid = min(num_tiles, self._programs)
@@ -300,7 +300,7 @@ class SegmentCopy:
                 except (TypeError, ValueError, SystemError):  # a launcher of other arguments
                     self._compiled[to_host] = None
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
-                ran = self._launch_on((b_t, p_t), to_host)
+                ran = self._launch_on(tensors(), to_host)
             if to_host not in self._compiled:
                 self._compiled[to_host] = compiled_runner(ran)
 
