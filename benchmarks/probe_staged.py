@@ -82,7 +82,10 @@ class Clock:
                     done.synchronize()
                 torch.cuda.synchronize()
                 t3 = time.perf_counter()
-                hold_us = max(hold_us, 2 * (t1 - t0) * 1e6 + 500)
+                # longer holds where issuing takes longer, but bounded: a copy of more chunks
+                # than its index slots waits for its first launches to run, so its issue
+                # time includes the hold itself
+                hold_us = min(max(hold_us, 2 * (t1 - t0) * 1e6 + 500), 20_000.0)
                 if i:
                     gpu.append(start.elapsed_time(end) * 1e3)
                     issue.append((t1 - t0) * 1e6)
