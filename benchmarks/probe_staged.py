@@ -11,8 +11,13 @@ shuffled order) is timed each way three ways (medians of ``--repeat``):
 * ``issue``: host µs of the call that issues it;
 * ``wall``: µs from the call to its end, synchronised (what an engine waits).
 
-``kernel_triton_launch`` is the direct kernel launched through Triton's own launch each
-time, beside ``kernel_to_pinned``, which launches the compiled variant it kept.
+First, the host µs of each step of issuing a direct copy (``issue_parts_us``: the
+index arrays and their checks, the caller's stream, the events that order the copy after
+it, the index slots, the arguments, the launch of the kept compiled variant, the event
+made for the caller, and the whole ``start``), each step alone, the device synchronised
+after each (untimed). ``kernel_triton_launch`` is the direct kernel launched through
+Triton's own launch each time, beside ``kernel_to_pinned``, which launches the compiled
+variant it kept.
 
 Beside it, in the same run: one contiguous pinned memcpy of the same bytes (the
 baseline), the DMAs alone (one 1-D DMA per page into shuffled rows, batched; one 2-D DMA
@@ -133,12 +138,62 @@ def main() -> None:
             flush=True,
         )
 
+    out["issue_parts_us"] = issue_parts(segs, pages, min(sizes))
     for n in sizes:
         for way in ("to_host", "to_device"):
             ways(n, way, clock, add, rng, tensors, pages, segs, flat_h, flat_d, stage_d)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def issue_parts(segs, pages, n: int, repeat: int = 300) -> dict[str, float]:
+    """Host µs of each step a direct segment copy of ``n`` pages takes to issue (medians
+    of ``repeat``, each step alone, to host, the device synchronised after each call,
+    untimed): where a launch's host time goes."""
+    from hicache.kernels.copy_engine import CopyDone
+
+    copy = SegmentCopy(segs, pages, FRAME, TransferTuning(staged_segments_min_bytes=0))
+    copy.warm()
+    blocks = np.arange(n, dtype=np.int64)
+    hosts = np.arange(n, dtype=np.int64)[::-1].copy()
+    dev = copy.device
+    stream = copy._stream_handle(True)
+    caller = torch.cuda.current_stream(dev).cuda_stream
+
+    def order() -> None:
+        with copy._order_lock:
+            copy._order.record(1, caller)
+            copy._order.wait(stream, 1)
+
+    def slots() -> None:
+        with copy._slots.pair(blocks, hosts, stream):
+            pass
+
+    with copy._slots.pair(blocks, hosts, stream) as (b_addr, p_addr, _):
+        args = copy._args(b_addr, p_addr, n * len(segs), 1, True)
+    steps = {
+        "arrays_and_checks": lambda: copy._check(np.asarray(blocks), np.asarray(hosts)),
+        "caller_stream": lambda: torch.cuda.current_stream(dev).cuda_stream,
+        "order_events": order,
+        "index_slots": slots,
+        "arguments": lambda: copy._args(0, 0, n * len(segs), 1, True),
+        "compiled_launch": lambda: copy._compiled[True](1, stream, args),
+        "done_event": lambda: CopyDone(stream),
+        "whole_start": lambda: copy.start(blocks, hosts, True),
+    }
+    out = {}
+    for name, fn in steps.items():
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+        out[name] = statistics.median(times)
+    print("host µs to issue a direct copy, step by step: "
+          + "  ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)  # fmt: skip
+    return out
 
 
 def ways(n, way, clock, add, rng, tensors, pages, segs, flat_h, flat_d, stage_d) -> None:
