@@ -188,6 +188,9 @@ class ControllerConfig:
     disk_sync: bool = True  # fsync every commit: a crash loses nothing committed
     disk_verify_on_open: bool = False  # checksum every stored page at open (reads it all)
     disk_map_full_retries: int = 3  # evict-and-retry rounds before rejecting pages
+    # The LMDB writer thread's niceness above the sidecar's (0: the same): its copying and
+    # hashing yield a busy CPU to request handling and the engines' copies (Linux).
+    disk_writer_nice: int = 10
     # After a start, the most recently used disk pages are read back into free host pages
     # up to this many bytes, hottest first, while serving (controller/tiers/prewarm.py).
     # None: half of host_pool_bytes; 0: off (the default in-process; the sidecar's is None).
@@ -377,6 +380,8 @@ class ControllerConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: none kept), got {getattr(self, name)}")
         if self.disk_map_full_retries < 0:
             raise ConfigError("disk_map_full_retries must be >= 0")
+        if not 0 <= self.disk_writer_nice <= 19:
+            raise ConfigError(f"disk_writer_nice must be 0..19, got {self.disk_writer_nice}")
         if self.writer_flush_interval_s < 0:
             raise ConfigError("writer_flush_interval_s must be >= 0 seconds")
         for name in (

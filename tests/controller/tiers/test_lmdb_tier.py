@@ -4,6 +4,8 @@ the controller paths that meet its edges (shutdown, admin deletes, a shrunk budg
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -444,3 +446,31 @@ def test_small_values_at_the_smallest_map_keep_being_stored(tmp_path):
         assert sum(pages.values()) <= budget
     finally:
         tier.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_the_writer_thread_runs_nicer_than_the_sidecar_by_its_setting(tmp_path, nice):
+    """``disk_writer_nice``: the writer thread alone is that much nicer than the process
+    (its copying and hashing yield a busy CPU); the calling thread's priority is
+    untouched, and the pages are stored as ever."""
+    index = FakeIndex()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    tier = open_tier(tmp_path, index, disk_writer_nice=nice)
+    try:
+        write(tier, range(3))
+        assert all(r.ok for r in index.results) and len(index.results) == 3
+        writer = tier.writer._thread
+        assert writer.is_alive() and writer.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, base + nice)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_a_writer_niceness_outside_0_to_19_is_refused(nice):
+    from hicache.controller.config import ConfigError
+
+    with pytest.raises(ConfigError, match="disk_writer_nice"):
+        ControllerConfig(disk_writer_nice=nice)
