@@ -36,12 +36,8 @@ log = logging.getLogger(__name__)
 def lower_priority(nice: int) -> bool:
     """Give the calling thread ``nice`` more niceness than the process (Linux: a thread's
     own priority), so that a background thread's copying and hashing yields a busy CPU to
-    the threads that serve requests and to the engines' copies; whether it was done.
-
-    Measured on the 2-core development box (2026-12-07, ``bench_sglang_storage.py
-    --page-tokens 64 --pages 64``, two runs each way): SGLang's sets and gets of 1 MiB
-    pages, copied by the engine while the writer stores the sets before them, 4.7-4.9 /
-    5.2-6.9 GB/s with the writer at the sidecar's priority, 6.5-7.0 / 8.4-9.0 at +10."""
+    the threads that serve requests and to the engines' copies; whether it was done
+    (measured in docs/operations.md, "disk_writer_nice")."""
     if nice <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
