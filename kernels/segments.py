@@ -206,14 +206,13 @@ class SegmentCopy:
             stream = self._stream(to_host)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                # One item and two: the launches that capture each direction's compiled
-                # variant (index rows always start 16-byte aligned: PairSlots), and the
-                # staged form's kernels.
-                for n in (1, 2):
-                    skip = np.full(n, -1, dtype=np.int64)
-                    self._launch(skip, skip, to_host)
-                    if staged.could_stage(to_host):
-                        staged.warm(to_host, skip)
+                # The launch that captures each direction's compiled variant (its index
+                # rows start 16-byte aligned whatever their length: PairSlots, so one
+                # variant serves every later call), and the staged form's kernels.
+                skip = np.full(1, -1, dtype=np.int64)
+                self._launch(skip, skip, to_host)
+                if staged.could_stage(to_host):
+                    staged.warm(to_host, skip)
             stream.synchronize()
 
     def _stream(self, to_host: bool) -> torch.cuda.Stream:
@@ -248,7 +247,7 @@ class SegmentCopy:
         with self._order_lock:
             self._order.record(int(to_host), caller)
             self._order.wait(stream, int(to_host))
-        staged = self._staged if self._staged is not None else self.staged()
+        staged = self.staged()
         if staged.wanted(blocks_a.size, to_host):
             staged.run(blocks_a, pages_a, to_host, stream)
         else:
@@ -286,9 +285,7 @@ class SegmentCopy:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         # Read by the kernel from pinned memory: no upload queued on the copy engines.
         with self._slots.pair(blocks, pages, stream) as (b_addr, p_addr, tensors):
-            n_rows = blocks.size * len(self.segments)
-            num_tiles = math.ceil(n_rows / self._gpu["rows"]) * self._gpu["col_tiles"]
-            grid = min(num_tiles, self._programs)
+            n_rows, num_tiles, grid = self._grid(blocks.size)
             compiled = self._compiled.get(to_host)
             if compiled:
                 try:
@@ -304,6 +301,13 @@ class SegmentCopy:
             if to_host not in self._compiled:
                 self._compiled[to_host] = compiled_runner(ran)
 
+    def _grid(self, items: int) -> tuple[int, int, int]:
+        """A launch over ``items`` blocks: its rows (a segment of an item each), its tiles,
+        and its persistent grid."""
+        n_rows = items * len(self.segments)
+        num_tiles = math.ceil(n_rows / self._gpu["rows"]) * self._gpu["col_tiles"]
+        return n_rows, num_tiles, min(num_tiles, self._programs)
+
     def _args(self, b_addr: int, p_addr: int, n_rows: int, num_tiles: int, to_host: bool) -> tuple:
         """The kernel's arguments in order, every pointer as an address."""
         g = self._gpu
@@ -318,13 +322,11 @@ class SegmentCopy:
         it can read them (on the device, or pinned), through Triton's launch; what that
         returns (the compiled variant on a GPU)."""
         g = self._gpu
-        n_rows = idx[0].shape[0] * len(self.segments)
-        num_tiles = math.ceil(n_rows / g["rows"]) * g["col_tiles"]
-        grid = (min(num_tiles, max_programs(self.device, self._tuning)),)
+        n_rows, num_tiles, grid = self._grid(idx[0].shape[0])
         table = g["table"]
         from hicache.kernels.triton_segments import copy_segments_kernel
 
-        return kernel_for(copy_segments_kernel, self.device)[grid](
+        return kernel_for(copy_segments_kernel, self.device)[(grid,)](
             g["dev"],
             g["host"],
             idx[0],

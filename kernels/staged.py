@@ -119,7 +119,6 @@ def plan_dmas(
     elif small_end:  # the rest in whole chunks from the start, the last an eighth
         body = n - small
         page_bounds = np.append(np.arange(0, body, chunk_pages, dtype=np.int64), [body, n])
-        page_bounds = np.unique(page_bounds)
     else:
         page_bounds = np.append([0], np.arange(small, n, chunk_pages, dtype=np.int64))
         page_bounds = np.append(page_bounds, n)
