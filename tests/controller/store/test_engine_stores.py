@@ -66,15 +66,20 @@ def test_a_committed_store_is_served_exactly_and_only_after_the_commit(tmp_path)
 def test_pages_held_already_are_not_handed_out_and_a_full_pool_says_so(tmp_path):
     _, engine, ctl = registered_controller(tmp_path, host_pool_bytes=64 << 10)
     chain = engine.write_chain(list(range(16)))
+    pool_pages = _free_host_pages(ctl)
     store_id, pages = ctl.begin_store(chain.refs([FULL]), 30.0)
     _write(ctl, engine.snapshot(chain), [p for p in pages if p >= 0])
     ctl.commit_store(store_id, True)
+    # On disk now, so evictable: without the flush whether the next store or the last
+    # one takes these pages would race the disk writer.
+    assert ctl.flush(10.0)
 
     _, again = ctl.begin_store(chain.refs([FULL]), 30.0)
     assert again == [HELD] * 4
     big = engine.write_chain(list(range(100, 100 + 4 * 100)))  # more pages than the pool
     _, many = ctl.begin_store(big.refs([FULL]), 30.0)  # every host page handed out
-    assert NO_ROOM in many and any(p >= 0 for p in many)
+    handed = [p for p in many if p >= 0]
+    assert NO_ROOM in many and sorted(handed) == list(range(pool_pages))  # the first chain's too
     late = engine.write_chain(list(range(1000, 1016)))
     _, none = ctl.begin_store(late.refs([FULL]), 30.0)
     assert none == [NO_ROOM] * 4  # nothing handed out is taken back for another store
