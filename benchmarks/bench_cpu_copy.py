@@ -10,7 +10,13 @@ Same run, same bytes, best of ``--repeats``:
 * ``memmove per row``: the CPU path before that, one memmove per row (a page of one
   layer's K or V), split across threads by bytes;
 * ``controller``: ``LocalController.load`` / ``backup`` through the host pool, the whole
-  path a sidecar runs for an engine on a CPU.
+  path a sidecar runs for an engine on a CPU;
+* ``blocks``: vLLM-shaped block copies (:class:`hicache.kernels.SegmentCopy`, what an
+  engine that copies its own blocks runs: 16 per-layer tensors of 64 KiB block rows, a
+  1 MiB page per block), both ways, with the blocks and the host pages each consecutive or
+  shuffled; the default path (one numpy assignment per segment and run of consecutive
+  sources, else a ``memmove`` per segment and block) beside ``(memmoves)``, a ``memmove``
+  per segment and block for every item, on the same threads.
 
 KV pages of the load-back benchmark's layout (8 layers, 8 KV heads, head_dim 128,
 bfloat16, 16 tokens a page: 512 KiB pages) into random host pages, both ways; and the
@@ -41,6 +47,7 @@ from hicache.kernels import (
 )
 from hicache.kernels.cpu_rows import move_runs, row_runs
 from hicache.kernels.geometry import kv_row_copy
+from hicache.kernels.segments import Segment, SegmentCopy
 from hicache.keys import namespace_hash, page_hashes
 
 PAGE_SIZE = 16
@@ -122,6 +129,40 @@ def kv_transfers(total: int) -> list[Transfer]:
             nbytes,
         ),
     ]
+
+
+def block_transfers(total: int) -> list[Transfer]:
+    """vLLM-shaped block copies both ways, for each layout of blocks and pages."""
+    layers, row = 16, 64 << 10
+    n = max(8, total // (layers * row))
+    tensors = [torch.randint(0, 256, (2 * n, row), dtype=torch.uint8) for _ in range(layers)]
+    host = torch.zeros(2 * n, 128 + layers * row, dtype=torch.uint8)
+    copy = SegmentCopy([Segment(t, 0, row, i * row) for i, t in enumerate(tensors)], host, 128)
+    copy.start([0], [0], True)  # the CPU form's views, made once
+    # The path before runs by source: a memmove per segment and block, on threads alike.
+    memmoves = SegmentCopy(copy.segments, host, 128)
+    memmoves.start([0], [0], True)
+    memmoves._cpu.min_run = 2 * n + 1
+    rng = np.random.default_rng(1)
+    consecutive, shuffled = np.arange(n) + n // 2, rng.permutation(2 * n)[:n]
+    shuffled_too = rng.permutation(2 * n)[:n]
+    out: list[Transfer] = []
+    for label, blocks, pages in (
+        ("both consecutive", consecutive, consecutive),
+        ("pages shuffled", consecutive, shuffled),
+        ("blocks shuffled", shuffled, consecutive),
+        ("both shuffled", shuffled, shuffled_too),
+    ):
+        for to_host, way in ((True, "to host"), (False, "to device")):
+            for how, c in (("", copy), (" (memmoves)", memmoves)):
+                out.append(
+                    (
+                        f"blocks {way}, {label}{how}",
+                        lambda b=blocks, p=pages, t=to_host, c=c: c.start(b, p, t),
+                        n * layers * row,
+                    )
+                )
+    return out
 
 
 def memmove_per_row(
@@ -242,14 +283,17 @@ def main() -> None:
         f"CPU copies, {args.total_mib} MiB per transfer, best of {args.repeats} (each "
         f"alternated with a memcpy of the same bytes), torch threads {torch.get_num_threads()}"
     )
-    print(f"{'transfer':<28} {'GB/s':>7} {'memcpy':>7} {'ratio':>6}")
+    print(f"{'transfer':<44} {'GB/s':>7} {'memcpy':>7} {'ratio':>6}")
     try:
         for name, fn, nbytes in (
-            kv_transfers(total) + mamba_transfers(total) + controller.transfers()
+            kv_transfers(total)
+            + mamba_transfers(total)
+            + block_transfers(total)
+            + controller.transfers()
         ):
             seconds, base = against_memcpy(fn, nbytes, args.repeats)
             print(
-                f"{name:<28} {nbytes / seconds / 1e9:>7.2f} {nbytes / base / 1e9:>7.2f} "
+                f"{name:<44} {nbytes / seconds / 1e9:>7.2f} {nbytes / base / 1e9:>7.2f} "
                 f"{base / seconds:>6.2f}"
             )
     finally:

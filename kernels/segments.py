@@ -11,9 +11,9 @@ copy then moves ``blocks[i] <-> pages[i]`` for every segment:
   host pages through their device-mapped address (or the reverse): no staging buffer; or,
   for copies of ``TransferTuning.staged_segments_min_bytes`` and more, the kernel into a
   device staging ring and copy-engine DMAs over PCIe (:mod:`.staged_segments`);
-* on a CPU, a strided numpy copy per segment for runs of consecutive blocks going to
-  consecutive pages, else a ``memmove`` per segment and block, split across threads for
-  large copies;
+* on a CPU, one numpy assignment per segment for each run of items whose sources
+  (blocks for a store, pages for a load) are consecutive, else a ``memmove`` per segment
+  and item, split across threads for large copies (:mod:`.segments_cpu`);
 * :meth:`SegmentCopy.reference`, plain tensor indexing, for tests.
 
 The segments' tensors may be separate allocations: the kernel addresses each from the
@@ -24,7 +24,6 @@ tensor is skipped by the kernel, never written.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from collections.abc import Sequence
@@ -34,7 +33,6 @@ import numpy as np
 import torch
 
 from hicache.kernels.copy_engine import CopyDone, device_pointer
-from hicache.kernels.cpu_rows import copy_pool
 from hicache.kernels.host_indices import PairSlots
 from hicache.kernels.launch import (
     compiled_runner,
@@ -43,18 +41,9 @@ from hicache.kernels.launch import (
     next_pow2,
     require_device_mapped,
 )
+from hicache.kernels.segments_cpu import CpuSegments
 from hicache.kernels.staged_segments import StagedSegments
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
-
-# A run of at least this many consecutive blocks to consecutive pages is copied as one
-# strided copy per segment on a CPU, rather than one memmove per segment and block.
-MIN_STRIDED_RUN = 4
-# A CPU copy split across threads is cut into pieces of about this many bytes, which the
-# threads take one at a time (small enough that one descheduled thread holds up little,
-# large enough that a piece's Python costs under 2 % of its copy).
-PIECE_BYTES = 2 << 20
-
-_memmove = ctypes.memmove
 
 
 @dataclass(frozen=True)
@@ -116,7 +105,7 @@ class SegmentCopy:
         self._tuning = tuning
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._gpu = None
-        self._np_pages: np.ndarray | None = None  # the CPU copy's views (_prepare_cpu)
+        self._cpu: CpuSegments | None = None  # the CPU copy's views, when first wanted
         self._slots = PairSlots()  # pinned index buffers for the kernel's launches
         self._handles: dict[bool, int] = {}  # each direction's raw stream handle
         self._order = None  # RawEvents: a copy after its caller's stream (_stream_handle)
@@ -232,7 +221,10 @@ class SegmentCopy:
         if not blocks_a.size:
             return None
         if self._gpu is None:
-            self._copy_cpu(blocks_a, pages_a, to_host)
+            if self._cpu is None:
+                segs = [(s.tensor, s.src_offset, s.nbytes, s.dst_offset) for s in self.segments]
+                self._cpu = CpuSegments(segs, self.pages, self.payload_offset, self._tuning)
+            self._cpu.copy(blocks_a, pages_a, to_host)
             return None
         if self.device.type != "cuda":  # the kernel interpreted on CPU tensors (tests)
             self._launch(blocks_a, pages_a, to_host)
@@ -348,135 +340,6 @@ class SegmentCopy:
             VEC=g["vec"],
             num_warps=self._tuning.num_warps,
         )
-
-    def _prepare_cpu(self) -> None:
-        """What a CPU copy reuses: the segments with neighbours merged (contiguous in the
-        same rows on both sides), each as a numpy view of its tensor (numpy's strided copy
-        moves rows at memory speed and releases the GIL) and as raw addresses."""
-        self._np_pages = self.pages.numpy()
-        self._host_addr = self.pages.data_ptr()
-        merged: list[list] = []  # [tensor, src_offset, dst_offset, nbytes]
-        for seg in self.segments:
-            dst = self.payload_offset + seg.dst_offset
-            last = merged[-1] if merged else None
-            if (
-                last is not None
-                and last[0] is seg.tensor
-                and last[1] + last[3] == seg.src_offset
-                and last[2] + last[3] == dst
-            ):
-                last[3] += seg.nbytes
-            else:
-                merged.append([seg.tensor, seg.src_offset, dst, seg.nbytes])
-        views = {id(t): t.detach().view(torch.uint8).numpy() for t, *_ in merged}
-        self._np_segments = [(views[id(t)], s0, s0 + n, d0, n) for t, s0, d0, n in merged]
-        self._raw_segments = [(t.data_ptr() + s0, t.stride(0), d0, n) for t, s0, d0, n in merged]
-
-    def _copy_cpu(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
-        """Runs of ``MIN_STRIDED_RUN`` or more consecutive blocks going to consecutive
-        pages (ascending or descending) move as one strided numpy copy per segment, other
-        blocks as one ``memmove`` per segment. A copy of the tuning's
-        ``cpu_parallel_min_bytes`` or more is cut into pieces (:data:`PIECE_BYTES`) that
-        its ``cpu_copy_threads`` threads take from one queue (both kinds release the GIL).
-        No torch ``copy_`` here: its intra-op threads wait at a barrier for one another,
-        which on a busy host made a 2 MiB strided copy take milliseconds."""
-        if self._np_pages is None:
-            self._prepare_cpu()
-        runs = []  # (first block, lowest page, blocks, pages descending) of each long run
-        single_blocks, single_pages = blocks.tolist(), pages.tolist()
-        if blocks.size >= MIN_STRIDED_RUN:
-            # The link from block i to i+1: +1 or -1 where the next block's page is the
-            # next or the previous page (the host pool hands out pages freed by an
-            # eviction from a chain's tail in descending order), else 0. A run's links
-            # all have one sign.
-            dp = np.diff(pages)
-            link = np.where(np.diff(blocks) == 1, np.where(np.abs(dp) == 1, dp, 0), 0)
-            turn = np.zeros(link.size, dtype=bool)
-            turn[1:] = (link[:-1] != 0) & (link[1:] != link[:-1])
-            breaks = np.flatnonzero((link == 0) | turn) + 1
-            starts = [0, *breaks.tolist()]
-            ends = [*starts[1:], blocks.size]
-            if max(e - s for s, e in zip(starts, ends)) >= MIN_STRIDED_RUN:
-                rest = []
-                for lo, hi in zip(starts, ends):
-                    if hi - lo >= MIN_STRIDED_RUN:
-                        down = bool(link[lo] < 0)
-                        first = single_pages[hi - 1] if down else single_pages[lo]
-                        runs.append((single_blocks[lo], first, hi - lo, down))
-                    else:
-                        rest.extend(range(lo, hi))
-                single_blocks = [single_blocks[i] for i in rest]
-                single_pages = [single_pages[i] for i in rest]
-        threads = self._tuning.cpu_copy_threads or torch.get_num_threads()
-        if blocks.size * self.page_bytes < self._tuning.cpu_parallel_min_bytes or threads < 2:
-            for b0, h0, n, down in runs:
-                for seg in range(len(self._np_segments)):
-                    self._copy_run(seg, b0, h0, n, down, to_host)
-            self._move_blocks(single_blocks, single_pages, to_host)
-            return
-        # Pieces of about PIECE_BYTES that every thread takes from one queue, the calling
-        # thread too: a thread the OS deschedules (a busy host) holds up only the piece it
-        # has, where an even share per thread made the copy wait for the slowest share.
-        work = iter(self._pieces(runs, single_blocks, single_pages, to_host))
-
-        def drain() -> None:
-            for fn, *args in work:
-                fn(*args)
-
-        pool = copy_pool(threads - 1)
-        futures = [pool.submit(drain) for _ in range(threads - 1)]
-        try:
-            drain()
-        finally:
-            for f in futures:
-                f.result()
-
-    def _pieces(
-        self, runs: list, single_blocks: list[int], single_pages: list[int], to_host: bool
-    ) -> list[tuple]:
-        """The copy as calls of about ``PIECE_BYTES`` each: a segment of part of a run,
-        or a few blocks of the others."""
-        pieces: list[tuple] = []
-        for b0, h0, n, down in runs:
-            for seg, (*_, nbytes) in enumerate(self._np_segments):
-                step = max(1, PIECE_BYTES // nbytes)
-                for j in range(0, n, step):
-                    m = min(step, n - j)
-                    # Block b0 + j's page: h0 + j going up, h0 + n - 1 - j going down.
-                    low = h0 + (n - j - m if down else j)
-                    pieces.append((self._copy_run, seg, b0 + j, low, m, down, to_host))
-        step = max(1, PIECE_BYTES // max(self.page_bytes, 1))
-        for j in range(0, len(single_blocks), step):
-            blocks, pages = single_blocks[j : j + step], single_pages[j : j + step]
-            pieces.append((self._move_blocks, blocks, pages, to_host))
-        return pieces
-
-    def _copy_run(self, seg: int, b0: int, h0: int, n: int, down: bool, to_host: bool) -> None:
-        """Segment ``seg`` of blocks ``b0 ..`` ``b0 + n - 1`` and pages ``h0 .. h0 + n - 1``
-        (taken in descending order when ``down``) as one strided numpy copy."""
-        rows = self._np_pages[h0 : h0 + n]
-        if down:
-            rows = rows[::-1]
-        t, s0, s1, d0, nb = self._np_segments[seg]
-        dev = t[b0 : b0 + n, s0:s1]
-        host = rows[:, d0 : d0 + nb]
-        if to_host:
-            np.copyto(host, dev)
-        else:
-            np.copyto(dev, host)
-
-    def _move_blocks(self, blocks: list[int], pages: list[int], to_host: bool) -> None:
-        """Each block ``blocks[i]`` <-> page ``pages[i]``, one ``memmove`` per segment."""
-        base, row = self._host_addr, self.pages.stride(0)
-        segs = self._raw_segments
-        for b, p in zip(blocks, pages):
-            host = base + p * row
-            if to_host:
-                for src, stride, dst, n in segs:
-                    _memmove(host + dst, src + b * stride, n)
-            else:
-                for src, stride, dst, n in segs:
-                    _memmove(src + b * stride, host + dst, n)
 
     def reference(self, blocks: Sequence[int], pages: Sequence[int], to_host: bool) -> None:
         """The same copy by tensor indexing (tests compare the others with it)."""

@@ -6,12 +6,12 @@ the worker moves the bytes itself, once:
 
 * a **store** asks the sidecar for host pages (``store_begin``: a page per block not held
   yet), copies each block's segments (every layer's part of it) straight into its page
-  (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, strided
-  copies and ``memmove`` runs on a CPU), and commits them (``store_commit``): only then
-  can a lookup find them. A store that fails is given back, and nothing of it was
-  visible. A store known a step before it runs has its pages asked for then
-  (:meth:`EngineBlocks.prebook`): the ``store_begin`` answers are in by the time it
-  copies, so no round trip to the sidecar precedes its first copy;
+  (:class:`hicache.kernels.SegmentCopy`: one kernel launch per group on a GPU, numpy
+  assignments by runs of consecutive sources and ``memmove`` on a CPU), and commits them
+  (``store_commit``): only then can a lookup find them. A store that fails is given
+  back, and nothing of it was visible. A store known a step before it runs has its
+  pages asked for then (:meth:`EngineBlocks.prebook`): the ``store_begin`` answers are
+  in by the time it copies, so no round trip to the sidecar precedes its first copy;
 * a **load** pins the pages with their host page numbers, has the sidecar read the ones
   that are only on disk (or the remote tier) into host pages first, copies each page's
   segments into its block, and unpins, telling the sidecar the copy was served;
@@ -143,7 +143,7 @@ class EngineBlocks(BlockStores):
         """Compile the copies' kernels now, both ways (on a GPU; :meth:`SegmentCopy.warm`),
         so that the first store or load costs what later ones do; nothing while the host
         pages are not mapped here. A failure is logged: the copies still run without it."""
-        if self.device.type != "cuda":  # nothing to compile: memmove runs
+        if self.device.type != "cuda":  # nothing to compile: numpy and memmove
             return
         try:
             for copy in self._copies_now() or []:

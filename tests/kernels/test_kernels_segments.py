@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.kernels import segments
+from hicache.kernels import segments_cpu
 from hicache.kernels.segments import Segment, SegmentCopy, _word_dtype
 from hicache.kernels.tuning import DEFAULT_TUNING, TransferTuning
 
@@ -119,14 +119,14 @@ def test_a_segment_that_does_not_fit_is_refused():
 def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(
     use_kernel, threaded, monkeypatch
 ):
-    """Consecutive blocks to consecutive pages, ascending or descending (one strided copy
-    per segment on a CPU), beside scattered ones (memmove runs), a run turning round on
-    one page: the reference's bytes both ways. Threaded, the runs and blocks are cut into
-    pieces of a block or two, taken by two threads."""
+    """Consecutive blocks to consecutive pages, ascending or descending (on a CPU one
+    numpy assignment per segment), beside scattered ones (memmoves), a run turning round
+    on one page: the reference's bytes both ways. Threaded, the runs and blocks are cut
+    into pieces of a block or two, taken by two threads."""
     tuning = DEFAULT_TUNING
     if threaded:
         tuning = TransferTuning(cpu_copy_threads=2, cpu_parallel_min_bytes=0)
-        monkeypatch.setattr(segments, "PIECE_BYTES", 100)
+        monkeypatch.setattr(segments_cpu, "PIECE_BYTES", 100)
     tensors = _engine(3, blocks=40)
     segs = _segments(tensors, unaligned=True)
     blocks = [*range(2, 10), 20, 15, *range(11, 16), *range(24, 30), *range(31, 36)]
@@ -144,3 +144,51 @@ def test_runs_of_consecutive_blocks_and_scattered_ones_move_alike(
         i = next(n for n, t in enumerate(tensors) if t is seg.tensor)
         cols = slice(seg.src_offset, seg.src_offset + seg.nbytes)
         assert torch.equal(seg.tensor[blocks, cols], before[i][blocks, cols])
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "pieces-on-threads"])
+@pytest.mark.parametrize("to_host", [True, False], ids=["store", "load"])
+def test_a_cpu_copy_whose_sources_are_consecutive_moves_by_runs_whatever_the_targets(
+    to_host, threaded, monkeypatch
+):
+    """Sources consecutive in any order (a store's blocks, a load's pages), their other
+    side shuffled: every item moves by runs, no memmove at all, and the bytes are the
+    reference's; a few items outside the runs beside them move by memmove, as exactly."""
+    tuning = DEFAULT_TUNING
+    if threaded:
+        tuning = TransferTuning(cpu_copy_threads=2, cpu_parallel_min_bytes=0)
+        monkeypatch.setattr(segments_cpu, "PIECE_BYTES", 100)
+    g = torch.Generator().manual_seed(11)
+    tensors = _engine(5, blocks=48)
+    segs = _segments(tensors, unaligned=True)
+    sources = torch.randperm(20, generator=g) + 3  # 3..22 in a shuffled order
+    targets = torch.randperm(48, generator=g)[:20]  # scattered over the other side
+    blocks, pages = (sources, targets) if to_host else (targets, sources)
+    host = torch.randint(0, 256, (48, 512), dtype=torch.uint8, generator=g)
+    state = [*(t.clone() for t in tensors), host.clone()]
+
+    def run(blocks, pages, use_reference: bool) -> list[torch.Tensor]:
+        for t, s in zip([*tensors, host], state):
+            t.copy_(s)
+        copy = SegmentCopy(segs, host, PAYLOAD, tuning, use_kernel=False)
+        if use_reference:
+            copy.reference(blocks.tolist(), pages.tolist(), to_host)
+        else:
+            copy.start(blocks.tolist(), pages.tolist(), to_host)
+        return [t.clone() for t in [*tensors, host]]
+
+    want = run(blocks, pages, True)
+    with monkeypatch.context() as m:
+        m.setattr(segments_cpu, "_memmove", lambda *a: pytest.fail("a run moved by memmove"))
+        got = run(blocks, pages, False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # Two items whose sources join no run, among them: memmoves, the same bytes.
+    loose_src = torch.tensor([30, 40])
+    loose_dst = torch.tensor([t for t in range(48) if t not in targets.tolist()][:2])
+    if to_host:
+        blocks, pages = torch.cat([loose_src, blocks]), torch.cat([loose_dst, pages])
+    else:
+        blocks, pages = torch.cat([loose_dst, blocks]), torch.cat([loose_src, pages])
+    assert all(
+        torch.equal(a, b) for a, b in zip(run(blocks, pages, False), run(blocks, pages, True))
+    )
