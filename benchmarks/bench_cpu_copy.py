@@ -6,7 +6,8 @@ Same run, same bytes, best of ``--repeats``:
 * ``reference``: the torch reference (gather, permute, scatter) — the CPU path before
   ``Backend.CPU``;
 * ``cpu rows``: ``hicache.kernels`` on CPU tensors by default (a KV page or a Mamba
-  state is one strided copy per item, split by items across threads);
+  state is one strided copy per item, split by items across threads; items whose
+  sources are consecutive, one numpy assignment per run: the ``in a row`` rows);
 * ``memmove per row``: the CPU path before that, one memmove per row (a page of one
   layer's K or V), split across threads by bytes;
 * ``controller``: ``LocalController.load`` / ``backup`` through the host pool, the whole
@@ -99,6 +100,7 @@ def kv_transfers(total: int) -> list[Transfer]:
     rng = np.random.default_rng(0)
     dev = torch.from_numpy(rng.permutation(2 * n)[:n])
     hp = torch.from_numpy(rng.permutation(2 * n)[:n])
+    in_a_row = torch.from_numpy(rng.permutation(n) + n // 2)  # consecutive, in any order
     nbytes = n * page_bytes
     ps = PAGE_SIZE
     return [
@@ -126,6 +128,17 @@ def kv_transfers(total: int) -> list[Transfer]:
         (
             "KV to device, memmove per row",
             memmove_per_row(device_kv, host_kv, dev, hp, ps, to_host=False),
+            nbytes,
+        ),
+        # Consecutive sources (device pages of a store, host pages of a load): runs.
+        (
+            "KV to host, cpu rows, device pages in a row",
+            lambda: kv_pages_to_host(device_kv, host_kv, in_a_row, hp, ps),
+            nbytes,
+        ),
+        (
+            "KV to device, cpu rows, host pages in a row",
+            lambda: kv_pages_to_device(host_kv, device_kv, in_a_row, dev, ps),
             nbytes,
         ),
     ]

@@ -15,8 +15,9 @@ shuffled host pages at 0.8–1.05 of a two-thread memcpy this way, against 0.6�
 (``ctypes.memmove`` releases the GIL too, but each call takes it back).
 
 A copy of ``cpu_parallel_min_bytes`` or more is cut into pieces of about
-:data:`PIECE_BYTES` that ``cpu_copy_threads`` threads, the calling one included, take from
-one queue: a thread the OS deschedules on a busy host holds up only the piece it has. No
+:data:`~hicache.kernels.cpu_rows.PIECE_BYTES` that ``cpu_copy_threads`` threads, the
+calling one included, take from one queue (:func:`~hicache.kernels.cpu_rows.drain_pieces`):
+a thread the OS deschedules on a busy host holds up only the piece it has. No
 torch ``copy_`` here: its intra-op threads wait at a barrier for one another, which on a
 busy host made a 2 MiB strided copy take milliseconds.
 
@@ -31,16 +32,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.kernels.cpu_rows import copy_pool
+from hicache.kernels.cpu_rows import PIECE_BYTES, drain_pieces, source_runs
 from hicache.kernels.tuning import TransferTuning
 
 # A run of at least this many items with consecutive sources moves as one numpy
 # assignment per segment, rather than one memmove per segment and item.
 MIN_RUN = 4
-# A copy split across threads is cut into pieces of about this many bytes (small enough
-# that one descheduled thread holds up little, large enough that a piece's Python costs
-# under 2 % of its copy).
-PIECE_BYTES = 2 << 20
 
 _memmove = ctypes.memmove
 
@@ -90,41 +87,17 @@ class CpuSegments:
     def copy(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         """Block ``blocks[i]`` ↔ page ``pages[i]`` for every segment; done on return."""
         src, dst = (blocks, pages) if to_host else (pages, blocks)
-        order = np.argsort(src, kind="stable")
-        src, dst = src[order], dst[order]
-        # Runs of consecutive sources: [starts[k], ends[k]).
-        breaks = np.flatnonzero(np.diff(src) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [src.size]))
-        long = (ends - starts) >= self.min_run
-        runs = [(int(src[a]), dst[a:b]) for a, b in zip(starts[long], ends[long])]
-        inside = np.zeros(src.size + 1, dtype=np.int64)  # +1 where a run starts, -1 after
-        inside[starts[long]] += 1
-        inside[ends[long]] -= 1
-        single = np.cumsum(inside[:-1]) == 0
-        s_src, s_dst = src[single].tolist(), dst[single].tolist()
-        if not to_host:  # back to (block, page) pairs for the memmoves
-            s_src, s_dst = s_dst, s_src
+        runs, s_src, s_dst = source_runs(src, dst, self.min_run)
+        singles = (s_src, s_dst) if to_host else (s_dst, s_src)  # (blocks, pages)
+        blocks_l, pages_l = singles[0].tolist(), singles[1].tolist()
         threads = self._tuning.cpu_copy_threads or torch.get_num_threads()
         if src.size * self._page_bytes < self._tuning.cpu_parallel_min_bytes or threads < 2:
             for first, targets in runs:
                 for seg in range(len(self._cols)):
                     self._run(seg, first, targets, to_host)
-            self._move(s_src, s_dst, to_host)
+            self._move(blocks_l, pages_l, to_host)
             return
-        work = iter(self._pieces(runs, s_src, s_dst, to_host))
-
-        def drain() -> None:
-            for fn, *args in work:
-                fn(*args)
-
-        pool = copy_pool(threads - 1)
-        futures = [pool.submit(drain) for _ in range(threads - 1)]
-        try:
-            drain()
-        finally:
-            for f in futures:
-                f.result()
+        drain_pieces(self._pieces(runs, blocks_l, pages_l, to_host), threads)
 
     def _pieces(self, runs: list, blocks: list[int], pages: list[int], to_host: bool) -> list:
         """The copy as calls of about :data:`PIECE_BYTES` each: a segment of part of a

@@ -133,3 +133,50 @@ def test_dense_items_take_memmove_runs_and_others_strided_copies(
     kernels.mamba_states_to_host(conv, ssm, *pages.views(got), slots, host, tuning=THREADED)
     assert torch.equal(got, want)
     assert paths == (["memmove"] * 2 if layers == 1 else ["strided"] * 2)
+
+
+@pytest.mark.parametrize("tuning", [TransferTuning(cpu_copy_threads=1), THREADED])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_consecutive_sources_move_by_runs_into_any_destinations(
+    tuning: TransferTuning, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device pages 3..9 in a shuffled order into scattered host pages, and back from
+    host pages 2..8 into scattered device pages: every page moves by runs (neither a
+    strided copy per item nor a memmove per row), bit for bit the reference's; with two
+    pages outside the runs beside them, those take the other paths, as exactly."""
+    from hicache.kernels import cpu_rows
+
+    page_size = 4
+    monkeypatch.setattr(cpu_rows, "PIECE_BYTES", 100)  # threaded: a piece per page
+    gen = torch.Generator().manual_seed(5)
+    device_kv = randomize(torch.empty(2, LAYERS, 14 * page_size, HEADS, DIM, dtype=dtype), gen)
+    host_kv = randomize(host_pages_view(12, (2, LAYERS, page_size, HEADS, DIM), dtype), gen)
+    shuffled = torch.randperm(7, generator=gen)
+    scattered = torch.randperm(12, generator=gen)[:7]
+
+    def store(dev: torch.Tensor, host: torch.Tensor) -> None:
+        want, got = host_kv.clone(), host_kv.clone()
+        reference.kv_pages_to_host_ref(device_kv, want, dev, host, page_size)
+        kernels.kv_pages_to_host(device_kv, got, dev, host, page_size, tuning=tuning)
+        assert torch.equal(bits(got), bits(want))
+
+    def load(host: torch.Tensor, dev: torch.Tensor) -> None:
+        want, got = device_kv.clone(), device_kv.clone()
+        reference.kv_pages_to_device_ref(host_kv, want, host, dev, page_size)
+        kernels.kv_pages_to_device(host_kv, got, host, dev, page_size, tuning=tuning)
+        assert torch.equal(bits(got), bits(want))
+
+    with monkeypatch.context() as m:
+        for name in ("copy_items_strided", "move_runs"):
+            m.setattr(cpu_rows, name, lambda *a, **k: pytest.fail("a run took another path"))
+        store(shuffled + 3, scattered)  # the sources: device pages 3..9
+        load(shuffled + 2, scattered)  # the sources: host pages 2..8
+    free_host = [int(p) for p in torch.arange(12) if p not in scattered][:2]
+    store(
+        torch.cat([torch.tensor([12, 0]), shuffled + 3]),
+        torch.cat([torch.tensor(free_host), scattered]),
+    )
+    load(
+        torch.cat([torch.tensor([11, 0]), shuffled + 2]),
+        torch.cat([torch.tensor([12, 13]), scattered]),
+    )
