@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,6 +77,9 @@ class RemoteTransfer:
         self.keep_alive: Any = None  # e.g. the CUDA event the sidecar's copy waits on
         if touches_device:
             client._unsettled += 1
+        # A handle dropped unread (a best-effort prefetch) leaves no reply behind: once
+        # nobody can take it, the channel forgets the request (its ids never repeat).
+        weakref.finalize(self, client._channel.forget, req_id)
 
     def _settle(self, ok: bool) -> None:
         self._ok = ok
