@@ -56,6 +56,7 @@ from hicache.integrations.sglang_transfers import SidecarPages
 from hicache.integrations.sglang_zero_copy import memfd_description, pool_memfd
 
 log = logging.getLogger("hicache.integrations.sglang")
+_FULL = ComponentType.FULL
 
 # extra-config keys and their defaults (seconds, pages); docs/integrations/sglang.md
 DEFAULTS: dict[str, Any] = {
@@ -71,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "hicache_zero_copy": True,  # map a memfd-allocated layer_first KV pool in the sidecar
     "hicache_engine_copies": True,  # copy pages straight to/from a local sidecar's host pages
     "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
+    "hicache_read_ahead": True,  # a hit query starts reading its disk-only pages to host
     # This engine's prefill rate (tokens/s) for the sidecar's cost rule: SGLang's storage
     # calls do not show its prefills, so this backend cannot measure it. None: not sent.
     "hicache_prefill_tokens_per_s": None,
@@ -228,11 +230,10 @@ class HiCacheSidecarStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many leading KV pages are held."""
-        row = self._guarded("exists", lambda: self.pages.present(keys, [ComponentType.FULL]), None)
-        if row is None:
-            return 0
-        return _leading(row[ComponentType.FULL])
+        """How many leading KV pages are held (those only on disk start coming to host:
+        ``hicache_read_ahead``)."""
+        row = self._guarded("exists", lambda: self.pages.present(keys, [_FULL], True), None)
+        return 0 if row is None else _leading(row[_FULL])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -252,7 +253,7 @@ class HiCacheSidecarStorage(HiCacheStorage):
         comps = [ComponentType.FULL] + [
             POOL_COMPONENTS[str(t.name)] for t in transfers if str(t.name) in POOL_COMPONENTS
         ]
-        present = self.pages.present(keys, comps)
+        present = self.pages.present(keys, comps, True)
         kv_pages = _leading(present[ComponentType.FULL])
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))

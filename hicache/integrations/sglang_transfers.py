@@ -150,13 +150,37 @@ class SidecarPages:
         self.counters["get_misses"] += len(keys)
         return [False] * len(keys)
 
-    def present(self, keys: Sequence[str], components: Sequence[ComponentType]) -> dict:
-        """Per component, a bool per key: held on host or disk (all False when unavailable)."""
+    def present(
+        self, keys: Sequence[str], components: Sequence[ComponentType], hit_query: bool = False
+    ) -> dict:
+        """Per component, a bool per key: held on host or disk (all False when unavailable).
+        ``hit_query`` (SGLang's, which a get of these pages follows once its scheduler has
+        planned the prefetch) with ``hicache_read_ahead``: the pages of the leading KV hit
+        that are only on disk or the remote tier, of every component asked about, start
+        coming to host now, not waited for, so that the get finds them there (counted in
+        ``read_ahead_pages``)."""
         if not keys:
             return {c: [False] * len(keys) for c in components}
         hashes = [self.hasher.page_hash(k) for k in keys]
-        res = self.controller.lookup(hashes, list(dict.fromkeys(components)))
+        comps = list(dict.fromkeys(components))
+        res = self.controller.lookup(hashes, comps)
+        if hit_query and self.options["hicache_read_ahead"] and ComponentType.FULL in comps:
+            self._read_ahead(hashes, res.presence, comps)
         return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
+
+    def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list) -> None:
+        full = np.asarray(presence[ComponentType.FULL], dtype=np.int64)
+        absent = np.flatnonzero(full == int(Presence.ABSENT))
+        lead = int(absent[0]) if absent.size else full.size  # the leading KV hit
+        slow = (int(Presence.DISK), int(Presence.REMOTE))
+        keys = [
+            PageKey(c, hashes[i])
+            for c in comps
+            for i in np.flatnonzero(np.isin(np.asarray(presence[c][:lead]), slow)).tolist()
+        ]
+        if keys:  # the handle is dropped: the get waits for the pages, not this
+            self.controller.prefetch(keys)
+            self.counters["read_ahead_pages"] += len(keys)
 
     def store(
         self,

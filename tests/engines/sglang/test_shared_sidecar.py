@@ -95,6 +95,46 @@ def test_pages_come_back_from_disk_after_a_sidecar_restart(sidecar):
         backend.close()
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_hit_query_starts_reading_its_disk_pages_to_host_before_the_get(sidecar, read_ahead):
+    """After a restart the pages are on disk only: SGLang's hit query (``batch_exists``)
+    answers the hit and, with ``hicache_read_ahead``, has the sidecar read the leading
+    hit's pages to host before any get asks (nothing past the first miss); the get then
+    loads them from host, the bytes the backup wrote. Without it they stay on disk until
+    the get reads them."""
+    pool, backend, shim = _instance(sidecar)
+    src = fill_pages(pool, PAGES, seed=9)
+    want = host_page_bytes(pool, src, PAGES)
+    assert shim(backend, pool, True).backup(src, TOKENS) == len(TOKENS)
+    backend.close()
+    assert sidecar.stop() == 0
+    sidecar.start()
+
+    pool, backend, _ = _instance(sidecar, hicache_read_ahead=read_ahead)
+    try:
+        keys = page_keys(TOKENS)
+        hashes = [backend.hasher.page_hash(k) for k in keys]
+
+        def where() -> list[int]:
+            rows = backend.controller.lookup(hashes, [ComponentType.FULL]).presence
+            return [int(p) for p in rows[ComponentType.FULL]]
+
+        assert where() == [Presence.DISK] * PAGES
+        gap = page_keys(list(range(10_000, 10_000 + PAGE_SIZE)))[0]  # never stored
+        assert backend.batch_exists([*keys[:3], gap, *keys[4:]]) == 3
+        if read_ahead:
+            wait_for(lambda: where()[:3] == [Presence.HOST] * 3, 10, "the hit read to host")
+            assert backend.counters["read_ahead_pages"] == 3
+        time.sleep(0.2)  # a read that would come comes by now
+        assert where()[3:] == [Presence.DISK] * (PAGES - 3)  # past the first miss: not read
+        assert where()[:3] == [Presence.HOST if read_ahead else Presence.DISK] * 3
+        dst = pool.alloc(PAGES * PAGE_SIZE)
+        assert all(backend.batch_get_v1(keys, dst))
+        assert host_page_bytes(pool, dst, PAGES) == want
+    finally:
+        backend.close()
+
+
 def test_a_zero_copy_instance_registers_its_pool_again_after_a_sidecar_restart(sidecar):
     pool, backend, shim = _instance(sidecar, "shm")
     try:
