@@ -35,6 +35,7 @@ _EXPORTS = {
     "P_ABSENT": "hicache.controller_api",
     "P_DISK": "hicache.controller_api",
     "P_HOST": "hicache.controller_api",
+    "P_REMOTE": "hicache.controller_api",
     "PageKey": "hicache.controller_api",
     "PageRef": "hicache.controller_api",
     "PinReceipt": "hicache.controller_api",

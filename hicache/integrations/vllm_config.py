@@ -44,6 +44,9 @@ class HiCacheVllmConfig:
       host pages); ``store_ahead_jobs`` bounds the stores asked for ahead at once (past
       it a store asks for its pages when it runs); one not submitted when due has its
       pages given back a step later;
+    * ``read_ahead``: a request's lookup has the sidecar start reading the pages of its
+      leading hit that are only on disk or the remote tier to host, not waited for, so
+      that by the time its load is pinned they may be there (default on);
     * ``prefill_tokens_per_s``: this engine's prefill rate, sent with its lookups for the
       sidecar's cost rule; unset, the scheduler measures it from its own steps that
       compute at least ``prefill_min_tokens`` prompt tokens (hicache/prefill_rate.py).
@@ -62,6 +65,7 @@ class HiCacheVllmConfig:
     layerwise: bool = False
     store_ahead: bool = True
     store_ahead_jobs: int = 16
+    read_ahead: bool = True
     prefill_tokens_per_s: float | None = None
     prefill_min_tokens: int = 256
 

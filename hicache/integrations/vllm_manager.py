@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache import P_ABSENT, P_DISK, P_HOST, ComponentType, PageKey, PinReceipt
+from hicache import P_ABSENT, P_DISK, P_HOST, P_REMOTE, ComponentType, PageKey, PinReceipt
 from hicache.controller import SidecarController
 from hicache.controller.client import SidecarClientConfig
 from hicache.integrations.engine_blocks import HandedPages
@@ -108,6 +108,14 @@ def _tenant(req_context: ReqContext) -> str | None:
     return None if state is None else state.name
 
 
+# A lookup's answer per key, counted by tier (the remote tier's pages load as disk's do:
+# the load's pin has the sidecar read them to host first).
+_LOOKUP_COUNTER = {
+    P_ABSENT: "lookup_miss", P_HOST: "lookup_host", P_DISK: "lookup_disk",
+    P_REMOTE: "lookup_remote",
+}  # fmt: skip
+
+
 @dataclass
 class _RequestLookups:
     """What the sidecar said about one request's keys (key -> tier of the slowest rank)."""
@@ -161,7 +169,22 @@ class HiCacheOffloadingManager(OffloadingManager):
         rows = self.client.lookup(hashes, [FULL], tenant).presence[FULL]
         rows = rows.reshape(len(self._ranks), -1)
         absent = (rows == P_ABSENT).any(axis=0)
-        return np.where(absent, P_ABSENT, rows.max(axis=0))
+        tiers = np.where(absent, P_ABSENT, rows.max(axis=0))
+        if self.config.read_ahead:
+            self._read_ahead(hashes, rows, tiers)
+        return tiers
+
+    def _read_ahead(self, hashes: list[bytes], rows: np.ndarray, tiers: np.ndarray) -> None:
+        """Have the sidecar start reading the pages of the request's leading hit that are
+        only on disk or the remote tier (any rank's) to host, not waiting: by the time the
+        load is planned and pinned they may be there (the worker then copies at once)."""
+        miss = np.flatnonzero(tiers == P_ABSENT)
+        lead = int(miss[0]) if miss.size else tiers.size
+        slow = rows[:, :lead] >= P_DISK  # (ranks, leading keys); hashes are rank-major
+        if slow.any():
+            at = (np.arange(rows.shape[0])[:, None] * rows.shape[1] + np.arange(lead))[slow]
+            self.client.prefetch([PageKey(FULL, hashes[i]) for i in at.tolist()])
+            self.counters["read_ahead_pages"] += int(slow.sum())
 
     def _settle(self, state: _RequestLookups) -> None:
         """Take a finished lookup's answers, or make a late one all misses."""
@@ -181,7 +204,7 @@ class HiCacheOffloadingManager(OffloadingManager):
             return
         for key, tier in zip(state.pending_keys, tiers):
             state.answers[key] = int(tier)
-            self.counters[("lookup_miss", "lookup_host", "lookup_disk")[int(tier)]] += 1
+            self.counters[_LOOKUP_COUNTER[int(tier)]] += 1
         state.pending, state.pending_keys = None, []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
