@@ -19,6 +19,7 @@ _EXPORTS = {
     "AdminClient": "hicache.controller.client.admin",
     "StagingArea": "hicache.controller.client.staging",
     "PendingBegin": "hicache.controller.client.engine_copies",
+    "PendingPin": "hicache.controller.client.engine_copies",
     "StoreReservation": "hicache.controller.client.engine_copies",
     "export_pools": "hicache.controller.client.device_share",
     "fd_socket_path": "hicache.controller.client.fd_pass",

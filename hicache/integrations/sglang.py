@@ -73,9 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "hicache_engine_copies": True,  # copy pages straight to/from a local sidecar's host pages
     "hicache_settle_timeout_s": 5.0,  # wait for a zero-copy transfer given up on to end
     "hicache_read_ahead": True,  # a hit query starts reading its disk-only pages to host
-    # This engine's prefill rate (tokens/s) for the sidecar's cost rule: SGLang's storage
-    # calls do not show its prefills, so this backend cannot measure it. None: not sent.
-    "hicache_prefill_tokens_per_s": None,
+    "hicache_prefill_tokens_per_s": None,  # for the sidecar's cost rule (tokens/s); None: unsent
 }
 
 
@@ -455,6 +453,8 @@ class HiCacheSidecarStorage(HiCacheStorage):
         from hicache.controller.client import AdminClient
 
         try:
+            if self.pages is not None:  # a hit query's pin would keep its pages
+                self.pages.hit_pins.release_all()
             admin = AdminClient(self.options["hicache_endpoint"], timeout_s=10.0)
             try:
                 admin.clear(("host", "disk"), all_namespaces=False)

@@ -34,7 +34,8 @@ import torch
 
 from hicache import ComponentType, PageKey, PageRef, Presence, TransferHandle
 from hicache.controller.client import SidecarController, StagingArea
-from hicache.integrations.engine_blocks import EngineBlocks
+from hicache.integrations.engine_blocks import EngineBlocks, HandedPages
+from hicache.integrations.sglang_hit_pins import HitPins
 from hicache.integrations.sglang_pages import UNIT_DTYPE, PageHasher
 
 log = logging.getLogger("hicache.integrations.sglang")
@@ -93,6 +94,7 @@ class SidecarPages:
         self.batch_pages = int(options["hicache_staging_pages"])  # staging pages per call
         # component -> (its pool's pages as engine blocks, the pool's tokens per page)
         self.copied: dict[ComponentType, tuple[EngineBlocks, int]] = {}
+        self.hit_pins = HitPins(controller)  # a hit query's pin, for the get after it
 
     def copies(self, component: ComponentType) -> tuple[EngineBlocks, int] | None:
         """The engine-copied path of ``component``'s pool, when the sidecar's host pages
@@ -130,6 +132,9 @@ class SidecarPages:
         blocks, ps = self.copied[component]
         timeout = float(self.options["hicache_load_timeout_s"])
         targets = [o // ps for o in offsets]
+        if component is ComponentType.FULL and self._load_under_hit_pin(keys, targets):
+            self.counters["get_pages"] += len(keys)
+            return [True] * len(keys)
         wanted = list(range(len(keys)))
         for attempt in range(2):
             if attempt:  # some page is gone: load the ones still held
@@ -150,6 +155,27 @@ class SidecarPages:
         self.counters["get_misses"] += len(keys)
         return [False] * len(keys)
 
+    def _load_under_hit_pin(self, keys: list[str], targets: list[int]) -> bool:
+        """The KV pages ``keys`` copied into SGLang's pages ``targets`` at once, under the
+        pin their hit query made (sglang_hit_pins.py); False when there is none usable (a
+        page was not on host then): the caller loads them as usual."""
+        hashes = [self.hasher.page_hash(k) for k in keys]
+        receipt = self.hit_pins.take(hashes)
+        if receipt is None:
+            return False
+        n = len(hashes)
+        pages = receipt.host_pages
+        instance = self.controller.sidecar_instance(receipt.generation)
+        ok = False
+        if instance is not None and pages is not None and len(pages) >= n and min(pages[:n]) >= 0:
+            handed = HandedPages(receipt.pin_id, instance, receipt.deadline, tuple(pages[:n]))
+            blocks, _ = self.copied[ComponentType.FULL]
+            timeout = float(self.options["hicache_load_timeout_s"])
+            ok = blocks.load_handed(hashes, [0] * n, targets, handed, 2 * timeout, timeout)
+            self.counters["get_under_hit_pin" if ok else "load_failed"] += 1
+        self.controller.unpin(receipt)
+        return ok
+
     def present(
         self, keys: Sequence[str], components: Sequence[ComponentType], hit_query: bool = False
     ) -> dict:
@@ -158,17 +184,21 @@ class SidecarPages:
         planned the prefetch) with ``hicache_read_ahead``: the pages of the leading KV hit
         that are only on disk or the remote tier, of every component asked about, start
         coming to host now, not waited for, so that the get finds them there (counted in
-        ``read_ahead_pages``)."""
+        ``read_ahead_pages``); where this backend copies pages itself, the hit's KV pages
+        are pinned too, for the get to copy at once (sglang_hit_pins.py)."""
         if not keys:
             return {c: [False] * len(keys) for c in components}
         hashes = [self.hasher.page_hash(k) for k in keys]
         comps = list(dict.fromkeys(components))
         res = self.controller.lookup(hashes, comps)
         if hit_query and self.options["hicache_read_ahead"] and ComponentType.FULL in comps:
-            self._read_ahead(hashes, res.presence, comps)
+            lead = self._read_ahead(hashes, res.presence, comps)
+            if self.copies(ComponentType.FULL) is not None:
+                self.hit_pins.pin(hashes[:lead])
         return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
 
-    def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list) -> None:
+    def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list) -> int:
+        """Start reading the leading hit's slow pages to host; the hit's length."""
         full = np.asarray(presence[ComponentType.FULL], dtype=np.int64)
         absent = np.flatnonzero(full == int(Presence.ABSENT))
         lead = int(absent[0]) if absent.size else full.size  # the leading KV hit
@@ -181,6 +211,7 @@ class SidecarPages:
         if keys:  # the handle is dropped: the get waits for the pages, not this
             self.controller.prefetch(keys)
             self.counters["read_ahead_pages"] += len(keys)
+        return lead
 
     def store(
         self,

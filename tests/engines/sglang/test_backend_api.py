@@ -4,6 +4,8 @@ extra config sent with its lookups."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -17,6 +19,7 @@ from sglang_support import (
 )
 
 from hicache.controller.wire.protocol import Verb
+from hicache.types import ComponentType
 
 
 @pytest.fixture
@@ -98,3 +101,48 @@ def test_a_prefill_rate_given_in_the_extra_config_reaches_the_sidecars_cost_rule
         assert rates[backend.controller.engine_id] == 900
     finally:
         backend.close()
+
+
+def test_a_get_after_its_hit_query_copies_under_the_querys_pin(instance, monkeypatch):
+    """SGLang's hit query pins its leading hit; the get that follows copies under that pin
+    (no pin round trip first), a get of the hit's first pages too; the bytes are the ones
+    stored. A get of other pages, a pin too old, or one let go for a newer query loads as
+    usual, and as exactly. No more than ``MAX_HIT_PINS`` pins wait for their gets."""
+    from hicache.integrations import sglang_hit_pins
+
+    pool, backend = instance
+    assert backend.pages.copies(ComponentType.FULL) is not None  # the engine-copies path
+    keys = page_keys(list(range(900, 900 + 6 * PAGE_SIZE)))
+    src = fill_pages(pool, 6, seed=41)
+    want = host_page_bytes(pool, src, 6)
+    assert all(backend.batch_set_v1(keys, src))
+    counters = backend.pages.counters
+
+    def get(n: int) -> list[bytes]:
+        dst = pool.alloc(n * PAGE_SIZE)
+        try:
+            assert all(backend.batch_get_v1(keys[:n], dst))
+            return host_page_bytes(pool, dst, n)
+        finally:
+            pool.free(dst)
+
+    assert backend.batch_exists(keys) == 6
+    assert get(6) == want and counters["get_under_hit_pin"] == 1
+    assert backend.batch_exists(keys) == 6
+    assert get(4) == want[:4] and counters["get_under_hit_pin"] == 2  # the hit's first pages
+    assert get(6) == want and counters["get_under_hit_pin"] == 2  # taken already: as usual
+
+    monkeypatch.setattr(sglang_hit_pins, "HIT_PIN_TTL_S", 0.2)
+    assert backend.batch_exists(keys) == 6
+    time.sleep(0.15)  # past half its time to live: let go, not used
+    assert get(6) == want and counters["get_under_hit_pin"] == 2
+    monkeypatch.setattr(sglang_hit_pins, "HIT_PIN_TTL_S", 10.0)
+
+    monkeypatch.setattr(sglang_hit_pins, "MAX_HIT_PINS", 2)
+    others = [page_keys(list(range(b, b + PAGE_SIZE))) for b in (5000, 6000, 7000)]
+    for i, k in enumerate(others):
+        assert all(backend.batch_set_v1(k, fill_pages(pool, 1, seed=50 + i)))
+    for k in [keys, *others]:
+        assert backend.batch_exists(k) == len(k)  # each a hit: the first pin goes first
+    assert len(backend.pages.hit_pins._pins) == 2
+    assert get(6) == want and counters["get_under_hit_pin"] == 2
