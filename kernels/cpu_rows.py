@@ -11,11 +11,12 @@ destination, in one of three ways:
   (``ctypes.memmove`` releases the GIL, so a transfer of ``parallel_min_bytes`` or more is
   split across ``threads`` threads by bytes);
 * any other item (a KV page is one row per layer and K/V, far apart in the engine's
-  pool) is one strided ``Tensor.copy_`` between two views of it, unless its rows are
-  ``RUN_MIN_ROW_BYTES`` or longer: those are moved a ``memmove`` a row, as above. One call per item
-  instead of one per row: on the 2-core development box this moved 512 KiB KV pages to
-  the host at 9.2–10.5 GB/s against 6.7–7.1 GB/s for per-row ``memmove``, and 2 KiB rows
-  (page size 1) at 2.0–2.4 against 0.9–1.0 GB/s (``benchmarks/bench_cpu_copy.py``).
+  pool) is one strided copy between two views of it (a numpy assignment), unless its rows
+  are ``RUN_MIN_ROW_BYTES`` or longer: those are moved a ``memmove`` a row, as above. One
+  call per item instead of one per row: on the 2-core development box this moved (as a
+  ``Tensor.copy_`` then) 512 KiB KV pages to the host at 9.2–10.5 GB/s against 6.7–7.1
+  GB/s for per-row ``memmove``, and 2 KiB rows (page size 1) at 2.0–2.4 against 0.9–1.0
+  GB/s (``benchmarks/bench_cpu_copy.py``).
   A transfer of ``parallel_min_bytes`` or more is split by items across ``threads``
   threads;
 * but items of that second kind whose **sources are consecutive** (sorted by source, in
@@ -101,14 +102,6 @@ def _move(dst: list[int], src: list[int], nbytes: list[int]) -> None:
         _memmove(d, s, n)
 
 
-def _one_torch_thread() -> None:
-    # OpenMP's thread count is per calling thread: this pool's own threads split a
-    # transfer between them, so each runs its copies alone. A parallel region per item
-    # would wait at its barrier for a thread the OS had descheduled, which on a busy
-    # 2-core box made strided item copies 3-5x slower than the same copies split here.
-    torch.set_num_threads(1)
-
-
 def copy_pool(threads: int) -> ThreadPoolExecutor:
     """The shared pool of (at least ``threads``) CPU copy threads."""
     global _pool, _pool_threads
@@ -116,9 +109,10 @@ def copy_pool(threads: int) -> ThreadPoolExecutor:
         if _pool is None or _pool_threads < threads:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(
-                threads, thread_name_prefix="hicache-cpu-copy", initializer=_one_torch_thread
-            )
+            # No torch op runs on these threads (numpy and memmove only), and none of
+            # them sets torch's thread count: torch.set_num_threads is process-wide for
+            # every thread that starts its first parallel op later (an engine's too).
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="hicache-cpu-copy")
             _pool_threads = threads
         return _pool
 
@@ -254,7 +248,7 @@ def copy_items_strided(
     threads: int = 0,
     parallel_min_bytes: int = 8 << 20,
 ) -> int:
-    """One strided ``copy_`` per item, from a view of source item ``src_items[i]`` to a
+    """One strided copy per item, from a view of source item ``src_items[i]`` to a
     view of destination item ``dst_items[i]``, the items split across ``threads`` threads
     (0: torch's count) when they hold ``parallel_min_bytes`` or more. Returns the bytes
     moved; done on return."""
@@ -277,15 +271,12 @@ def copy_items_strided(
 
 
 def _copy_items(copy: RowCopy, src_items: list[int], dst_items: list[int]) -> None:
-    size = (copy.rows_a, copy.rows_b, copy.row_elems)
-    src, dst = copy.src, copy.dst
-    s_tensor, d_tensor = src.tensor, dst.tensor
-    s_strides, d_strides = (src.a_stride, src.b_stride, 1), (dst.a_stride, dst.b_stride, 1)
-    s_base, d_base = s_tensor.storage_offset(), d_tensor.storage_offset()
-    s_step, d_step = src.item_stride, dst.item_stride
+    """Each item by one numpy assignment between byte views of it (numpy releases the
+    GIL for it and starts no threads of its own: on the 2-core development box 2 and
+    4 KiB rows moved at 4.4 / 5.3 GB/s this way against 3.2 / 4.2 by ``Tensor.copy_``)."""
+    src, dst = _byte_items(copy.src, copy), _byte_items(copy.dst, copy)
     for s_item, d_item in zip(src_items, dst_items):
-        d_view = d_tensor.as_strided(size, d_strides, d_base + d_item * d_step)
-        d_view.copy_(s_tensor.as_strided(size, s_strides, s_base + s_item * s_step))
+        dst[d_item] = src[s_item]
 
 
 def move_runs(

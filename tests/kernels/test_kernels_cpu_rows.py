@@ -180,3 +180,34 @@ def test_consecutive_sources_move_by_runs_into_any_destinations(
         torch.cat([torch.tensor([11, 0]), shuffled + 2]),
         torch.cat([torch.tensor([12, 13]), scattered]),
     )
+
+
+def test_the_copy_threads_leave_torchs_thread_count_alone() -> None:
+    """torch.set_num_threads is process-wide for every thread that starts its first
+    parallel op after it: copy threads that set it to 1 made an engine's later threads,
+    and the copies those threads asked for, run on one core. A threaded copy on fresh copy
+    threads leaves a new thread the count the process had."""
+    import threading
+
+    from hicache.kernels import cpu_rows
+
+    def new_threads_count() -> int:
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return got[0]
+
+    before = new_threads_count()
+    pool = cpu_rows.copy_pool(cpu_rows._pool_threads + 1)  # fresh threads, started below
+    for f in [pool.submit(lambda: None) for _ in range(cpu_rows._pool_threads)]:
+        f.result()
+    gen = torch.Generator().manual_seed(8)
+    device_kv = randomize(torch.empty(2, LAYERS, 12, HEADS, DIM), gen)
+    host_kv = randomize(host_pages_view(12, (2, LAYERS, 1, HEADS, DIM), torch.float32), gen)
+    dev, host = torch.randperm(12, generator=gen), torch.randperm(12, generator=gen)
+    want = host_kv.clone()
+    reference.kv_pages_to_host_ref(device_kv, want, dev, host, 1)
+    kernels.kv_pages_to_host(device_kv, host_kv, dev, host, 1, tuning=THREADED)
+    assert torch.equal(bits(host_kv), bits(want))
+    assert new_threads_count() == before
