@@ -192,9 +192,13 @@ class SidecarPages:
         comps = list(dict.fromkeys(components))
         res = self.controller.lookup(hashes, comps)
         if hit_query and self.options["hicache_read_ahead"] and ComponentType.FULL in comps:
-            lead = self._read_ahead(hashes, res.presence, comps)
-            if self.copies(ComponentType.FULL) is not None:
-                self.hit_pins.pin(hashes[:lead])
+            try:  # a hit stays a hit whatever becomes of its read-ahead
+                lead = self._read_ahead(hashes, res.presence, comps)
+                if self.copies(ComponentType.FULL) is not None:
+                    self.hit_pins.pin(hashes[:lead])
+            except Exception as exc:
+                self.counters["read_ahead_failed"] += 1
+                log.warning("hicache: reading a hit ahead failed: %s", exc)
         return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
 
     def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list) -> int:

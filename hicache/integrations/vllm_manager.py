@@ -171,7 +171,11 @@ class HiCacheOffloadingManager(OffloadingManager):
         absent = (rows == P_ABSENT).any(axis=0)
         tiers = np.where(absent, P_ABSENT, rows.max(axis=0))
         if self.config.read_ahead:
-            self._read_ahead(hashes, rows, tiers)
+            try:  # the answers stand whatever becomes of the read-ahead
+                self._read_ahead(hashes, rows, tiers)
+            except Exception as exc:
+                self.counters["read_ahead_failed"] += 1
+                log.warning("hicache read-ahead failed: %s", exc)
         return tiers
 
     def _read_ahead(self, hashes: list[bytes], rows: np.ndarray, tiers: np.ndarray) -> None:

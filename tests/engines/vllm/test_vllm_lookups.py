@@ -81,3 +81,14 @@ def test_a_lead_all_on_host_or_a_first_miss_reads_nothing_ahead():
     m = _manager({b"k1@0": P_DISK}, ranks=1, read_ahead=True)
     assert _tiers_of(m, KEYS[:2]) == [P_ABSENT, P_DISK]
     assert m.client.prefetched == [] and m.counters["read_ahead_pages"] == 0
+
+
+def test_a_read_ahead_that_fails_leaves_the_answers_as_they_were():
+    m = _manager({b"k0@0": P_DISK, b"k1@0": P_HOST}, ranks=1, read_ahead=True)
+
+    def broken(keys):
+        raise RuntimeError("the sidecar went away mid-call")
+
+    m.client.prefetch = broken
+    assert _tiers_of(m, KEYS[:2]) == [P_DISK, P_HOST]  # still hits, not misses
+    assert m.counters["read_ahead_failed"] == 1
