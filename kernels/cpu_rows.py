@@ -11,22 +11,19 @@ destination, in one of three ways:
   (``ctypes.memmove`` releases the GIL, so a transfer of ``parallel_min_bytes`` or more is
   split across ``threads`` threads by bytes);
 * any other item (a KV page is one row per layer and K/V, far apart in the engine's
-  pool) is one strided copy between two views of it (a numpy assignment), unless its rows
-  are ``RUN_MIN_ROW_BYTES`` or longer: those are moved a ``memmove`` a row, as above. One
-  call per item instead of one per row: on the 2-core development box this moved (as a
-  ``Tensor.copy_`` then) 512 KiB KV pages to the host at 9.2–10.5 GB/s against 6.7–7.1
-  GB/s for per-row ``memmove``, and 2 KiB rows (page size 1) at 2.0–2.4 against 0.9–1.0
-  GB/s (``benchmarks/bench_cpu_copy.py``).
-  A transfer of ``parallel_min_bytes`` or more is split by items across ``threads``
-  threads;
+  pool) is one strided copy between two views of it, a numpy assignment (which releases
+  the GIL and starts no threads of its own), split by items across ``threads`` threads.
+  One call per item instead of a ``memmove`` per row: on the 2-core development box,
+  64 MiB of KV pages between scattered pages moved at 0.62–0.66 of a memcpy with rows of
+  16, 32 and 128 KiB, against 0.32–0.39, 0.47–0.50 and 0.59–0.62 by a ``memmove`` a row
+  (``benchmarks/bench_cpu_copy.py``);
 * but items of that second kind whose **sources are consecutive** (sorted by source, in
   runs of :data:`MIN_SOURCE_RUN` or more: a store of device pages in a row, a load of
   host pages in a row) move as one numpy assignment per run, ``dst[targets] =
   src[first : first + n]`` over byte views of the items: the source read front to back,
   the destinations by index, whatever their order, in C with the GIL released. On the
-  2-core development box, 64 MiB of 512 KiB KV pages moved so at 0.78–0.82 of a memcpy,
-  against 0.45–0.49 for the same pages from scattered sources (one run of
-  ``benchmarks/bench_cpu_copy.py``; docs/performance.md has more).
+  2-core development box, 64 MiB of 512 KiB KV pages moved so at 0.66–0.83 of a memcpy
+  (three runs of ``benchmarks/bench_cpu_copy.py``; docs/performance.md has more).
 
 Callers check indices first (range, distinct destinations): this module trusts them, as
 the GPU kernels do, and computes raw addresses and views from them.
@@ -45,13 +42,6 @@ import torch
 from hicache.kernels.geometry import RowCopy, RowSide
 
 _memmove = ctypes.memmove
-# Rows of at least this many bytes are moved one ``memmove`` each (merged into runs where
-# they touch), whatever the items' layout: a row this long costs its call less than the
-# strided ``copy_`` of its item costs in torch's overhead. On the 2-core development box,
-# KV pages of one layer (two rows each) into an engine's pool: 16 KiB rows 5.7-7.0 µs a
-# page by ``memmove`` against 12.8-21.1 µs by strided ``copy_``, 128 KiB rows 27-30 against
-# 43-107 µs; 2 KiB rows 25-27 against 14-17 µs, 4 KiB rows about even.
-RUN_MIN_ROW_BYTES = 8 << 10
 # Items whose sources are consecutive, this many or more, move as one numpy assignment
 # (the source one strided view read front to back, the destinations by index; the GIL
 # released for all of it) instead of a copy per item or a memmove per row.
@@ -144,7 +134,7 @@ def copy_rows_cpu(
             moved = _copy_source_runs(copy, runs, threads, parallel_min_bytes)
             if not src_items.size:
                 return moved
-    if not dense and copy.row_bytes < RUN_MIN_ROW_BYTES:
+    if not dense:
         return moved + copy_items_strided(
             copy, src_items, dst_items, threads=threads, parallel_min_bytes=parallel_min_bytes
         )
