@@ -3,16 +3,17 @@ to and from host pages at memory speed, with the GIL released for the bytes.
 
 A copy is cut by its **source** side (a store's blocks, a load's pages): sorted by source
 index, the items whose sources are consecutive rows form runs, and a run of
-:data:`MIN_RUN` or more moves as one numpy assignment per segment, ``dst[indices] =
-src[first : first + n]``: the source a plain strided view read front to back, the
+:data:`~hicache.kernels.cpu_rows.MIN_SOURCE_RUN` or more moves as one numpy assignment per
+segment, ``dst[indices] = src[first : first + n]``: the source a plain strided view read front to back, the
 destination rows scattered by index. numpy runs it in C without the GIL, row after row,
 so a run costs one Python call per segment however many rows it has, and the source is
 read as one stream (a scattered source is read in many short streams, each starting
 cold). Whether the destination rows are consecutive does not matter. On the 2-core
 development box, 64 pages of 16 × 64 KiB segments with consecutive blocks went to
-shuffled host pages at 0.8–1.05 of a two-thread memcpy this way, against 0.6–0.7 for a
-``memmove`` per segment and block. Items in no long run move a ``memmove`` per segment
-(``ctypes.memmove`` releases the GIL too, but each call takes it back).
+shuffled host pages at 0.73–0.88 of a memcpy this way, against 0.57–0.59 for a
+``memmove`` per segment and block on the same threads (``benchmarks/bench_cpu_copy.py``).
+Items in no long run move a ``memmove`` per segment (``ctypes.memmove`` releases the GIL
+too, but each call takes it back).
 
 A copy of ``cpu_parallel_min_bytes`` or more is cut into pieces of about
 :data:`~hicache.kernels.cpu_rows.PIECE_BYTES` that ``cpu_copy_threads`` threads, the
@@ -32,12 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.kernels.cpu_rows import PIECE_BYTES, drain_pieces, source_runs
+from hicache.kernels.cpu_rows import MIN_SOURCE_RUN, PIECE_BYTES, drain_pieces, source_runs
 from hicache.kernels.tuning import TransferTuning
-
-# A run of at least this many items with consecutive sources moves as one numpy
-# assignment per segment, rather than one memmove per segment and item.
-MIN_RUN = 4
 
 _memmove = ctypes.memmove
 
@@ -82,7 +79,7 @@ class CpuSegments:
         self._row = pages.stride(0)
         self._page_bytes = sum(self._nbytes)
         self._tuning = tuning
-        self.min_run = MIN_RUN  # the shortest run that moves by numpy assignment
+        self.min_run = MIN_SOURCE_RUN  # the shortest run that moves by numpy assignment
 
     def copy(self, blocks: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
         """Block ``blocks[i]`` ↔ page ``pages[i]`` for every segment; done on return."""
