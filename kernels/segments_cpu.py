@@ -4,12 +4,12 @@ to and from host pages at memory speed, with the GIL released for the bytes.
 A copy is cut by its **source** side (a store's blocks, a load's pages): sorted by source
 index, the items whose sources are consecutive rows form runs, and a run of
 :data:`~hicache.kernels.cpu_rows.MIN_SOURCE_RUN` or more moves as one numpy assignment per
-segment, ``dst[indices] = src[first : first + n]``: the source a plain strided view read front to back, the
-destination rows scattered by index. numpy runs it in C without the GIL, row after row,
-so a run costs one Python call per segment however many rows it has, and the source is
-read as one stream (a scattered source is read in many short streams, each starting
-cold). Whether the destination rows are consecutive does not matter. On the 2-core
-development box, 64 pages of 16 × 64 KiB segments with consecutive blocks went to
+segment, ``dst[indices] = src[first : first + n]``: the source a plain strided view read
+front to back, the destination rows scattered by index. numpy runs it in C without the
+GIL, row after row, so a run costs one Python call per segment however many rows it has,
+and the source is read as one stream (a scattered source is read in many short streams,
+each starting cold). Whether the destination rows are consecutive does not matter. On the
+2-core development box, 64 pages of 16 × 64 KiB segments with consecutive blocks went to
 shuffled host pages at 0.73–0.88 of a memcpy this way, against 0.57–0.59 for a
 ``memmove`` per segment and block on the same threads (``benchmarks/bench_cpu_copy.py``).
 Items in no long run move a ``memmove`` per segment (``ctypes.memmove`` releases the GIL
