@@ -127,20 +127,15 @@ def copy_rows_cpu(
         dst_items = dst_items.cpu().numpy()
     src_items, dst_items = np.asarray(src_items), np.asarray(dst_items)
     dense = _dense_items(copy.src, copy) and _dense_items(copy.dst, copy)
-    moved = 0
-    if not dense:  # dense items merge into memmove runs below, which moves them as well
-        runs, src_items, dst_items = source_runs(src_items, dst_items, MIN_SOURCE_RUN)
-        if runs:
-            moved = _copy_source_runs(copy, runs, threads, parallel_min_bytes)
-            if not src_items.size:
-                return moved
-    if not dense:
-        return moved + copy_items_strided(
-            copy, src_items, dst_items, threads=threads, parallel_min_bytes=parallel_min_bytes
-        )
-    dst, src, nbytes = row_runs(copy, src_items, dst_items)
-    return moved + move_runs(
-        dst, src, nbytes, threads=threads, parallel_min_bytes=parallel_min_bytes
+    if dense:  # dense items merge into memmove runs, which moves consecutive ones as well
+        dst, src, nbytes = row_runs(copy, src_items, dst_items)
+        return move_runs(dst, src, nbytes, threads=threads, parallel_min_bytes=parallel_min_bytes)
+    runs, src_items, dst_items = source_runs(src_items, dst_items, MIN_SOURCE_RUN)
+    moved = _copy_source_runs(copy, runs, threads, parallel_min_bytes) if runs else 0
+    if not src_items.size:
+        return moved
+    return moved + copy_items_strided(
+        copy, src_items, dst_items, threads=threads, parallel_min_bytes=parallel_min_bytes
     )
 
 
@@ -210,10 +205,8 @@ def _copy_source_runs(
         dst[targets] = src[first : first + targets.size]
 
     total = sum(t.size for _, t in runs) * copy.item_bytes
-    workers = threads or torch.get_num_threads()
-    if total < parallel_min_bytes:
-        workers = 1
-    step = max(1, PIECE_BYTES // max(copy.item_bytes, 1)) if workers > 1 else 1 << 62
+    workers = 1 if total < parallel_min_bytes else threads or torch.get_num_threads()
+    step = max(1, PIECE_BYTES // max(copy.item_bytes, 1))
     pieces = [
         (move, first + j, targets[j : j + step])
         for first, targets in runs

@@ -88,12 +88,8 @@ class CpuSegments:
         singles = (s_src, s_dst) if to_host else (s_dst, s_src)  # (blocks, pages)
         blocks_l, pages_l = singles[0].tolist(), singles[1].tolist()
         threads = self._tuning.cpu_copy_threads or torch.get_num_threads()
-        if src.size * self._page_bytes < self._tuning.cpu_parallel_min_bytes or threads < 2:
-            for first, targets in runs:
-                for seg in range(len(self._cols)):
-                    self._run(seg, first, targets, to_host)
-            self._move(blocks_l, pages_l, to_host)
-            return
+        if src.size * self._page_bytes < self._tuning.cpu_parallel_min_bytes:
+            threads = 1  # the pieces, in this thread
         drain_pieces(self._pieces(runs, blocks_l, pages_l, to_host), threads)
 
     def _pieces(self, runs: list, blocks: list[int], pages: list[int], to_host: bool) -> list:

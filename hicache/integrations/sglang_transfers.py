@@ -193,7 +193,8 @@ class SidecarPages:
         res = self.controller.lookup(hashes, comps)
         if hit_query and self.options["hicache_read_ahead"] and ComponentType.FULL in comps:
             try:  # a hit stays a hit whatever becomes of its read-ahead
-                lead = self._read_ahead(hashes, res.presence, comps)
+                lead = res.leading(ComponentType.FULL, Presence.REMOTE)  # the leading KV hit
+                self._read_ahead(hashes, res.presence, comps, lead)
                 if self.copies(ComponentType.FULL) is not None:
                     self.hit_pins.pin(hashes[:lead])
             except Exception as exc:
@@ -201,21 +202,17 @@ class SidecarPages:
                 log.warning("hicache: reading a hit ahead failed: %s", exc)
         return {c: [int(p) != Presence.ABSENT for p in res.presence[c]] for c in components}
 
-    def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list) -> int:
-        """Start reading the leading hit's slow pages to host; the hit's length."""
-        full = np.asarray(presence[ComponentType.FULL], dtype=np.int64)
-        absent = np.flatnonzero(full == int(Presence.ABSENT))
-        lead = int(absent[0]) if absent.size else full.size  # the leading KV hit
-        slow = (int(Presence.DISK), int(Presence.REMOTE))
+    def _read_ahead(self, hashes: list[bytes], presence: dict, comps: list, lead: int) -> None:
+        """Start reading the pages of the first ``lead`` that are only on disk or the
+        remote tier to host, of every component in ``comps``."""
         keys = [
             PageKey(c, hashes[i])
             for c in comps
-            for i in np.flatnonzero(np.isin(np.asarray(presence[c][:lead]), slow)).tolist()
+            for i in np.flatnonzero(np.asarray(presence[c][:lead]) >= int(Presence.DISK))
         ]
         if keys:  # the handle is dropped: the get waits for the pages, not this
             self.controller.prefetch(keys)
             self.counters["read_ahead_pages"] += len(keys)
-        return lead
 
     def store(
         self,
