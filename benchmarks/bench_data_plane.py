@@ -1,7 +1,7 @@
 """The whole data plane, path by path, against a memcpy of the same bytes in the same run.
 
     python benchmarks/bench_data_plane.py --device cpu|cuda [--sizes-mib 1,64,256,1024]
-        [--repeat 5] [--reply-spin-s 0] [--json OUT]
+        [--repeat 5] [--reply-spin-s 0] [--paths blocks,pools] [--json OUT]
 
 Each path moves ``size`` bytes between an engine's memory and the host pool of a real
 ``hicache serve`` (or of an in-process controller), and is printed as GB/s and as a
@@ -552,6 +552,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", help="also write the figures here")
     p.add_argument(
+        "--paths",
+        default="blocks,pools",
+        help="which paths: blocks (the vLLM and segment copies), pools (backup, load-backs)",
+    )
+    p.add_argument(
         "--reply-spin-s",
         type=float,
         default=0.0,
@@ -566,9 +571,15 @@ def main() -> int:
     check_segments(device)
     work = Path(tempfile.mkdtemp(prefix="hcdp", dir="/tmp"))
     try:
-        paths = engine_block_paths(work, sizes, device, args.repeat)
-        for size, figures in pool_paths(work, sizes, device, args.repeat).items():
-            paths[size].update(figures)
+        wanted = set(args.paths.split(","))
+        if not wanted or wanted - {"blocks", "pools"}:
+            p.error("--paths takes blocks, pools or both")
+        paths: dict[int, dict[str, tuple[float, float]]] = {s: {} for s in sizes}
+        if "blocks" in wanted:
+            paths = engine_block_paths(work, sizes, device, args.repeat)
+        if "pools" in wanted:
+            for size, figures in pool_paths(work, sizes, device, args.repeat).items():
+                paths[size].update(figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
@@ -594,7 +605,7 @@ def main() -> int:
         for path, ms in one_page.items():
             kind = FLOOR_OF.get(path)
             over = ""
-            if kind in alone and not path.startswith("copy_alone"):
+            if kind in alone and alone[kind] in one_page and not path.startswith("copy_alone"):
                 over = f"  +{ms - one_page[alone[kind]]:.3f}"
             print(f"  {path:22} {ms:8.3f}{over}")
     for n, (med, p90) in BEGIN_MS.items():

@@ -3,6 +3,7 @@
 # for the machine's Python) and hicache itself, then run the given benchmarks, writing
 # their JSON to $OUT; one that fails is reported and the next still runs. Usage:
 #   bash benchmarks/gpu_round.sh data_plane [ttft] [headline] [restart] [layerwise] [cost_rule] ...
+# (data_plane_ab times a base beside this code: `git archive -o .whl/before.tar BASE` first)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -12,6 +13,25 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir . >/dev/
 nvidia-smi --query-gpu=name,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
+
+# bench_data_plane.py with ARGS, a base (.whl/before.tar, from `git archive BASE`) and this
+# code taking turns, twice: ab_turns NAME ARGS...
+ab_turns() {
+    local name=$1 turn
+    shift
+    rm -rf /tmp/before /tmp/before-site && mkdir -p /tmp/before &&
+        tar -xf .whl/before.tar -C /tmp/before &&
+        python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir \
+            --target /tmp/before-site /tmp/before >/dev/null || return 1
+    for turn in 1 2; do
+        echo "== base, turn $turn"
+        PYTHONPATH=/tmp/before-site:/tmp/site python3 benchmarks/bench_data_plane.py \
+            --device cuda "$@" --json "$out/${name}_base_$turn.json" || return 1
+        echo "== this code, turn $turn"
+        python3 benchmarks/bench_data_plane.py --device cuda "$@" \
+            --json "$out/${name}_now_$turn.json" || return 1
+    done
+}
 for what in "$@"; do
     case "$what" in
         data_plane) python3 benchmarks/bench_data_plane.py --device cuda --json "$out/data_plane.json" ;;
@@ -59,6 +79,8 @@ for what in "$@"; do
                     $(grep -rl "mark.gpu" tests) 2>&1 | tail -40) ;;
         data_plane_quick) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
+        data_plane_ab) ab_turns data_plane --sizes-mib 1,64,1024 --repeat 3 ;;
+        loadback_ab) ab_turns loadback --paths pools --sizes-mib 1,64,1024 --repeat 9 ;;
         data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         probe_staged) python3 benchmarks/probe_staged.py --watchdog-s 200 \

@@ -193,7 +193,51 @@ def issue_parts(segs, pages, n: int, repeat: int = 300) -> dict[str, float]:
         out[name] = statistics.median(times)
     print("host µs to issue a direct copy, step by step: "
           + "  ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)  # fmt: skip
+    out.update(inside_start(copy, blocks, hosts, repeat))
     return out
+
+
+def inside_start(copy: SegmentCopy, blocks, hosts, repeat: int) -> dict[str, float]:
+    """The same whole ``start``, its steps timed inside it (medians of ``repeat``): what
+    the steps timed alone leave out."""
+    import hicache.kernels.segments as segments
+
+    inner: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inner.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+
+        return run
+
+    patched = {"_check": copy._check, "_launch": copy._launch, "staged": copy.staged}
+    for name, fn in patched.items():
+        setattr(copy, name, timed(name, fn))
+    runner = copy._compiled[True]
+    copy._compiled[True] = timed("compiled_call", runner)
+    done_event = segments.CopyDone
+    segments.CopyDone = timed("done_event", done_event)
+    start = timed("whole", copy.start)
+    try:
+        for _ in range(repeat):
+            start(blocks, hosts, True)
+            torch.cuda.synchronize()
+    finally:
+        for name in patched:
+            delattr(copy, name)
+        copy._compiled[True] = runner
+        segments.CopyDone = done_event
+    med = {f"in_start_{k}": statistics.median(v) for k, v in inner.items()}
+    med["in_start_rest"] = med["in_start_whole"] - sum(
+        med[f"in_start_{k}"] for k in ("_check", "_launch", "staged", "done_event")
+    )
+    print("host µs inside one start: "
+          + "  ".join(f"{k[9:]} {v:.1f}" for k, v in med.items()), flush=True)  # fmt: skip
+    return med
 
 
 def ways(n, way, clock, add, rng, tensors, pages, segs, flat_h, flat_d, stage_d) -> None:

@@ -9,7 +9,7 @@ pinned buffer is addressable by the kernel itself (as the host pool is), so the 
 written there and the kernel loads them over the bus as it needs them: no upload, no
 staging, nothing on the copy engines.
 
-A buffer is written again only once the kernel that read it has ended: :class:`IndexSlots`
+A buffer is written again only once the kernel that read it has ended: :class:`PairSlots`
 keeps a few pinned buffers in turn, each with the event recorded after its last launch.
 """
 
@@ -23,56 +23,15 @@ import numpy as np
 import torch
 
 
-class IndexSlots:
-    """Pinned int64 buffers handed out in turn for GPU kernel launches.
-
-    ``with slots.staged(idx, stream) as t:`` copies a ``[rows, n]`` int64 array into the
-    next slot (after waiting for that slot's previous launch, ``count`` launches ago, which
-    has almost always ended) and yields it as a pinned tensor for the kernel launched in
-    the block; on leaving, an event on ``stream`` marks when the slot may be written again.
-    Thread-safe: one launch stages at a time.
-    """
-
-    def __init__(self, count: int = 16) -> None:
-        self._count = count
-        self._bufs: list[torch.Tensor] = []  # pinned on the first launch, not before
-        self._events: list[torch.cuda.Event | None] = [None] * count
-        self._next = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def staged(self, idx: np.ndarray, stream: torch.cuda.Stream) -> Iterator[torch.Tensor]:
-        with self._lock:
-            slot = self._next
-            self._next = (slot + 1) % self._count
-            ev = self._events[slot]
-            if ev is not None:
-                ev.synchronize()  # the launch that read this slot last has ended
-            if not self._bufs:  # every slot's first buffer in one allocation
-                block = torch.empty(self._count, 1024, dtype=torch.int64, pin_memory=True)
-                self._bufs = list(block.unbind(0))
-            buf = self._bufs[slot]
-            if buf.numel() < idx.size:
-                size = 1 << max(10, (idx.size - 1).bit_length())
-                buf = self._bufs[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            out = buf[: idx.size].view(idx.shape)
-            np.copyto(out.numpy(), idx, casting="same_kind")
-            try:
-                yield out
-            finally:  # after the launch: the slot is written again once it has run
-                if ev is None:
-                    ev = self._events[slot] = torch.cuda.Event()
-                ev.record(stream)
-
-
 class PairSlots:
-    """:class:`IndexSlots` for a kernel that reads two index arrays (blocks and pages) on a
-    raw stream handle, at a few microseconds of host time: ``with slots.pair(a, b,
-    stream) as (pa, pb, tensors):`` writes ``a`` and ``b`` into the next pinned slot, each
-    starting 16 bytes aligned (so a compiled kernel's alignment assumption always holds),
-    and yields the addresses a kernel reads them at (``tensors()``: the two as pinned
-    tensors, for a launch that takes tensors); on leaving, a
-    raw event on ``stream`` marks when the slot may be written again. Thread-safe."""
+    """Pinned buffers for a kernel that reads two index arrays (device items and host
+    pages) on a raw stream handle, handed out in turn at a few microseconds of host time:
+    ``with slots.pair(a, b, stream) as (pa, pb, tensors):`` writes ``a`` and ``b`` into
+    the next pinned slot, each starting 16 bytes aligned (so a compiled kernel's alignment
+    assumption always holds), and yields the addresses a kernel reads them at
+    (``tensors()``: the two as pinned tensors, for a launch that takes tensors); on
+    leaving, a raw event on ``stream`` marks when the slot may be written again.
+    Thread-safe."""
 
     def __init__(self, count: int = 16) -> None:
         self._count = count

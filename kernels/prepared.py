@@ -5,8 +5,11 @@ life, a few pages at a time. The functions of :mod:`hicache.kernels` check both 
 shapes, work out the row geometry and build a launcher on every call, which for a few
 pages costs more host time than the copy's launch. A :class:`PreparedTransfer` does that
 once; each call then checks only its indices (given as plain integer sequences, which is
-what a controller holds), moves the two index lists to the GPU in one copy, picks the
-backend by the same rule as the functions, and launches with launchers built once.
+what a controller holds), writes the two index lists into a pinned buffer the kernel
+reads, picks the backend by the same rule as the functions, and launches with launchers
+built once: on a GPU, after the first, by raw addresses on a raw stream handle through
+the compiled variant the first launch chose (``RowLauncher.launch_addrs``), which costs
+a fraction of Triton's own launch in host time.
 
 The bytes moved are those of the functions: the same kernels, copy-engine plan, staged
 path and torch reference run behind it (``tests/kernels/test_kernels_prepared.py`` compares them).
@@ -15,14 +18,14 @@ path and torch reference run behind it (``tests/kernels/test_kernels_prepared.py
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import numpy as np
 import torch
 
 from hicache.kernels import reference
 from hicache.kernels.geometry import RowCopy, kv_row_copy, state_row_copy
-from hicache.kernels.host_indices import IndexSlots
+from hicache.kernels.host_indices import PairSlots
 from hicache.kernels.tuning import DEFAULT_TUNING, Backend, TransferTuning, parse_backend
 
 Indices = Sequence[int] | np.ndarray
@@ -71,7 +74,7 @@ class PreparedTransfer:
         self.device_limit = dev_side.num_items
         self.host_limit = min((c.dst if to_host else c.src).num_items for c in copies)
         self._launchers: list = [None] * len(copies)
-        self._slots = IndexSlots()  # pinned index buffers for the kernels' launches
+        self._slots = PairSlots()  # pinned index buffers for the kernels' launches
 
     @classmethod
     def kv(
@@ -205,27 +208,34 @@ class PreparedTransfer:
             copy.item_bytes, self.to_host, transfer_bytes=transfer_bytes, dma_bytes=dma_bytes
         )
 
-    def __call__(self, device_items: Indices, host_items: Indices) -> None:
+    def __call__(
+        self, device_items: Indices, host_items: Indices, stream: int | None = None
+    ) -> None:
         """Copy device item ``device_items[i]`` to or from host page ``host_items[i]``.
 
         Raises IndexError for an index outside its buffer and ValueError for lists of
-        different lengths, before anything moves. On a GPU the work is queued on the
-        current stream and the call returns without waiting; on CPU tensors it has
-        finished on return.
+        different lengths, before anything moves. On a GPU the work is queued on the raw
+        stream handle ``stream`` (default: the current stream) and the call returns
+        without waiting; on CPU tensors it has finished on return.
         """
         idx = self._indices(device_items, host_items)
         if idx.shape[1] == 0:
             return
         cpu = torch.from_numpy(idx)
         with ExitStack() as launches:
-            self._copy(idx, cpu, launches)
+            self._copy(idx, cpu, launches, stream)
 
-    def _copy(self, idx: np.ndarray, cpu: torch.Tensor, launches: ExitStack) -> None:
+    def _copy(
+        self, idx: np.ndarray, cpu: torch.Tensor, launches: ExitStack, stream: int | None
+    ) -> None:
         on_device = None
+        if self.device.type == "cuda" and stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
         for i, copy in enumerate(self.copies):
             chosen = self._choose(copy, idx)
             if chosen is Backend.TORCH:
-                self._reference(cpu)
+                with _on_stream(stream, self.device):
+                    self._reference(cpu)
                 return
             if chosen is Backend.CPU:
                 if self.device.type == "cuda":
@@ -243,9 +253,11 @@ class PreparedTransfer:
                 continue
             if chosen is Backend.TRITON:
                 if on_device is None:  # the indices, where the kernels read them
-                    on_device = self._kernel_indices(idx, cpu, launches)
-                self._launch(i, copy, on_device)
-            elif chosen is Backend.COPY_ENGINE:
+                    on_device = self._kernel_indices(idx, cpu, launches, stream)
+                self._launch(i, copy, on_device, stream)
+                continue
+            launches.enter_context(_on_stream(stream, self.device))
+            if chosen is Backend.COPY_ENGINE:
                 if self.device.type != "cuda":
                     raise ValueError(
                         "backend='copy_engine' needs CUDA tensors; use 'torch' or 'triton'"
@@ -339,37 +351,51 @@ class PreparedTransfer:
         in its first transfer. Only CUDA copies by Triton launch anything."""
         if self.device.type != "cuda" or self.backend not in (None, Backend.TRITON):
             return
-        # Index tables of an odd and an even length: the second row of a [2, n] table is
-        # 16-byte aligned only for an even n, which Triton may specialise on.
-        tables = [torch.full((2, n), -1, dtype=torch.int64, device=self.device) for n in (1, 2)]
-        for i, copy in enumerate(self.copies):
-            chosen = self.tuning.auto_backend(copy.item_bytes, self.to_host)
-            if self.backend is Backend.TRITON or chosen is Backend.TRITON:
-                for table in tables:
-                    self._launch(i, copy, table.unbind(0))
+        # Through the pinned index slots every later launch reads (rows 16-byte aligned),
+        # so this launch also captures the variant they run (RowLauncher.launch_addrs).
+        skip = np.full((2, 1), -1, dtype=np.int64)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        with ExitStack() as launches:
+            on_device = None
+            for i, copy in enumerate(self.copies):
+                chosen = self.tuning.auto_backend(copy.item_bytes, self.to_host)
+                if self.backend is Backend.TRITON or chosen is Backend.TRITON:
+                    if on_device is None:
+                        on_device = self._kernel_indices(skip, None, launches, stream)
+                    self._launch(i, copy, on_device, stream)
 
     def _kernel_indices(
-        self, idx: np.ndarray, cpu: torch.Tensor, launches: ExitStack
-    ) -> tuple[torch.Tensor, ...]:
+        self, idx: np.ndarray, cpu: torch.Tensor | None, launches: ExitStack, stream: int | None
+    ) -> tuple:
         """The index rows as the kernels read them: on a GPU from a pinned buffer that
         stays untouched until the launches in ``launches`` have run (no upload on the
-        copy engines, see :mod:`~hicache.kernels.host_indices`); on a CPU as they are."""
+        copy engines, see :mod:`~hicache.kernels.host_indices`), as ``(device rows'
+        address, host pages' address, their tensors, their length)``; on a CPU the rows
+        as they are."""
         if self.device.type != "cuda":
             return cpu.unbind(0)
-        stream = torch.cuda.current_stream(self.device)
-        return launches.enter_context(self._slots.staged(idx, stream)).unbind(0)
+        return (*launches.enter_context(self._slots.pair(idx[0], idx[1], stream)), idx.shape[1])
 
-    def _launch(self, i: int, copy: RowCopy, on_device: tuple[torch.Tensor, ...]) -> None:
+    def _launch(self, i: int, copy: RowCopy, on_device: tuple, stream: int | None) -> None:
+        """Copy ``i``'s kernel over the indices of :meth:`_kernel_indices`: on a GPU by
+        their addresses through the variant its first launch here chose (no per-call
+        binding: ``RowLauncher.launch_addrs``), that first launch through Triton's own."""
         launcher = self._launchers[i]
         if launcher is None:
             from hicache.kernels.triton_transfer import RowLauncher
 
             launcher = self._launchers[i] = RowLauncher(copy, self.tuning)
-        dev, host = on_device
-        if self.to_host:
-            launcher.launch(dev, host)
-        else:
-            launcher.launch(host, dev)
+        if self.device.type != "cuda":
+            dev, host = on_device
+            launcher.launch(*((dev, host) if self.to_host else (host, dev)))
+            return
+        dev_addr, host_addr, tensors, n = on_device
+        src, dst = (dev_addr, host_addr) if self.to_host else (host_addr, dev_addr)
+        if launcher.launch_addrs(src, dst, n, stream):
+            return
+        dev, host = tensors()
+        with _on_stream(stream, self.device):
+            launcher.launch(*((dev, host) if self.to_host else (host, dev)), capture=True)
 
     def _reference(self, cpu: torch.Tensor) -> None:
         dev, host = cpu[0], cpu[1]
@@ -383,6 +409,16 @@ class PreparedTransfer:
             reference.mamba_states_to_host_ref(*t, dev, host)
         else:
             reference.mamba_states_to_device_ref(*t, host, dev)
+
+
+def _on_stream(stream: int | None, device: torch.device):
+    """Torch's current stream set to the raw handle ``stream`` (None: left as it is), for
+    the launches that take theirs from torch."""
+    if stream is None or device.type != "cuda":
+        return nullcontext()
+    if torch.cuda.current_stream(device).cuda_stream == stream:
+        return nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
 
 
 def _layer_span(layers: tuple[int, int], num_layers: int) -> tuple[int, int]:

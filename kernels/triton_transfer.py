@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from hicache.kernels.copy_engine import device_pointer
 from hicache.kernels.geometry import RowCopy
 from hicache.kernels.launch import (
+    compiled_runner,
     jit_per_call,
     kernel_for,
     max_programs,
@@ -91,6 +93,13 @@ class RowLauncher:
         self.kernel = kernel_for(_copy_rows_kernel, self.device)
         self.num_warps = tuning.num_warps
         self.src, self.dst = src, dst
+        # What a launch by addresses passes for the two tensors (for pinned host memory,
+        # the address the device reads it at, as Triton's own launch finds it).
+        self._addrs = tuple(
+            device_pointer(t.data_ptr()) if t.device.type == "cpu" else t.data_ptr()
+            for t in (src, dst)
+        ) if self.device.type == "cuda" else (0, 0)  # fmt: skip
+        self._runner = None  # the compiled variant's launch (launch.compiled_runner)
         self.scalars = (
             self.rows_per_item,
             copy.rows_b,
@@ -105,17 +114,23 @@ class RowLauncher:
             copy.dst.b_stride,
         )
 
-    def launch(self, src_items, dst_items) -> None:
+    def _tiles(self, n_items: int) -> tuple[int, int, int]:
+        """A launch over ``n_items`` items: its rows, its tiles and its persistent grid."""
+        num_rows = n_items * self.rows_per_item
+        num_tiles = -(-num_rows // self.rows) * self.col_tiles
+        return num_rows, num_tiles, min(num_tiles, self.max_programs)
+
+    def launch(self, src_items, dst_items, capture: bool = False) -> None:
         """Copy every row of items ``src_items[i] -> dst_items[i]`` (index tensors already
-        on the launch device) in one launch on the current stream."""
+        on the launch device) in one launch on the current stream. ``capture``: keep the
+        compiled variant this launch ran for :meth:`launch_addrs` (only for index tensors
+        that start 16-byte aligned, as every later launch by addresses must)."""
         n_items = src_items.numel()
         if n_items == 0:
             return
-        num_rows = n_items * self.rows_per_item
-        num_tiles = -(-num_rows // self.rows) * self.col_tiles
-        grid = (min(num_tiles, self.max_programs),)
+        num_rows, num_tiles, grid = self._tiles(n_items)
         rows_per_item, *rest = self.scalars
-        self.kernel[grid](
+        ran = self.kernel[(grid,)](
             self.src,
             self.dst,
             src_items,
@@ -129,6 +144,26 @@ class RowLauncher:
             COLS=self.cols,
             num_warps=self.num_warps,
         )
+        if capture and self._runner is None and self.device.type == "cuda":
+            self._runner = compiled_runner(ran)
+
+    def launch_addrs(self, src_items: int, dst_items: int, n_items: int, stream: int) -> bool:
+        """:meth:`launch` with the index arrays given by address (pinned, 16-byte aligned,
+        ``n_items`` each) on the raw ``stream``, through the compiled variant a captured
+        launch chose, without Triton's per-call binding; False (nothing launched) when no
+        variant is captured yet or it takes other arguments."""
+        run = self._runner
+        if not run or n_items == 0:
+            return bool(run)
+        num_rows, num_tiles, grid = self._tiles(n_items)
+        args = (*self._addrs, src_items, dst_items, num_rows, *self.scalars, num_tiles,
+                self.col_tiles, self.rows, self.cols)  # fmt: skip
+        try:
+            run(grid, stream, args)
+        except (TypeError, ValueError, SystemError):  # a launcher of other arguments
+            self._runner = False
+            return False
+        return True
 
 
 def copy_rows(

@@ -18,6 +18,7 @@ pool (:mod:`hicache.controller.tiers.lmdb_tier`).
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,14 @@ from hicache.controller.store.host_pool import HostPool
 from hicache.controller.store.layer_copies import LayerCopies
 from hicache.controller_api import ControllerError, LayerGroups
 from hicache.kernels import PreparedTransfer
-from hicache.kernels.copy_engine import Copies1D, batched_copy_available, issue_2d_copies, run_count
+from hicache.kernels.copy_engine import (
+    Copies1D,
+    CopyDone,
+    RawEvents,
+    batched_copy_available,
+    issue_2d_copies,
+    run_count,
+)
 from hicache.kernels.tuning import DEFAULT_TUNING, LAYER_COPY_TUNING, TransferTuning
 from hicache.keys import HASH_BYTES
 from hicache.types import ComponentType
@@ -117,6 +125,8 @@ class TransferEngine:
     def __init__(self, host_pool: HostPool) -> None:
         self.host_pool = host_pool
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        # Per device: the two streams' raw handles, and the events that order them.
+        self._raw: dict[int, tuple[tuple[int, int], Any, threading.Lock]] = {}
         # Dropped with the engine's buffers (so a gone engine's tensors are not held).
         self._plans: weakref.WeakKeyDictionary[EngineBuffers, _Plans] = weakref.WeakKeyDictionary()
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
@@ -216,7 +226,8 @@ class TransferEngine:
         """Copy device pages/slots into host pages.
 
         CPU: done on return, returns None. CUDA: queued on the backup stream after
-        ``ready_event``; returns a CUDA event recorded after the copy.
+        ``ready_event``; returns a CUDA event recorded after the copy (a
+        :class:`~hicache.kernels.copy_engine.CopyDone`: ``synchronize``, ``query``, ``wait``).
         """
         copy = self._plan(component, buffers, to_host=True)
         if buffers.device.type != "cuda":
@@ -224,16 +235,14 @@ class TransferEngine:
                 ready_event.synchronize()
             copy(device_index, host_pages)
             return None
-        _, backup = self._streams_for(buffers.device)
         if ready_event is not None:
+            _, backup = self._streams_for(buffers.device)
             backup.wait_event(ready_event)
+            stream = backup.cuda_stream
         else:
-            backup.wait_stream(torch.cuda.current_stream(buffers.device))
-        with torch.cuda.stream(backup):
-            copy(device_index, host_pages)
-            done = torch.cuda.Event()
-            done.record(backup)
-        return done
+            stream = self._after_caller(buffers.device, backup=True)
+        copy(device_index, host_pages, stream)
+        return CopyDone(stream)
 
     def to_device(
         self,
@@ -263,20 +272,36 @@ class TransferEngine:
         if buffers.device.type != "cuda":
             copy(device_index, host_pages)
             return None
-        load, _ = self._streams_for(buffers.device)
         # The slots were just handed out by the engine; work it queued earlier on them
         # (by their previous owner) must finish before they are overwritten.
-        load.wait_stream(torch.cuda.current_stream(buffers.device))
-        with torch.cuda.stream(load):
-            two_d = copy.run_copies(device_index, host_pages) if _runs(self.load_runs, {
-                component: (host_pages, device_index)}) else None  # fmt: skip
-            if two_d is None:
-                copy(device_index, host_pages)
-            else:
-                issue_2d_copies(two_d, load.cuda_stream)
-            done = torch.cuda.Event()
-            done.record(load)
-        return done
+        stream = self._after_caller(buffers.device, backup=False)
+        two_d = copy.run_copies(device_index, host_pages) if _runs(self.load_runs, {
+            component: (host_pages, device_index)}) else None  # fmt: skip
+        if two_d is None:
+            copy(device_index, host_pages, stream)
+        else:
+            issue_2d_copies(two_d, stream)
+        return CopyDone(stream)
+
+    def _after_caller(self, device: torch.device, backup: bool) -> int:
+        """The raw handle of ``device``'s load (or backup) stream, ordered after what the
+        calling thread's current stream has queued: raw events, since torch's stream
+        waits, stream contexts and events cost several times their host time, and a
+        copy's host time before its launch is time the copy has not started."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        raw = self._raw.get(idx)
+        if raw is None:
+            load, back = self._streams_for(device)
+            raw = self._raw.setdefault(
+                idx, ((load.cuda_stream, back.cuda_stream), RawEvents(2), threading.Lock())
+            )
+        handles, order, lock = raw
+        stream = handles[int(backup)]
+        caller = torch.cuda.current_stream(device).cuda_stream
+        with lock:
+            order.record(int(backup), caller)
+            order.wait(stream, int(backup))
+        return stream
 
     def start_layers_to_device(
         self,

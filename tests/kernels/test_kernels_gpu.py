@@ -139,3 +139,58 @@ def test_prepared_copies_queued_behind_a_busy_stream_read_their_own_indices() ->
     paged = device_kv.view(2, 2, 48, 16, 4, 64)
     for i in range(40):
         assert torch.equal(paged[:, :, i].cpu(), host_kv[47 - i]), i
+
+
+def _variants(kernel) -> int:
+    """How many variants of a Triton kernel are compiled (or loaded) in this process."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_warmed_prepared_transfers_launch_by_address_and_compile_nothing_more() -> None:
+    """After ``warm()``, KV pages and Mamba states move both ways, in copies of odd and
+    even lengths, through the variant the warm-up captured (launched by address on a raw
+    stream: ``RowLauncher.launch_addrs``), compiling nothing more, the bytes exact; and a
+    copy on another raw stream than the caller's runs there."""
+    from hicache.kernels import PreparedTransfer
+    from hicache.kernels.triton_transfer import _copy_rows_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    device_kv = torch.randn(2, 3, 64 * 16, 4, 64, generator=gen).bfloat16().cuda()
+    host_kv = torch.zeros(64, 2, 3, 16, 4, 64, dtype=torch.bfloat16).pin_memory()
+    conv = torch.randn(3, 40, 6, 5, generator=gen).cuda()
+    ssm = torch.randn(3, 40, 4, 7, generator=gen).cuda()
+    host_conv = torch.zeros(40, 3, 6, 5).pin_memory()
+    host_ssm = torch.zeros(40, 3, 4, 7).pin_memory()
+    plans = {
+        "kv": [PreparedTransfer.kv(device_kv, host_kv, 16, to_host=t) for t in (True, False)],
+        "states": [
+            PreparedTransfer.states(conv, ssm, host_conv, host_ssm, to_host=t)
+            for t in (True, False)
+        ],
+    }
+    for backup, load in plans.values():
+        backup.warm()
+        load.warm()
+    torch.cuda.synchronize()
+    before = _variants(_copy_rows_kernel)
+    other = torch.cuda.Stream()
+    for n in (1, 2, 3, 7, 19):  # from items 0-19 through host pages into items 20-39
+        src = torch.randperm(20, generator=gen)[:n].tolist()
+        mid = torch.randperm(40, generator=gen)[:n].tolist()
+        dst = (20 + torch.randperm(20, generator=gen)[:n]).tolist()
+        for backup, load in plans.values():
+            backup(src, mid)
+            if n % 2:  # the load on another stream, after the backup
+                other.wait_stream(torch.cuda.current_stream())
+                load(dst, mid, other.cuda_stream)
+                torch.cuda.current_stream().wait_stream(other)
+            else:
+                load(dst, mid)
+        torch.cuda.synchronize()
+        paged = device_kv.view(2, 3, 64, 16, 4, 64)
+        for s, d in zip(src, dst):
+            assert torch.equal(paged[:, :, d], paged[:, :, s]), (n, s, d)
+            assert torch.equal(conv[:, d], conv[:, s]) and torch.equal(ssm[:, d], ssm[:, s])
+    assert _variants(_copy_rows_kernel) == before
+    for backup, load in plans.values():
+        assert all(launcher._runner for launcher in backup._launchers + load._launchers)
