@@ -599,7 +599,8 @@ def main() -> int:
                 one_page[path] = seconds * 1e3
                 one_page[f"memcpy_{FLOOR_OF[path]}"] = floor * 1e3
     if one_page:
-        one_page["lookup_round_trip"] = ROUND_TRIP_S[0] * 1e3
+        if ROUND_TRIP_S:  # timed with the block paths
+            one_page["lookup_round_trip"] = ROUND_TRIP_S[0] * 1e3
         print("one page (1 MiB), ms, and over the copy alone the same way:")
         alone = {"to_host": "copy_alone_to_host", "to_device": "copy_alone_to_device"}
         for path, ms in one_page.items():

@@ -47,18 +47,23 @@ def _wrap(owner: Any, name: str, before: str, after: str | None = None) -> None:
 
 def install_controller() -> None:
     """Trace the controller's load and its copy (in a sidecar, or in-process)."""
+    from hicache.controller.store.fills import FillTracker
     from hicache.controller.store.local import LocalController
     from hicache.controller.store.transfer_engine import TransferEngine
     from hicache.kernels.prepared import PreparedTransfer
 
-    _wrap(LocalController, "_load", "ctl_load", "ctl_load_end")
+    _wrap(LocalController, "load", "ctl_load", "ctl_load_end")
     _wrap(TransferEngine, "to_device", "to_device", "to_device_end")
     _wrap(PreparedTransfer, "__call__", "launch", "launched")
+    _wrap(LocalController, "backup", "ctl_backup", "ctl_backup_end")
+    _wrap(TransferEngine, "to_host", "to_host", "to_host_end")
+    _wrap(FillTracker, "wait", "fills_wait", "fills_waited")
+    _wrap(LocalController, "acknowledged", "acknowledged", "acknowledged_end")
 
 
 def install_server(path: str) -> None:
     """Trace this process's sidecar; the events go to ``path`` when it exits."""
-    from hicache.controller.sidecar import server, sidecar_verbs
+    from hicache.controller.sidecar import handlers, server
     from hicache.controller.tiers.lmdb_writer import LmdbWriter
 
     install_controller()
@@ -68,8 +73,9 @@ def install_server(path: str) -> None:
     _wrap(server.SidecarServer, "_push", "push")
     _wrap(server.SidecarServer, "_read_replies", "io_reply")
     _wrap(server.SidecarServer, "_send", "io_send")
-    _wrap(sidecar_verbs.VerbHandlers, "load", "handler_load")
-    _wrap(sidecar_verbs.VerbHandlers, "pin", "handler_pin")
+    _wrap(handlers.VerbHandlers, "load", "handler_load")
+    _wrap(handlers.VerbHandlers, "pin", "handler_pin")
+    _wrap(handlers.VerbHandlers, "backup", "handler_backup", "handler_backup_end")
     atexit.register(dump, path)
 
 
@@ -77,12 +83,15 @@ def install_client(path: str | None = None) -> None:
     """Trace this process's sidecar client (the engine side); dumped to ``path`` at exit
     when given."""
     from hicache.controller.client.channel import Channel
+    from hicache.controller.client.inflight import RemoteTransfer
     from hicache.controller.client.sidecar_client import SidecarController
 
     _wrap(SidecarController, "load", "client_load", "client_load_end")
     _wrap(SidecarController, "pin", "client_pin", "client_pin_end")
     _wrap(SidecarController, "unpin", "client_unpin", "client_unpin_end")
     _wrap(SidecarController, "lookup", "client_lookup", "client_lookup_end")
+    _wrap(SidecarController, "backup", "client_backup", "client_backup_sent")
+    _wrap(RemoteTransfer, "wait", "client_backup_wait", "client_backup_end")
     _wrap(Channel, "send", "client_send", "client_sent")
     _wrap(Channel, "wait", "client_wait", "client_replied")
     if path is not None:

@@ -3,13 +3,13 @@
 Layers: :mod:`~hicache.controller.wire.security` (the private socket directory, the admin
 token, TCP authentication, peer credentials), :mod:`~hicache.controller.sidecar.sessions` (the
 connections, engines, leases, fencing and unmapping), :mod:`~hicache.controller.
-sidecar_verbs` (what each verb does) and this module: the loop and the dispatch.
+sidecar.handlers` (what each verb does) and this module: the loop and the dispatch.
 
 Threading model
 ---------------
 * **The I/O thread** (:meth:`SidecarServer.serve`) owns every ZeroMQ socket. It decodes
   each message, checks it against the verb's spec (:mod:`~hicache.controller.
-  verb_specs`: who may send it, whether it needs a registration, its arguments), keeps
+  wire.verbs`: who may send it, whether it needs a registration, its arguments), keeps
   the sessions, answers the cheap verbs itself and hands the rest on. Nothing it does
   waits on a copy or a disk read, so a lookup is answered while loads and backups run.
 * **Workers** (a thread pool) run register, backup, load, prefetch and the long admin

@@ -2,7 +2,7 @@
 it is decoded and built when it is encoded.
 
 A verb's arguments and its result are dataclass records (:mod:`hicache.controller.
-verb_specs`) whose fields name a codec here; :func:`decode_record` checks a map against
+wire.verbs`) whose fields name a codec here; :func:`decode_record` checks a map against
 a record (unknown names, missing ones, each value's type and range: BAD_ARGS naming the
 field) and :func:`encode_record` builds the map. Page references travel as columns (one
 ``bin`` per field) rather than one map per page: a load of ten thousand pages is four

@@ -103,7 +103,7 @@ class ProtocolError(HicacheError):
 
 class Verb(enum.Enum):
     """Every request a connection can make (each one's spec: :mod:`~hicache.controller.
-    verb_specs`)."""
+    wire.verbs`)."""
 
     HELLO = "hello"
     REGISTER = "register"
