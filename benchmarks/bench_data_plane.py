@@ -244,15 +244,24 @@ class Sidecar:
         layout_file = work / f"{layout.model_id}.json"
         layout_file.write_text(json.dumps({**layout.to_dict(), "page_size": page_size}))
         ready = work / f"{layout.model_id}.ready"
+        argv = [
+            "--socket", str(self.socket), "--no-disk", "--metrics-port", "0",
+            "--host-pool-bytes", str(host_bytes), "--layout-file", str(layout_file),
+            "--ready-file", str(ready), "--log-level", "warning",
+        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "hicache.controller.sidecar.process", *argv]
+        if TRACE_DIR:  # the stages of its requests, written when it stops (sidecar_trace.py)
+            trace = TRACE_DIR[0] / f"sidecar_{layout.model_id}.json"
+            cmd = [sys.executable, "-c", (
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import sidecar_trace; sidecar_trace.install_server({str(trace)!r}); "
+                "from hicache.controller.sidecar.process import main; "
+                f"sys.exit(main({argv!r}))"
+            )]  # fmt: skip
         self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "hicache.controller.sidecar.process",
-                "--socket", str(self.socket), "--no-disk", "--metrics-port", "0",
-                "--host-pool-bytes", str(host_bytes), "--layout-file", str(layout_file),
-                "--ready-file", str(ready), "--log-level", "warning",
-            ],
+            cmd,
             cwd=work,  # not a checkout's root, whose hicache/ would shadow the installed one
-        )  # fmt: skip
+        )
         while not ready.exists():
             if self.proc.poll() is not None:
                 raise SystemExit("the sidecar did not start")
@@ -267,6 +276,8 @@ class Sidecar:
         self.proc.wait(120)
 
 
+#: where ``--trace-dir`` puts the traces of both sides' request stages (empty: not traced)
+TRACE_DIR: list[Path] = []
 #: the clients' ``reply_spin_s`` (``--reply-spin-s``)
 REPLY_SPIN_S: list[float] = [0.0]
 
@@ -545,6 +556,24 @@ def check_segments(device: torch.device) -> None:
     print(f"segment kernel on {device}: the reference's bytes, aligned and not, both ways")
 
 
+def _trace_report() -> dict[str, dict[str, float]]:
+    """The median µs between consecutive stages of the traced backups and load-backs
+    through the sidecar (both sides' events merged by time), printed and returned."""
+    import sidecar_trace
+
+    client = list(sidecar_trace.EVENTS)
+    server = sidecar_trace.load_events(str(TRACE_DIR[0] / "sidecar_bench-pools.json"))
+    out = {}
+    for what, start, end in (("backup", "client_backup", "client_backup_end"),
+                             ("load-back", "client_load", "client_load_end")):  # fmt: skip
+        gaps = sidecar_trace.breakdown(client, server, start, end)
+        out[what] = gaps
+        print(f"traced {what} through the sidecar, µs between stages (medians):")
+        for k, v in gaps.items():
+            print(f"  {k:48} {v:9.1f}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -563,8 +592,20 @@ def main() -> int:
         help="the sidecar clients' reply_spin_s: poll for a critical call's reply without "
         "sleeping this long (spares a wake-up per round trip where a core is free)",
     )
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="trace the stages of each request on both sides of the socket "
+        "(sidecar_trace.py) and print where a backup's and a load-back's time goes",
+    )
     args = p.parse_args()
     REPLY_SPIN_S[0] = args.reply_spin_s
+    if args.trace_dir:
+        import sidecar_trace
+
+        TRACE_DIR.append(Path(args.trace_dir).resolve())
+        TRACE_DIR[0].mkdir(parents=True, exist_ok=True)
+        sidecar_trace.install_client()
     device = torch.device(args.device)
     default = "1,64,256" if device.type == "cpu" else "1,64,256,1024"
     sizes = [int(s) * MIB for s in (args.sizes_mib or default).split(",")]
@@ -622,8 +663,10 @@ def main() -> int:
                 for k, v in sorted(ms.items(), key=lambda kv: -kv[1])
             )
             print(f"  {size // MIB:6} MiB {what:11}  {parts}")
+    traced = _trace_report() if TRACE_DIR else {}
     if args.json:
         doc = {
+            "traced_us": traced,
             "device": name,
             "reply_spin_s": args.reply_spin_s,
             "rows": rows,

@@ -81,6 +81,9 @@ for what in "$@"; do
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
         data_plane_ab) ab_turns data_plane --sizes-mib 1,64,1024 --repeat 3 ;;
         loadback_ab) ab_turns loadback --paths pools --sizes-mib 1,64,1024 --repeat 9 ;;
+        trace_pools)  # where a one-page backup's and load-back's time goes, both sides traced
+            python3 benchmarks/bench_data_plane.py --device cuda --sizes-mib 1 --paths pools \
+                --repeat 15 --trace-dir /tmp/trace_pools --json "$out/trace_pools.json" ;;
         data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         probe_staged) python3 benchmarks/probe_staged.py --watchdog-s 200 \
