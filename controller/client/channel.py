@@ -4,9 +4,12 @@ config, and the errors a call can end in. Used by the engine's client
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -168,8 +171,13 @@ def configure_auth(sock: zmq.Socket, endpoint: str, config: SidecarClientConfig)
 class Channel:
     """One DEALER socket with request ids: several requests may be in flight.
 
-    Thread-safe: the socket is only touched under a lock, and a thread waiting for its
-    reply polls in short slices, filing whatever replies arrive by request id.
+    Thread-safe: the socket is only touched under a lock, and never held while a thread
+    blocks. A thread waiting for a reply files whatever replies are there by request id;
+    when none is its own, one waiting thread (the *reader*) sleeps on the socket's file
+    descriptor without the lock, the others on a condition that every filed reply
+    signals. So a request sent by one thread goes out at once while another waits for a
+    long one (a backup's reply comes when its copy has ended), where a waiter holding the
+    lock through its poll kept every other thread's request back until some reply came.
     """
 
     def __init__(self, endpoint: str, config: SidecarClientConfig) -> None:
@@ -177,6 +185,13 @@ class Channel:
         self.config = config
         self._ctx = zmq.Context.instance()
         self._lock = threading.RLock()
+        self._filed = threading.Condition(self._lock)  # signalled when replies are filed
+        self._reading = False  # a thread sleeps on the socket's descriptor (_await_input)
+        # What wakes the reader when another thread filed replies (the descriptor is
+        # edge-triggered: that thread's use of the socket may have taken its signal).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._ids = itertools.count(1)
         self._replies: dict[int, dict] = {}
         self._expected: dict[int, Verb] = {}  # requests sent, not yet answered
@@ -207,6 +222,8 @@ class Channel:
             self._replies.clear()
             self._expected.clear()
             self._progress.clear()
+            self._wake_reader()
+            self._filed.notify_all()
 
     def send(
         self,
@@ -243,49 +260,102 @@ class Channel:
                 self._expected[req_id] = verb
             if progress is not None:
                 self._progress[req_id] = progress
+            if self._reading:  # the send may have taken the descriptor's signal of a reply
+                self._drain()
         return req_id
 
-    def _drain(self, timeout_s: float) -> None:
-        """Read every reply that is there (waiting up to ``timeout_s`` for the first)."""
+    def _drain(self) -> int:
+        """File every reply that is there, without waiting (the lock held); how many
+        were read. Waiting threads are told, the reader woken."""
         if self._sock is None:
+            return 0
+        read = 0
+        try:
+            while True:
+                try:
+                    data = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return read
+                read += 1
+                self._file(data)
+        finally:
+            if read:
+                self._filed.notify_all()
+                if self._reading:
+                    self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        with contextlib.suppress(OSError):  # full (the reader is being woken already)
+            self._wake_w.send(b"\0")
+
+    def _await_input(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for replies (the lock held, and released meanwhile):
+        as the reader, on the socket's descriptor, unless another thread is; then on the
+        condition that filed replies signal. The caller drains after it."""
+        sock = self._sock
+        if self._reading or sock is None:
+            self._filed.wait(timeout_s)
             return
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return
-        while True:
-            try:
-                data = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        self._reading = True
+        try:
+            # Input there already does not signal the descriptor again: take it first.
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+            fd = sock.getsockopt(zmq.FD)
+            saved = self._lock._release_save()  # wholly, as Condition.wait does
             try:
-                msg = unpack(data, self.config.max_message_bytes)
-                req_id = msg.get("id")
-            except Exception:
-                log.warning("undecodable reply from the sidecar dropped")
-                continue
-            self.last_reply = time.monotonic()
-            if "progress" in msg:
-                cb = self._progress.get(req_id)
-                p = msg["progress"]
-                if cb is not None and isinstance(p, dict):
-                    cb(int(p.get("done", 0)), int(p.get("total", 0)))
-            elif req_id in self._expected:
-                msg["verb"] = self._expected.pop(req_id)
-                self._progress.pop(req_id, None)
-                self._replies[req_id] = msg
-            # else: the reply to a request given up on; dropped
+                select.select([fd, self._wake_r], [], [], timeout_s)
+            except (OSError, ValueError):  # the socket closed meanwhile
+                pass
+            finally:
+                self._lock._acquire_restore(saved)
+            with contextlib.suppress(OSError):  # empty
+                while self._wake_r.recv(64):
+                    pass
+        finally:
+            self._reading = False
+            self._filed.notify_all()  # another waiter may read now
+
+    def wait_input(self, timeout_s: float) -> None:
+        """File the replies there; when there were none, wait up to ``timeout_s`` for
+        some (or for another thread to file some) and file them."""
+        with self._lock:
+            if not self._drain():
+                self._await_input(timeout_s)
+                self._drain()
+
+    def _file(self, data: bytes) -> None:
+        """File one reply by its request id (one that is not expected is dropped)."""
+        try:
+            msg = unpack(data, self.config.max_message_bytes)
+            req_id = msg.get("id")
+        except Exception:
+            log.warning("undecodable reply from the sidecar dropped")
+            return
+        self.last_reply = time.monotonic()
+        if "progress" in msg:
+            cb = self._progress.get(req_id)
+            p = msg["progress"]
+            if cb is not None and isinstance(p, dict):
+                cb(int(p.get("done", 0)), int(p.get("total", 0)))
+        elif req_id in self._expected:
+            msg["verb"] = self._expected.pop(req_id)
+            self._progress.pop(req_id, None)
+            self._replies[req_id] = msg
+        # else: the reply to a request given up on; dropped
 
     def poll(self, req_id: int) -> dict | None:
         """The reply to ``req_id`` if it has come (never blocks)."""
         with self._lock:
             if req_id not in self._replies:
-                self._drain(0)
+                self._drain()
             return self._replies.pop(req_id, None)
 
     def arrived(self, req_id: int) -> bool:
         """Whether the reply to ``req_id`` has come (read in, still to be taken)."""
         with self._lock:
             if req_id not in self._replies:
-                self._drain(0)
+                self._drain()
             return req_id in self._replies
 
     def forget(self, req_id: int) -> None:
@@ -303,22 +373,27 @@ class Channel:
         of microseconds per call."""
         now = time.monotonic()
         end, spin_end = now + timeout_s, now + spin_s
-        while True:
-            with self._lock:
+        with self._lock:
+            while True:
                 msg = self._replies.pop(req_id, None)
                 if msg is None:
-                    left = end - time.monotonic()
-                    if left <= 0 or (req_id not in self._expected):
-                        if forget or req_id not in self._expected:
-                            self.forget(req_id)
-                        raise SidecarUnavailable(
-                            f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
-                        )
-                    spinning = time.monotonic() < spin_end
-                    self._drain(0.0 if spinning else min(left, POLL_SLICE_S))
+                    self._drain()
                     msg = self._replies.pop(req_id, None)
-            if msg is not None:
-                return result_of(msg)
+                if msg is not None:
+                    break
+                now = time.monotonic()
+                if now >= end or req_id not in self._expected:
+                    if forget or req_id not in self._expected:
+                        self.forget(req_id)
+                    raise SidecarUnavailable(
+                        f"no reply from the sidecar at {self.endpoint} within {timeout_s:.3f}s"
+                    )
+                if now < spin_end:  # polled again at once, the lock let go in between
+                    saved = self._lock._release_save()
+                    self._lock._acquire_restore(saved)
+                    continue
+                self._await_input(min(end - now, POLL_SLICE_S))
+        return result_of(msg)
 
     def call(
         self,

@@ -129,8 +129,7 @@ class RemoteTransfer:
             left = min(left, timeout_s)
         end = time.monotonic() + max(left, 0.0)
         while not self.done() and self._ok is None and time.monotonic() < end:
-            with self._client._channel._lock:
-                self._client._channel._drain(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
+            self._client._channel.wait_input(min(POLL_SLICE_S, max(end - time.monotonic(), 0)))
         self.done()  # the deadline may have passed in the last slice
         return bool(self._ok)
 
