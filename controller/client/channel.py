@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -197,6 +198,7 @@ class Channel:
         self._expected: dict[int, Verb] = {}  # requests sent, not yet answered
         self._progress: dict[int, Callable[[int, int], None]] = {}
         self._sock: zmq.Socket | None = None
+        self._poller: tuple[zmq.Socket, Any] | None = None  # the reader's, for this socket
         self.generation = 0
         self.last_reply = 0.0
 
@@ -219,6 +221,7 @@ class Channel:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
+                self._poller = None
             self._replies.clear()
             self._expected.clear()
             self._progress.clear()
@@ -301,11 +304,16 @@ class Channel:
             # Input there already does not signal the descriptor again: take it first.
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            fd = sock.getsockopt(zmq.FD)
+            if self._poller is None or self._poller[0] is not sock:
+                poller = select.poll()  # no descriptor-number limit, unlike select()
+                poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+                poller.register(self._wake_r, select.POLLIN)
+                self._poller = (sock, poller)
+            poller = self._poller[1]
             saved = self._lock._release_save()  # wholly, as Condition.wait does
             try:
-                select.select([fd, self._wake_r], [], [], timeout_s)
-            except (OSError, ValueError):  # the socket closed meanwhile
+                poller.poll(max(1, math.ceil(timeout_s * 1000)))
+            except OSError:  # interrupted, or the socket closed meanwhile
                 pass
             finally:
                 self._lock._acquire_restore(saved)
