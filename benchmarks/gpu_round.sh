@@ -16,13 +16,16 @@ mkdir -p "$out"
 
 # bench_data_plane.py with ARGS, a base (.whl/before.tar, from `git archive BASE`) and this
 # code taking turns, twice: ab_turns NAME ARGS...
-ab_turns() {
-    local name=$1 turn
-    shift
+install_base() {
     rm -rf /tmp/before /tmp/before-site && mkdir -p /tmp/before &&
         tar -xf .whl/before.tar -C /tmp/before &&
         python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir \
-            --target /tmp/before-site /tmp/before >/dev/null || return 1
+            --target /tmp/before-site /tmp/before >/dev/null
+}
+ab_turns() {
+    local name=$1 turn
+    shift
+    install_base || return 1
     for turn in 1 2; do
         echo "== base, turn $turn"
         PYTHONPATH=/tmp/before-site:/tmp/site python3 benchmarks/bench_data_plane.py \
@@ -80,6 +83,14 @@ for what in "$@"; do
         data_plane_quick) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64,1024 --repeat 3 --json "$out/data_plane.json" ;;
         data_plane_ab) ab_turns data_plane --sizes-mib 1,64,1024 --repeat 3 ;;
+        headline_ab)  # the headline of a base (.whl/before.tar) and of this code, one machine
+            # (run from /tmp: the checkout's hicache/ must not shadow either in the sidecar)
+            here=$PWD
+            install_base && (cd /tmp &&
+                PYTHONPATH=/tmp/before-site:/tmp/site python3 "$here/benchmarks/hf_ttft_gpu.py" \
+                    --headline 10240:16,64:20 --json "$out/headline_base.json" &&
+                python3 "$here/benchmarks/hf_ttft_gpu.py" --headline 10240:16,64:20 \
+                    --json "$out/headline_now.json") ;;
         loadback_ab) ab_turns loadback --paths pools --sizes-mib 1,64,1024 --repeat 9 ;;
         trace_pools)  # where a one-page backup's and load-back's time goes, both sides traced
             python3 benchmarks/bench_data_plane.py --device cuda --sizes-mib 1 --paths pools \
