@@ -162,9 +162,7 @@ def issue_parts(segs, pages, n: int, repeat: int = 300) -> dict[str, float]:
     caller = torch.cuda.current_stream(dev).cuda_stream
 
     def order() -> None:
-        with copy._order_lock:
-            copy._order.record(1, caller)
-            copy._order.wait(stream, 1)
+        copy._order.order(1, stream, caller)
 
     def slots() -> None:
         with copy._slots.pair(blocks, hosts, stream):

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -260,6 +261,7 @@ class RawEvents:
                 "cudaEventCreateWithFlags",
             )
             self.handles.append(int(handle.value or 0))
+        self._lock = threading.Lock()
 
     def record(self, index: int, stream: int) -> None:
         """Record event ``index`` on the raw stream handle ``stream``."""
@@ -275,6 +277,14 @@ class RawEvents:
 
     def synchronize(self, index: int) -> None:
         _check(_cudart().cudaEventSynchronize(self.handles[index]), "cudaEventSynchronize")
+
+    def order(self, index: int, stream: int, after: int) -> None:
+        """Make the raw ``stream`` wait for what the raw stream ``after`` has queued so far,
+        through event ``index`` (its record and wait as one step, so that two threads
+        ordering through the same event do not cross)."""
+        with self._lock:
+            self.record(index, after)
+            self.wait(stream, index)
 
     def destroy(self) -> None:
         lib = _cudart()

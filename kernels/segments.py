@@ -25,7 +25,6 @@ tensor is skipped by the kernel, never written.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,7 +108,6 @@ class SegmentCopy:
         self._slots = PairSlots()  # pinned index buffers for the kernel's launches
         self._handles: dict[bool, int] = {}  # each direction's raw stream handle
         self._order = None  # RawEvents: a copy after its caller's stream (_stream_handle)
-        self._order_lock = threading.Lock()
         self._compiled: dict[bool, object] = {}  # each direction's compiled launch, or None
         self._staged = None  # the staged form (kernels/staged_segments.py), when first wanted
         if use_kernel if use_kernel is not None else device.type == "cuda":
@@ -236,9 +234,7 @@ class SegmentCopy:
         # host time before its first launch is time the copy has not started.
         stream = self._stream_handle(to_host)
         caller = torch.cuda.current_stream(self.device).cuda_stream
-        with self._order_lock:
-            self._order.record(int(to_host), caller)
-            self._order.wait(stream, int(to_host))
+        self._order.order(int(to_host), stream, caller)
         staged = self.staged()
         if staged.wanted(blocks_a.size, to_host):
             staged.run(blocks_a, pages_a, to_host, stream)

@@ -153,8 +153,10 @@ class RowLauncher:
         launch chose, without Triton's per-call binding; False (nothing launched) when no
         variant is captured yet or it takes other arguments."""
         run = self._runner
-        if not run or n_items == 0:
-            return bool(run)
+        if not run:
+            return False
+        if n_items == 0:
+            return True
         num_rows, num_tiles, grid = self._tiles(n_items)
         args = (*self._addrs, src_items, dst_items, num_rows, *self.scalars, num_tiles,
                 self.col_tiles, self.rows, self.cols)  # fmt: skip

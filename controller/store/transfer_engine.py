@@ -18,7 +18,6 @@ pool (:mod:`hicache.controller.tiers.lmdb_tier`).
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,8 +124,8 @@ class TransferEngine:
     def __init__(self, host_pool: HostPool) -> None:
         self.host_pool = host_pool
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        # Per device: the two streams' raw handles, and the events that order them.
-        self._raw: dict[int, tuple[tuple[int, int], Any, threading.Lock]] = {}
+        # Per device: the events that order its load and backup streams after a caller's.
+        self._order: dict[int, RawEvents] = {}
         # Dropped with the engine's buffers (so a gone engine's tensors are not held).
         self._plans: weakref.WeakKeyDictionary[EngineBuffers, _Plans] = weakref.WeakKeyDictionary()
         self._layer_thread: ThreadPoolExecutor | None = None  # CPU layer-wise loads
@@ -289,18 +288,11 @@ class TransferEngine:
         waits, stream contexts and events cost several times their host time, and a
         copy's host time before its launch is time the copy has not started."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        raw = self._raw.get(idx)
-        if raw is None:
-            load, back = self._streams_for(device)
-            raw = self._raw.setdefault(
-                idx, ((load.cuda_stream, back.cuda_stream), RawEvents(2), threading.Lock())
-            )
-        handles, order, lock = raw
-        stream = handles[int(backup)]
-        caller = torch.cuda.current_stream(device).cuda_stream
-        with lock:
-            order.record(int(backup), caller)
-            order.wait(stream, int(backup))
+        order = self._order.get(idx)
+        if order is None:
+            order = self._order.setdefault(idx, RawEvents(2))
+        stream = self._streams_for(device)[int(backup)].cuda_stream
+        order.order(int(backup), stream, torch.cuda.current_stream(device).cuda_stream)
         return stream
 
     def start_layers_to_device(

@@ -345,4 +345,3 @@ def test_a_first_registration_may_take_longer_than_the_handshake_deadline(workdi
     finally:
         engine.close()
         side.stop()
-
