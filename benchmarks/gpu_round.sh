@@ -99,6 +99,7 @@ for what in "$@"; do
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         probe_staged) python3 benchmarks/probe_staged.py --watchdog-s 200 \
             --json "$out/probe_staged.json" ;;
+        at_once) python3 benchmarks/probe_at_once.py --json "$out/at_once.json" ;;
         probe_launch) python3 benchmarks/probe_launch.py --json "$out/probe_launch.json" ;;
         sweep_tuning) python3 benchmarks/sweep_copy_tuning.py --json "$out/sweep_tuning.json" ;;
         data_plane_spy)  # the 64 MiB paths with the bench and its sidecar sampled (py-spy wheel in .whl)

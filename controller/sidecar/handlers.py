@@ -307,16 +307,21 @@ class VerbHandlers(AdminVerbs):
         capacity = {c.name.lower(): buffers.capacity(c) for c in conn.layout.components}
         return RegisterReply(capacity, fenced=True)
 
+    def backup_event(self, conn: Connection, a: BackupArgs) -> Any:
+        """The engine's event a backup's copy waits on (None: it names none); BAD_ARGS
+        for one that cannot be opened."""
+        if a.ready_event is None:
+            return None
+        if conn.mapped.device != "cuda":
+            raise bad_args("ready_event is for CUDA pools only")
+        try:
+            return open_ready_event(a.ready_event, conn.mapped.buffers.device)
+        except RegistrationRefused as exc:
+            raise bad_args(str(exc)) from None
+
     def backup(self, call: Call, a: BackupArgs) -> OkReply:
         conn = call.conn
-        event = None
-        if a.ready_event is not None:
-            if conn.mapped.device != "cuda":
-                raise bad_args("ready_event is for CUDA pools only")
-            try:
-                event = open_ready_event(a.ready_event, conn.mapped.buffers.device)
-            except RegistrationRefused as exc:
-                raise bad_args(str(exc)) from None
+        event = self.backup_event(conn, a)
         handle = self.ctl.backup(a.refs, event, engine_id=conn.engine_id, tenant=a.tenant)
         # Past the deadline too, no reply (not even an error) before the copy has ended.
         ok = bool(handle.wait(max(0.0, call.deadline - time.monotonic())))

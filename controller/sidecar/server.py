@@ -14,8 +14,8 @@ Threading model
   waits on a copy or a disk read, so a lookup is answered while loads and backups run.
 * **Workers** (a thread pool) run register, backup, load, prefetch and the long admin
   verbs, and pass their replies back through an inproc socket. A small load of pages all
-  on host is the exception: the I/O thread issues its copy and answers it once the copy
-  has ended, never waiting on it (:mod:`~hicache.controller.sidecar.inline_loads`).
+  on host and a small backup are the exception: the I/O thread issues the copy and answers
+  once it has ended, never waiting on it (:mod:`~hicache.controller.sidecar.inline_copies`).
 * **The lane** (:mod:`~hicache.controller.sidecar.fair_lane`) runs lookups and pins too large
   for the I/O thread, one engine's request after another's.
 
@@ -45,7 +45,7 @@ from hicache.controller.sidecar.config import SidecarConfig
 from hicache.controller.sidecar.fair_lane import FairLane
 from hicache.controller.sidecar.fd_inbox import FdInbox
 from hicache.controller.sidecar.handlers import VerbHandlers
-from hicache.controller.sidecar.inline_loads import InlineLoads
+from hicache.controller.sidecar.inline_copies import InlineCopies
 from hicache.controller.sidecar.metrics import SidecarMetrics
 from hicache.controller.sidecar.prestart import prestart
 from hicache.controller.sidecar.sessions import Connection, ServedLayout, Sessions
@@ -134,9 +134,7 @@ class SidecarServer:
             self.config.worker_threads, thread_name_prefix="hicache-sidecar-worker"
         )
         self._lane = FairLane("hicache-sidecar-bulk")
-        self._inline = InlineLoads(
-            controller, self.sessions, self.metrics, self._send, self.verbs.load_pin
-        )
+        self._inline = InlineCopies(controller, self.sessions, self.metrics, self._send, self.verbs)
         self._last_reap = 0.0
 
     @property
@@ -346,7 +344,7 @@ class SidecarServer:
                     call = Call(conn, req, deadline, _no_progress)
                     reply = self.verbs.handlers[req.verb](call, args)
                 elif place is Place.INLINE_COPY and self._start_inline(conn, spec, req, t0):
-                    return  # answered once its copy has ended (inline_loads.py)
+                    return  # answered once its copy has ended (inline_copies.py)
                 else:
                     self._dispatch(conn, spec, req, deadline, t0, place)
                     return

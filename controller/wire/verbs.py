@@ -60,8 +60,8 @@ class Runs(enum.Enum):
     WORKER = "worker"  # on a worker, with the request's deadline
     # On the I/O thread when small; above INLINE_MAX_PAGES pages on the fair lane.
     IO_OR_LANE = "I/O or lane"
-    # A copy begun on the I/O thread and answered there once it has ended, when small and
-    # on host (controller/sidecar/inline_loads.py); otherwise on a worker.
+    # A copy begun on the I/O thread and answered there once it has ended, when small (a
+    # load: its pages on host; controller/sidecar/inline_copies.py); otherwise on a worker.
     IO_OR_WORKER = "I/O or worker"
 
 
@@ -407,7 +407,15 @@ SPECS: dict[Verb, VerbSpec] = {
             pages_column="hashes",
             waits_on_remote=True,
         ),
-        _spec(Verb.BACKUP, BackupArgs, OkReply, Runs.WORKER, ENGINE, needs_registration=True),
+        _spec(
+            Verb.BACKUP,
+            BackupArgs,
+            OkReply,
+            Runs.IO_OR_WORKER,
+            ENGINE,
+            needs_registration=True,
+            pages_column="refs",
+        ),
         _spec(Verb.PIN, PinArgs, PinReply, Runs.IO_OR_LANE, ENGINE, pages_column="keys"),
         _spec(
             Verb.LOAD,

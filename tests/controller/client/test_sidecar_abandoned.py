@@ -40,7 +40,9 @@ CLIENT = SidecarClientConfig(
 
 
 class GatedSidecar:
-    """An in-process sidecar whose controller holds each load or backup at a gate."""
+    """An in-process sidecar whose controller holds each load or backup at a gate: a load
+    on a worker waits at the gate before it starts; a load begun on the I/O thread and
+    every backup start at once, and their copies do not end while the gate is shut."""
 
     def __init__(self, workdir, **sidecar) -> None:
         self.controller = LocalController(ControllerConfig(host_pool_bytes=4 << 20))
@@ -50,17 +52,26 @@ class GatedSidecar:
         self.gate.set()
         self.entered = threading.Semaphore(0)
         self.calls = {"load": 0, "backup": 0}
-        for verb in ("load", "backup"):
-            real = getattr(self.controller, verb)
+        real_load = self.controller.load
 
-            def gated(*a, _real=real, _verb=verb, **kw):
-                self.calls[_verb] += 1
-                self.entered.release()
-                assert self.gate.wait(30), "the test never opened the gate"
-                return _real(*a, **kw)
+        def gated(*a, **kw):
+            self.calls["load"] += 1
+            self.entered.release()
+            assert self.gate.wait(30), "the test never opened the gate"
+            return real_load(*a, **kw)
 
-            setattr(self.controller, verb, gated)
-        # A small load of pages on host is begun on the I/O thread (inline_loads.py): its
+        self.controller.load = gated
+        # A backup may begin on the I/O thread (inline_copies.py), which must never block:
+        # its copy is "held" by a handle that does not end before the gate opens.
+        real_backup = self.controller.backup
+
+        def gated_backup(*a, **kw):
+            self.calls["backup"] += 1
+            self.entered.release()
+            return _GatedBackup(real_backup(*a, **kw), self.gate)
+
+        self.controller.backup = gated_backup
+        # A small load of pages on host is begun on the I/O thread (inline_copies.py): its
         # copy is "held" by a load that does not report its end before the gate opens.
         real_start = self.controller.start_load
 
@@ -99,6 +110,24 @@ class _GatedLoad:
     def finish(self) -> bool:
         assert self._gate.wait(30), "the test never opened the gate"
         return self._inner.finish()
+
+
+class _GatedBackup:
+    """A backup's handle that has not ended while the gate is shut."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def done(self) -> bool:
+        return self._gate.is_set() and self._inner.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        t0 = time.monotonic()
+        if not self._gate.wait(timeout_s):
+            return False
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+        return self._inner.wait(left)
 
 
 @pytest.fixture

@@ -56,9 +56,9 @@ class Sidecar:
         inline = self.server._inline
         real_start = inline.start
 
-        def counted_inline(*a, **kw):
-            started = real_start(*a, **kw)
-            self.load_requests += int(started)
+        def counted_inline(conn, spec, *a, **kw):
+            started = real_start(conn, spec, *a, **kw)
+            self.load_requests += int(started and spec.verb is Verb.LOAD)
             return started
 
         inline.start = counted_inline

@@ -1,11 +1,14 @@
-"""Loads begun on the sidecar's I/O thread (controller/sidecar/inline_loads.py): a small load of
-pages on host is answered there without a worker, the I/O thread keeps answering while
-its copy is in flight, a load that must read from disk still runs on a worker, and every
-one of them loads the right bytes."""
+"""Copies begun on the sidecar's I/O thread (controller/sidecar/inline_copies.py): a small
+load of pages on host and a small backup are answered there without a worker, the I/O
+thread keeps answering while their copies are in flight and answers only once a copy has
+ended, a load that must read from disk, a backup whose acknowledgement waits on the disk
+writer and a large backup still run on a worker, and every one of them moves the right
+bytes."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -28,22 +31,27 @@ SLEEPING = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0)
 
 
 class Setup:
-    def __init__(self, workdir) -> None:
+    def __init__(self, workdir, **options) -> None:
         ctl_cfg = ControllerConfig(
             host_pool_bytes=4 << 20, disk_path=workdir / "lmdb", disk_budget_bytes=32 << 20
         )
         self.controller = LocalController(ctl_cfg)
-        self.served = ServerThread(self.controller, workdir / "s.sock")
+        self.served = ServerThread(self.controller, workdir / "s.sock", **options)
         self.server = self.served.server
-        self.worker_loads = 0
+        self.worker_loads = self.worker_backups = 0
         handlers = self.server.verbs.handlers
-        on_worker = handlers[Verb.LOAD]
+        on_worker, backup_on_worker = handlers[Verb.LOAD], handlers[Verb.BACKUP]
 
         def counted(call, args):
             self.worker_loads += 1
             return on_worker(call, args)
 
+        def counted_backup(call, args):
+            self.worker_backups += 1
+            return backup_on_worker(call, args)
+
         handlers[Verb.LOAD] = counted
+        handlers[Verb.BACKUP] = counted_backup
         self.layout = make_layout("full")
         pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
         self.pools = DevicePools.allocate(self.layout, pools_cfg)
@@ -199,4 +207,125 @@ def test_a_load_names_exactly_one_pin(setup, pin_args):
         setup.client._channel.call(Verb.LOAD, args, 5.0)
     assert SPECS[Verb.LOAD].decode_args(args).refs  # the arguments are well-formed otherwise
     assert setup.controller.stats()["pins_active"] == 0
+    setup.controller.check_invariants()
+
+
+# -- backups ------------------------------------------------------------------------------
+
+
+def _loaded_back(setup: Setup, src) -> bool:
+    """Whether ``src``'s pages, loaded back into other slots, carry ``src``'s bytes."""
+    dst = setup.retarget(src)
+    pin = setup.client.pin([r.key for r in dst], 30)
+    try:
+        return pin is not None and setup.client.load(dst, pin, 10) and setup.same_bytes(src, dst)
+    finally:
+        if pin is not None:
+            setup.client.unpin(pin)
+
+
+def test_a_small_backup_is_answered_by_the_io_thread_and_holds_the_right_bytes(setup):
+    src = setup.chain()
+    assert setup.client.backup(src).wait(10)
+    assert setup.worker_backups == 0
+    presence = setup.client.lookup([r.page_hash for r in src], [FULL]).presence[FULL]
+    assert presence.tolist() == [Presence.HOST] * len(src)
+    assert _loaded_back(setup, src)
+    assert setup.server.inflight == 0
+    setup.controller.check_invariants()
+
+
+def test_a_backup_is_answered_only_once_its_copy_has_ended_and_lookups_go_on(setup):
+    gate = threading.Event()
+    real_backup = setup.controller.backup
+    started = []
+
+    class Unfinished:  # a backup's copy that has not ended until the gate opens
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def done(self) -> bool:
+            return gate.is_set() and self.inner.done()
+
+        def wait(self, timeout_s=None) -> bool:
+            return self.inner.wait(timeout_s)
+
+    def held(*a, **kw):
+        handle = real_backup(*a, **kw)
+        started.append(handle)
+        return Unfinished(handle)
+
+    setup.controller.backup = held
+    src = setup.chain()
+    result = []
+    backer = threading.Thread(target=lambda: result.append(setup.client.backup(src).wait(10)))
+    backer.start()
+    try:
+        wait_for(lambda: started, 10, "the backup to start on the I/O thread")
+        other = SidecarController(setup.client.endpoint, "other", SLEEPING)
+        other.attach(setup.layout, PAGE)
+        answered = other.lookup([r.page_hash for r in src], [FULL])  # while the copy is held
+        assert len(answered.presence[FULL]) == len(src)
+        other.close()
+        time.sleep(0.1)
+        assert not result, "answered before its copy ended"
+        assert setup.server.inflight == 1
+    finally:
+        gate.set()
+        backer.join(30)
+    assert result == [True] and setup.worker_backups == 0
+    assert _loaded_back(setup, src)
+    setup.controller.check_invariants()
+
+
+def test_a_backup_past_its_deadline_is_answered_false_once_its_copy_has_ended():
+    from hicache.controller.sidecar.inline_copies import _Backup
+
+    class Ended:  # a backup whose every page is held
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout_s=None) -> bool:
+            return True
+
+    assert _Backup(Ended(), time.monotonic() + 60).finish()
+    assert not _Backup(Ended(), time.monotonic() - 1).finish()  # as a worker answers it
+
+
+def test_a_large_backup_runs_on_a_worker(setup, monkeypatch):
+    from hicache.controller.sidecar import inline_copies
+
+    monkeypatch.setattr(inline_copies, "BACKUP_MAX_PAGES", 2)
+    src = setup.chain()
+    assert len(src) > 2
+    assert setup.client.backup(src).wait(10)
+    assert setup.worker_backups == 1
+    assert _loaded_back(setup, src)
+    setup.controller.check_invariants()
+
+
+def test_a_backup_acknowledged_on_disk_runs_on_a_worker_and_is_on_disk(workdir):
+    setup = Setup(workdir, backup_ack="disk")
+    try:
+        src = setup.chain()
+        assert setup.client.backup(src).wait(10)
+        assert setup.worker_backups == 1
+        tiers = setup.controller.store.tiers_of([r.key for r in src])
+        assert all(Tier.DISK in t for t in tiers)
+        setup.controller.check_invariants()
+    finally:
+        setup.close()
+
+
+def test_a_backup_naming_a_ready_event_for_cpu_pools_is_refused_and_stores_nothing(setup):
+    from hicache.controller.client.channel import RemoteError
+    from hicache.controller.wire.fields import encode_refs
+
+    src = setup.chain()
+    args = {"refs": encode_refs(src), "ready_event": b"\0" * 64}
+    with pytest.raises(RemoteError, match="ready_event is for CUDA pools only"):
+        setup.client._channel.call(Verb.BACKUP, args, 5.0)
+    presence = setup.client.lookup([r.page_hash for r in src], [FULL]).presence[FULL]
+    assert Presence.HOST not in presence.tolist()
+    assert setup.server.inflight == 0
     setup.controller.check_invariants()
