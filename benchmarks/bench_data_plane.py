@@ -23,6 +23,8 @@ CPU; pinned host ↔ device on a GPU, each way):
 * ``vllm_store_and_load``: a store and a load at once (GPU: against two concurrent
   memcpys, one each way; CPU: against two memcpys, one after the other);
 * ``backup``: the sidecar copies registered engine pools into host pages;
+* ``backup_and_load``: such a backup and a load-back of other pages through the sidecar
+  at once, from two threads of the engine (GPU: against two concurrent memcpys);
 * ``sidecar_load``: a load-back through the sidecar of pages on host (the engine copies
   them from the shared host pages);
 * ``in_process_load``: the same load-back by a :class:`LocalController` in this process;
@@ -53,6 +55,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +160,7 @@ FLOOR_OF = {
     "vllm_load_handed": "to_device",
     "sidecar_load": "to_device", "in_process_load": "to_device",
     "sidecar_load_runs": "to_device", "in_process_load_runs": "to_device",
-    "vllm_store_and_load": "both",
+    "vllm_store_and_load": "both", "backup_and_load": "both",
 }  # fmt: skip
 
 
@@ -512,6 +515,19 @@ def pool_paths(
                     buf = pools.full.buffer  # the bytes loaded are the ones backed up
                     assert torch.equal(buf[:, :, _slots(src[:n])], buf[:, :, _slots(dst[:n])])
                 TransferEngine.load_runs = False
+                if where == "sidecar":  # a backup and a load-back at once, two threads
+                    out[size]["backup_and_load"] = _beside(
+                        lambda _, into=into, pin=pin, ctl=ctl, fresh=fresh: _at_once(
+                            lambda: ctl.backup(fresh["refs"]).wait(600),
+                            lambda: ctl.load(into, pin, 600.0),
+                        ),
+                        "backup_and_load",
+                        memcpy,
+                        repeat,
+                        device,
+                        prepare=make,
+                    )
+                    assert torch.equal(buf[:, :, _slots(src[:n])], buf[:, :, _slots(dst[:n])])
                 ctl.unpin(pin)
                 del memcpy
             ctl.close()
@@ -519,6 +535,17 @@ def pool_paths(
         sidecar.stop()
         pools.close()
     return out
+
+
+#: a kept thread for the second of two calls at once (as an engine keeps its threads)
+_SECOND = ThreadPoolExecutor(1, thread_name_prefix="bench-second")
+
+
+def _at_once(first: Callable[[], object], second: Callable[[], object]) -> None:
+    """``first`` on this thread and ``second`` on a kept one, at once; both must succeed."""
+    other = _SECOND.submit(second)
+    ok = first()
+    assert other.result() and ok, "a call made at once failed"
 
 
 def _slots(pages: np.ndarray) -> torch.Tensor:
