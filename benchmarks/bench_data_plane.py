@@ -20,8 +20,10 @@ CPU; pinned host ↔ device on a GPU, each way):
 * ``vllm_load_handed``: the same load as the worker makes it when vLLM's scheduler has
   pinned the pages and named their host pages (``EngineBlocks.load_handed``; the
   scheduler's pin, made in its own step, is not timed);
-* ``vllm_store_and_load``: a store and a load at once (GPU: against two concurrent
-  memcpys, one each way; CPU: against two memcpys, one after the other);
+* ``vllm_store_and_load``: a store and a load at once as vLLM's worker makes them, each
+  on a thread it keeps (the store's pages asked for a step ahead, the load handed pinned;
+  GPU: against two concurrent memcpys, one each way; CPU: against two memcpys, one after
+  the other); ``vllm_store_and_load_plain``: the plain store and load at once;
 * ``backup``: the sidecar copies registered engine pools into host pages;
 * ``backup_and_load``: such a backup and a load-back of other pages through the sidecar
   at once, from two threads of the engine (GPU: against two concurrent memcpys);
@@ -52,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -160,7 +161,8 @@ FLOOR_OF = {
     "vllm_load_handed": "to_device",
     "sidecar_load": "to_device", "in_process_load": "to_device",
     "sidecar_load_runs": "to_device", "in_process_load_runs": "to_device",
-    "vllm_store_and_load": "both", "backup_and_load": "both",
+    "vllm_store_and_load": "both", "vllm_store_and_load_plain": "both",
+    "backup_and_load": "both",
 }  # fmt: skip
 
 
@@ -349,7 +351,7 @@ def engine_block_paths(
             # A scheduler's pin per run of the handed load (and its warm-up, index -1).
             scheduler = _client(sidecar.endpoint, "bench-blocks-scheduler")
             scheduler.attach(layout, 1)
-            handed_pins = [_handed(scheduler, hashes) for _ in range(2 * repeat + 2)]
+            handed_pins = [_handed(scheduler, hashes) for _ in range(3 * repeat + 3)]
 
             def load_handed(i: int, n=n, hashes=hashes, targets=targets, pins=handed_pins) -> None:
                 handed = pins[i]
@@ -374,11 +376,24 @@ def engine_block_paths(
 
             both_engine = EngineBlocks(client, [segments], device, FULL)
 
-            def store_and_load(_: int, n=n, ids=ids, both_engine=both_engine) -> None:
-                t = threading.Thread(target=load, args=(0,))
-                t.start()
-                both_engine.store(refs(n, next(counter)), [0] * n, ids, 600.0)
-                t.join()
+            def store_and_load(
+                i: int, n=n, ids=ids, both_engine=both_engine, ahead=ahead, handed=load_handed
+            ) -> None:
+                # as vLLM's worker makes them: on its store thread a store whose pages
+                # were asked for a step ahead, on its load thread a load handed pinned
+                fresh, booked = ahead.pop(i)
+                _at_once(
+                    lambda: both_engine.store(fresh, [0] * n, ids, 600.0, prebook=booked)[0] == n,
+                    lambda: handed(2 * repeat + 2 + i) or True,
+                )
+
+            def store_and_load_plain(
+                _: int, n=n, ids=ids, both_engine=both_engine, plain_load=load
+            ) -> None:
+                _at_once(
+                    lambda: both_engine.store(refs(n, next(counter)), [0] * n, ids, 600.0)[0] == n,
+                    lambda: plain_load(0) or True,
+                )
 
             copy = engine._copies_now()[0]
             # Host pages the copy alone writes: the pool's last, which no store of this
@@ -414,8 +429,10 @@ def engine_block_paths(
                 "vllm_load": load,
                 "vllm_load_handed": load_handed,
                 "vllm_store_and_load": store_and_load,
+                "vllm_store_and_load_plain": store_and_load_plain,
             }
-            first = {"vllm_store_ahead": prebook}  # run untimed before each timed run
+            # run untimed before each timed run
+            first = {"vllm_store_ahead": prebook, "vllm_store_and_load": prebook}
             out[size] = {
                 k: _beside(f, k, memcpy, repeat, device, first.get(k)) for k, f in runs.items()
             }
@@ -515,7 +532,7 @@ def pool_paths(
                     buf = pools.full.buffer  # the bytes loaded are the ones backed up
                     assert torch.equal(buf[:, :, _slots(src[:n])], buf[:, :, _slots(dst[:n])])
                 TransferEngine.load_runs = False
-                if where == "sidecar":  # a backup and a load-back at once, two threads
+                if where == "sidecar" and not TRACE_DIR:  # a backup and a load-back at once
                     out[size]["backup_and_load"] = _beside(
                         lambda _, into=into, pin=pin, ctl=ctl, fresh=fresh: _at_once(
                             lambda: ctl.backup(fresh["refs"]).wait(600),
@@ -653,16 +670,16 @@ def main() -> int:
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"data plane on {name}: GB/s, and the ratio to a memcpy of the same bytes")
-    print(f"  {'path':22} {'MiB':>6} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}")
+    print(f"  {'path':26} {'MiB':>6} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}")
     one_page: dict[str, float] = {}
     for size in sizes:
         for path, (seconds, floor) in paths[size].items():
-            # a store and a load at once move the bytes twice
-            moved = 2 * size if path == "vllm_store_and_load" else size
+            # a store (or backup) and a load at once move the bytes twice
+            moved = 2 * size if FLOOR_OF[path] == "both" else size
             gbps, mgbps, ratio = moved / seconds / 1e9, moved / floor / 1e9, floor / seconds
             rows.append({"path": path, "MiB": size // MIB, "GBps": gbps,
                          "memcpy_GBps": mgbps, "ratio": ratio})  # fmt: skip
-            print(f"  {path:22} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
+            print(f"  {path:26} {size // MIB:6} {gbps:8.2f} {mgbps:12.2f} {ratio:6.2f}")
             if size == PAGE_BYTES:
                 one_page[path] = seconds * 1e3
                 one_page[f"memcpy_{FLOOR_OF[path]}"] = floor * 1e3
@@ -676,7 +693,7 @@ def main() -> int:
             over = ""
             if kind in alone and alone[kind] in one_page and not path.startswith("copy_alone"):
                 over = f"  +{ms - one_page[alone[kind]]:.3f}"
-            print(f"  {path:22} {ms:8.3f}{over}")
+            print(f"  {path:26} {ms:8.3f}{over}")
     for n, (med, p90) in BEGIN_MS.items():
         print(f"  store_begin of {n:3} pages alone: {med:.3f} ms median, {p90:.3f} p90")
     print("a vLLM store and a load, stage by stage (ms, the mean of --repeat, and in brackets")

@@ -95,6 +95,9 @@ for what in "$@"; do
         trace_pools)  # where a one-page backup's and load-back's time goes, both sides traced
             python3 benchmarks/bench_data_plane.py --device cuda --sizes-mib 1 --paths pools \
                 --repeat 15 --trace-dir /tmp/trace_pools --json "$out/trace_pools.json" ;;
+        trace_pools_64)  # the same for a 64 MiB backup and load-back
+            python3 benchmarks/bench_data_plane.py --device cuda --sizes-mib 64 --paths pools \
+                --repeat 9 --trace-dir /tmp/trace_pools_64 --json "$out/trace_pools_64.json" ;;
         data_plane_spin) python3 benchmarks/bench_data_plane.py --device cuda \
             --sizes-mib 1,64 --repeat 5 --reply-spin-s 0.005 --json "$out/data_plane_spin.json" ;;
         probe_staged) python3 benchmarks/probe_staged.py --watchdog-s 200 \
