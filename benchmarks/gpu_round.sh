@@ -103,6 +103,14 @@ for what in "$@"; do
         probe_staged) python3 benchmarks/probe_staged.py --watchdog-s 200 \
             --json "$out/probe_staged.json" ;;
         at_once) python3 benchmarks/probe_at_once.py --json "$out/at_once.json" ;;
+        at_once_staged)  # 64 MiB at once, staged (the default) and direct copies, in turns
+            for turn in 1 2; do
+                for mib in 16 128; do
+                    echo "== staged from $mib MiB, turn $turn"
+                    python3 benchmarks/probe_at_once.py --sizes-mib 64 --repeat 15 \
+                        --staged-min-mib $mib --json "$out/at_once_staged_${mib}_$turn.json"
+                done
+            done ;;
         probe_launch) python3 benchmarks/probe_launch.py --json "$out/probe_launch.json" ;;
         sweep_tuning) python3 benchmarks/sweep_copy_tuning.py --json "$out/sweep_tuning.json" ;;
         data_plane_spy)  # the 64 MiB paths with the bench and its sidecar sampled (py-spy wheel in .whl)

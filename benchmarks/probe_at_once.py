@@ -1,7 +1,7 @@
 """Where a vLLM-shaped store and load at once lose against two concurrent memcpys.
 
     python3 benchmarks/probe_at_once.py --device cuda|cpu [--sizes-mib 64,1024] [--repeat 9]
-        [--json OUT]
+        [--staged-min-mib N] [--json OUT]
 
 One sidecar and the blocks of ``bench_data_plane.py`` (16 per-layer byte tensors, 1 MiB
 pages). For each size, each row's median seconds beside the memcpy it is compared with,
@@ -24,6 +24,7 @@ copy wait), so the report shows whether the two ran side by side or queued. Diag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -43,6 +44,8 @@ from hicache import ModelLayout, PageRef
 from hicache.integrations.engine_blocks import BlockSegment, EngineBlocks
 
 MIB = bdp.MIB
+#: ``--staged-min-mib``: the segment copies' ``staged_segments_min_bytes`` (empty: default)
+STAGED_MIN_BYTES: list[int] = []
 
 
 def _wait(done) -> None:
@@ -108,6 +111,11 @@ def probe(work: Path, sizes: list[int], device: torch.device, repeat: int) -> di
         own_engine = EngineBlocks(loader, [segments], device, bdp.FULL)
         for e in (store_engine, load_engine, own_engine):
             assert e.available
+            if STAGED_MIN_BYTES:  # the copies' threshold for the staging ring, as asked
+                for c in e._copies_now():
+                    c._tuning = dataclasses.replace(
+                        c._tuning, staged_segments_min_bytes=STAGED_MIN_BYTES[0]
+                    )
             e.warm()
         counter = iter(range(1 << 30))
 
@@ -238,8 +246,16 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--sizes-mib", default="64,1024")
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument(
+        "--staged-min-mib",
+        type=int,
+        help="copies of at least this many MiB go through the staging ring "
+        "(TransferTuning.staged_segments_min_bytes; 0: never; default: the tuning's)",
+    )
     p.add_argument("--json")
     a = p.parse_args()
+    if a.staged_min_mib is not None:
+        STAGED_MIN_BYTES.append(a.staged_min_mib * MIB)
     device = torch.device(a.device)
     sizes = [int(s) * MIB for s in a.sizes_mib.split(",")]
     work = Path(tempfile.mkdtemp(prefix="probe-at-once-"))
