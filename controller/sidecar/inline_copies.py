@@ -21,6 +21,7 @@ ones (``CPU_COPY_MAX_BYTES``) start here.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from hicache.controller.wire.protocol import Request
     from hicache.controller.wire.verbs import BackupArgs, LoadArgs, VerbSpec
 
+log = logging.getLogger(__name__)
+
 SPIN_S = 0.05  # a copy in flight is checked without sleeping for this long, then each 1 ms
 CPU_COPY_MAX_BYTES = 4 << 20  # a CPU copy up to this size runs on the I/O thread
 # A backup of more pages goes to a worker: booking its host pages would hold the I/O
@@ -50,16 +53,28 @@ BACKUP_MAX_PAGES = 256
 class _Backup:
     """A backup issued here, as the I/O thread asks after it: :meth:`done` publishes
     the parts whose copies ended (never blocking); :meth:`finish` is the reply a worker
-    would give, False for one that ended past the request's deadline."""
+    would give, False for one that ended past the request's deadline. A device error
+    seen while asking ends it: :meth:`finish` raises it, and the engine gets it as the
+    error reply a worker's wait would have given."""
 
     def __init__(self, handle: Any, deadline: float) -> None:
         self.handle = handle
         self.deadline = deadline
+        self._error: Exception | None = None
 
     def done(self) -> bool:
-        return self.handle.done()
+        if self._error is not None:
+            return True
+        try:
+            return self.handle.done()
+        except Exception as exc:  # an event's query raised: the I/O thread serves on
+            log.error("a backup's copy failed: %s", exc)
+            self._error = exc
+            return True
 
     def finish(self) -> bool:
+        if self._error is not None:
+            raise self._error
         if time.monotonic() > self.deadline:
             return False
         return bool(self.handle.wait(0.0))
@@ -199,7 +214,7 @@ class InlineCopies:
             try:
                 ok = f.copy.finish()
                 self._release(f.own_pin, f.conn)
-            except Exception as exc:  # the release failed: the load did not happen
+            except Exception as exc:  # a failed release or copy: the transfer did not happen
                 self._reply_error(f, exc)
                 continue
             self._answer(f.conn, f.spec, f.req, f.t0, ok)

@@ -292,6 +292,35 @@ def test_a_backup_past_its_deadline_is_answered_false_once_its_copy_has_ended():
     assert not _Backup(Ended(), time.monotonic() - 1).finish()  # as a worker answers it
 
 
+def test_a_backup_whose_copy_fails_is_answered_with_an_error_and_the_io_thread_serves_on(setup):
+    real_backup = setup.controller.backup
+
+    class Broken:  # the device reports an error when asked whether the copy ended
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def done(self) -> bool:
+            self.inner.wait(10)  # the real copy has ended: nothing reads the pages on
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def wait(self, timeout_s=None) -> bool:
+            return self.inner.wait(timeout_s)
+
+    setup.controller.backup = lambda *a, **kw: Broken(real_backup(*a, **kw))
+    src = setup.chain()
+    assert not setup.client.backup(src).wait(10)
+    assert setup.worker_backups == 0 and setup.server.inflight == 0
+    setup.controller.backup = real_backup
+    other = SidecarController(setup.client.endpoint, "other", SLEEPING)
+    try:
+        other.attach(setup.layout, PAGE)
+        answered = other.lookup([r.page_hash for r in src], [FULL])
+        assert len(answered.presence[FULL]) == len(src)
+    finally:
+        other.close()
+    setup.controller.check_invariants()
+
+
 def test_a_large_backup_runs_on_a_worker(setup, monkeypatch):
     from hicache.controller.sidecar import inline_copies
 
