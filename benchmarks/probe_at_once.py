@@ -34,7 +34,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -270,5 +269,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    np.random.seed(0)
     sys.exit(main())

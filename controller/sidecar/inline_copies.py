@@ -191,7 +191,11 @@ class InlineCopies:
             self._fly(conn, spec, req, load, t0, own_pin)
         return True
 
-    def _fly(self, conn, spec, req, copy: Any, t0: float, own_pin: PinReceipt | None) -> None:
+    def _fly(
+        self, conn: Connection, spec: VerbSpec, req: Request, copy: Any, t0: float,
+        own_pin: PinReceipt | None,
+    ) -> None:  # fmt: skip
+        """Count ``copy`` in flight until :meth:`reap` answers it."""
         self.sessions.inflight += 1
         conn.inflight += 1
         now = time.monotonic()

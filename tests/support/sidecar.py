@@ -345,3 +345,50 @@ class FullPages:
         sa = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in a])))
         sb = torch.from_numpy(full.pages_to_slots(np.array([r.device_index for r in b])))
         return torch.equal(full.buffer[:, :, sa], full.buffer[:, :, sb])
+
+
+class FullEngine:
+    """An engine of one FULL layout over 64 pages of shared-memory CPU pools, registered
+    as ``engine`` with the sidecar at ``endpoint``: its pools, their pages
+    (:class:`FullPages`) and its client (``config``). (The library is imported here.)"""
+
+    def __init__(self, endpoint: str, page_size: int, config: Any) -> None:
+        from hicache import CacheConfig, DevicePools
+        from hicache.controller.client.sidecar_client import SidecarController
+        from tests.support.cache import make_layout
+
+        self.layout = make_layout("full")
+        cfg = CacheConfig(page_size=page_size, full_slots=64 * page_size, shared_memory=True)
+        self.pools = DevicePools.allocate(self.layout, cfg)
+        self.pages = FullPages(self.pools, self.layout, page_size)
+        self.chain, self.retarget = self.pages.chain, self.pages.retarget
+        self.same_bytes = self.pages.same_bytes
+        self.client = SidecarController(endpoint, "engine", config)
+        self.client.register(self.layout, page_size, self.pools)
+
+    def close(self) -> None:
+        self.client.close()
+        self.pools.close()
+
+
+class GatedCopy:
+    """A copy in flight that has not ended while ``gate`` is shut: a load's (``done``,
+    ``finish``) or a backup's handle (``done``, ``wait``)."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def done(self) -> bool:
+        return self._gate.is_set() and self._inner.done()
+
+    def finish(self) -> bool:
+        assert self._gate.wait(30), "the test never opened the gate"
+        return self._inner.finish()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        t0 = time.monotonic()
+        if not self._gate.wait(timeout_s):
+            return False
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+        return self._inner.wait(left)

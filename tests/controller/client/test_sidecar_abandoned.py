@@ -25,7 +25,7 @@ from hicache.controller_api import PageRef, unsettled_load
 from hicache.keys import namespace_hash, page_hashes
 from hicache.types import ComponentType
 from tests.support.cache import MarkerEngine, make_cache, make_layout
-from tests.support.sidecar import ServerThread, wait_for
+from tests.support.sidecar import GatedCopy, ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -68,7 +68,7 @@ class GatedSidecar:
         def gated_backup(*a, **kw):
             self.calls["backup"] += 1
             self.entered.release()
-            return _GatedBackup(real_backup(*a, **kw), self.gate)
+            return GatedCopy(real_backup(*a, **kw), self.gate)
 
         self.controller.backup = gated_backup
         # A small load of pages on host is begun on the I/O thread (inline_copies.py): its
@@ -81,7 +81,7 @@ class GatedSidecar:
                 return load
             self.calls["load"] += 1
             self.entered.release()
-            return _GatedLoad(load, self.gate)
+            return GatedCopy(load, self.gate)
 
         self.controller.start_load = gated_start
 
@@ -95,39 +95,6 @@ class GatedSidecar:
         self.gate.set()
         self.served.stop()
         self.controller.close()
-
-
-class _GatedLoad:
-    """A load's copy that has not ended while the gate is shut."""
-
-    def __init__(self, inner, gate: threading.Event) -> None:
-        self._inner = inner
-        self._gate = gate
-
-    def done(self) -> bool:
-        return self._gate.is_set() and self._inner.done()
-
-    def finish(self) -> bool:
-        assert self._gate.wait(30), "the test never opened the gate"
-        return self._inner.finish()
-
-
-class _GatedBackup:
-    """A backup's handle that has not ended while the gate is shut."""
-
-    def __init__(self, inner, gate: threading.Event) -> None:
-        self._inner = inner
-        self._gate = gate
-
-    def done(self) -> bool:
-        return self._gate.is_set() and self._inner.done()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        t0 = time.monotonic()
-        if not self._gate.wait(timeout_s):
-            return False
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
-        return self._inner.wait(left)
 
 
 @pytest.fixture

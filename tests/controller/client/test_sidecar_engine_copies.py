@@ -11,9 +11,8 @@ import dataclasses
 import msgpack
 import pytest
 
-from hicache import CacheConfig, DevicePools
 from hicache.controller.client import host_share
-from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
+from hicache.controller.client.sidecar_client import SidecarClientConfig
 from hicache.controller.config import ControllerConfig
 from hicache.controller.sidecar import host_share as sidecar_host_share
 from hicache.controller.store.layer_copies import LayerCopies
@@ -21,8 +20,7 @@ from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import LayerGroups, WholeLayerLoad
 from hicache.types import ComponentType, Tier
-from tests.support.cache import make_layout
-from tests.support.sidecar import FullPages, ServerThread, wait_for
+from tests.support.sidecar import FullEngine, ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -72,26 +70,15 @@ class Sidecar:
         self.controller.close()
 
 
-class Engine:
-    def __init__(self, workdir, config: SidecarClientConfig = CLIENT) -> None:
-        self.layout = make_layout("full")
-        pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
-        self.pools = DevicePools.allocate(self.layout, pools_cfg)
-        self.pages = FullPages(self.pools, self.layout, PAGE)
-        self.chain, self.retarget = self.pages.chain, self.pages.retarget
-        self.same_bytes = self.pages.same_bytes
-        self.client = SidecarController("ipc://" + str(workdir / "s.sock"), "engine", config)
-        self.client.register(self.layout, PAGE, self.pools)
-
-    def close(self) -> None:
-        self.client.close()
-        self.pools.close()
+def _engine(workdir, config: SidecarClientConfig = CLIENT) -> FullEngine:
+    """The engine of these tests, registered with the sidecar in ``workdir``."""
+    return FullEngine("ipc://" + str(workdir / "s.sock"), PAGE, config)
 
 
 @pytest.fixture
 def pair(workdir):
     side = Sidecar(workdir)
-    engine = Engine(workdir)
+    engine = _engine(workdir)
     yield side, engine
     engine.close()
     side.stop()
@@ -153,7 +140,7 @@ def test_a_pin_close_to_its_deadline_is_loaded_by_the_sidecar(pair):
 
 def test_a_sidecar_that_shares_nothing_and_a_client_that_asks_nothing_load_as_before(workdir):
     side = Sidecar(workdir, shared=False)
-    plain = Engine(workdir)
+    plain = _engine(workdir)
     own = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, engine_copies=False)
     try:
         assert plain.client._share is None
@@ -169,7 +156,7 @@ def test_a_sidecar_that_shares_nothing_and_a_client_that_asks_nothing_load_as_be
         plain.close()
         side.stop()
     side = Sidecar(workdir, shared=True)
-    other = Engine(workdir, own)
+    other = _engine(workdir, own)
     try:
         assert other.client._share is None  # engine_copies=False: it never maps them
     finally:
@@ -179,7 +166,7 @@ def test_a_sidecar_that_shares_nothing_and_a_client_that_asks_nothing_load_as_be
 
 def test_a_restarted_sidecars_pages_are_mapped_again(workdir):
     side = Sidecar(workdir)
-    engine = Engine(workdir)
+    engine = _engine(workdir)
     try:
         first = engine.client._share
         side.stop()

@@ -12,15 +12,13 @@ import time
 
 import pytest
 
-from hicache import CacheConfig, DevicePools
 from hicache.controller.client.sidecar_client import SidecarClientConfig, SidecarController
 from hicache.controller.config import ControllerConfig
 from hicache.controller.store.local import LocalController
 from hicache.controller.wire.protocol import Verb
 from hicache.controller_api import Presence
 from hicache.types import ComponentType, Tier
-from tests.support.cache import make_layout
-from tests.support.sidecar import FullPages, ServerThread, wait_for
+from tests.support.sidecar import FullEngine, GatedCopy, ServerThread, wait_for
 
 PAGE = 4
 FULL = ComponentType.FULL
@@ -30,7 +28,7 @@ CLIENT = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0, repl
 SLEEPING = SidecarClientConfig(request_timeout_s=10.0, lookup_timeout_s=10.0)
 
 
-class Setup:
+class Setup(FullEngine):
     def __init__(self, workdir, **options) -> None:
         ctl_cfg = ControllerConfig(
             host_pool_bytes=4 << 20, disk_path=workdir / "lmdb", disk_budget_bytes=32 << 20
@@ -52,14 +50,7 @@ class Setup:
 
         handlers[Verb.LOAD] = counted
         handlers[Verb.BACKUP] = counted_backup
-        self.layout = make_layout("full")
-        pools_cfg = CacheConfig(page_size=PAGE, full_slots=64 * PAGE, shared_memory=True)
-        self.pools = DevicePools.allocate(self.layout, pools_cfg)
-        self.pages = FullPages(self.pools, self.layout, PAGE)
-        self.chain, self.retarget = self.pages.chain, self.pages.retarget
-        self.same_bytes = self.pages.same_bytes
-        self.client = SidecarController("ipc://" + str(workdir / "s.sock"), "engine", CLIENT)
-        self.client.register(self.layout, PAGE, self.pools)
+        super().__init__("ipc://" + str(workdir / "s.sock"), PAGE, CLIENT)
 
     def close(self) -> None:
         self.client.close()
@@ -97,20 +88,10 @@ def test_the_io_thread_answers_while_an_inline_copy_is_in_flight(setup):
     real_start = setup.controller.start_load
     started = []
 
-    class Unfinished:  # a copy that has not ended until the gate opens
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        def done(self) -> bool:
-            return gate.is_set() and self.inner.done()
-
-        def finish(self) -> bool:
-            return self.inner.finish()
-
     def held(*a, **kw):
         load = real_start(*a, **kw)
         started.append(load)
-        return Unfinished(load)
+        return GatedCopy(load, gate)  # its copy has not ended until the gate opens
 
     setup.controller.start_load = held
     result = []
@@ -240,20 +221,10 @@ def test_a_backup_is_answered_only_once_its_copy_has_ended_and_lookups_go_on(set
     real_backup = setup.controller.backup
     started = []
 
-    class Unfinished:  # a backup's copy that has not ended until the gate opens
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        def done(self) -> bool:
-            return gate.is_set() and self.inner.done()
-
-        def wait(self, timeout_s=None) -> bool:
-            return self.inner.wait(timeout_s)
-
     def held(*a, **kw):
         handle = real_backup(*a, **kw)
         started.append(handle)
-        return Unfinished(handle)
+        return GatedCopy(handle, gate)  # its copy has not ended until the gate opens
 
     setup.controller.backup = held
     src = setup.chain()
